@@ -1,0 +1,67 @@
+"""quantree: graph-mode post-training static quantization for nested structures.
+
+gm = capture(model, example_args)
+prepared = prepare(gm, Int8Quantizer())
+calibrate(prepared, data)
+ref = convert(prepared)
+"""
+
+from quantree.backend import REFERENCE, Backend, lower
+from quantree.calibrate import calibrate
+from quantree.capture import capture
+from quantree.convert import convert
+from quantree.errors import QuantreeError, QuantreeWarning
+from quantree.int8 import Int8Quantizer
+from quantree.metrics import sqnr
+from quantree.observers import (
+    HistogramObserver,
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    Observer,
+)
+from quantree.pipeline import quantize
+from quantree.prepare import prepare
+from quantree.quantizer import Annotation, Quantizer, Rule
+from quantree.specs import (
+    DerivedSpec,
+    FixedSpec,
+    ObserverKind,
+    QDtype,
+    QParams,
+    QuantSpec,
+    SharedSpec,
+    bias_spec,
+)
+from quantree.values import Use, Value
+
+__all__ = [
+    "REFERENCE",
+    "Annotation",
+    "Backend",
+    "DerivedSpec",
+    "FixedSpec",
+    "HistogramObserver",
+    "Int8Quantizer",
+    "MinMaxObserver",
+    "MovingAverageMinMaxObserver",
+    "Observer",
+    "ObserverKind",
+    "QDtype",
+    "QParams",
+    "QuantSpec",
+    "QuantreeError",
+    "QuantreeWarning",
+    "Quantizer",
+    "Rule",
+    "SharedSpec",
+    "Use",
+    "Value",
+    "bias_spec",
+    "calibrate",
+    "capture",
+    "convert",
+    "lower",
+    "prepare",
+    "quantize",
+    "sqnr",
+]

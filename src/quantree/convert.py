@@ -1,0 +1,215 @@
+"""convert: turn an observed graph into the reference quantize/dequantize graph.
+
+The output uses ``torch.ops.quantized_decomposed`` q/dq ops (the representation Inductor and
+ExecuTorch read). Every quantized Value gets ``quantize -> dequantize`` right after the leaf
+that carries it; a Use whose group differs from its Value's is requantized on its edge.
+Constant inputs (weights, biases) are quantized now and stored as integer buffers followed
+by a dequantize, so the model's weights take a quarter of their float bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.ao.quantization.fx._decomposed
+import torch.fx as fx
+
+from quantree.errors import QuantreeError
+from quantree.graphs import copy_graph_module, fetch_attr, register_constant
+from quantree.prepare import GROUPS_KEY, NODE_KEY, OBSERVER_KEY, NodeQuant
+from quantree.qparams import fixed_qparams
+from quantree.sharing import Group
+from quantree.specs import DerivedSpec, FixedSpec, QParams
+from quantree.values import Path, Use, Value, arg_at, input_uses, value_carriers
+
+qd = torch.ops.quantized_decomposed
+
+
+def _resolve(groups: dict[int, Group], gm: fx.GraphModule) -> dict[int, QParams]:
+    """Parameters of every group; derived groups after the groups they derive from."""
+    done: dict[int, QParams] = {}
+
+    def visit(gid: int, trail: tuple[int, ...]) -> QParams:
+        if gid in done:
+            return done[gid]
+        if gid in trail:
+            raise QuantreeError(f"DerivedSpec cycle through {groups[gid].label}")
+        group = groups[gid]
+        if isinstance(group.spec, FixedSpec):
+            params = fixed_qparams(group.spec)
+        elif isinstance(group.spec, DerivedSpec):
+            sources = [visit(s, (*trail, gid)) for s in group.derived_from]
+            params = group.spec.derive(sources)
+        else:
+            assert group.observer is not None
+            params = gm.get_submodule(group.observer).qparams()  # type: ignore[operator]
+        done[gid] = params
+        return params
+
+    for gid in groups:
+        visit(gid, ())
+    return done
+
+
+def quantize_tensor(x: torch.Tensor, p: QParams) -> torch.Tensor:
+    if p.axis is None:
+        return qd.quantize_per_tensor(
+            x, float(p.scale), int(p.zero_point), p.quant_min, p.quant_max, p.dtype.torch_dtype
+        )
+    return qd.quantize_per_channel(
+        x, p.scale, p.zero_point, p.axis, p.quant_min, p.quant_max, p.dtype.torch_dtype
+    )
+
+
+class _Rewriter:
+    """Inserts q/dq nodes, caching one pair per (source node, group)."""
+
+    def __init__(self, gm: fx.GraphModule, params: dict[int, QParams]) -> None:
+        self.gm = gm
+        self.params = params
+        self.cache: dict[tuple[fx.Node, int], fx.Node] = {}
+
+    def _qparam_args(self, p: QParams, after: fx.Node) -> tuple[tuple[Any, ...], fx.Node]:
+        """Scale/zero-point arguments; per-channel ones become buffers read after ``after``."""
+        if p.axis is None:
+            return (float(p.scale), int(p.zero_point)), after
+        graph = self.gm.graph
+        with graph.inserting_after(after):
+            scale = graph.get_attr(register_constant(self.gm, "_scale_", p.scale.float()))
+        with graph.inserting_after(scale):
+            zp = graph.get_attr(
+                register_constant(self.gm, "_zero_point_", p.zero_point.to(torch.int32))
+            )
+        return (scale, zp, p.axis), zp
+
+    def dequantized(self, source: fx.Node, gid: int) -> fx.Node:
+        """``source`` quantized with group ``gid``'s parameters, then dequantized (cached)."""
+        key = (source, gid)
+        if key in self.cache:
+            return self.cache[key]
+        p = self.params[gid]
+        graph = self.gm.graph
+        bounds = (p.quant_min, p.quant_max, p.dtype.torch_dtype)
+        q_op, dq_op = (
+            (qd.quantize_per_tensor.default, qd.dequantize_per_tensor.default)
+            if p.axis is None
+            else (qd.quantize_per_channel.default, qd.dequantize_per_channel.default)
+        )
+        qargs, last = self._qparam_args(p, source)
+        with graph.inserting_after(last):
+            if source.op == "get_attr":  # fold: store the integer tensor itself
+                stored = quantize_tensor(fetch_attr(self.gm, str(source.target)), p)
+                quantized = graph.get_attr(register_constant(self.gm, "_quantized_", stored))
+                quantized.meta["val"] = stored
+            else:
+                quantized = graph.call_function(q_op, (source, *qargs, *bounds))
+        with graph.inserting_after(quantized):
+            dequantized = graph.call_function(
+                dq_op, (quantized, *qargs, *bounds), {"out_dtype": torch.float32}
+            )
+        dequantized.meta["val"] = source.meta.get("val")
+        dequantized.meta["quantree_group"] = gid
+        self.cache[key] = dequantized
+        return dequantized
+
+
+def _set_at(obj: Any, path: Path, new: Any) -> Any:
+    if not path:
+        return new
+    head, *rest = path
+    if isinstance(obj, dict):
+        return {**obj, head: _set_at(obj[head], tuple(rest), new)}
+    items = list(obj)
+    items[head] = _set_at(items[head], tuple(rest), new)  # type: ignore[index]
+    return type(obj)(items) if isinstance(obj, tuple) else items
+
+
+def _check_calibrated(gm: fx.GraphModule, groups: dict[int, Group]) -> None:
+    for group in groups.values():
+        if group.observer is None:
+            continue
+        if not gm.get_submodule(group.observer).calibrated:  # type: ignore[operator]
+            raise QuantreeError(
+                f"{group.label} was never observed: convert needs calibration first. Run the "
+                "prepared model on representative inputs (or use quantree.calibrate) before "
+                "calling convert"
+            )
+
+
+def convert(prepared: fx.GraphModule) -> fx.GraphModule:
+    """The reference q/dq graph for a calibrated prepared model (``prepared`` is kept)."""
+    groups: dict[int, Group] | None = prepared.meta.get(GROUPS_KEY)
+    if groups is None:
+        raise QuantreeError("convert expects the output of quantree.prepare (no groups found)")
+    _check_calibrated(prepared, groups)
+    gm = copy_graph_module(prepared)
+    params = _resolve(groups, gm)
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if OBSERVER_KEY in node.meta:
+            graph.erase_node(node)
+    for group in groups.values():
+        if group.observer is not None:
+            delattr(gm, group.observer)
+
+    value_group: dict[Value, int] = {}
+    for node in graph.nodes:
+        info: NodeQuant | None = node.meta.get(NODE_KEY)
+        if info is not None:
+            value_group.update({Value(node, p): g for p, g in info.output_groups.items()})
+    rewriter = _Rewriter(gm, params)
+    for node in list(graph.nodes):
+        info = node.meta.get(NODE_KEY)
+        for use in list(input_uses(node)):
+            _rewire(node, use, info, value_group, rewriter)
+    # Every Value that has a group is quantized even when nobody reads it (a dropped h_n).
+    carriers = value_carriers(graph)
+    for value, gid in value_group.items():
+        rewriter.dequantized(carriers[value], gid)
+
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+            _drop_attr(gm, str(node.target))
+    gm.meta[GROUPS_KEY] = {
+        gid: Group(g.id, g.spec, g.members, None, g.derived_from, params[gid])
+        for gid, g in groups.items()
+    }
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _rewire(
+    user: fx.Node,
+    use: Use,
+    info: NodeQuant | None,
+    value_group: dict[Value, int],
+    rewriter: _Rewriter,
+) -> None:
+    source = arg_at(user, use.arg_path)
+    assert isinstance(source, fx.Node)
+    if source.meta.get("quantree_group") is not None:
+        return  # already reads a dequantize this pass inserted
+    vg = value_group.get(use.value)
+    ug = info.input_groups.get(use.arg_path) if info is not None else None
+    if vg is None and ug is None:
+        return
+    new = source if vg is None else rewriter.dequantized(source, vg)
+    if ug is not None and ug != vg:
+        new = rewriter.dequantized(new, ug)
+    head, *rest = use.arg_path
+    if isinstance(head, str):
+        user.kwargs = {**user.kwargs, head: _set_at(user.kwargs[head], tuple(rest), new)}
+    else:
+        user.args = _set_at(user.args, use.arg_path, new)
+
+
+def _drop_attr(gm: fx.GraphModule, target: str) -> None:
+    *parents, leaf = target.split(".")
+    owner: Any = gm
+    for part in parents:
+        owner = getattr(owner, part)
+    if hasattr(owner, leaf):
+        delattr(owner, leaf)

@@ -1,0 +1,143 @@
+"""The default recipe: int8 activations (affine), int8 per-channel weights, int32 biases.
+
+Each rule is a small function from a node to an Annotation. Nested outputs need nothing
+special: an LSTM's annotation is a tuple of specs shaped like its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from quantree.quantizer import Annotation, Quantizer, Rule
+from quantree.recurrent import recurrent_whole_annotation
+from quantree.specs import (
+    FixedSpec,
+    ObserverKind,
+    QDtype,
+    QuantSpec,
+    SharedSpec,
+    bias_spec,
+    int8_activation,
+    int8_weight,
+)
+from quantree.values import Use, Value, is_float_tensor, tensor_meta
+
+aten = torch.ops.aten
+
+SIGMOID_INT8 = FixedSpec(1.0 / 256.0, -128, QDtype.INT8)
+TANH_INT8 = FixedSpec(1.0 / 128.0, 0, QDtype.INT8)
+
+
+def _is_float_node(arg: object) -> bool:
+    return isinstance(arg, fx.Node) and is_float_tensor(tensor_meta(arg))
+
+
+def _sole_user_is(node: fx.Node, targets: tuple[object, ...]) -> bool:
+    users = list(node.users)
+    return len(users) == 1 and getattr(users[0].target, "overloadpacket", None) in targets
+
+
+class Int8Quantizer(Quantizer):
+    """int8 static quantization of the common ops; anything else stays in float.
+
+    ``activation_observer`` picks how activation ranges are calibrated; ``per_channel``
+    quantizes weights per output channel (else per tensor). ``rules`` are added after the
+    defaults and so take precedence: pass your own Rules to extend or override the recipe.
+    """
+
+    def __init__(
+        self,
+        *,
+        activation_observer: ObserverKind = ObserverKind.MINMAX,
+        per_channel: bool = True,
+        activation: QuantSpec | None = None,
+        weight: QuantSpec | None = None,
+        rules: tuple[Rule, ...] = (),
+    ) -> None:
+        act = activation or int8_activation(activation_observer)
+        wgt = weight or int8_weight(0 if per_channel else None)
+        super().__init__((*int8_rules(act, wgt), *rules))
+
+
+def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
+    """The rules of Int8Quantizer for the given activation and weight specs."""
+    fused_activations = (aten.relu, aten.relu_)
+
+    def weighted(node: fx.Node) -> Annotation:
+        """linear / conv: weight at args[1], optional bias at args[2]."""
+        inputs: dict[tuple[int | str, ...], object] = {(0,): act, (1,): weight}
+        if len(node.args) > 2 and _is_float_node(node.args[2]):
+            inputs[(2,)] = bias_spec(Use.of(node, (0,)), Use.of(node, (1,)))
+        fused = _sole_user_is(node, fused_activations)
+        return Annotation(outputs=None if fused else act, inputs=inputs)
+
+    def relu(node: fx.Node) -> Annotation:
+        producer = node.args[0]
+        fused = isinstance(producer, fx.Node) and getattr(
+            producer.target, "overloadpacket", None
+        ) in (aten.linear, aten.conv1d, aten.conv2d)
+        return Annotation(outputs=act, inputs={} if fused else {(0,): act})
+
+    def binary(node: fx.Node) -> Annotation | None:
+        inputs = {(i,): act for i, a in enumerate(node.args[:2]) if _is_float_node(a)}
+        return Annotation(outputs=act, inputs=inputs) if inputs else None
+
+    def fixed_output(spec: FixedSpec) -> Callable[[fx.Node], Annotation]:
+        return lambda node: Annotation(outputs=spec, inputs={(0,): act})
+
+    def same_as_input(node: fx.Node) -> Annotation:
+        """Every float output leaf carries exactly the input's parameters."""
+        input_use = Use.of(node, (0,))
+        outputs = _shaped_like(node, SharedSpec(input_use))
+        return Annotation(outputs=outputs, inputs={(0,): act})
+
+    def cat(node: fx.Node) -> Annotation:
+        tensors = node.args[0]
+        assert isinstance(tensors, list | tuple)
+        inputs = {(0, i): SharedSpec(Value(node)) for i in range(len(tensors))}
+        return Annotation(outputs=act, inputs=inputs)
+
+    def layer_norm(node: fx.Node) -> Annotation:
+        return Annotation(outputs=act, inputs={(0,): act})
+
+    def embedding(node: fx.Node) -> Annotation:
+        return Annotation(outputs=None, inputs={(0,): weight})
+
+    def recurrent(node: fx.Node) -> Annotation:
+        return recurrent_whole_annotation(node, act, weight)
+
+    return (
+        Rule((aten.linear, aten.conv1d, aten.conv2d), weighted),
+        Rule(fused_activations, relu),
+        Rule((aten.matmul, aten.bmm, aten.mm), binary),
+        Rule((aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor), binary),
+        Rule((aten.sigmoid,), fixed_output(SIGMOID_INT8)),
+        Rule((aten.tanh,), fixed_output(TANH_INT8)),
+        Rule(
+            (
+                aten.max_pool2d,
+                aten.max_pool2d_with_indices,
+                aten.max.dim,
+                aten.chunk,
+                aten.split,
+                aten.split_with_sizes,
+                aten.unbind,
+            ),
+            same_as_input,
+        ),
+        Rule((aten.cat, aten.concat), cat),
+        Rule((aten.layer_norm,), layer_norm),
+        Rule((aten.embedding,), embedding),
+        Rule(
+            (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input), recurrent
+        ),
+    )
+
+
+def _shaped_like(node: fx.Node, spec: object) -> object:
+    """A pytree like ``node``'s output: ``spec`` on float leaves, None on the others."""
+    return tree_map(lambda leaf: spec if is_float_tensor(leaf) else None, tensor_meta(node))

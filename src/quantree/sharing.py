@@ -1,0 +1,115 @@
+"""Sharing groups: a union-find over Values and Uses, and the spec each group resolves to.
+
+One group gets one observer and one set of quantization parameters. Groups are formed by
+explicit ``SharedSpec``s (transitively) and by implicit sharing between a Value and the Uses
+that read it when their dtypes agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from quantree.errors import QuantreeError
+from quantree.specs import DerivedSpec, FixedSpec, QDtype, QParams, QuantSpec, SharedSpec, Spec
+from quantree.values import Key
+
+ConcreteSpec = QuantSpec | FixedSpec | DerivedSpec
+
+
+class UnionFind:
+    """Disjoint sets with path halving; the first-added member of a set is its root."""
+
+    def __init__(self) -> None:
+        self._parent: dict[Key, Key] = {}
+        self._order: dict[Key, int] = {}
+
+    def add(self, key: Key) -> None:
+        if key not in self._parent:
+            self._parent[key] = key
+            self._order[key] = len(self._order)
+
+    def find(self, key: Key) -> Key:
+        self.add(key)
+        while self._parent[key] != key:
+            self._parent[key] = self._parent[self._parent[key]]
+            key = self._parent[key]
+        return key
+
+    def union(self, a: Key, b: Key) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return
+        if self._order[rb] < self._order[ra]:
+            ra, rb = rb, ra
+        self._parent[rb] = ra
+
+    def groups(self) -> list[list[Key]]:
+        """Members of every set, sets and members in insertion order."""
+        by_root: dict[Key, list[Key]] = {}
+        for key in self._order:
+            by_root.setdefault(self.find(key), []).append(key)
+        return list(by_root.values())
+
+
+def spec_dtype(spec: ConcreteSpec) -> QDtype:
+    return spec.dtype
+
+
+def resolve_group_spec(members: Sequence[Key], specs: dict[Key, Spec]) -> ConcreteSpec:
+    """The one spec a sharing group is quantized with; mixed dtypes are an error."""
+    concrete = [
+        (m, specs[m]) for m in members if m in specs and not isinstance(specs[m], SharedSpec)
+    ]
+    names = ", ".join(str(m) for m in members)
+    if not concrete:
+        raise QuantreeError(
+            f"sharing group [{names}] has no QuantSpec, FixedSpec or DerivedSpec; "
+            "give at least one of its members a concrete spec"
+        )
+    dtypes = {spec_dtype(s) for _, s in concrete}  # type: ignore[arg-type]
+    if len(dtypes) > 1:
+        detail = ", ".join(f"{m}: {spec_dtype(s).value}" for m, s in concrete)  # type: ignore[arg-type]
+        raise QuantreeError(
+            f"sharing group mixes dtypes ({detail}); members of a group share one set of "
+            "parameters, so give them one dtype or remove the SharedSpec that joins them"
+        )
+    for kind in (FixedSpec, DerivedSpec):
+        of_kind = [s for _, s in concrete if isinstance(s, kind)]
+        if of_kind:
+            if len(set(of_kind)) > 1:
+                raise QuantreeError(
+                    f"sharing group [{names}] has conflicting {kind.__name__}s {of_kind}; "
+                    "give them equal parameters or do not share them"
+                )
+            return of_kind[0]
+    return concrete[0][1]  # type: ignore[return-value]
+
+
+def compatible(a: ConcreteSpec, b: ConcreteSpec) -> bool:
+    """Whether two groups may merge implicitly (a Value and a Use that reads it)."""
+    if a.dtype != b.dtype or isinstance(a, DerivedSpec) or isinstance(b, DerivedSpec):
+        return False
+    return not (isinstance(a, FixedSpec) and isinstance(b, FixedSpec) and a != b)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A sharing group as prepare leaves it; ``qparams`` is set by convert."""
+
+    id: int
+    spec: ConcreteSpec
+    members: tuple[str, ...]
+    observer: str | None = None
+    derived_from: tuple[int, ...] = ()
+    qparams: QParams | None = None
+
+    @property
+    def label(self) -> str:
+        shown = ", ".join(self.members[:4])
+        more = f" and {len(self.members) - 4} more" if len(self.members) > 4 else ""
+        return f"group {self.id} ({shown}{more})"
+
+
+def labels(keys: Iterable[Key]) -> tuple[str, ...]:
+    return tuple(str(k) for k in keys)

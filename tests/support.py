@@ -1,0 +1,59 @@
+"""Shared helpers for the tests: run the pipeline and read the converted graph."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+import quantree as qt
+
+qd = torch.ops.quantized_decomposed
+
+
+def batches(*shapes: tuple[int, ...], n: int = 20, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(*s, generator=g) for s in shapes) for _ in range(n)]
+
+
+def run(model: torch.nn.Module, data: list[tuple[Any, ...]], quantizer: qt.Quantizer | None = None):
+    """capture -> prepare -> calibrate -> convert; returns (prepared, converted)."""
+    gm = qt.capture(model, data[0])
+    prepared = qt.prepare(gm, quantizer or qt.Int8Quantizer())
+    qt.calibrate(prepared, data, progress=False)
+    return prepared, qt.convert(prepared)
+
+
+def leaves(out: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+
+def output_sqnrs(model: torch.nn.Module, converted: fx.GraphModule, args: tuple) -> list[float]:
+    with torch.no_grad():
+        ref, got = leaves(model(*args)), leaves(converted(*args))
+    assert len(ref) == len(got)
+    return [qt.sqnr(r, g) for r, g in zip(ref, got, strict=True) if r.is_floating_point()]
+
+
+def assert_prepared_exact(model: torch.nn.Module, prepared: fx.GraphModule, args: tuple) -> None:
+    with torch.no_grad():
+        ref, got = model(*args), prepared(*args)
+    assert tree_flatten(ref)[1] == tree_flatten(got)[1]
+    for r, g in zip(leaves(ref), leaves(got), strict=True):
+        assert torch.equal(r, g)
+
+
+def calls(gm: fx.GraphModule, target: Any) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+
+
+QUANTIZE = (qd.quantize_per_tensor.default, qd.quantize_per_channel.default)
+DEQUANTIZE = (qd.dequantize_per_tensor.default, qd.dequantize_per_channel.default)
+
+
+def qparams_of(q: fx.Node) -> tuple[float, int, torch.dtype]:
+    """(scale, zero_point, dtype) of a per-tensor quantize or dequantize node."""
+    _, scale, zp, _, _, dtype = q.args[:6]
+    return float(scale), int(zp), dtype
