@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-import quantree as qt
 from support import (
     DEQUANTIZE,
     QUANTIZE,
@@ -16,8 +15,8 @@ from support import (
     batches,
     calls,
     output_sqnrs,
-    qparams_of,
     qd,
+    qparams_of,
     run,
 )
 
