@@ -1,22 +1,212 @@
-"""Backends: values that say how a reference q/dq graph becomes real kernels."""
+"""Backends: values that say how a reference q/dq graph becomes real kernels.
+
+A backend is an ordered tuple of lowering rules plus optional quantize/dequantize functions
+for tensor types of its own. There is no global table: two backends never interfere, and
+``a + b`` tries the rules of ``b`` first. A rule is a function ``(ctx, node) -> bool`` that
+looks at one anchor node and, if its q/dq-sandwiched pattern is there, rewrites it and
+returns True. ``LoweringContext`` gives rules what they need without touching quantree's
+internals: the dequantized inputs of a node, its quantized output, each node's annotation
+and module scope, and the backend's quantize function.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.fx as fx
+
+from quantree.convert import quantize_tensor
+from quantree.errors import QuantreeError
+from quantree.graphs import copy_graph_module, fetch_attr, register_constant
+from quantree.prepare import GROUPS_KEY, NODE_KEY, NodeQuant
+from quantree.sharing import Group
+from quantree.specs import QDtype, QParams
+from quantree.values import module_scope
+
+qd = torch.ops.quantized_decomposed
+_DEQUANTIZE = (qd.dequantize_per_tensor.default, qd.dequantize_per_channel.default)
+_QUANTIZE = (qd.quantize_per_tensor.default, qd.quantize_per_channel.default)
+_DTYPES = {q.torch_dtype: q for q in QDtype}
+
+
+@dataclass(frozen=True)
+class Dequantized:
+    """An input read through ``dequantize``: the integer node and its parameters."""
+
+    node: fx.Node  # the dequantize node
+    source: fx.Node  # what it dequantizes (a quantize node or an integer constant)
+    params: QParams
+
+    @property
+    def is_constant(self) -> bool:
+        return self.source.op == "get_attr"
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """An output written through ``quantize``: the quantize node and its parameters."""
+
+    node: fx.Node
+    params: QParams
+
+
+def _params_from(node: fx.Node, gm: fx.GraphModule) -> QParams:
+    """The QParams carried by the arguments of a quantized_decomposed q or dq node."""
+    args: Any = node.args
+    if node.target in (qd.quantize_per_tensor.default, qd.dequantize_per_tensor.default):
+        _, scale, zp, qmin, qmax, dtype = args[:6]
+        return QParams(
+            torch.tensor(float(scale)), torch.tensor(int(zp)), _DTYPES[dtype], qmin, qmax, None
+        )
+    _, scale, zp, axis, qmin, qmax, dtype = args[:7]
+    return QParams(
+        fetch_attr(gm, str(scale.target)),
+        fetch_attr(gm, str(zp.target)),
+        _DTYPES[dtype],
+        qmin,
+        qmax,
+        int(axis),
+    )
+
+
+class LoweringContext:
+    """What a lowering rule may read and do; one per ``lower`` call."""
+
+    def __init__(self, gm: fx.GraphModule, backend: Backend) -> None:
+        self.gm = gm
+        self.backend = backend
+        self.groups: dict[int, Group] = gm.meta.get(GROUPS_KEY, {})
+
+    def dequantized(self, arg: object) -> Dequantized | None:
+        """``arg`` if it is the output of a dequantize, with its integer source."""
+        if not isinstance(arg, fx.Node) or arg.target not in _DEQUANTIZE:
+            return None
+        source = arg.args[0]
+        assert isinstance(source, fx.Node)
+        return Dequantized(arg, source, _params_from(arg, self.gm))
+
+    def quantized_output(self, node: fx.Node) -> Quantized | None:
+        """The single quantize that reads ``node``, if that is its only user."""
+        users = list(node.users)
+        if len(users) != 1 or users[0].target not in _QUANTIZE:
+            return None
+        return Quantized(users[0], _params_from(users[0], self.gm))
+
+    def annotation(self, node: fx.Node) -> NodeQuant | None:
+        """What prepare decided for ``node``: its Annotation and its groups' ids."""
+        return node.meta.get(NODE_KEY)
+
+    def group_params(self, gid: int) -> QParams | None:
+        group = self.groups.get(gid)
+        return None if group is None else group.qparams
+
+    def scope(self, node: fx.Node) -> str:
+        """The fully qualified name of the module ``node`` came from."""
+        return module_scope(node)
+
+    def constant(self, dq: Dequantized) -> torch.Tensor:
+        """The float value of a folded constant (a weight), as the reference graph sees it."""
+        if not dq.is_constant:
+            raise QuantreeError(f"{dq.node.name} does not dequantize a constant")
+        stored = fetch_attr(self.gm, str(dq.source.target))
+        return self.dequantize(stored, dq.params)
+
+    def quantize(self, x: torch.Tensor, params: QParams) -> torch.Tensor:
+        """``x`` quantized the way this backend stores tensors (its own type, if it has one)."""
+        if self.backend.quantize is not None:
+            return self.backend.quantize(x, params)
+        return quantize_tensor(x, params)
+
+    def dequantize(self, q: torch.Tensor, params: QParams) -> torch.Tensor:
+        if self.backend.dequantize is not None:
+            return self.backend.dequantize(q, params)
+        if params.axis is None:
+            return qd.dequantize_per_tensor(
+                q,
+                float(params.scale),
+                int(params.zero_point),
+                params.quant_min,
+                params.quant_max,
+                params.dtype.torch_dtype,
+            )
+        return qd.dequantize_per_channel(
+            q,
+            params.scale,
+            params.zero_point,
+            params.axis,
+            params.quant_min,
+            params.quant_max,
+            params.dtype.torch_dtype,
+        )
+
+    def add_constant(self, prefix: str, value: torch.Tensor | object, before: fx.Node) -> fx.Node:
+        """Store ``value`` on the module and return a ``get_attr`` node placed before ``before``.
+
+        Tensors become buffers; anything else (a packed-weight object) a plain attribute.
+        """
+        if isinstance(value, torch.Tensor):
+            name = register_constant(self.gm, prefix, value)
+        else:
+            i = 0
+            while hasattr(self.gm, f"{prefix}{i}"):
+                i += 1
+            name = f"{prefix}{i}"
+            setattr(self.gm, name, value)
+        with self.gm.graph.inserting_before(before):
+            return self.gm.graph.get_attr(name)
+
+
+LoweringRule = Callable[[LoweringContext, fx.Node], bool]
 
 
 @dataclass(frozen=True)
 class Backend:
-    """An ordered set of lowering rules; the reference backend has none."""
+    """An ordered set of lowering rules; earlier rules are tried first at each node."""
 
     name: str
-    rules: tuple[object, ...] = ()
+    rules: tuple[LoweringRule, ...] = ()
+    quantize: Callable[[torch.Tensor, QParams], torch.Tensor] | None = None
+    dequantize: Callable[[torch.Tensor, QParams], torch.Tensor] | None = None
+    prepare_module: Callable[[fx.GraphModule], fx.GraphModule] | None = None
+
+    def __add__(self, other: Backend) -> Backend:
+        """``other``'s rules first, then ours; ``other``'s tensor functions if it has them."""
+        return Backend(
+            f"{self.name}+{other.name}",
+            other.rules + self.rules,
+            other.quantize or self.quantize,
+            other.dequantize or self.dequantize,
+            other.prepare_module or self.prepare_module,
+        )
 
 
 REFERENCE = Backend("reference")
+"""Leaves the quantize/dequantize graph exactly as convert made it."""
 
 
 def lower(ref: fx.GraphModule, backend: Backend = REFERENCE) -> fx.GraphModule:
-    return ref
+    """Apply ``backend``'s rules to a converted graph; ``ref`` itself is not changed."""
+    if GROUPS_KEY not in ref.meta:
+        raise QuantreeError("lower expects the output of quantree.convert")
+    if not backend.rules and backend.prepare_module is None:
+        return ref
+    gm = copy_graph_module(ref)
+    ctx = LoweringContext(gm, backend)
+    live = set(gm.graph.nodes)
+    for node in list(gm.graph.nodes):
+        if node not in live or node.op == "output":
+            continue  # erased by an earlier rewrite
+        if any(rule(ctx, node) for rule in backend.rules):
+            live = set(gm.graph.nodes)
+    gm.graph.eliminate_dead_code()
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    if backend.prepare_module is not None:
+        gm = backend.prepare_module(gm)
+    return gm
