@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from quantree.errors import QuantreeError
-from quantree.specs import DerivedSpec, FixedSpec, QDtype, QParams, QuantSpec, SharedSpec, Spec
+from quantree.specs import DerivedSpec, FixedSpec, QParams, QuantSpec, SharedSpec, Spec
 from quantree.values import Key
 
 ConcreteSpec = QuantSpec | FixedSpec | DerivedSpec
@@ -52,10 +52,6 @@ class UnionFind:
         return list(by_root.values())
 
 
-def spec_dtype(spec: ConcreteSpec) -> QDtype:
-    return spec.dtype
-
-
 def resolve_group_spec(members: Sequence[Key], specs: dict[Key, Spec]) -> ConcreteSpec:
     """The one spec a sharing group is quantized with; mixed dtypes are an error."""
     concrete = [
@@ -67,9 +63,9 @@ def resolve_group_spec(members: Sequence[Key], specs: dict[Key, Spec]) -> Concre
             f"sharing group [{names}] has no QuantSpec, FixedSpec or DerivedSpec; "
             "give at least one of its members a concrete spec"
         )
-    dtypes = {spec_dtype(s) for _, s in concrete}  # type: ignore[arg-type]
-    if len(dtypes) > 1:
-        detail = ", ".join(f"{m}: {spec_dtype(s).value}" for m, s in concrete)  # type: ignore[arg-type]
+    typed = [(m, d) for m in members if m in specs and (d := specs[m].dtype) is not None]
+    if len({dtype for _, dtype in typed}) > 1:
+        detail = ", ".join(f"{m}: {dtype.value}" for m, dtype in typed)
         raise QuantreeError(
             f"sharing group mixes dtypes ({detail}); members of a group share one set of "
             "parameters, so give them one dtype or remove the SharedSpec that joins them"

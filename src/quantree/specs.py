@@ -131,9 +131,14 @@ class FixedSpec:
 
 @dataclass(frozen=True)
 class SharedSpec:
-    """Use exactly the parameters of another Value or Use (one observer for both)."""
+    """Use exactly the parameters of another Value or Use (one observer for both).
+
+    ``dtype``, when given, states the dtype this member expects; prepare checks it against
+    the group's, so an int8 tensor never silently shares an int16 one's parameters.
+    """
 
     target: Value | Use
+    dtype: QDtype | None = None
 
 
 @dataclass(frozen=True)

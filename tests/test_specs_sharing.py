@@ -1,0 +1,175 @@
+"""Sharing, derived and fixed specs, nested custom-op outputs, observers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import quantree as qt
+
+from support import (
+    DEQUANTIZE,
+    QUANTIZE,
+    assert_prepared_exact,
+    batches,
+    calls,
+    output_sqnrs,
+    qd,
+    qparams_of,
+    run,
+)
+
+
+@torch.library.custom_op("quantree_test::cell", mutates_args=())
+def cell(
+    x: torch.Tensor, h: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    c_new = 0.5 * c + torch.tanh(x)
+    h_new = torch.tanh(c_new) * torch.sigmoid(h)
+    return h_new * 3.0, [h_new.clone(), c_new * 100.0]
+
+
+@cell.register_fake
+def _(x, h, c):
+    return torch.empty_like(x), [torch.empty_like(h), torch.empty_like(c)]
+
+
+class UsesCell(nn.Module):
+    def forward(self, x, h, c):
+        out, (h, c) = cell(x, h, c)
+        return out + 1.0, h * 2.0, c - 1.0
+
+
+def test_custom_op_nested_output_gets_one_observer_per_leaf_and_its_dtypes():
+    specs = (
+        qt.QuantSpec(qt.QDtype.INT8),
+        (qt.QuantSpec(qt.QDtype.UINT8), qt.QuantSpec(qt.QDtype.INT16, symmetric=True)),
+    )
+    rule = qt.Rule((torch.ops.quantree_test.cell,), lambda n: qt.Annotation(outputs=specs))
+    data = batches((4, 8), (4, 8), (4, 8))
+    model = UsesCell()
+    prepared, ref = run(model, data, qt.Quantizer([rule]))
+    assert_prepared_exact(model, prepared, data[0])
+    observers = {
+        n.target
+        for n in prepared.graph.nodes
+        if n.op == "call_module" and n.target.startswith("observer_")
+    }
+    assert len(observers) == 3
+    assert len(calls(ref, torch.ops.quantree_test.cell.default)) == 1
+    dtypes = {}
+    for q in calls(ref, qd.quantize_per_tensor.default):
+        dtypes[q.args[0].name] = q.args[5]
+    assert sorted(dtypes.values(), key=str) == sorted(
+        [torch.int8, torch.uint8, torch.int16], key=str
+    )
+    assert min(output_sqnrs(model, ref, data[0])) >= 25.0
+
+
+class ChainedCats(nn.Module):
+    def forward(self, a, b, c):
+        return torch.cat([torch.cat([a, b * 2.0], 1), c], 1)
+
+
+def test_chained_cats_share_one_set_of_parameters():
+    data = batches((3, 4), (3, 4), (3, 4))
+    prepared, ref = run(ChainedCats(), data)
+    assert_prepared_exact(ChainedCats(), prepared, data[0])
+    params = {qparams_of(n) for n in calls(ref, qd.quantize_per_tensor.default)}
+    cats = calls(ref, torch.ops.aten.cat.default)
+    touching = set()
+    for cat in cats:
+        for arg in cat.args[0]:
+            touching.add(qparams_of(arg))
+        (q,) = [u for u in cat.users if u.target in QUANTIZE]
+        touching.add(qparams_of(q))
+    assert len(touching) == 1
+    assert len(params) >= 1
+
+
+class LinearSigmoid(nn.Module):
+    def __init__(self, per_channel_bias: bool = True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc(x)), torch.tanh(x)
+
+
+def _bias_check(ref):
+    """Bias scale == float32(input scale x weight scale), the product taken in float64."""
+    (linear,) = calls(ref, torch.ops.aten.linear.default)
+    x_dq, w_dq, b_dq = linear.args
+    x_scale = torch.tensor(float(x_dq.args[1]), dtype=torch.float64)
+    if w_dq.target is qd.dequantize_per_channel.default:
+        w_scale = getattr(ref, w_dq.args[1].target).double()
+        b_scale = getattr(ref, b_dq.args[1].target)
+        assert b_dq.args[6] == torch.int32
+    else:
+        w_scale = torch.tensor(float(w_dq.args[1]), dtype=torch.float64)
+        b_scale = torch.tensor(float(b_dq.args[1]))
+        assert b_dq.args[5] == torch.int32
+    assert torch.equal(b_scale, (x_scale * w_scale).float())
+
+
+def test_derived_bias_scale_is_input_times_weight_per_channel_and_per_tensor():
+    data = batches((4, 6))
+    for per_channel in (True, False):
+        _, ref = run(LinearSigmoid(), data, qt.Int8Quantizer(per_channel=per_channel))
+        _bias_check(ref)
+
+
+def test_fixed_parameters_reach_the_converted_graph_unchanged():
+    data = batches((4, 6))
+    _, ref = run(LinearSigmoid(), data)
+    (sig,) = calls(ref, torch.ops.aten.sigmoid.default)
+    (q,) = sig.users
+    assert qparams_of(q) == (1.0 / 256.0, -128, torch.int8)
+    (tanh,) = calls(ref, torch.ops.aten.tanh.default)
+    (q,) = tanh.users
+    assert qparams_of(q) == (1.0 / 128.0, 0, torch.int8)
+
+
+def test_explicit_shared_spec_is_transitive():
+    def rule(node):
+        a, b = qt.Use.of(node, (0,)), qt.Use.of(node, (1,))
+        return qt.Annotation(
+            outputs=qt.SharedSpec(b), inputs={(0,): qt.QuantSpec(), (1,): qt.SharedSpec(a)}
+        )
+
+    class Add(nn.Module):
+        def forward(self, x, y):
+            return x + 10.0 * y
+
+    data = batches((4, 4), (4, 4))
+    _, ref = run(Add(), data, qt.Quantizer([qt.Rule((torch.ops.aten.add.Tensor,), rule)]))
+    (add,) = calls(ref, torch.ops.aten.add.Tensor)
+    (q,) = add.users
+    seen = {qparams_of(add.args[0]), qparams_of(add.args[1]), qparams_of(q)}
+    assert len(seen) == 1
+    assert all(a.target in DEQUANTIZE for a in add.args)
+
+
+def test_observer_state_dict_round_trip():
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3)).eval()
+    data = batches((4, 6))
+    quantizer = qt.Int8Quantizer(activation_observer=qt.ObserverKind.HISTOGRAM)
+    prepared, ref = run(model, data, quantizer)
+    fresh = qt.prepare(qt.capture(model, data[0]), quantizer)
+    fresh.load_state_dict(prepared.state_dict())
+    ref2 = qt.convert(fresh)
+    with torch.no_grad():
+        assert torch.equal(ref(*data[0]), ref2(*data[0]))
+
+
+def test_histogram_observer_clips_outliers_better_than_minmax():
+    x = torch.randn(10000)
+    x[0] = 60.0
+    spec = qt.QuantSpec(observer=qt.ObserverKind.HISTOGRAM)
+    hist, minmax = qt.HistogramObserver(spec, "h"), qt.MinMaxObserver(spec, "m")
+    hist(x), minmax(x)
+    from quantree.qparams import fake_quantize
+
+    err_h = (fake_quantize(x, hist.qparams()) - x).pow(2).mean()
+    err_m = (fake_quantize(x, minmax.qparams()) - x).pow(2).mean()
+    assert err_h < err_m
