@@ -11,7 +11,7 @@ from quantree.calibrate import calibrate
 from quantree.capture import capture
 from quantree.convert import convert
 from quantree.errors import QuantreeError, QuantreeWarning
-from quantree.int8 import Int8Quantizer
+from quantree.int8 import A16W8Quantizer, Int8Quantizer, RecurrentMode
 from quantree.metrics import sqnr
 from quantree.observers import (
     HistogramObserver,
@@ -20,6 +20,7 @@ from quantree.observers import (
     Observer,
 )
 from quantree.pipeline import quantize
+from quantree.points import CellsOptions, Point
 from quantree.prepare import prepare
 from quantree.quantizer import Annotation, Quantizer, Rule
 from quantree.specs import (
@@ -36,6 +37,10 @@ from quantree.values import Use, Value
 
 __all__ = [
     "REFERENCE",
+    "A16W8Quantizer",
+    "CellsOptions",
+    "Point",
+    "RecurrentMode",
     "Annotation",
     "Backend",
     "DerivedSpec",

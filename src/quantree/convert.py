@@ -9,12 +9,14 @@ by a dequantize, so the model's weights take a quarter of their float bytes.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.ao.quantization.fx._decomposed
 import torch.fx as fx
 
+from quantree.cells import RecurrentCells
 from quantree.errors import QuantreeError
 from quantree.graphs import copy_graph_module, fetch_attr, register_constant
 from quantree.prepare import GROUPS_KEY, NODE_KEY, OBSERVER_KEY, NodeQuant
@@ -144,6 +146,12 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         raise QuantreeError("convert expects the output of quantree.prepare (no groups found)")
     _check_calibrated(prepared, groups)
     gm = copy_graph_module(prepared)
+    for name, child in list(gm.named_children()):
+        if isinstance(child, RecurrentCells):  # convert each cell body of a private copy
+            cells = copy.deepcopy(child)
+            for loop in cells.loops.values():
+                loop.body = convert(loop.body)
+            setattr(gm, name, cells)
     params = _resolve(groups, gm)
     graph = gm.graph
     for node in list(graph.nodes):

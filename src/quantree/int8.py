@@ -6,12 +6,17 @@ special: an LSTM's annotation is a tuple of specs shaped like its output.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from quantree.cells_recipe import cells_rules, fixed_sigmoid, fixed_tanh
+from quantree.errors import QuantreeError
+from quantree.points import CellsOptions
 from quantree.quantizer import Annotation, Quantizer, Rule
 from quantree.recurrent import recurrent_whole_annotation
 from quantree.specs import (
@@ -20,6 +25,7 @@ from quantree.specs import (
     QDtype,
     QuantSpec,
     SharedSpec,
+    Spec,
     bias_spec,
     int8_activation,
     int8_weight,
@@ -27,9 +33,6 @@ from quantree.specs import (
 from quantree.values import Use, Value, is_float_tensor, tensor_meta
 
 aten = torch.ops.aten
-
-SIGMOID_INT8 = FixedSpec(1.0 / 256.0, -128, QDtype.INT8)
-TANH_INT8 = FixedSpec(1.0 / 128.0, 0, QDtype.INT8)
 
 
 def _is_float_node(arg: object) -> bool:
@@ -41,12 +44,31 @@ def _sole_user_is(node: fx.Node, targets: tuple[object, ...]) -> bool:
     return len(users) == 1 and getattr(users[0].target, "overloadpacket", None) in targets
 
 
+class RecurrentMode(enum.Enum):
+    """WHOLE quantizes a recurrent layer at its boundary; CELLS decomposes it into cell loops
+    whose gates, cell state and hidden state are named quantization points."""
+
+    WHOLE = "whole"
+    CELLS = "cells"
+
+
+def cell_state_spec(dtype: QDtype, act: QuantSpec) -> QuantSpec:
+    """int16 cell state is symmetric with a power-of-two range (the integer-LSTM convention)."""
+    if dtype == act.dtype:
+        return act
+    return QuantSpec(dtype, symmetric=True, power_of_two=dtype == QDtype.INT16)
+
+
 class Int8Quantizer(Quantizer):
     """int8 static quantization of the common ops; anything else stays in float.
 
     ``activation_observer`` picks how activation ranges are calibrated; ``per_channel``
-    quantizes weights per output channel (else per tensor). ``rules`` are added after the
-    defaults and so take precedence: pass your own Rules to extend or override the recipe.
+    quantizes weights per output channel (else per tensor). ``recurrent`` chooses whole or
+    cells mode for LSTM/GRU/RNN; in cells mode ``split_gates``, ``cell_state_dtype`` (INT16
+    for the integer-LSTM convention), ``gate_dtype`` (sigmoid/tanh outputs, default the
+    activation dtype) and ``points`` (a spec per point name, see ``quantree.cells_body``)
+    shape the cells, and ``cells_scope`` limits cells mode to one module (the rest stays
+    whole). ``rules`` are added last and so take precedence over the recipe's own.
     """
 
     def __init__(
@@ -56,11 +78,44 @@ class Int8Quantizer(Quantizer):
         per_channel: bool = True,
         activation: QuantSpec | None = None,
         weight: QuantSpec | None = None,
+        recurrent: RecurrentMode = RecurrentMode.WHOLE,
+        split_gates: bool = False,
+        cell_state_dtype: QDtype | None = None,
+        gate_dtype: QDtype | None = None,
+        points: Mapping[str, Spec] | None = None,
+        cells_scope: str | None = None,
         rules: tuple[Rule, ...] = (),
     ) -> None:
+        if not isinstance(recurrent, RecurrentMode):
+            raise QuantreeError(f"recurrent must be a RecurrentMode, got {recurrent!r}")
         act = activation or int8_activation(activation_observer)
         wgt = weight or int8_weight(0 if per_channel else None)
-        super().__init__((*int8_rules(act, wgt), *rules))
+        recipe = int8_rules(act, wgt)
+        if recurrent is RecurrentMode.CELLS:
+            cell_state = cell_state_spec(cell_state_dtype or act.dtype, act)
+            recipe += cells_rules(
+                act,
+                wgt,
+                cell_state,
+                gate_dtype or act.dtype,
+                CellsOptions(split_gates),
+                points or {},
+                cells_scope,
+            )
+        super().__init__((*recipe, *rules))
+
+
+class A16W8Quantizer(Int8Quantizer):
+    """16-bit symmetric activations, 8-bit per-channel weights, int32 biases (a16w8).
+
+    In cells mode the gates and the cell state are int16 too.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        options.setdefault("activation", QuantSpec(QDtype.INT16, symmetric=True))
+        options.setdefault("cell_state_dtype", QDtype.INT16)
+        options.setdefault("gate_dtype", QDtype.INT16)
+        super().__init__(**options)
 
 
 def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
@@ -115,8 +170,8 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
         Rule(fused_activations, relu),
         Rule((aten.matmul, aten.bmm, aten.mm), binary),
         Rule((aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor), binary),
-        Rule((aten.sigmoid,), fixed_output(SIGMOID_INT8)),
-        Rule((aten.tanh,), fixed_output(TANH_INT8)),
+        Rule((aten.sigmoid,), fixed_output(fixed_sigmoid(act.dtype))),
+        Rule((aten.tanh,), fixed_output(fixed_tanh(act.dtype))),
         Rule(
             (
                 aten.max_pool2d,

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from quantree.canonicalize import canonicalize
+from quantree.cells import cell_bodies, decompose
 from quantree.errors import QuantreeError, QuantreeWarning
 from quantree.graphs import copy_graph_module, fetch_attr
 from quantree.observers import make_observer
@@ -113,7 +114,7 @@ def _output_specs(node: fx.Node, annotation: Annotation) -> dict[Key, Spec]:
     for path, spec in given.items():
         if spec is None:
             continue
-        value = Value(node, path)
+        value = Value.of(node, path)
         if not is_float_tensor(value.meta):
             raise QuantreeError(
                 f"annotation of {_where(node)}: output {list(path)} is "
@@ -193,8 +194,25 @@ def _warn_float_ops(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) 
 
 
 def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
-    """A copy of ``gm`` with observers, ready to calibrate; ``gm`` itself is not changed."""
+    """A copy of ``gm`` with observers, ready to calibrate; ``gm`` itself is not changed.
+
+    Recurrent nodes whose annotation asks for cells are first decomposed into cell loops;
+    each cell body is then observed like any graph.
+    """
     gm = canonicalize(copy_graph_module(gm))
+    for node in list(gm.graph.nodes):
+        annotation = quantizer.annotate_node(node)
+        if annotation is not None and annotation.cells is not None:
+            decompose(gm, node, annotation.cells)
+    observe(gm, quantizer)
+    for body in cell_bodies(gm):
+        observe(body, quantizer)
+    gm.recompile()
+    return gm
+
+
+def observe(gm: fx.GraphModule, quantizer: Quantizer) -> None:
+    """Annotate ``gm`` in place and insert one observer per sharing group."""
     annotations = quantizer.annotate(gm)
     specs, uf = _form_groups(annotations)
     carriers = value_carriers(gm.graph)
@@ -211,10 +229,16 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
             sources = tuple(_source_group(k, group_of, group) for k in group.spec.derived_from)
             groups[gid] = Group(gid, group.spec, group.members, derived_from=sources)
 
-    for node, annotation in annotations.items():
-        outputs = {k.path: group_of[k] for k in specs if isinstance(k, Value) and k.node is node}
-        inputs = {k.arg_path: group_of[k] for k in specs if isinstance(k, Use) and k.user is node}
-        node.meta[NODE_KEY] = NodeQuant(annotation, outputs, inputs)
+    outputs: dict[fx.Node, dict[Path, int]] = {}
+    inputs: dict[fx.Node, dict[Path, int]] = {}
+    for key, gid in group_of.items():
+        if isinstance(key, Value):
+            outputs.setdefault(key.node, {})[key.path] = gid
+        else:
+            inputs.setdefault(key.user, {})[key.arg_path] = gid
+    for node in {*annotations, *outputs, *inputs}:
+        annotation = annotations.get(node, Annotation())
+        node.meta[NODE_KEY] = NodeQuant(annotation, outputs.get(node, {}), inputs.get(node, {}))
 
     observed: dict[int, set[fx.Node]] = {}
     for key, gid in group_of.items():
@@ -241,7 +265,6 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     _warn_float_ops(gm, annotations)
     gm.graph.lint()
     gm.recompile()
-    return gm
 
 
 def _source_group(key: Value | Use, group_of: dict[Value | Use, int], group: Group) -> int:

@@ -13,9 +13,10 @@ from typing import Any
 import torch.fx as fx
 from torch._ops import OpOverload, OpOverloadPacket
 
+from quantree.points import POINT_KEY, CellsOptions, Point
 from quantree.values import module_scope
 
-Target = OpOverload | OpOverloadPacket | Callable[..., Any]
+Target = OpOverload | OpOverloadPacket | Point | Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -26,13 +27,15 @@ class Annotation:
     output takes a bare spec. ``inputs`` maps argument paths (``(0,)``, ``(1, 0)`` for the
     ``h0`` inside ``[h0, c0]``) to specs. With ``share_with_producers`` an input whose spec has
     the dtype of the producing Value's spec shares its parameters (no requantization).
-    ``name`` labels the node's quantization points in reports and errors.
+    ``name`` labels the node's quantization points in reports and errors. ``cells``, on a
+    recurrent node, asks prepare to decompose it into cell loops (see ``quantree.cells``).
     """
 
     outputs: Any = None
     inputs: Mapping[tuple[Any, ...], Any] = field(default_factory=dict)
     share_with_producers: bool = True
     name: str | None = None
+    cells: CellsOptions | None = None
 
 
 AnnotateFn = Callable[[fx.Node], Annotation | None]
@@ -51,12 +54,17 @@ class Rule:
     scope: str | None = None
 
     def matches(self, node: fx.Node) -> bool:
-        if node.op != "call_function":
-            return False
-        target = node.target
-        packet = getattr(target, "overloadpacket", None)
-        if not any(t is target or (packet is not None and t is packet) for t in self.targets):
-            return False
+        point = node.meta.get(POINT_KEY)
+        by_point = point is not None and any(
+            isinstance(t, Point) and t.name == point for t in self.targets
+        )
+        if not by_point:
+            if node.op != "call_function":
+                return False
+            target = node.target
+            packet = getattr(target, "overloadpacket", None)
+            if not any(t is target or (packet is not None and t is packet) for t in self.targets):
+                return False
         if self.scope is None:
             return True
         scope = module_scope(node)
@@ -78,16 +86,22 @@ class Quantizer:
     def __add__(self, other: Quantizer) -> Quantizer:
         return Quantizer(self._rules + other.rules)
 
+    def annotate_node(self, node: fx.Node) -> Annotation | None:
+        """The annotation of the last rule that matches ``node`` and returns one."""
+        for rule in reversed(self._rules):
+            if rule.matches(node):
+                annotation = rule.annotate(node)
+                if annotation is not None:
+                    return annotation
+        return None
+
     def annotate(self, gm: fx.GraphModule) -> dict[fx.Node, Annotation]:
-        """The annotation of every node some rule claims (the last matching rule wins)."""
+        """The annotation of every node some rule claims."""
         result: dict[fx.Node, Annotation] = {}
         for node in gm.graph.nodes:
-            for rule in reversed(self._rules):
-                if rule.matches(node):
-                    annotation = rule.annotate(node)
-                    if annotation is not None:
-                        result[node] = annotation
-                        break
+            annotation = self.annotate_node(node)
+            if annotation is not None:
+                result[node] = annotation
         return result
 
     def __repr__(self) -> str:
