@@ -200,15 +200,30 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     each cell body is then observed like any graph.
     """
     gm = canonicalize(copy_graph_module(gm))
+    decomposed = False
     for node in list(gm.graph.nodes):
         annotation = quantizer.annotate_node(node)
         if annotation is not None and annotation.cells is not None:
             decompose(gm, node, annotation.cells)
+            decomposed = True
+    if decomposed:
+        _drop_export_guards(gm)
     observe(gm, quantizer)
     for body in cell_bodies(gm):
         observe(body, quantizer)
     gm.recompile()
     return gm
+
+
+def _drop_export_guards(gm: fx.GraphModule) -> None:
+    """Cell loops run any sequence length; export's guard pinned the captured one.
+
+    (torch.export specializes the length of ``aten.lstm``'s input, so it cannot be marked
+    dynamic at capture.) Ops elsewhere in the graph still check their own shapes.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
 
 
 def observe(gm: fx.GraphModule, quantizer: Quantizer) -> None:

@@ -1,0 +1,201 @@
+"""Cells mode: float parity, exact observation, accuracy, pinned points, loops, mixing."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+import quantree as qt
+from quantree.cells import cell_bodies
+from quantree.cells_recipe import RECURRENT_OPS
+from support import batches, qparams_of
+
+CELLS = qt.RecurrentMode.CELLS
+COMBOS = list(itertools.product([True, False], repeat=4))  # bias, batch_first, bidir, split
+IDS = [f"bias{b:d}-bf{f:d}-bi{d:d}-split{s:d}" for b, f, d, s in COMBOS]
+
+
+def decompose_only(split_gates: bool) -> qt.Quantizer:
+    options = qt.CellsOptions(split_gates)
+    return qt.Quantizer([qt.Rule(RECURRENT_OPS, lambda n: qt.Annotation(cells=options))])
+
+
+def _prepare(model, args, quantizer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)
+        return qt.prepare(qt.capture(model, args), quantizer)
+
+
+def _max_diff(a, b) -> float:
+    return max(
+        (x - y).abs().max().item() for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True)
+    )
+
+
+def _lstm(bias, batch_first, bidirectional, **kw):
+    torch.manual_seed(0)
+    return nn.LSTM(
+        12, 8, num_layers=2, bias=bias, batch_first=batch_first, bidirectional=bidirectional, **kw
+    ).eval()
+
+
+@pytest.mark.parametrize(("bias", "batch_first", "bidirectional", "split"), COMBOS, ids=IDS)
+def test_lstm_float_parity(bias, batch_first, bidirectional, split):
+    model = _lstm(bias, batch_first, bidirectional)
+    x = torch.randn(4, 6, 12)
+    decomposed = _prepare(model, (x,), decompose_only(split))
+    with torch.no_grad():
+        assert _max_diff(model(x), decomposed(x)) < 1e-5
+        h0, c0 = torch.randn(4 if bidirectional else 2, 4 if batch_first else 6, 8), None
+        c0 = torch.randn_like(h0)
+        with_state = _prepare(model, (x, (h0, c0)), decompose_only(split))
+        assert _max_diff(model(x, (h0, c0)), with_state(x, (h0, c0))) < 1e-5
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.LSTM(12, 8, num_layers=2, proj_size=4, bidirectional=True),
+        lambda: nn.GRU(12, 8, num_layers=2, bidirectional=True, batch_first=True),
+        lambda: nn.GRU(12, 8, num_layers=2, bias=False),
+        lambda: nn.RNN(12, 8, num_layers=2, bidirectional=True),
+        lambda: nn.RNN(12, 8, nonlinearity="relu", batch_first=True, bias=False),
+    ],
+    ids=["lstm-proj", "gru-bi-bf", "gru-nobias", "rnn-bi", "rnn-relu-bf"],
+)
+def test_float_parity_proj_gru_rnn(make, split):
+    torch.manual_seed(0)
+    model = make().eval()
+    x = torch.randn(5, 3, 12)
+    decomposed = _prepare(model, (x,), decompose_only(split))
+    with torch.no_grad():
+        assert _max_diff(model(x), decomposed(x)) < 1e-5
+
+
+def _quantized(model, data, quantizer):
+    prepared = _prepare(model, data[0], quantizer)
+    qt.calibrate(prepared, data, progress=False)
+    return prepared, qt.convert(prepared)
+
+
+def _sqnrs(model, ref, args):
+    with torch.no_grad():
+        return [
+            qt.sqnr(a, b)
+            for a, b in zip(tree_leaves(model(*args)), tree_leaves(ref(*args)), strict=True)
+        ]
+
+
+@pytest.mark.parametrize(("bias", "batch_first", "bidirectional", "split"), COMBOS, ids=IDS)
+def test_int8_cells_accuracy_and_exact_observation(bias, batch_first, bidirectional, split):
+    model = _lstm(bias, batch_first, bidirectional)
+    data = batches((3, 5, 12))
+    quantizer = qt.Int8Quantizer(recurrent=CELLS, split_gates=split)
+    prepared, ref = _quantized(model, data, quantizer)
+    float_cells = _prepare(model, data[0], decompose_only(split))
+    with torch.no_grad():  # observers are the identity: bit-equal to the float decomposition
+        for a, b in zip(
+            tree_leaves(float_cells(*data[0])), tree_leaves(prepared(*data[0])), strict=True
+        ):
+            assert torch.equal(a, b)
+    assert min(_sqnrs(model, ref, data[0])) >= 20.0  # output, h_n, c_n
+
+
+@pytest.mark.parametrize(
+    ("quantizer", "threshold"),
+    [
+        (qt.Int8Quantizer(recurrent=CELLS, cell_state_dtype=qt.QDtype.INT16), 25.0),
+        (qt.A16W8Quantizer(recurrent=CELLS), 40.0),
+        (qt.A16W8Quantizer(), 40.0),
+    ],
+    ids=["int16-cell-state", "a16w8-cells", "a16w8-whole"],
+)
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_wider_recipes_accuracy(quantizer, threshold, bidirectional):
+    model = _lstm(True, True, bidirectional)
+    data = batches((3, 5, 12))
+    _, ref = _quantized(model, data, quantizer)
+    assert min(_sqnrs(model, ref, data[0])) >= threshold
+
+
+def _point_quantize(body, point):
+    (node,) = [n for n in body.graph.nodes if n.name == point]
+    qs = [
+        u
+        for u in node.users
+        if u.target is torch.ops.quantized_decomposed.quantize_per_tensor.default
+    ]
+    assert len(qs) == 1, point
+    return qparams_of(qs[0])
+
+
+def test_pinned_point_parameters_reach_the_converted_graph():
+    pinned = {
+        "gates": qt.FixedSpec(2.0**-11, 0, qt.QDtype.INT32),
+        "i": qt.FixedSpec(2.0**-16, -32768, qt.QDtype.INT16),
+        "f": qt.FixedSpec(2.0**-16, -32768, qt.QDtype.INT16),
+        "o": qt.FixedSpec(2.0**-16, -32768, qt.QDtype.INT16),
+        "g": qt.FixedSpec(2.0**-15, 0, qt.QDtype.INT16),
+        "cell_tanh": qt.FixedSpec(2.0**-15, 0, qt.QDtype.INT16),
+        "cell": qt.FixedSpec(2.0**-11, 0, qt.QDtype.INT16),
+        "hidden": qt.FixedSpec(2.0**-7, 0, qt.QDtype.INT8),
+    }
+    model = _lstm(True, False, False)
+    data = batches((5, 3, 12), n=4)
+    _, ref = _quantized(model, data, qt.Int8Quantizer(recurrent=CELLS, points=pinned))
+    bodies = cell_bodies(ref)
+    assert len(bodies) == 2
+    dtypes = {
+        qt.QDtype.INT8: torch.int8,
+        qt.QDtype.INT16: torch.int16,
+        qt.QDtype.INT32: torch.int32,
+    }
+    for body in bodies:
+        for point, spec in pinned.items():
+            assert _point_quantize(body, point) == (spec.scale, spec.zero_point, dtypes[spec.dtype])
+        # the state fed into the next step carries the parameters of the state produced
+        (h_prev,) = [n for n in body.graph.nodes if n.name == "h_prev"]
+        (q,) = [u for u in h_prev.users if "quantize_per_tensor" in str(u.target)]
+        assert qparams_of(q) == (2.0**-7, 0, torch.int8)
+
+
+def _node_count(gm):
+    return len(gm.graph.nodes) + sum(len(b.graph.nodes) for b in cell_bodies(gm))
+
+
+def test_graph_does_not_grow_with_sequence_length_and_calibrates_on_any_length():
+    model = _lstm(True, False, True)
+    quantizer = qt.Int8Quantizer(recurrent=CELLS)
+    short = _prepare(model, (torch.randn(4, 3, 12),), quantizer)
+    long = _prepare(model, (torch.randn(64, 3, 12),), quantizer)
+    assert _node_count(short) == _node_count(long)
+    qt.calibrate(short, [(torch.randn(4, 3, 12),), (torch.randn(64, 3, 12),)], progress=False)
+    ref = qt.convert(short)
+    x = torch.randn(17, 3, 12)
+    assert min(_sqnrs(model, ref, (x,))) >= 20.0
+
+
+class TwoLstms(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.LSTM(12, 16), nn.LSTM(16, 8)
+
+    def forward(self, x):
+        return self.second(self.first(x)[0])
+
+
+def test_whole_and_cells_mix_in_one_model():
+    torch.manual_seed(0)
+    model = TwoLstms().eval()
+    data = batches((5, 3, 12))
+    quantizer = qt.Int8Quantizer(recurrent=CELLS, cells_scope="second")
+    _, ref = _quantized(model, data, quantizer)
+    whole = [n for n in ref.graph.nodes if n.target is torch.ops.aten.lstm.input]
+    assert len(whole) == 1 and len(cell_bodies(ref)) == 1
+    assert min(_sqnrs(model, ref, data[0])) >= 20.0
