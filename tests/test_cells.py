@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 import quantree as qt
 from quantree.cells import cell_bodies
 from quantree.cells_recipe import RECURRENT_OPS
+
 from support import batches, qparams_of
 
 CELLS = qt.RecurrentMode.CELLS

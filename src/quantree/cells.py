@@ -82,18 +82,17 @@ def build_cells(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> Rec
     x_meta = tensor_meta(node.args[0])  # type: ignore[arg-type]
     states = [tensor_meta(arg_at(node, p)) for p in call.state_paths]
     batch = x_meta.shape[0] if call.batch_first else x_meta.shape[1]
+
+    def param(path: Any) -> torch.Tensor:
+        return fetch_attr(gm, str(arg_at(node, path).target))
+
+    def optional(path: Any) -> torch.Tensor | None:
+        return None if path is None else param(path)
+
     loops = {}
     for p in call.layers:
-
-        def param(path: Any) -> torch.Tensor | None:
-            return None if path is None else fetch_attr(gm, str(arg_at(node, path).target))
-
         w = CellWeights(
-            param(p.w_ih),
-            param(p.w_hh),
-            param(p.b_ih),
-            param(p.b_hh),  # type: ignore[arg-type]
-            param(p.w_hr),
+            param(p.w_ih), param(p.w_hh), optional(p.b_ih), optional(p.b_hh), optional(p.w_hr)
         )
         x = torch.zeros(batch, w.w_ih.shape[1])
         example_states = [torch.zeros(batch, s.shape[-1]) for s in states]
@@ -102,7 +101,8 @@ def build_cells(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> Rec
         owner = list(stack.values())[-1][0] if stack else ""
         stack[f"quantree_cells_{node.name}_{name}"] = (f"{owner}.{name}".lstrip("."), "CellLoop")
         if call.kind == "lstm":
-            body = lstm_body(w, x, *example_states, options.split_gates, stack)
+            h, c = example_states
+            body = lstm_body(w, x, h, c, options.split_gates, stack)
         elif call.kind == "gru":
             body = gru_body(w, x, example_states[0], options.split_gates, stack)
         else:

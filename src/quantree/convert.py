@@ -16,7 +16,7 @@ import torch
 import torch.ao.quantization.fx._decomposed
 import torch.fx as fx
 
-from quantree.cells import RecurrentCells
+from quantree.cells import CellLoop, RecurrentCells
 from quantree.errors import QuantreeError
 from quantree.graphs import copy_graph_module, fetch_attr, register_constant
 from quantree.prepare import GROUPS_KEY, NODE_KEY, OBSERVER_KEY, NodeQuant
@@ -150,6 +150,7 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         if isinstance(child, RecurrentCells):  # convert each cell body of a private copy
             cells = copy.deepcopy(child)
             for loop in cells.loops.values():
+                assert isinstance(loop, CellLoop)
                 loop.body = convert(loop.body)
             setattr(gm, name, cells)
     params = _resolve(groups, gm)
