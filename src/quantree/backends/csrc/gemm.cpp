@@ -1,0 +1,125 @@
+// int8 GEMM on packed weights: AVX-512 VNNI micro-kernels with a scalar fallback.
+#include <cstring>
+
+#include "qt_kernels.h"
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QT_VNNI 1
+#endif
+
+namespace qt {
+
+void to_u8(const int8_t* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out, int64_t Kp) {
+    for (int64_t m = 0; m < M; ++m) {
+        const int8_t* src = x + m * ldx;
+        uint8_t* dst = out + m * Kp;
+        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<uint8_t>(src[k] ^ 0x80);
+        for (int64_t k = K; k < Kp; ++k) dst[k] = 0;
+    }
+}
+
+#ifdef QT_VNNI
+
+static inline void store_block(const Epilogue& ep, int64_t row, int64_t n0, int64_t N,
+                               __m512i acc) {
+    const int64_t rem = N - n0;
+    const __mmask16 m = rem >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                  : static_cast<__mmask16>((1u << rem) - 1u);
+    __m512i sum = _mm512_add_epi32(acc, _mm512_maskz_loadu_epi32(m, ep.off + n0));
+    __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_maskz_loadu_ps(m, ep.scale + n0));
+    if (ep.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, ep.bias + n0));
+    if (ep.out_f) {
+        _mm512_mask_storeu_ps(ep.out_f + row * ep.ldc + n0, m, y);
+        return;
+    }
+    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(ep.inv_scale)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_add_ps(q, _mm512_set1_ps(ep.zero_point));
+    q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(ep.qmin)), _mm512_set1_ps(ep.qmax));
+    _mm512_mask_cvtsepi32_storeu_epi8(ep.out_q + row * ep.ldc + n0, m, _mm512_cvtps_epi32(q));
+}
+
+template <int MR, int NR>
+static void micro(const uint8_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t row0,
+                  int64_t nb0, int64_t N, const Epilogue& ep) {
+    __m512i acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+    const int8_t* b = B + nb0 * kq * 64;
+    const uint8_t* a0 = A + row0 * lda;
+    for (int64_t k = 0; k < kq; ++k) {
+        __m512i bv[NR];
+        for (int j = 0; j < NR; ++j) bv[j] = _mm512_loadu_si512(b + (j * kq + k) * 64);
+        for (int i = 0; i < MR; ++i) {
+            int32_t four;
+            std::memcpy(&four, a0 + i * lda + 4 * k, 4);
+            const __m512i a = _mm512_set1_epi32(four);
+            for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], a, bv[j]);
+        }
+    }
+    for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) store_block(ep, row0 + i, (nb0 + j) * 16, N, acc[i][j]);
+}
+
+using Micro = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t,
+                       int64_t, const Epilogue&);
+
+static Micro pick(int mr, int nr) {
+    static const Micro table[4][4] = {
+        {micro<1, 1>, micro<1, 2>, micro<1, 3>, micro<1, 4>},
+        {micro<2, 1>, micro<2, 2>, micro<2, 3>, micro<2, 4>},
+        {micro<3, 1>, micro<3, 2>, micro<3, 3>, micro<3, 4>},
+        {micro<4, 1>, micro<4, 2>, micro<4, 3>, micro<4, 4>},
+    };
+    return table[mr - 1][nr - 1];
+}
+
+void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+               const int8_t* B, const Epilogue& ep) {
+    const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
+    if (M < 4) {  // GEMV-like: eight independent accumulator chains per row
+        for (int64_t r = 0; r < M; ++r) {
+            int64_t nb = 0;
+            for (; nb + 8 <= nblocks; nb += 8) micro<1, 8>(A, lda, B, kq, r, nb, N, ep);
+            for (; nb < nblocks; nb += 4) {
+                const int nr = static_cast<int>(nblocks - nb < 4 ? nblocks - nb : 4);
+                pick(1, nr)(A, lda, B, kq, r, nb, N, ep);
+            }
+        }
+        return;
+    }
+    for (int64_t nb = 0; nb < nblocks; nb += 4) {
+        const int nr = static_cast<int>(nblocks - nb < 4 ? nblocks - nb : 4);
+        int64_t r = 0;
+        for (; r + 4 <= M; r += 4) pick(4, nr)(A, lda, B, kq, r, nb, N, ep);
+        if (r < M) pick(static_cast<int>(M - r), nr)(A, lda, B, kq, r, nb, N, ep);
+    }
+}
+
+#else  // portable fallback: same packed layout, same arithmetic
+
+void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+               const int8_t* B, const Epilogue& ep) {
+    const int64_t kq = Kp / 4;
+    for (int64_t r = 0; r < M; ++r) {
+        for (int64_t n = 0; n < N; ++n) {
+            const int8_t* b = B + (n / 16) * kq * 64 + (n % 16) * 4;
+            int32_t acc = 0;
+            for (int64_t k = 0; k < kq; ++k)
+                for (int u = 0; u < 4; ++u)
+                    acc += static_cast<int32_t>(A[r * lda + 4 * k + u]) * b[k * 64 + u];
+            float y = static_cast<float>(acc + ep.off[n]) * ep.scale[n];
+            if (ep.bias) y += ep.bias[n];
+            if (ep.out_f) {
+                ep.out_f[r * ep.ldc + n] = y;
+            } else {
+                ep.out_q[r * ep.ldc + n] = static_cast<int8_t>(
+                    quantize_value(y, ep.inv_scale, ep.zero_point, ep.qmin, ep.qmax));
+            }
+        }
+    }
+}
+
+#endif
+
+}  // namespace qt

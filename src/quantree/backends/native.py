@@ -1,0 +1,57 @@
+"""Build (once, cached) and load quantree's C++ int8 kernels.
+
+The kernels are plain C functions with no torch headers, so they compile in seconds with
+``torch.utils.cpp_extension.load`` (``-O3 -march=native``; the build lands in torch's
+extensions directory and is reused until the sources change). They are called through
+``ctypes`` with tensor data pointers: no pybind11, and about a microsecond per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17")
+
+_i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+SIGNATURES: dict[str, list[type]] = {
+    "qt_linear": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32,
+                  _int],
+    "qt_conv2d": [_ptr, *[_i64] * 18, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32, _int],
+    "qt_rnn_layer": [_int, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
+                     _ptr, _i64, _ptr, _ptr, _ptr, _f32, _f32, _ptr, _i64, _f32, _f32, _ptr,
+                     _ptr],
+}  # fmt: skip
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The compiled kernels (built on first use, then loaded from torch's cache)."""
+    path = cpp_extension.load(
+        name="quantree_cpu_kernels",
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=list(FLAGS),
+        extra_include_paths=[str(CSRC)],
+        is_python_module=False,
+        verbose=False,
+    )
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
+    return lib
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """The data pointer of a contiguous CPU tensor (None for an absent optional tensor)."""
+    if t is None:
+        return None
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return t.data_ptr()

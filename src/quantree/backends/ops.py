@@ -1,0 +1,167 @@
+"""quantree's int8 CPU ops, registered as ``torch.ops.quantree.*`` custom ops.
+
+They take and return plain tensors (int8 activations, packed int8 weights, int32 offsets,
+float scales), have fake implementations, and so survive ``torch.export`` and
+``torch.export.save``/``load``: importing ``quantree.backends`` registers them, nothing else
+of quantree is needed to run a loaded model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from quantree.backends.native import library, ptr
+from quantree.backends.packing import packed_depth
+
+qd = torch.ops.quantized_decomposed
+RNN_KINDS = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
+PER_LAYER = 8  # w_ih, off_ih, scale_ih, b_ih, w_hh, off_hh, scale_hh, b_hh
+
+
+def _inverse(scale: float) -> float:
+    return 1.0 / scale if scale > 0 else 0.0
+
+
+@torch.library.custom_op("quantree::linear", mutates_args=())
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    offset: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    out_features: int,
+    out_scale: float,
+    out_zero_point: int,
+    relu: bool,
+) -> Tensor:
+    """int8 ``x[..., K]`` times a packed weight; int8 out (``out_scale > 0``) or float."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    shape = (*x.shape[:-1], out_features)
+    quantized = out_scale > 0
+    out = torch.empty(shape, dtype=torch.int8 if quantized else torch.float32)
+    library().qt_linear(
+        ptr(x2), x2.shape[0], x2.shape[1], out_features, packed_depth(weight), ptr(weight),
+        ptr(offset), ptr(scale), ptr(bias), ptr(out) if quantized else None,
+        None if quantized else ptr(out), _inverse(out_scale), float(out_zero_point), int(relu),
+    )  # fmt: skip
+    return out
+
+
+@linear.register_fake
+def _(x, weight, offset, scale, bias, out_features, out_scale, out_zero_point, relu):
+    dtype = torch.int8 if out_scale > 0 else torch.float32
+    return x.new_empty((*x.shape[:-1], out_features), dtype=dtype)
+
+
+def conv2d_shape(
+    x: Tensor, out_channels: int, kernel: list[int], stride: list[int], padding: list[int],
+    dilation: list[int],
+) -> tuple[int, int, int, int]:  # fmt: skip
+    n, _, h, w = x.shape
+    oh = (h + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    return n, out_channels, oh, ow
+
+
+@torch.library.custom_op("quantree::conv2d", mutates_args=())
+def conv2d(
+    x: Tensor,
+    weight: Tensor,
+    offset: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    out_channels: int,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    x_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    relu: bool,
+) -> Tensor:
+    """int8 NCHW convolution (groups = 1); int8 out (``out_scale > 0``) or float."""
+    x = x.contiguous()
+    shape = conv2d_shape(x, out_channels, kernel, stride, padding, dilation)
+    quantized = out_scale > 0
+    out = torch.empty(shape, dtype=torch.int8 if quantized else torch.float32)
+    n, c, h, w = x.shape
+    library().qt_conv2d(
+        ptr(x), n, c, h, w, x_zero_point, out_channels, *kernel, *stride, *padding, *dilation,
+        shape[2], shape[3], packed_depth(weight), ptr(weight), ptr(offset), ptr(scale),
+        ptr(bias), ptr(out) if quantized else None, None if quantized else ptr(out),
+        _inverse(out_scale), float(out_zero_point), int(relu),
+    )  # fmt: skip
+    return out
+
+
+@conv2d.register_fake
+def _(x, weight, offset, scale, bias, out_channels, kernel, stride, padding, dilation,
+      x_zero_point, out_scale, out_zero_point, relu):  # fmt: skip
+    dtype = torch.int8 if out_scale > 0 else torch.float32
+    shape = conv2d_shape(x, out_channels, kernel, stride, padding, dilation)
+    return x.new_empty(shape, dtype=dtype)
+
+
+def _requantize(x: Tensor, scale: float, zero_point: int) -> Tensor:
+    return qd.quantize_per_tensor(x, scale, zero_point, -128, 127, torch.int8)
+
+
+def _dequantize(q: Tensor, scale: float, zero_point: int) -> Tensor:
+    return qd.dequantize_per_tensor(q, scale, zero_point, -128, 127, torch.int8)
+
+
+@torch.library.custom_op("quantree::rnn", mutates_args=())
+def rnn(
+    kind: str,
+    x: Tensor,
+    hx: list[Tensor],
+    params: list[Tensor],
+    hidden: int,
+    num_layers: int,
+    bidirectional: bool,
+    batch_first: bool,
+    qparams: list[float],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A whole int8 LSTM/GRU/RNN: ``(output, h_n, c_n)``, all int8 (``c_n`` empty if no cell).
+
+    ``qparams``: inner (the hidden state fed back, and outputs between layers) scale and
+    zero point, output, h state, c state. ``params``: ``PER_LAYER`` tensors per layer and
+    direction, as ``lowering.recurrent`` builds them.
+    """
+    inner_s, inner_z, y_s, y_z, h_s, h_z, c_s, c_z = qparams
+    lib, code, dirs = library(), RNN_KINDS[kind], 2 if bidirectional else 1
+    inp = (x.transpose(0, 1) if batch_first else x).contiguous()
+    steps, batch = inp.shape[0], inp.shape[1]
+    h = _dequantize(hx[0], h_s, int(h_z)).contiguous()
+    c = _dequantize(hx[1], c_s, int(c_z)).contiguous() if kind == "lstm" else None
+    for layer in range(num_layers):
+        last = layer == num_layers - 1
+        out_s, out_z = (y_s, y_z) if last else (inner_s, inner_z)
+        y = torch.empty(steps, batch, dirs * hidden, dtype=torch.int8)
+        for d in range(dirs):
+            i = layer * dirs + d
+            w_ih, off_ih, sc_ih, b_ih, w_hh, off_hh, sc_hh, b_hh = params[
+                i * PER_LAYER : (i + 1) * PER_LAYER
+            ]
+            lib.qt_rnn_layer(
+                code, steps, batch, inp.shape[2], hidden, d, ptr(inp), ptr(w_ih),
+                packed_depth(w_ih), ptr(off_ih), ptr(sc_ih), ptr(b_ih), ptr(w_hh),
+                packed_depth(w_hh), ptr(off_hh), ptr(sc_hh), ptr(b_hh), _inverse(inner_s),
+                inner_z, y.data_ptr() + d * hidden, dirs * hidden, _inverse(out_s), out_z,
+                ptr(h[i]), None if c is None else ptr(c[i]),
+            )  # fmt: skip
+        inp = y
+    out = inp.transpose(0, 1).contiguous() if batch_first else inp
+    h_n = _requantize(h, h_s, int(h_z))
+    c_n = _requantize(c, c_s, int(c_z)) if c is not None else x.new_empty((0,))
+    return out, h_n, c_n
+
+
+@rnn.register_fake
+def _(kind, x, hx, params, hidden, num_layers, bidirectional, batch_first, qparams):
+    dirs = 2 if bidirectional else 1
+    out = x.new_empty((*x.shape[:2], dirs * hidden), dtype=torch.int8)
+    c_n = hx[1].new_empty(hx[1].shape) if kind == "lstm" else x.new_empty((0,))
+    return out, hx[0].new_empty(hx[0].shape), c_n

@@ -1,0 +1,111 @@
+"""What the CPU lowering rules read from a reference graph: int8 activations and weights.
+
+Each helper answers "is this argument what an int8 kernel can consume?" and returns the
+integer tensor (a graph node or a folded constant) with its parameters, or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from quantree.backend import LoweringContext
+from quantree.graphs import fetch_attr
+from quantree.specs import QDtype, QParams
+
+aten = torch.ops.aten
+RELU = (aten.relu.default, aten.relu_.default)
+INT8_RANGE = (-128, 127)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """An int8 per-tensor activation: the node producing the integers, and its parameters."""
+
+    node: fx.Node
+    scale: float
+    zero_point: int
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A folded int8 weight with symmetric per-output-channel scales (float32 ``[N]``)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where a lowered op's result goes: the node it replaces and, if int8, its parameters."""
+
+    replaces: fx.Node
+    scale: float  # 0.0: the op produces float
+    zero_point: int
+    relu: bool
+
+
+def is_int8_per_tensor(p: QParams) -> bool:
+    return p.axis is None and p.dtype == QDtype.INT8 and (p.quant_min, p.quant_max) == INT8_RANGE
+
+
+def activation(ctx: LoweringContext, arg: object) -> Activation | None:
+    dq = ctx.dequantized(arg)
+    if dq is None or dq.is_constant or not is_int8_per_tensor(dq.params):
+        return None
+    return Activation(dq.source, float(dq.params.scale), int(dq.params.zero_point))
+
+
+def weight(ctx: LoweringContext, arg: object) -> Weight | None:
+    dq = ctx.dequantized(arg)
+    if dq is None or not dq.is_constant or dq.params.dtype != QDtype.INT8:
+        return None
+    p = dq.params
+    if bool((p.zero_point != 0).any()) or p.axis not in (None, 0):
+        return None
+    values = fetch_attr(ctx.gm, str(dq.source.target))
+    scale = p.scale.float().reshape(-1).expand(values.shape[0]).contiguous()
+    return Weight(values, scale)
+
+
+def float_constant(ctx: LoweringContext, arg: object, size: int) -> torch.Tensor | None:
+    """A bias as float32 ``[size]``: dequantized if stored as integers; zeros when absent."""
+    if arg is None:
+        return torch.zeros(size)
+    dq = ctx.dequantized(arg)
+    if dq is not None and dq.is_constant:
+        return ctx.constant(dq).float().reshape(size).contiguous()
+    if isinstance(arg, fx.Node) and arg.op == "get_attr":
+        return fetch_attr(ctx.gm, str(arg.target)).detach().float().reshape(size).contiguous()
+    return None
+
+
+def output(ctx: LoweringContext, node: fx.Node, allow_float: bool = True) -> Output | None:
+    """``node -> quantize``, ``node -> relu -> quantize``, or (``allow_float``) plain float."""
+    users = list(node.users)
+    relu = len(users) == 1 and users[0].target in RELU
+    tail = users[0] if relu else node
+    q = ctx.quantized_output(tail)
+    if q is not None and is_int8_per_tensor(q.params):
+        return Output(q.node, float(q.params.scale), int(q.params.zero_point), relu)
+    if relu or not allow_float:
+        return None
+    return Output(node, 0.0, 0, False)
+
+
+def constant(ctx: LoweringContext, prefix: str, value: torch.Tensor, before: fx.Node) -> fx.Node:
+    node = ctx.add_constant(prefix, value.contiguous(), before=before)
+    node.meta["val"] = value
+    return node
+
+
+def replace(ctx: LoweringContext, old: fx.Node, new: fx.Node, chain: Iterable[fx.Node]) -> None:
+    """Route ``old``'s users to ``new``, then erase the now dead ``chain`` (users first)."""
+    new.meta["nn_module_stack"] = old.meta.get("nn_module_stack", {})
+    old.replace_all_uses_with(new)
+    for node in chain:
+        if not node.users:
+            ctx.gm.graph.erase_node(node)
