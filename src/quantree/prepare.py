@@ -166,13 +166,8 @@ def _form_groups(
         a, b = uf.find(key), uf.find(key.value)
         if a != b and compatible(resolved[a], resolved[b]):
             uf.union(a, b)
-            resolved[uf.find(a)] = resolve_group_spec([*_members(uf, a)], specs)
+            resolved[uf.find(a)] = resolve_group_spec(uf.members(a), specs)
     return specs, uf
-
-
-def _members(uf: UnionFind, key: Key) -> list[Key]:
-    root = uf.find(key)
-    return next(g for g in uf.groups() if uf.find(g[0]) == root)
 
 
 def _warn_float_ops(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) -> None:

@@ -23,11 +23,13 @@ class UnionFind:
     def __init__(self) -> None:
         self._parent: dict[Key, Key] = {}
         self._order: dict[Key, int] = {}
+        self._members: dict[Key, list[Key]] = {}
 
     def add(self, key: Key) -> None:
         if key not in self._parent:
             self._parent[key] = key
             self._order[key] = len(self._order)
+            self._members[key] = [key]
 
     def find(self, key: Key) -> Key:
         self.add(key)
@@ -43,13 +45,17 @@ class UnionFind:
         if self._order[rb] < self._order[ra]:
             ra, rb = rb, ra
         self._parent[rb] = ra
+        self._members[ra] = sorted(
+            self._members[ra] + self._members.pop(rb), key=self._order.__getitem__
+        )
+
+    def members(self, key: Key) -> list[Key]:
+        """Members of ``key``'s set in insertion order."""
+        return self._members[self.find(key)]
 
     def groups(self) -> list[list[Key]]:
         """Members of every set, sets and members in insertion order."""
-        by_root: dict[Key, list[Key]] = {}
-        for key in self._order:
-            by_root.setdefault(self.find(key), []).append(key)
-        return list(by_root.values())
+        return sorted(self._members.values(), key=lambda m: self._order[m[0]])
 
 
 def resolve_group_spec(members: Sequence[Key], specs: dict[Key, Spec]) -> ConcreteSpec:
