@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from quantree.cells_recipe import cells_rules, fixed_sigmoid, fixed_tanh
+from quantree.cells_recipe import RECURRENT_OPS, cells_rules, fixed_sigmoid, fixed_tanh
 from quantree.errors import QuantreeError
 from quantree.points import CellsOptions
 from quantree.quantizer import Annotation, Quantizer, Rule
@@ -156,7 +156,8 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
         inputs = {(0, i): SharedSpec(Value(node)) for i in range(len(tensors))}
         return Annotation(outputs=act, inputs=inputs)
 
-    def layer_norm(node: fx.Node) -> Annotation:
+    def unary(node: fx.Node) -> Annotation:
+        """Input and output quantized separately (the op changes the range)."""
         return Annotation(outputs=act, inputs={(0,): act})
 
     def embedding(node: fx.Node) -> Annotation:
@@ -176,6 +177,9 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
             (
                 aten.max_pool2d,
                 aten.max_pool2d_with_indices,
+                aten.max_pool1d,
+                aten.hardtanh,
+                aten.clamp,
                 aten.max.dim,
                 aten.chunk,
                 aten.split,
@@ -185,11 +189,19 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
             same_as_input,
         ),
         Rule((aten.cat, aten.concat), cat),
-        Rule((aten.layer_norm,), layer_norm),
-        Rule((aten.embedding,), embedding),
         Rule(
-            (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input), recurrent
+            (
+                aten.layer_norm,
+                aten.avg_pool2d,
+                aten.adaptive_avg_pool2d,
+                aten.mean,
+                aten.avg_pool1d,
+                aten.adaptive_avg_pool1d,
+            ),
+            unary,
         ),
+        Rule((aten.embedding,), embedding),
+        Rule(RECURRENT_OPS, recurrent),
     )
 
 

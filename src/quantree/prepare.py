@@ -15,6 +15,7 @@ import torch.fx as fx
 from quantree.canonicalize import canonicalize
 from quantree.cells import cell_bodies, decompose
 from quantree.errors import QuantreeError, QuantreeWarning
+from quantree.fold import fold_batch_norm
 from quantree.graphs import copy_graph_module, fetch_attr
 from quantree.observers import make_observer
 from quantree.quantizer import Annotation, Quantizer
@@ -194,7 +195,7 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     Recurrent nodes whose annotation asks for cells are first decomposed into cell loops;
     each cell body is then observed like any graph.
     """
-    gm = canonicalize(copy_graph_module(gm))
+    gm = canonicalize(fold_batch_norm(copy_graph_module(gm)))
     decomposed = False
     for node in list(gm.graph.nodes):
         annotation = quantizer.annotate_node(node)
