@@ -1,17 +1,96 @@
-"""``quantree demo``: quantize the bundled character-level LSTM and show what it costs."""
+"""``quantree demo``: quantize the bundled character-level LSTM and show what it costs.
+
+Every quantized configuration is one entry of ``VARIANTS`` (a name, a quantizer factory, an
+optional backend); a variant whose API is not in this build (``requires``) is skipped, so a
+new recipe or backend appears in the table by adding one line.
+"""
 
 from __future__ import annotations
 
+import copy
+import importlib
+import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
-from quantree.metrics import sqnr
-from quantree.pipeline import quantize
+import quantree as qt
+from quantree.backend import REFERENCE, Backend, lower
+from quantree.calibrate import calibrate
+from quantree.capture import capture
+from quantree.compare import Comparison, compare
+from quantree.convert import convert
+from quantree.measure import latency_ms, model_bytes, torch_threads
+from quantree.prepare import prepare
+from quantree.quantizer import Quantizer
+from quantree.report import Report, bar_chart
 from quantree.workloads import batches, bits_per_char, load_charlm, load_corpus
 
 BATCH, SEQ = 16, 128
+DEFAULT_REPORT = Path("quantree-report") / "report.html"
+
+
+def _resolve(name: str) -> object | None:
+    """``quantree.<name>`` (dotted: ``backends.CPU``) if this build has it, else None."""
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = importlib.import_module(f"quantree.{module_name}" if module_name else "quantree")
+    except ImportError:
+        return None
+    return getattr(module, attr, None)
+
+
+def int8_whole() -> Quantizer:
+    return qt.Int8Quantizer()
+
+
+def int8_cells_int16_cell() -> Quantizer:
+    return qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS, cell_state_dtype=qt.QDtype.INT16)
+
+
+def integer_lstm() -> Quantizer:
+    return qt.Int8Quantizer(
+        recurrent=qt.RecurrentMode.CELLS,
+        cell_state_dtype=qt.QDtype.INT16,
+        gate_dtype=qt.QDtype.INT16,
+    )
+
+
+def a16w8() -> Quantizer:
+    return qt.A16W8Quantizer()
+
+
+def cpu_backend() -> Backend:
+    backend = _resolve("backends.CPU")
+    assert isinstance(backend, Backend)
+    return backend
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the demo: a recipe, and the backend its reference graph is lowered for."""
+
+    name: str
+    quantizer: Callable[[], Quantizer]
+    backend: Callable[[], Backend] | None = None
+    requires: tuple[str, ...] = ()
+
+    @property
+    def available(self) -> bool:
+        return all(_resolve(name) is not None for name in self.requires)
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("int8 whole", int8_whole),
+    Variant("int8 cells, int16 cell", int8_cells_int16_cell, requires=("RecurrentMode",)),
+    Variant("integer LSTM (cells)", integer_lstm, requires=("RecurrentMode",)),
+    Variant("a16w8 whole", a16w8, requires=("A16W8Quantizer",)),
+    Variant("int8 whole, CPU kernels", int8_whole, cpu_backend, requires=("backends.CPU",)),
+)
 
 
 @dataclass(frozen=True)
@@ -19,43 +98,183 @@ class DemoRow:
     variant: str
     bits_per_char: float
     logits_sqnr_db: float
-    seconds: float
+    latency_ms: float
+    size_bytes: int
+    calibrate_s: float = 0.0  # calibration of the recipe (shared by its backends)
+    quantize_s: float = 0.0  # capture + prepare + calibrate + convert + lower
+    note: str = ""
 
 
-def run_demo(calibration_batches: int = 50, eval_chars: int = 200_000) -> list[DemoRow]:
-    model = load_charlm("lstm")
-    validation = load_corpus("validation")
-    calibration = batches(
-        load_corpus("train", max_chars=400_000), BATCH, SEQ, calibration_batches, seed=0
-    )
-    probe = batches(validation, BATCH, SEQ, 1, seed=1)[0]
+@dataclass
+class DemoResult:
+    rows: list[DemoRow] = field(default_factory=list)
+    comparisons: dict[str, Comparison] = field(default_factory=dict)
+    calibration_batches: int = 0
+    eval_chars: int = 0
+    seconds: float = 0.0
+
+    def row(self, variant: str) -> DemoRow:
+        return next(r for r in self.rows if r.variant == variant)
+
+
+def _calibrated(
+    model: torch.nn.Module,
+    variant: Variant,
+    calibration: list[tuple[torch.Tensor]],
+    progress: bool,
+) -> tuple[torch.fx.GraphModule, float, float]:
+    """The converted reference graph, calibration seconds, total quantize seconds."""
     start = time.perf_counter()
-    quantized = quantize(model, probe, calibration)
-    seconds = time.perf_counter() - start
-    with torch.no_grad():
-        reference = model(*probe)
-        rows = [
-            DemoRow(
-                "float", bits_per_char(model, validation, SEQ, BATCH, eval_chars), float("inf"), 0.0
-            )
-        ]
-        rows.append(
-            DemoRow(
-                "int8 whole",
-                bits_per_char(quantized, validation, SEQ, BATCH, eval_chars),
-                sqnr(reference, quantized(*probe)),
-                seconds,
-            )
-        )
-    return rows
+    prepared = prepare(capture(model, calibration[0]), variant.quantizer())
+    data = tqdm(
+        calibration,
+        desc=f"calibrating {variant.name}",
+        unit="batch",
+        disable=not progress,
+        leave=False,
+    )
+    cal_start = time.perf_counter()
+    calibrate(prepared, data, progress=False)
+    cal_s = time.perf_counter() - cal_start
+    converted = convert(prepared)
+    return converted, cal_s, time.perf_counter() - start
 
 
-def print_rows(rows: list[DemoRow]) -> None:
-    base = rows[0].bits_per_char
-    print(f"{'variant':<14}{'bits/char':>10}{'vs float':>10}{'logits SQNR':>13}{'quantize s':>12}")
-    for r in rows:
-        delta = (r.bits_per_char / base - 1) * 100
-        print(
-            f"{r.variant:<14}{r.bits_per_char:>10.4f}{delta:>+9.2f}%{r.logits_sqnr_db:>10.1f} dB"
-            f"{r.seconds:>12.1f}"
+def run_demo(
+    calibration_batches: int = 50,
+    eval_chars: int = 100_000,
+    *,
+    compare_batches: int = 4,
+    variants: tuple[Variant, ...] = VARIANTS,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> DemoResult:
+    """Quantize the bundled model with every available variant and measure each one."""
+    start = time.perf_counter()
+    result = DemoResult(calibration_batches=calibration_batches, eval_chars=eval_chars)
+    with torch_threads(1), torch.no_grad():
+        model = load_charlm("lstm")
+        validation = load_corpus("validation")[: eval_chars + 1]
+        train = load_corpus("train", max_chars=400_000)
+        calibration = batches(train, BATCH, SEQ, calibration_batches, seed=0)
+        probes = batches(validation, BATCH, SEQ, compare_batches, seed=1)
+        probe = probes[0]
+
+        float_gm = capture(model, probe)
+
+        def measure(name: str, qmodel: torch.nn.Module) -> tuple[float, float, float, int]:
+            logits_db = float("inf")
+            if qmodel is not model:
+                comparison = compare(float_gm, qmodel, probes)
+                result.comparisons[name] = comparison
+                logits_db = comparison.outputs[0].sqnr_db if comparison.outputs else math.nan
+            bpc = bits_per_char(qmodel, validation, SEQ, BATCH)
+            return bpc, logits_db, latency_ms(qmodel, probe), model_bytes(qmodel)
+
+        bpc, _, ms, size = measure("float", model)
+        result.rows.append(DemoRow("float", bpc, float("inf"), ms, size))
+        log(f"float: {bpc:.4f} bits/char, {ms:.1f} ms per forward ({BATCH}x{SEQ} chars)")
+        dynamic = torch.ao.quantization.quantize_dynamic(
+            copy.deepcopy(model), {torch.nn.LSTM, torch.nn.Linear}, dtype=torch.qint8
         )
+        bpc, db, ms, size = measure("torch dynamic int8", dynamic)
+        result.rows.append(DemoRow("torch dynamic int8", bpc, db, ms, size, note="baseline"))
+
+        converted: dict[Callable[[], Quantizer], tuple[torch.fx.GraphModule, float, float]] = {}
+        for variant in variants:
+            if not variant.available:
+                log(f"{variant.name}: skipped (needs {', '.join(variant.requires)})")
+                continue
+            if variant.quantizer not in converted:
+                converted[variant.quantizer] = _calibrated(model, variant, calibration, progress)
+            ref, cal_s, quant_s = converted[variant.quantizer]
+            lower_start = time.perf_counter()
+            backend = variant.backend() if variant.backend is not None else REFERENCE
+            qmodel = lower(ref, backend)
+            quant_s += time.perf_counter() - lower_start
+            bpc, db, ms, size = measure(variant.name, qmodel)
+            result.rows.append(DemoRow(variant.name, bpc, db, ms, size, cal_s, quant_s))
+            log(
+                f"{variant.name}: calibrated {calibration_batches} batches in {cal_s:.1f} s, "
+                f"{bpc:.4f} bits/char, logits {db:.1f} dB, {ms:.1f} ms"
+            )
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def table_lines(result: DemoResult) -> list[str]:
+    """The demo's one table, as printed."""
+    base = result.rows[0]
+    dynamic = next((r for r in result.rows if r.variant == "torch dynamic int8"), base)
+    width = max(len(r.variant) for r in result.rows)
+    header = (
+        f"{'variant':<{width}}  {'bits/char':>9}  {'vs float':>8}  {'logits SQNR':>11}  "
+        f"{'latency':>10}  {'vs float':>8}  {'vs dynamic':>10}  {'size':>8}  {'calibrate':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in result.rows:
+        delta = (r.bits_per_char / base.bits_per_char - 1.0) * 100.0
+        db = "-" if r.variant == "float" else f"{r.logits_sqnr_db:.1f} dB"
+        cal = f"{r.calibrate_s:.1f} s" if r.calibrate_s else "-"
+        lines.append(
+            f"{r.variant:<{width}}  {r.bits_per_char:>9.4f}  {delta:>+7.2f}%  {db:>11}  "
+            f"{r.latency_ms:>7.1f} ms  {r.latency_ms / base.latency_ms:>7.2f}x  "
+            f"{r.latency_ms / dynamic.latency_ms:>9.2f}x  {r.size_bytes / 1e6:>5.2f} MB  {cal:>9}"
+        )
+    return lines
+
+
+def describe(result: DemoResult) -> str:
+    return (
+        f"bundled char-level LSTM LM (stdlib text); bits/char on {result.eval_chars:,} "
+        f"validation chars, logits SQNR on {BATCH}x{SEQ} validation windows, latency = median "
+        f"forward of {BATCH}x{SEQ} chars on 1 thread, calibration on "
+        f"{result.calibration_batches} batches of {BATCH}x{SEQ}"
+    )
+
+
+def write_report(result: DemoResult, path: str | Path) -> Path:
+    """The demo's HTML report: the table, latency and size bars, per-tensor SQNR per variant."""
+    report = Report("quantree demo")
+    report.paragraph(describe(result))
+    report.preformatted("\n".join(table_lines(result)))
+    names = [r.variant for r in result.rows]
+    report.heading("Latency")
+    report.image(
+        bar_chart(names, [r.latency_ms for r in result.rows], "forward latency (1 thread)", "ms"),
+        "latency per variant",
+    )
+    report.heading("Accuracy and size")
+    report.image(
+        bar_chart(
+            names,
+            [r.bits_per_char for r in result.rows],
+            "validation bits per character (lower is better)",
+            "bits/char",
+            "{:.4f}",
+        ),
+        "bits per character per variant",
+    )
+    report.image(
+        bar_chart(names, [r.size_bytes / 1e6 for r in result.rows], "model size", "MB", "{:.2f}"),
+        "model size per variant",
+    )
+    for name, comparison in result.comparisons.items():
+        report.comparison(comparison, f"{name}: per-tensor SQNR against float")
+    return report.write(path)
+
+
+def main(
+    calibration_batches: int = 50,
+    eval_chars: int = 100_000,
+    report_path: str | Path = DEFAULT_REPORT,
+) -> DemoResult:
+    """What ``quantree demo`` runs: measure, print the table, write the report."""
+    result = run_demo(calibration_batches, eval_chars)
+    print()
+    print(describe(result))
+    print("\n".join(table_lines(result)))
+    written = write_report(result, report_path)
+    print(f"\nreport: {written}")
+    print(f"demo took {result.seconds:.0f} s")
+    return result

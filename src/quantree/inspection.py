@@ -1,0 +1,231 @@
+"""inspection: what a quantized graph quantizes and how, read from the graph alone.
+
+Works on any GraphModule with ``quantized_decomposed`` quantize/dequantize ops, including one
+loaded back from a ``.pt2`` file (no quantree metadata needed): each quantization point with
+its dtype, range and scale/zero-point (or per-channel axis), then every compute op with how
+many of its float inputs and outputs go through q/dq, so the ops left in float stand out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from quantree.compare import DEQUANTIZE_OPS, QUANTIZE_OPS
+from quantree.values import is_getitem, leaves_with_paths
+
+qd = torch.ops.quantized_decomposed
+_PER_CHANNEL = (qd.quantize_per_channel.default, qd.dequantize_per_channel.default)
+
+
+@dataclass(frozen=True)
+class QuantPoint:
+    """One quantize (or folded integer constant) and the dequantize that reads it."""
+
+    tensor: str  # the float tensor quantized: a node, a leaf "lstm[1]", or a constant
+    read_by: tuple[str, ...]  # consumers of the dequantized tensor, "linear.args[1]"
+    dtype: str
+    quant_min: int
+    quant_max: int
+    scheme: str  # "per-tensor scale 0.0123 zero_point -3" / "per-channel axis 0 (98 ch), ..."
+    constant: bool
+
+
+@dataclass(frozen=True)
+class OpStatus:
+    node: str
+    op: str
+    inputs_quantized: int
+    inputs_float: int
+    outputs_quantized: int
+    outputs_float: int
+    lowered: bool
+
+    @property
+    def status(self) -> str:
+        if self.lowered:
+            return "integer kernel"
+        if self.inputs_float == 0 and self.outputs_float == 0:
+            return "quantized" if self.inputs_quantized or self.outputs_quantized else "float"
+        if self.inputs_quantized or self.outputs_quantized:
+            return "partly float"
+        return "float"
+
+
+def tensor_name(node: fx.Node) -> str:
+    """``lstm[1]`` for a getitem chain, the node's own name otherwise."""
+    path = []
+    while is_getitem(node) and isinstance(node.args[0], fx.Node):
+        path.append(node.args[1])
+        node = node.args[0]
+    return node.name + "".join(f"[{p!r}]" for p in reversed(path))
+
+
+def _attr(gm: torch.nn.Module, node: Any) -> Any:
+    obj: Any = gm
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _scheme(gm: torch.nn.Module, node: fx.Node) -> str:
+    args = node.args
+    if node.target in _PER_CHANNEL:
+        scale, zp, axis = (_attr(gm, args[1]), _attr(gm, args[2]), args[3])
+        return (
+            f"per-channel axis {axis} ({scale.numel()} ch), scale {float(scale.min()):.3g}.."
+            f"{float(scale.max()):.3g}, zero_point {int(zp.min())}..{int(zp.max())}"
+        )
+    return f"per-tensor scale {float(args[1]):.6g} zero_point {int(args[2])}"  # type: ignore[arg-type]
+
+
+def _consumers(node: fx.Node) -> tuple[str, ...]:
+    found = []
+    for user in node.users:
+        if user.op == "output":
+            found.append("output")
+            continue
+        for head, root in [*enumerate(user.args), *user.kwargs.items()]:
+            for path, leaf in leaves_with_paths(root):
+                if leaf is node:
+                    where = "".join(f"[{p!r}]" for p in path)
+                    found.append(f"{user.name}.args[{head}]{where}")
+    return tuple(found)
+
+
+def quant_points(gm: fx.GraphModule) -> list[QuantPoint]:
+    """Every dequantize in graph order, with what it dequantizes and how."""
+    points = []
+    for node in gm.graph.nodes:
+        if node.target not in DEQUANTIZE_OPS:
+            continue
+        source = node.args[0]
+        assert isinstance(source, fx.Node)
+        constant = source.op == "get_attr"
+        if source.target in QUANTIZE_OPS and isinstance(source.args[0], fx.Node):
+            tensor = tensor_name(source.args[0])
+        else:
+            tensor = f"constant {source.target}"
+        qmin, qmax, dtype = node.args[4:7] if node.target in _PER_CHANNEL else node.args[3:6]
+        if constant:
+            value = _attr(gm, source)
+            tensor += f" {list(value.shape)}" if isinstance(value, torch.Tensor) else ""
+        points.append(
+            QuantPoint(
+                tensor,
+                _consumers(node),
+                str(dtype).replace("torch.", ""),
+                int(qmin),  # type: ignore[call-overload]
+                int(qmax),  # type: ignore[call-overload]
+                _scheme(gm, node),
+                constant,
+            )
+        )
+    return points
+
+
+def _is_float_value(node: Any) -> bool:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if isinstance(val, torch.Tensor):
+        return val.is_floating_point()
+    return isinstance(node, fx.Node) and node.op == "call_function" and val is None
+
+
+def op_statuses(gm: fx.GraphModule) -> list[OpStatus]:
+    """Each compute op with how many float inputs/outputs pass through q/dq."""
+    rows = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or is_getitem(node):
+            continue
+        if node.target in QUANTIZE_OPS or node.target in DEQUANTIZE_OPS:
+            continue
+        namespace = getattr(node.target, "namespace", "")
+        lowered = namespace not in ("", "aten", "quantized_decomposed", "prims")
+        inputs = [
+            leaf
+            for root in [*node.args, *node.kwargs.values()]
+            for _, leaf in leaves_with_paths(root)
+            if isinstance(leaf, fx.Node)
+        ]
+        in_q = sum(1 for a in inputs if a.target in DEQUANTIZE_OPS)
+        in_f = sum(
+            1
+            for a in inputs
+            if a.target not in DEQUANTIZE_OPS and a.op != "get_attr" and _is_float_value(a)
+        )
+        in_f += sum(
+            1
+            for a in inputs
+            if a.op == "get_attr"
+            and isinstance(v := _attr(gm, a), torch.Tensor)
+            and v.is_floating_point()
+        )
+        carriers = [node] if not any(is_getitem(u) for u in node.users) else _leaves(node)
+        float_carriers = [c for c in carriers if _is_float_value(c)]
+        out_q = sum(1 for c in float_carriers if any(u.target in QUANTIZE_OPS for u in c.users))
+        rows.append(
+            OpStatus(
+                node.name,
+                _op_name(node),
+                in_q,
+                in_f,
+                out_q,
+                len(float_carriers) - out_q,
+                lowered,
+            )
+        )
+    return rows
+
+
+def _leaves(node: fx.Node) -> list[fx.Node]:
+    found = []
+    for user in node.users:
+        if is_getitem(user):
+            nested = [u for u in user.users if is_getitem(u)]
+            found.extend(_leaves(user) if nested else [user])
+    return found
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    namespace = getattr(target, "namespace", "")
+    return f"{namespace}.{name}" if namespace else str(name)
+
+
+def summary(gm: fx.GraphModule, title: str = "model") -> str:
+    """The text ``quantree inspect`` prints."""
+    points = quant_points(gm)
+    ops = op_statuses(gm)
+    left = [op for op in ops if op.status in ("float", "partly float")]
+    lines = [
+        f"{title}: {len(points)} quantization point(s) "
+        f"({sum(p.constant for p in points)} constant), {len(ops)} op(s), "
+        f"{len(left)} computing in float",
+    ]
+    if points:
+        lines += ["", "quantized tensors (graph order):"]
+        tw = max(len(p.tensor) for p in points)
+        for p in points:
+            lines.append(
+                f"  {p.tensor:<{tw}}  {p.dtype:<6} [{p.quant_min}, {p.quant_max}]  {p.scheme}"
+                f"  -> {', '.join(p.read_by) or '(unused)'}"
+            )
+    else:
+        lines += ["", "no quantize/dequantize ops: the model is float"]
+    if ops:
+        lines += ["", "ops:"]
+        nw = max(len(o.node) for o in ops)
+        ow = max(len(o.op) for o in ops)
+        for o in ops:
+            lines.append(
+                f"  {o.node:<{nw}}  {o.op:<{ow}}  {o.status:<14}  inputs {o.inputs_quantized} "
+                f"dequantized / {o.inputs_float} float, outputs {o.outputs_quantized} "
+                f"quantized / {o.outputs_float} float"
+            )
+    if left:
+        lines += ["", "stay in float: " + ", ".join(f"{o.node} ({o.op})" for o in left)]
+    return "\n".join(lines)
