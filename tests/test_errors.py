@@ -121,3 +121,14 @@ def test_bad_spec_values_fail_at_construction():
         qt.FixedSpec(-1.0, 0)
     with pytest.raises(qt.QuantreeError):
         qt.QuantSpec("int8")  # type: ignore[arg-type]
+
+
+def test_symbolically_traced_graph_is_refused_with_the_fix():
+    traced = torch.fx.symbolic_trace(WithGelu())
+    with pytest.raises(qt.QuantreeError, match=r"meta\['val'\].*quantree\.capture"):
+        qt.prepare(traced, qt.Int8Quantizer())
+
+
+def test_capture_needs_a_tuple_of_arguments():
+    with pytest.raises(qt.QuantreeError, match=r"write \(x,\)"):
+        qt.capture(WithGelu(), torch.randn(2, 8))  # type: ignore[arg-type]

@@ -195,6 +195,7 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     Recurrent nodes whose annotation asks for cells are first decomposed into cell loops;
     each cell body is then observed like any graph.
     """
+    _check_captured(gm)
     gm = canonicalize(fold_batch_norm(copy_graph_module(gm)))
     decomposed = False
     for node in list(gm.graph.nodes):
@@ -209,6 +210,15 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
         observe(body, quantizer)
     gm.recompile()
     return gm
+
+
+def _check_captured(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "call_function") and "val" not in node.meta:
+            raise QuantreeError(
+                f"node {node.name} ({node.target}) has no meta['val']: prepare needs a graph "
+                "from quantree.capture (torch.export), not from symbolic tracing"
+            )
 
 
 def _drop_export_guards(gm: fx.GraphModule) -> None:
