@@ -17,14 +17,13 @@ from quantree.cells import cell_bodies, decompose
 from quantree.errors import QuantreeError, QuantreeWarning
 from quantree.fold import fold_batch_norm
 from quantree.graphs import copy_graph_module, fetch_attr
+from quantree.grouping import form_groups
 from quantree.observers import make_observer
 from quantree.quantizer import Annotation, Quantizer
-from quantree.sharing import Group, UnionFind, compatible, labels, resolve_group_spec
-from quantree.specs import SPEC_TYPES, DerivedSpec, QuantSpec, SharedSpec, Spec
+from quantree.sharing import Group
+from quantree.specs import QuantSpec
 from quantree.values import (
-    Key,
     Path,
-    Use,
     Value,
     is_float_tensor,
     is_getitem,
@@ -83,92 +82,6 @@ class NodeQuant:
     annotation: Annotation
     output_groups: dict[Path, int] = field(default_factory=dict)
     input_groups: dict[Path, int] = field(default_factory=dict)
-
-
-def _canonical(key: Value | Use) -> Value | Use:
-    if isinstance(key, Value):
-        return Value.of(key.node, key.path)
-    return Use(Value.of(key.value.node, key.value.path), key.user, key.arg_path)
-
-
-def _is_spec_leaf(x: object) -> bool:
-    return x is None or isinstance(x, SPEC_TYPES)
-
-
-def _where(node: fx.Node) -> str:
-    return f"node {node.name} ({node.target})"
-
-
-def _output_specs(node: fx.Node, annotation: Annotation) -> dict[Key, Spec]:
-    meta = tensor_meta(node)
-    if annotation.outputs is None:
-        return {}
-    given = dict(leaves_with_paths(annotation.outputs, is_leaf=_is_spec_leaf))
-    expected = {path for path, _ in leaves_with_paths(meta)}
-    if set(given) != expected:
-        raise QuantreeError(
-            f"annotation of {_where(node)}: output spec leaves at {sorted(given, key=str)} do "
-            f"not match the output's leaves at {sorted(expected, key=str)}; shape the output "
-            "spec like the output (None for leaves left in float)"
-        )
-    specs: dict[Key, Spec] = {}
-    for path, spec in given.items():
-        if spec is None:
-            continue
-        value = Value.of(node, path)
-        if not is_float_tensor(value.meta):
-            raise QuantreeError(
-                f"annotation of {_where(node)}: output {list(path)} is "
-                f"{getattr(value.meta, 'dtype', type(value.meta).__name__)}, not a float "
-                "tensor; give it None"
-            )
-        specs[value] = spec
-    return specs
-
-
-def _input_specs(node: fx.Node, annotation: Annotation) -> dict[Key, Spec]:
-    specs: dict[Key, Spec] = {}
-    for arg_path, spec in annotation.inputs.items():
-        if spec is None:
-            continue
-        if not isinstance(spec, SPEC_TYPES):
-            raise QuantreeError(f"annotation of {_where(node)}: {spec!r} is not a spec")
-        use = Use.of(node, tuple(arg_path))
-        if not is_float_tensor(use.value.meta):
-            raise QuantreeError(
-                f"annotation of {_where(node)}: input {list(arg_path)} is not a float tensor; "
-                "only float tensors are quantized"
-            )
-        specs[use] = spec
-    return specs
-
-
-def _form_groups(
-    annotations: dict[fx.Node, Annotation],
-) -> tuple[dict[Value | Use, Spec], UnionFind]:
-    specs: dict[Value | Use, Spec] = {}
-    for node, annotation in annotations.items():
-        specs.update(_output_specs(node, annotation))
-        specs.update(_input_specs(node, annotation))
-    uf = UnionFind()
-    for key in sorted(specs, key=lambda k: isinstance(k, Use)):  # Values first: they lead
-        uf.add(key)
-    for key, spec in specs.items():
-        if isinstance(spec, SharedSpec):
-            uf.union(key, _canonical(spec.target))
-    resolved = {}
-    for members in uf.groups():
-        resolved[uf.find(members[0])] = resolve_group_spec(members, specs)
-    for key in list(specs):
-        if not isinstance(key, Use) or key.value not in specs:
-            continue
-        if not annotations[key.user].share_with_producers:
-            continue
-        a, b = uf.find(key), uf.find(key.value)
-        if a != b and compatible(resolved[a], resolved[b]):
-            uf.union(a, b)
-            resolved[uf.find(a)] = resolve_group_spec(uf.members(a), specs)
-    return specs, uf
 
 
 def _warn_float_ops(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) -> None:
@@ -235,20 +148,8 @@ def _drop_export_guards(gm: fx.GraphModule) -> None:
 def observe(gm: fx.GraphModule, quantizer: Quantizer) -> None:
     """Annotate ``gm`` in place and insert one observer per sharing group."""
     annotations = quantizer.annotate(gm)
-    specs, uf = _form_groups(annotations)
+    groups, group_of = form_groups(annotations)
     carriers = value_carriers(gm.graph)
-
-    groups: dict[int, Group] = {}
-    group_of: dict[Value | Use, int] = {}
-    for gid, members in enumerate(uf.groups()):
-        spec = resolve_group_spec(members, specs)
-        for m in members:
-            group_of[m] = gid
-        groups[gid] = Group(gid, spec, labels(members))
-    for gid, group in groups.items():
-        if isinstance(group.spec, DerivedSpec):
-            sources = tuple(_source_group(k, group_of, group) for k in group.spec.derived_from)
-            groups[gid] = Group(gid, group.spec, group.members, derived_from=sources)
 
     outputs: dict[fx.Node, dict[Path, int]] = {}
     inputs: dict[fx.Node, dict[Path, int]] = {}
@@ -286,13 +187,3 @@ def observe(gm: fx.GraphModule, quantizer: Quantizer) -> None:
     _warn_float_ops(gm, annotations)
     gm.graph.lint()
     gm.recompile()
-
-
-def _source_group(key: Value | Use, group_of: dict[Value | Use, int], group: Group) -> int:
-    gid = group_of.get(_canonical(key))
-    if gid is None:
-        raise QuantreeError(
-            f"DerivedSpec of {group.label} derives from {key}, which has no spec; annotate "
-            "it (or derive from a quantized Value or Use)"
-        )
-    return gid
