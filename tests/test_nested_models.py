@@ -221,3 +221,37 @@ def test_initial_and_returned_state_share_one_scale():
     (q_out,) = h_n.users
     assert qparams_of(h0_dq) == qparams_of(q_out)
     assert h0_dq.target in DEQUANTIZE
+
+
+class CellLoops(nn.Module):
+    """nn.LSTMCell / GRUCell / RNNCell: export keeps them as aten.*_cell nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.gru = nn.LSTMCell(8, 16), nn.GRUCell(8, 16)
+        self.rnn = nn.RNNCell(8, 16, bias=False)
+
+    def forward(self, x):
+        h = c = torch.zeros(x.shape[1], 16)
+        outs = []
+        for t in range(x.shape[0]):
+            h, c = self.lstm(x[t], (h, c))
+            outs.append(h)
+        return torch.stack(outs), self.gru(x[0]), self.rnn(x[1])
+
+
+def test_recurrent_cell_ops_are_quantized_at_their_boundary():
+    torch.manual_seed(0)
+    model = CellLoops().eval()
+    data = batches((4, 2, 8))
+    prepared, ref = run(model, data)
+    assert_prepared_exact(model, prepared, data[0])
+    for op in (
+        torch.ops.aten.lstm_cell.default,
+        torch.ops.aten.gru_cell.default,
+        torch.ops.aten.rnn_tanh_cell.default,
+    ):
+        for node in calls(ref, op):
+            assert node.args[0].target is qd.dequantize_per_tensor.default
+            assert node.args[2].target is qd.dequantize_per_channel.default
+    assert min(output_sqnrs(model, ref, data[0])) >= THRESHOLD_DB

@@ -18,7 +18,7 @@ from quantree.cells_recipe import RECURRENT_OPS, cells_rules, fixed_sigmoid, fix
 from quantree.errors import QuantreeError
 from quantree.points import CellsOptions
 from quantree.quantizer import Annotation, Quantizer, Rule
-from quantree.recurrent import recurrent_whole_annotation
+from quantree.recurrent import CELL_OPS, recurrent_cell_annotation, recurrent_whole_annotation
 from quantree.specs import (
     FixedSpec,
     ObserverKind,
@@ -188,7 +188,7 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
             ),
             same_as_input,
         ),
-        Rule((aten.cat, aten.concat), cat),
+        Rule((aten.cat, aten.concat, aten.stack), cat),
         Rule(
             (
                 aten.layer_norm,
@@ -202,6 +202,7 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
         ),
         Rule((aten.embedding,), embedding),
         Rule(RECURRENT_OPS, recurrent),
+        Rule(CELL_OPS, lambda node: recurrent_cell_annotation(node, act, weight)),
     )
 
 

@@ -114,3 +114,32 @@ def recurrent_whole_annotation(node: fx.Node, act: QuantSpec, weight: QuantSpec)
             inputs[p.b_hh] = bias_spec(hidden_use, Use.of(node, p.w_hh))
     states = tuple(SharedSpec(Use.of(node, path)) for path in call.state_paths)
     return Annotation(outputs=(act, *states), inputs=inputs, name=call.kind)
+
+
+CELL_OPS = (
+    aten.lstm_cell.default,
+    aten.gru_cell.default,
+    aten.rnn_tanh_cell.default,
+    aten.rnn_relu_cell.default,
+)
+
+
+def recurrent_cell_annotation(node: fx.Node, act: QuantSpec, weight: QuantSpec) -> Annotation:
+    """One step (``nn.LSTMCell`` / ``GRUCell`` / ``RNNCell``) quantized at its boundary.
+
+    ``aten.lstm_cell(x, [h, c], w_ih, w_hh, b_ih, b_hh)`` and the single-state cells
+    ``(x, h, w_ih, w_hh, b_ih, b_hh)``: biases derive from x and h, each new state shares its
+    incoming state's parameters so a loop of cells keeps one scale per state.
+    """
+    hx = node.args[1]
+    state_paths: tuple[Path, ...] = (
+        tuple((1, i) for i in range(len(hx))) if isinstance(hx, list | tuple) else ((1,),)
+    )
+    inputs: dict[Path, Spec] = {(0,): act, (2,): weight, (3,): weight}
+    inputs.update(dict.fromkeys(state_paths, act))
+    if len(node.args) > 4 and isinstance(node.args[4], fx.Node):
+        inputs[(4,)] = bias_spec(Use.of(node, (0,)), Use.of(node, (2,)))
+    if len(node.args) > 5 and isinstance(node.args[5], fx.Node):
+        inputs[(5,)] = bias_spec(Use.of(node, state_paths[0]), Use.of(node, (3,)))
+    states = tuple(SharedSpec(Use.of(node, path)) for path in state_paths)
+    return Annotation(outputs=states if len(states) > 1 else states[0], inputs=inputs)
