@@ -18,7 +18,13 @@ import torch
 import torch.fx as fx
 
 from quantree.errors import QuantreeError, QuantreeWarning
-from quantree.program_io import BadFile, load_calibration, load_program, save_program
+from quantree.program_io import (
+    BadFile,
+    check_output,
+    load_calibration,
+    load_program,
+    save_program,
+)
 
 EXIT_QUANTIZE_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -99,6 +105,10 @@ def quantize_command(args: argparse.Namespace) -> int:
     from quantree.convert import convert
     from quantree.prepare import prepare
 
+    inputs = (args.model, args.calibration)
+    check_output(args.output, inputs)
+    if args.report:
+        check_output(args.report, (*inputs, args.output))
     program = load_program(args.model)
     data = load_calibration(args.calibration)
     quantizer = _quantizer(args.recurrent)

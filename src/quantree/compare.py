@@ -250,6 +250,8 @@ def _quantized_plan(
     how: dict[Key, str] = {}
     for key in keys:
         kind, name, path = key
+        if kind == RowKind.OUTPUT.value:
+            continue  # compared on the model's returned values
         if kind == RowKind.WEIGHT.value:
             user = by_name.get(name)
             if user is not None and not is_getitem(user):

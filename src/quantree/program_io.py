@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +50,23 @@ def register_backend_ops() -> None:
         importlib.import_module("quantree.backends")
 
 
+@contextlib.contextmanager
+def _quiet_logging() -> Iterator[None]:
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
 def load_program(path: str | Path) -> torch.export.ExportedProgram:
     """A program saved with ``torch.export.save``."""
     p = _existing(path, "expected a program saved with torch.export.save")
     register_backend_ops()
     try:
-        program = torch.export.load(str(p))
+        with _quiet_logging():  # torch logs a traceback for a broken archive before raising
+            program = torch.export.load(str(p))
     except Exception as error:
         raise BadFile(
             f"{p}: not a readable torch.export program (truncated, or saved some other way): "
@@ -92,14 +105,20 @@ def load_calibration(path: str | Path) -> list[tuple[Any, ...]]:
     return batches
 
 
-def atomic_write(path: str | Path, write: Any, *, protect: tuple[str | Path, ...] = ()) -> Path:
-    """Call ``write(tmp_path)`` and rename the result to ``path``; never onto ``protect``."""
+def check_output(path: str | Path, protect: tuple[str | Path, ...] = ()) -> Path:
+    """``path`` as a Path if it may be written: not a directory, not one of the inputs."""
     target = Path(path)
     for other in protect:
         if target.exists() and Path(other).exists() and os.path.samefile(target, other):
             raise BadFile(f"{target}: refusing to overwrite the input file {other}")
     if target.exists() and not target.is_file():
         raise BadFile(f"{target}: exists and is not a regular file")
+    return target
+
+
+def atomic_write(path: str | Path, write: Any, *, protect: tuple[str | Path, ...] = ()) -> Path:
+    """Call ``write(tmp_path)`` and rename the result to ``path``; never onto ``protect``."""
+    target = check_output(path, protect)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=target.suffix, dir=target.parent)
     os.close(fd)

@@ -1,0 +1,211 @@
+"""The CLI: quantize a saved program, inspect it, and refuse bad files in one line."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+from torch import nn
+
+import quantree as qt
+from quantree.cli import EXIT_BAD_INPUT, main
+from quantree.report import PNG_SIGNATURE, embedded_pngs
+
+from support import batches
+
+
+class Tagger(nn.Module):
+    """A small recurrent model whose state leaves are all read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(10, 16, 2, batch_first=True)
+        self.head = nn.Linear(16, 5)
+        self.gate = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, (h, c) = self.lstm(x)
+        y = self.head(out) + self.gate(h[-1] + c[-1]).unsqueeze(1)
+        return y.cumsum(1)  # no rule quantizes cumsum: it stays in float
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("cli")
+    model = Tagger().eval()
+    data = batches((3, 7, 10), n=12)
+    paths = {"model": root / "model.pt2", "data": root / "data.pt", "root": root}
+    torch.export.save(torch.export.export(model, data[0]), str(paths["model"]))
+    torch.save(data, paths["data"])
+    return paths
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _python_api(files: dict[str, Path], quantizer: qt.Quantizer | None = None):
+    data = torch.load(files["data"], weights_only=True)
+    gm = torch.export.load(str(files["model"])).module()
+    prepared = qt.prepare(gm, quantizer or qt.Int8Quantizer())
+    qt.calibrate(prepared, data, progress=False)
+    return qt.convert(prepared), data
+
+
+def test_round_trip_matches_python_api_exactly(files: dict[str, Path], capsys) -> None:
+    out = files["root"] / "out.pt2"
+    before = (_digest(files["model"]), _digest(files["data"]))
+    code = main(
+        ["quantize", str(files["model"]), "--calibration", str(files["data"]), "-o", str(out)]
+    )
+    assert code == 0
+    assert f"-> {out}" in capsys.readouterr().out
+    assert (_digest(files["model"]), _digest(files["data"])) == before
+    loaded = torch.export.load(str(out)).module()
+    expected, data = _python_api(files)
+    with torch.no_grad():
+        for (x,) in data[:3] + batches((3, 7, 10), n=2, seed=5):
+            assert torch.equal(loaded(x), expected(x))
+
+
+def test_round_trip_through_a_subprocess(files: dict[str, Path]) -> None:
+    out = files["root"] / "out_subprocess.pt2"
+    before = _digest(files["model"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "quantree.cli", "quantize", str(files["model"]),
+         "--calibration", str(files["data"]), "-o", str(out), "--quiet"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert _digest(files["model"]) == before
+    loaded = torch.export.load(str(out)).module()
+    expected, data = _python_api(files)
+    with torch.no_grad():
+        assert torch.equal(loaded(*data[0]), expected(*data[0]))
+
+
+def test_inspect_lists_points_and_float_ops(files: dict[str, Path], capsys) -> None:
+    out = files["root"] / "inspect.pt2"
+    main(["quantize", str(files["model"]), "--calibration", str(files["data"]), "-o", str(out),
+          "--quiet"])  # fmt: skip
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "quantized tensors" in text
+    for leaf in ("lstm[0]", "lstm[1]", "lstm[2]"):
+        assert leaf in text
+    assert "per-channel axis 0" in text and "per-tensor scale" in text and "int32" in text
+    assert "stay in float: cumsum" in text
+    assert main(["inspect", str(files["model"])]) == 0
+    assert "no quantize/dequantize ops: the model is float" in capsys.readouterr().out
+
+
+def test_report_has_decodable_plots(files: dict[str, Path]) -> None:
+    out, report = files["root"] / "rep.pt2", files["root"] / "reports" / "r.html"
+    code = main(["quantize", str(files["model"]), "--calibration", str(files["data"]),
+                 "-o", str(out), "--report", str(report), "--quiet"])  # fmt: skip
+    assert code == 0
+    page = report.read_text()
+    assert "lstm[2]" in page and "What is quantized" in page
+    images = embedded_pngs(page)
+    assert images and all(png.startswith(PNG_SIGNATURE) for png in images)
+    for i, png in enumerate(images):
+        path = files["root"] / f"plot{i}.png"
+        path.write_bytes(png)
+        assert matplotlib.image.imread(path).ndim == 3
+
+
+def _bad_inputs(files: dict[str, Path]) -> dict[str, list[str]]:
+    root = files["root"]
+    truncated = root / "truncated.pt2"
+    truncated.write_bytes(files["model"].read_bytes()[:5000])
+    state_dict = root / "state_dict.pt2"
+    torch.save(Tagger().state_dict(), state_dict)
+    not_a_list = root / "dict.pt"
+    torch.save({"x": torch.zeros(3)}, not_a_list)
+    truncated_data = root / "truncated.pt"
+    truncated_data.write_bytes(files["data"].read_bytes()[:300])
+    wrong_shape = root / "wrong_shape.pt"
+    torch.save([(torch.zeros(2, 3),)], wrong_shape)
+    text = root / "text.pt"
+    text.write_text("hello")
+    model, data, out = str(files["model"]), str(files["data"]), str(root / "o.pt2")
+    return {
+        "missing model": ["quantize", str(root / "nope.pt2"), "--calibration", data, "-o", out],
+        "truncated model": ["quantize", str(truncated), "--calibration", data, "-o", out],
+        "state dict as model": ["quantize", str(state_dict), "--calibration", data, "-o", out],
+        "directory as model": ["quantize", str(root), "--calibration", data, "-o", out],
+        "missing data": ["quantize", model, "--calibration", str(root / "nope.pt"), "-o", out],
+        "truncated data": ["quantize", model, "--calibration", str(truncated_data), "-o", out],
+        "dict as data": ["quantize", model, "--calibration", str(not_a_list), "-o", out],
+        "program as data": ["quantize", model, "--calibration", model, "-o", out],
+        "text as data": ["quantize", model, "--calibration", str(text), "-o", out],
+        "data of wrong shape": ["quantize", model, "--calibration", str(wrong_shape), "-o", out],
+        "output is the input": ["quantize", model, "--calibration", data, "-o", model],
+        "inspect missing": ["inspect", str(root / "nope.pt2")],
+        "inspect truncated": ["inspect", str(truncated)],
+        "inspect state dict": ["inspect", str(state_dict)],
+    }
+
+
+def test_bad_files_give_one_line_and_exit_2(files: dict[str, Path], capsys) -> None:
+    before = (_digest(files["model"]), _digest(files["data"]))
+    for case, argv in _bad_inputs(files).items():
+        code = main(argv)
+        err = capsys.readouterr().err.strip()
+        assert code == EXIT_BAD_INPUT, case
+        assert len(err.splitlines()) == 1, (case, err)
+        assert err.startswith("quantree: error: "), (case, err)
+        assert "Traceback" not in err
+    assert (_digest(files["model"]), _digest(files["data"])) == before
+    assert not (files["root"] / "o.pt2").exists()
+
+
+def test_bad_file_in_a_subprocess_has_no_traceback(files: dict[str, Path]) -> None:
+    argv = _bad_inputs(files)["truncated model"]
+    done = subprocess.run(
+        [sys.executable, "-m", "quantree.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == EXIT_BAD_INPUT
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("quantree: error: ")
+    assert "truncated.pt2" in lines[0]
+
+
+def test_cells_mode_round_trip(files: dict[str, Path]) -> None:
+    if not hasattr(qt, "RecurrentMode"):
+        pytest.skip("cells mode not in this build")
+    out = files["root"] / "cells.pt2"
+    code = main(["quantize", str(files["model"]), "--calibration", str(files["data"]),
+                 "-o", str(out), "--recurrent", "cells", "--quiet"])  # fmt: skip
+    assert code == 0
+    expected, data = _python_api(files, qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS))
+    loaded = torch.export.load(str(out)).module()
+    with torch.no_grad():
+        assert torch.equal(loaded(*data[0]), expected(*data[0]))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("quantree.backends") is None, reason="no CPU backend in this build"
+)
+def test_cpu_backend_round_trip(files: dict[str, Path]) -> None:
+    from quantree.backends import CPU
+
+    out = files["root"] / "cpu.pt2"
+    code = main(["quantize", str(files["model"]), "--calibration", str(files["data"]),
+                 "-o", str(out), "--backend", "cpu", "--quiet"])  # fmt: skip
+    assert code == 0
+    expected, data = _python_api(files)
+    lowered = qt.lower(expected, CPU)
+    loaded = torch.export.load(str(out)).module()
+    with torch.no_grad():
+        assert torch.equal(loaded(*data[0]), lowered(*data[0]))
