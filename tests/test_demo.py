@@ -1,0 +1,93 @@
+"""The demo: one list of variants, one table, an HTML report whose plots open as images."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from quantree import demo
+from quantree.cli import main
+from quantree.compare import Comparison, RowKind, TensorRow
+from quantree.report import PNG_SIGNATURE, embedded_pngs
+
+
+def _check_pngs(page: str, tmp_path: Path) -> int:
+    images = embedded_pngs(page)
+    for i, png in enumerate(images):
+        assert png.startswith(PNG_SIGNATURE)
+        path = tmp_path / f"plot{i}.png"
+        path.write_bytes(png)
+        image = matplotlib.image.imread(path)
+        assert image.ndim == 3 and image.shape[0] > 50 and image.shape[1] > 50
+    return len(images)
+
+
+def test_variants_are_one_list_with_unique_names() -> None:
+    names = [v.name for v in demo.VARIANTS]
+    assert len(names) == len(set(names))
+    assert names[0] == "int8 whole" and demo.VARIANTS[0].available
+    assert not demo.Variant("future", demo.int8_whole, requires=("NoSuchName",)).available
+    assert not demo.Variant("future", demo.int8_whole, requires=("nosuchmodule.X",)).available
+
+
+def test_small_demo_run_table_and_report(tmp_path: Path) -> None:
+    messages: list[str] = []
+    missing = demo.Variant("needs the future", demo.int8_whole, requires=("NoSuchName",))
+    result = demo.run_demo(
+        calibration_batches=3,
+        eval_chars=4_000,
+        compare_batches=1,
+        variants=(demo.VARIANTS[0], missing),
+        progress=False,
+        log=messages.append,
+    )
+    assert [r.variant for r in result.rows] == ["float", "torch dynamic int8", "int8 whole"]
+    assert any("needs the future: skipped" in m for m in messages)
+    whole = result.row("int8 whole")
+    assert 0.5 < whole.bits_per_char < 4.0
+    assert 15.0 < whole.logits_sqnr_db < math.inf
+    assert whole.latency_ms > 0 and whole.calibrate_s > 0
+    assert whole.size_bytes < result.row("float").size_bytes / 2  # int8 weights
+    lines = demo.table_lines(result)
+    assert "bits/char" in lines[0] and "vs dynamic" in lines[0] and "logits SQNR" in lines[0]
+    assert len(lines) == 2 + len(result.rows)
+    comparison = result.comparisons["int8 whole"]
+    assert {"lstm[0]", "lstm[1]", "lstm[2]"} <= {r.name for r in comparison.rows}
+    written = demo.write_report(result, tmp_path / "out" / "report.html")
+    page = written.read_text()
+    assert "int8 whole: per-tensor SQNR against float" in page
+    assert _check_pngs(page, tmp_path) == 4  # latency, bits/char, size, one SQNR chart
+
+
+def test_cli_demo_prints_the_table_and_the_report_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    row = TensorRow("linear", "linear", (), RowKind.VALUE, "aten.linear", "int8", (2, 3),
+                    100.0, 0.01, 0)  # fmt: skip
+    canned = demo.DemoResult(
+        rows=[
+            demo.DemoRow("float", 1.5, math.inf, 20.0, 4_000_000),
+            demo.DemoRow("torch dynamic int8", 1.501, 33.0, 22.0, 1_000_000),
+            demo.DemoRow("int8 whole", 1.502, 38.0, 30.0, 1_000_000, 1.2, 3.0),
+        ],
+        comparisons={"int8 whole": Comparison((row,), 1)},
+        calibration_batches=50,
+        eval_chars=1000,
+    )
+    seen: dict[str, object] = {}
+
+    def fake_run_demo(calibration_batches: int, eval_chars: int) -> demo.DemoResult:
+        seen.update(calibration_batches=calibration_batches, eval_chars=eval_chars)
+        return canned
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    report = tmp_path / "r" / "demo.html"
+    assert main(["demo", "--calibration-batches", "7", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert seen == {"calibration_batches": 7, "eval_chars": 100_000}
+    assert "int8 whole" in out and "+0.13%" in out and "38.0 dB" in out
+    assert f"report: {report.resolve()}" in out
+    assert _check_pngs(report.read_text(), tmp_path) == 4

@@ -1,0 +1,55 @@
+"""Accuracy goals on the bundled char-level LSTM, on a shortened validation set.
+
+Whole-mode int8 (per-channel int8 weights, int8 activations): bits per character within 0.3%
+of float and logits SQNR >= 30 dB. The calibration time of the demo's 50 batches is printed
+(a benchmark figure, never asserted).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import quantree as qt
+from quantree.compare import compare
+from quantree.workloads import batches, bits_per_char, load_charlm, load_corpus
+
+BATCH, SEQ = 16, 128
+EVAL_CHARS = 60_000  # ~29 batches of 16 x 128: a shortened validation set
+CALIBRATION_BATCHES = 50
+
+
+@pytest.fixture(scope="module")
+def workload():
+    model = load_charlm("lstm")
+    validation = load_corpus("validation")[: EVAL_CHARS + 1]
+    calibration = batches(
+        load_corpus("train", max_chars=400_000), BATCH, SEQ, CALIBRATION_BATCHES, seed=0
+    )
+    probes = batches(validation, BATCH, SEQ, 4, seed=1)
+    float_bpc = bits_per_char(model, validation, SEQ, BATCH)
+    return model, validation, calibration, probes, float_bpc
+
+
+def test_float_model_is_a_real_model(workload) -> None:
+    *_, float_bpc = workload
+    assert float_bpc < 2.0
+
+
+def test_whole_mode_int8_accuracy(workload) -> None:
+    model, validation, calibration, probes, float_bpc = workload
+    prepared = qt.prepare(qt.capture(model, calibration[0]), qt.Int8Quantizer())
+    start = time.perf_counter()
+    qt.calibrate(prepared, calibration, progress=False)
+    seconds = time.perf_counter() - start
+    print(f"\ncalibration of {CALIBRATION_BATCHES} batches of {BATCH}x{SEQ}: {seconds:.2f} s")
+    converted = qt.convert(prepared)
+    with torch.no_grad():
+        bpc = bits_per_char(converted, validation, SEQ, BATCH)
+    logits_db = compare(model, converted, probes).outputs[0].sqnr_db
+    delta = bpc / float_bpc - 1.0
+    print(f"float {float_bpc:.4f} bpc, int8 whole {bpc:.4f} ({delta:+.2%}), {logits_db:.1f} dB")
+    assert abs(delta) <= 0.003
+    assert logits_db >= 30.0
