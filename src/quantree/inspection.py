@@ -97,26 +97,40 @@ def _consumers(node: fx.Node) -> tuple[str, ...]:
 
 
 def quant_points(gm: fx.GraphModule) -> list[QuantPoint]:
-    """Every dequantize in graph order, with what it dequantizes and how."""
+    """Every quantization point in graph order: each quantize (with the dequantizes that read
+    it), and each dequantize of something else (an integer constant, an integer kernel's
+    output)."""
     points = []
     for node in gm.graph.nodes:
-        if node.target not in DEQUANTIZE_OPS:
-            continue
-        source = node.args[0]
-        assert isinstance(source, fx.Node)
-        constant = source.op == "get_attr"
-        if source.target in QUANTIZE_OPS and isinstance(source.args[0], fx.Node):
-            tensor = tensor_name(source.args[0])
+        if node.target in QUANTIZE_OPS:
+            source = node.args[0]
+            assert isinstance(source, fx.Node)
+            tensor, constant = tensor_name(source), False
+            readers = [u for u in node.users if u.target not in DEQUANTIZE_OPS]
+            read_by = [f"{u.name} (integer)" for u in readers]
+            for dq in node.users:
+                if dq.target in DEQUANTIZE_OPS:
+                    read_by.extend(_consumers(dq))
+        elif node.target in DEQUANTIZE_OPS:
+            source = node.args[0]
+            assert isinstance(source, fx.Node)
+            if source.target in QUANTIZE_OPS:
+                continue  # listed with its quantize
+            constant = source.op == "get_attr"
+            if constant:
+                value = _attr(gm, source)
+                shape = f" {list(value.shape)}" if isinstance(value, torch.Tensor) else ""
+                tensor = f"constant {source.target}{shape}"
+            else:
+                tensor = f"integer {tensor_name(source)}"
+            read_by = list(_consumers(node))
         else:
-            tensor = f"constant {source.target}"
+            continue
         qmin, qmax, dtype = node.args[4:7] if node.target in _PER_CHANNEL else node.args[3:6]
-        if constant:
-            value = _attr(gm, source)
-            tensor += f" {list(value.shape)}" if isinstance(value, torch.Tensor) else ""
         points.append(
             QuantPoint(
                 tensor,
-                _consumers(node),
+                tuple(read_by),
                 str(dtype).replace("torch.", ""),
                 int(qmin),  # type: ignore[call-overload]
                 int(qmax),  # type: ignore[call-overload]
@@ -221,11 +235,13 @@ def summary(gm: fx.GraphModule, title: str = "model") -> str:
         nw = max(len(o.node) for o in ops)
         ow = max(len(o.op) for o in ops)
         for o in ops:
-            lines.append(
-                f"  {o.node:<{nw}}  {o.op:<{ow}}  {o.status:<14}  inputs {o.inputs_quantized} "
-                f"dequantized / {o.inputs_float} float, outputs {o.outputs_quantized} "
-                f"quantized / {o.outputs_float} float"
+            counts = (
+                "reads and writes integer tensors"
+                if o.lowered
+                else f"inputs {o.inputs_quantized} dequantized / {o.inputs_float} float, "
+                f"outputs {o.outputs_quantized} quantized / {o.outputs_float} float"
             )
+            lines.append(f"  {o.node:<{nw}}  {o.op:<{ow}}  {o.status:<14}  {counts}")
     if left:
         lines += ["", "stay in float: " + ", ".join(f"{o.node} ({o.op})" for o in left)]
     return "\n".join(lines)
