@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from quantree.backend import Backend
 from quantree.backends.lowering_linear import lower_conv2d, lower_linear
-from quantree.backends.lowering_recurrent import lower_recurrent
+from quantree.backends.lowering_recurrent import recurrent_rule
 
 
 def drop_unused_tensors(gm: fx.GraphModule) -> fx.GraphModule:
@@ -21,9 +21,14 @@ def drop_unused_tensors(gm: fx.GraphModule) -> fx.GraphModule:
     return lean
 
 
-CPU = Backend(
-    "cpu",
-    rules=(lower_recurrent, lower_linear, lower_conv2d),
-    prepare_module=drop_unused_tensors,
-)
+def cpu_backend(hidden_bits: int = 16) -> Backend:
+    """The native CPU backend; ``hidden_bits`` is how recurrent layers feed h back."""
+    return Backend(
+        "cpu" if hidden_bits == 16 else f"cpu-h{hidden_bits}",
+        rules=(recurrent_rule(hidden_bits), lower_linear, lower_conv2d),
+        prepare_module=drop_unused_tensors,
+    )
+
+
+CPU = cpu_backend()
 """Native int8 CPU kernels: ``qt.lower(ref, CPU)`` or ``qt.quantize(..., backend=CPU)``."""

@@ -8,11 +8,12 @@ added to the int32 accumulator (the kernel is then exact); others are added in f
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 
 from quantree.backend import LoweringContext
-from quantree.graphs import fetch_attr
 from quantree.backends import ops  # noqa: F401  (registers torch.ops.quantree.*)
 from quantree.backends.packing import pack, zero_point_offset
 from quantree.backends.patterns import (
@@ -26,6 +27,7 @@ from quantree.backends.patterns import (
     replace,
     weight,
 )
+from quantree.graphs import fetch_attr
 
 aten = torch.ops.aten
 quantree_ops = torch.ops.quantree
@@ -88,7 +90,7 @@ def lower_linear(ctx: LoweringContext, node: fx.Node) -> bool:
 def _pair(v: object, default: int) -> list[int]:
     if v is None:
         return [default, default]
-    items = list(v) if isinstance(v, list | tuple) else [v]
+    items: list[Any] = list(v) if isinstance(v, list | tuple) else [v]
     return [int(i) for i in (items * 2 if len(items) == 1 else items)]
 
 

@@ -23,10 +23,10 @@ _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_
 SIGNATURES: dict[str, list[type]] = {
     "qt_linear": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32,
                   _int],
-    "qt_conv2d": [_ptr, *[_i64] * 18, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32, _int],
-    "qt_rnn_layer": [_int, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
-                     _ptr, _i64, _ptr, _ptr, _ptr, _f32, _f32, _ptr, _i64, _f32, _f32, _ptr,
-                     _ptr],
+    "qt_conv2d": [_ptr, *[_i64] * 17, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32, _int],
+    "qt_rnn_layer": [_int, _i64, _i64, _i64, _i64, _int, _ptr, _f32, _f32, _ptr, _i64, _ptr,
+                     _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _f32, _f32, _f32, _f32, _int,
+                     _ptr, _i64, _f32, _f32, _ptr, _ptr],
 }  # fmt: skip
 
 

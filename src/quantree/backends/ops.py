@@ -16,7 +16,7 @@ from quantree.backends.packing import packed_depth
 
 qd = torch.ops.quantized_decomposed
 RNN_KINDS = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
-PER_LAYER = 8  # w_ih, off_ih, scale_ih, b_ih, w_hh, off_hh, scale_hh, b_hh
+PER_LAYER = 8  # per weight: packed int8, int32 row sums, per-channel scale, float bias
 
 
 def _inverse(scale: float) -> float:
@@ -123,14 +123,19 @@ def rnn(
     bidirectional: bool,
     batch_first: bool,
     qparams: list[float],
+    hidden_bits: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A whole int8 LSTM/GRU/RNN: ``(output, h_n, c_n)``, all int8 (``c_n`` empty if no cell).
 
-    ``qparams``: inner (the hidden state fed back, and outputs between layers) scale and
-    zero point, output, h state, c state. ``params``: ``PER_LAYER`` tensors per layer and
-    direction, as ``lowering.recurrent`` builds them.
+    ``qparams``: (scale, zero point) of the input, the inner int8 grid (outputs passed
+    between layers), the output, the h state, the c state, then the scale of the hidden state
+    fed back: on the inner grid when ``hidden_bits`` is 8, symmetric int16 when 16.
+    ``params``: per layer and direction, ``w_ih, rowsum_ih, scale_ih, b_ih`` and the same for
+    ``hh``: packed int8 weights, their int32 row sums, per-channel scales, float biases.
     """
-    inner_s, inner_z, y_s, y_z, h_s, h_z, c_s, c_z = qparams
+    x_s, x_z, inner_s, inner_z, y_s, y_z, h_s, h_z, c_s, c_z, fb_s = qparams
+    wide = hidden_bits == 16
+    fb_s, fb_z = (fb_s, 0.0) if wide else (inner_s, inner_z)
     lib, code, dirs = library(), RNN_KINDS[kind], 2 if bidirectional else 1
     inp = (x.transpose(0, 1) if batch_first else x).contiguous()
     steps, batch = inp.shape[0], inp.shape[1]
@@ -139,18 +144,19 @@ def rnn(
     for layer in range(num_layers):
         last = layer == num_layers - 1
         out_s, out_z = (y_s, y_z) if last else (inner_s, inner_z)
+        in_s, in_z = (x_s, x_z) if layer == 0 else (inner_s, inner_z)
         y = torch.empty(steps, batch, dirs * hidden, dtype=torch.int8)
         for d in range(dirs):
             i = layer * dirs + d
-            w_ih, off_ih, sc_ih, b_ih, w_hh, off_hh, sc_hh, b_hh = params[
+            w_ih, sum_ih, sc_ih, b_ih, w_hh, sum_hh, sc_hh, b_hh = params[
                 i * PER_LAYER : (i + 1) * PER_LAYER
             ]
             lib.qt_rnn_layer(
-                code, steps, batch, inp.shape[2], hidden, d, ptr(inp), ptr(w_ih),
-                packed_depth(w_ih), ptr(off_ih), ptr(sc_ih), ptr(b_ih), ptr(w_hh),
-                packed_depth(w_hh), ptr(off_hh), ptr(sc_hh), ptr(b_hh), _inverse(inner_s),
-                inner_z, y.data_ptr() + d * hidden, dirs * hidden, _inverse(out_s), out_z,
-                ptr(h[i]), None if c is None else ptr(c[i]),
+                code, steps, batch, inp.shape[2], hidden, d, ptr(inp), in_s, in_z, ptr(w_ih),
+                packed_depth(w_ih), ptr(sum_ih), ptr(sc_ih), ptr(b_ih), ptr(w_hh),
+                packed_depth(w_hh), ptr(sum_hh), ptr(sc_hh), ptr(b_hh), h_s, h_z, fb_s, fb_z,
+                int(wide), y.data_ptr() + d * hidden, dirs * hidden, out_s, out_z, ptr(h[i]),
+                None if c is None else ptr(c[i]),
             )  # fmt: skip
         inp = y
     out = inp.transpose(0, 1).contiguous() if batch_first else inp
@@ -160,7 +166,7 @@ def rnn(
 
 
 @rnn.register_fake
-def _(kind, x, hx, params, hidden, num_layers, bidirectional, batch_first, qparams):
+def _(kind, x, hx, params, hidden, num_layers, bidirectional, batch_first, qparams, hidden_bits):
     dirs = 2 if bidirectional else 1
     out = x.new_empty((*x.shape[:2], dirs * hidden), dtype=torch.int8)
     c_n = hx[1].new_empty(hx[1].shape) if kind == "lstm" else x.new_empty((0,))

@@ -24,10 +24,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return blocks.contiguous().view(np_ // 16, kp // 4, 64)
 
 
+def row_sums(weight: torch.Tensor) -> torch.Tensor:
+    """int32 ``[N]``: ``sum_k w[n, k]``, for the zero-point correction."""
+    return weight.reshape(weight.shape[0], -1).to(torch.int32).sum(1, dtype=torch.int32)
+
+
 def zero_point_offset(weight: torch.Tensor, input_zero_point: int) -> torch.Tensor:
     """int32 ``[N]``: what to add to the uint8 accumulator to get ``sum (x - zp) * w``."""
-    colsum = weight.reshape(weight.shape[0], -1).to(torch.int32).sum(1, dtype=torch.int32)
-    return (-(int(input_zero_point) + 128) * colsum).to(torch.int32)
+    return (-(int(input_zero_point) + 128) * row_sums(weight)).to(torch.int32)
 
 
 def packed_depth(packed: torch.Tensor) -> int:

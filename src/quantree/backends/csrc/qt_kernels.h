@@ -21,11 +21,14 @@ struct Epilogue {
     float zero_point;    // output zero point
     float qmin;          // lower clamp (the zero point for a fused relu)
     float qmax;
+    bool accumulate = false;  // float output: add to what is there
 };
 
-// C[M, N] = epilogue(A_u8[M, Kp] x packed B); lda is A's row stride (>= Kp).
+// C[M, N] = epilogue(A_u8[M, Kp] x packed B); lda is A's row stride (>= Kp). With A_lo
+// (a second plane, same layout), the accumulator is 256 * (A.B + off) + A_lo.B: a 16-bit
+// operand split into its high and low bytes, in one pass over B.
 void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
-               const int8_t* B, const Epilogue& ep);
+               const int8_t* B, const Epilogue& ep, const uint8_t* A_lo = nullptr);
 
 // rows of int8 x (stride ldx) -> uint8 (x + 128), zero padded from K to Kp.
 void to_u8(const int8_t* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out, int64_t Kp);

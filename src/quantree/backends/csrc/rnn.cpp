@@ -1,8 +1,11 @@
 // One recurrent layer and direction (LSTM, GRU, RNN tanh/relu) as a single compiled loop.
 //
-// The input projection of all time steps is one int8 GEMM; each step then runs one int8
-// GEMM(V) of the hidden state (requantized to int8 with a fixed scale) against W_hh and the
-// gate math in float. The cell state and the float hidden state never leave the kernel.
+// The input projection of a chunk of time steps is one int8 GEMM; each step then runs an
+// int8 GEMM(V) of the hidden state against W_hh and the gate math in float. The hidden state
+// fed back is requantized each step, to int8 or (wide) to int16 split into two uint8 planes
+// (h = 256 * (hi - 128) + lo), two VNNI passes over the same int8 weights. The cell state
+// and the float hidden state never leave the kernel.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -19,6 +22,7 @@ struct Step {
     int kind;
     int64_t H;
     float h_inv, h_zp, y_inv, y_zp;
+    int64_t lo_offset;  // wide: distance from a row's hi plane to its lo plane, else 0
 };
 
 #if defined(__AVX512F__)
@@ -83,8 +87,21 @@ void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, u
             hv = _mm512_max_ps(pre(0), _mm512_setzero_ps());
         }
         _mm512_mask_storeu_ps(h + j, m, hv);
-        const __m512i hq = _mm512_add_epi32(vquant(hv, s.h_inv, s.h_zp), _mm512_set1_epi32(128));
-        _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hq);
+        if (s.lo_offset) {
+            __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(hv, _mm512_set1_ps(s.h_inv)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-32768.0f)),
+                              _mm512_set1_ps(32767.0f));
+            const __m512i qi = _mm512_cvtps_epi32(q);
+            const __m512i hi = _mm512_add_epi32(_mm512_srai_epi32(qi, 8), _mm512_set1_epi32(128));
+            const __m512i lo = _mm512_and_si512(qi, _mm512_set1_epi32(255));
+            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hi);
+            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + s.lo_offset + j, m, lo);
+        } else {
+            const __m512i hq =
+                _mm512_add_epi32(vquant(hv, s.h_inv, s.h_zp), _mm512_set1_epi32(128));
+            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hq);
+        }
         _mm512_mask_cvtsepi32_storeu_epi8(y + j, m, vquant(hv, s.y_inv, s.y_zp));
     }
 }
@@ -110,8 +127,15 @@ void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, u
             hv = pre(0) > 0.0f ? pre(0) : 0.0f;
         }
         h[j] = hv;
-        hu8[j] = static_cast<uint8_t>(
-            qt::quantize_value(hv, s.h_inv, s.h_zp, -128.0f, 127.0f) + 128.0f);
+        if (s.lo_offset) {
+            const int32_t q = static_cast<int32_t>(
+                qt::quantize_value(hv, s.h_inv, 0.0f, -32768.0f, 32767.0f));
+            hu8[j] = static_cast<uint8_t>((q >> 8) + 128);
+            hu8[s.lo_offset + j] = static_cast<uint8_t>(q & 255);
+        } else {
+            hu8[j] = static_cast<uint8_t>(
+                qt::quantize_value(hv, s.h_inv, s.h_zp, -128.0f, 127.0f) + 128.0f);
+        }
         y[j] = static_cast<int8_t>(qt::quantize_value(hv, s.y_inv, s.y_zp, -128.0f, 127.0f));
     }
 }
@@ -119,36 +143,77 @@ void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, u
 
 }  // namespace
 
-extern "C" {
+static std::vector<int32_t> offsets(const int32_t* colsum, int64_t N, float zp) {
+    std::vector<int32_t> off(static_cast<size_t>(N));
+    const int32_t shift = static_cast<int32_t>(zp) + 128;
+    for (int64_t n = 0; n < N; ++n) off[n] = -shift * colsum[n];
+    return off;
+}
 
-// x: int8 [T*B, K] time-major; y: int8 rows of stride y_ld (already offset to this
-// direction's columns); h/c: float [B, H] initial states, overwritten by the final ones.
-void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
-                  const int8_t* x, const int8_t* w_ih, int64_t kp_ih, const int32_t* off_ih,
-                  const float* sc_ih, const float* b_ih, const int8_t* w_hh, int64_t kp_hh,
-                  const int32_t* off_hh, const float* sc_hh, const float* b_hh, float h_inv,
-                  float h_zp, int8_t* y, int64_t y_ld, float y_inv, float y_zp, float* h,
-                  float* c) {
-    const int64_t G = kind == LSTM ? 4 : (kind == GRU ? 3 : 1), N = G * H;
-    std::vector<uint8_t> xu(static_cast<size_t>(T * B * kp_ih));
-    qt::to_u8(x, T * B, K, K, xu.data(), kp_ih);
-    std::vector<float> gx(static_cast<size_t>(T * B * N)), gh(static_cast<size_t>(B * N));
-    const qt::Epilogue ex{off_ih, sc_ih, b_ih, gx.data(), nullptr, N, 0, 0, 0, 0};
-    qt::gemm_u8s8(T * B, N, kp_ih, xu.data(), kp_ih, w_ih, ex);
+static std::vector<float> scales(const float* w_scale, int64_t N, float s) {
+    std::vector<float> out(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) out[n] = s * w_scale[n];
+    return out;
+}
 
-    std::vector<uint8_t> hu8(static_cast<size_t>(B * kp_hh), 0);
+static void quantize_rows(const float* h, int64_t B, int64_t H, float inv, float zp,
+                          uint8_t* out, int64_t ld) {
     for (int64_t b = 0; b < B; ++b)
         for (int64_t j = 0; j < H; ++j)
-            hu8[b * kp_hh + j] = static_cast<uint8_t>(
-                qt::quantize_value(h[b * H + j], h_inv, h_zp, -128.0f, 127.0f) + 128.0f);
-    const qt::Epilogue eh{off_hh, sc_hh, b_hh, gh.data(), nullptr, N, 0, 0, 0, 0};
-    const Step s{kind, H, h_inv, h_zp, y_inv, y_zp};
-    for (int64_t step = 0; step < T; ++step) {
-        const int64_t t = reverse ? T - 1 - step : step;
-        qt::gemm_u8s8(B, N, kp_hh, hu8.data(), kp_hh, w_hh, eh);
-        for (int64_t b = 0; b < B; ++b) {
-            cell(s, gx.data() + (t * B + b) * N, gh.data() + b * N, h + b * H,
-                 c ? c + b * H : nullptr, hu8.data() + b * kp_hh, y + (t * B + b) * y_ld);
+            out[b * ld + j] = static_cast<uint8_t>(
+                qt::quantize_value(h[b * H + j], inv, zp, -128.0f, 127.0f) + 128.0f);
+}
+
+extern "C" {
+
+// x: int8 [T*B, K] time-major (scale x_s, zero point x_z); y: int8 rows of stride y_ld
+// (already offset to this direction's columns); h/c: float [B, H] initial states,
+// overwritten by the final ones. The first step reads h exactly on the state's own int8
+// grid (h0_s, h0_z); later steps requantize h to the inner grid: int8 (in_s, in_z), or with
+// wide != 0 symmetric int16 with scale in_s (in_z unused).
+void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
+                  const int8_t* x, float x_s, float x_z, const int8_t* w_ih, int64_t kp_ih,
+                  const int32_t* colsum_ih, const float* ws_ih, const float* b_ih,
+                  const int8_t* w_hh, int64_t kp_hh, const int32_t* colsum_hh,
+                  const float* ws_hh, const float* b_hh, float h0_s, float h0_z, float in_s,
+                  float in_z, int wide, int8_t* y, int64_t y_ld, float y_s, float y_z,
+                  float* h, float* c) {
+    const int64_t G = kind == LSTM ? 4 : (kind == GRU ? 3 : 1), N = G * H;
+    // Input projection of a chunk of time steps at once, sized to stay in L2.
+    const int64_t chunk = std::max<int64_t>(1, (256 * 1024) / (B * N * 4));
+    std::vector<uint8_t> xu(static_cast<size_t>(chunk * B * kp_ih));
+    std::vector<float> gx(static_cast<size_t>(chunk * B * N)), gh(static_cast<size_t>(B * N));
+    const std::vector<int32_t> off_ih = offsets(colsum_ih, N, x_z);
+    const std::vector<float> sc_ih = scales(ws_ih, N, x_s);
+    const std::vector<int32_t> off0 = offsets(colsum_hh, N, h0_z);
+    const std::vector<float> sc0 = scales(ws_hh, N, h0_s);
+    // wide: hi plane is h >> 8 (+128 to make it uint8), lo plane the low byte (no offset):
+    // 256 * (hi.W - 128 * colsum) + lo.W, scaled by the int16 step
+    const std::vector<int32_t> off_hh = offsets(colsum_hh, N, wide ? 0.0f : in_z);
+    const std::vector<float> sc_hh = scales(ws_hh, N, in_s);
+
+    std::vector<uint8_t> hu8(static_cast<size_t>(2 * B * kp_hh), 0);
+    quantize_rows(h, B, H, 1.0f / h0_s, h0_z, hu8.data(), kp_hh);
+    const Step s{kind, H, 1.0f / in_s, in_z, 1.0f / y_s, y_z, wide ? B * kp_hh : 0};
+    for (int64_t c0 = 0; c0 < T; c0 += chunk) {
+        const int64_t n = std::min(chunk, T - c0);
+        const int64_t t0 = reverse ? T - c0 - n : c0;  // first time index of this chunk
+        qt::to_u8(x + t0 * B * K, n * B, K, K, xu.data(), kp_ih);
+        const qt::Epilogue ex{off_ih.data(), sc_ih.data(), b_ih, gx.data(), nullptr, N,
+                              0, 0, 0, 0};
+        qt::gemm_u8s8(n * B, N, kp_ih, xu.data(), kp_ih, w_ih, ex);
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t local = reverse ? n - 1 - i : i, t = t0 + local;
+            const bool first = c0 == 0 && i == 0;
+            const qt::Epilogue eh{first ? off0.data() : off_hh.data(),
+                                  first ? sc0.data() : sc_hh.data(), b_hh, gh.data(), nullptr,
+                                  N, 0, 0, 0, 0};
+            const uint8_t* lo = wide && !first ? hu8.data() + B * kp_hh : nullptr;
+            qt::gemm_u8s8(B, N, kp_hh, hu8.data(), kp_hh, w_hh, eh, lo);
+            for (int64_t b = 0; b < B; ++b) {
+                cell(s, gx.data() + (local * B + b) * N, gh.data() + b * N, h + b * H,
+                     c ? c + b * H : nullptr, hu8.data() + b * kp_hh, y + (t * B + b) * y_ld);
+            }
         }
     }
 }
