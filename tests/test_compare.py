@@ -170,6 +170,29 @@ def test_cells_mode_rows_follow_the_surviving_leaves() -> None:
     assert result.outputs[0].sqnr_db > 15
 
 
+def test_cells_are_compared_step_by_step_against_the_prepared_model() -> None:
+    if not hasattr(qt, "RecurrentMode"):
+        pytest.skip("cells mode not in this build")
+    torch.manual_seed(0)
+    model = LSTMThreeHeads().eval()
+    data = _data(5, 3, 12)
+    quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS, cell_state_dtype=qt.QDtype.INT16)
+    prepared, converted = run(model, data, quantizer)
+    before = {k: v.clone() for k, v in prepared.state_dict().items()}
+    result = compare(prepared, converted, data[:2])
+    inner = [r for r in result.rows if "/" in r.node]
+    assert inner, "the cell body's Values are rows"
+    scopes = {r.node.split("/")[0] for r in inner}
+    assert len(scopes) == 1 and next(iter(scopes)).endswith("body")
+    ops = {r.op for r in inner}
+    assert {"aten.sigmoid.default", "aten.tanh.default"} <= ops
+    assert any(r.quantization == "int16" for r in inner)  # the cell state
+    assert all(r.shape == (3, 16) or r.shape[-1] in (12, 16, 64) for r in inner)
+    # compare reads the prepared model without running its observers or changing it
+    assert all(torch.equal(before[k], v) for k, v in prepared.state_dict().items())
+    assert type(prepared.get_submodule(next(iter(scopes)))).__name__ != "_Recording"
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("quantree.backends") is None, reason="no CPU backend in this build"
 )

@@ -112,10 +112,19 @@ class DemoResult:
     comparisons: dict[str, Comparison] = field(default_factory=dict)
     calibration_batches: int = 0
     eval_chars: int = 0
+    compare_batches: int = 0
     seconds: float = 0.0
 
     def row(self, variant: str) -> DemoRow:
         return next(r for r in self.rows if r.variant == variant)
+
+
+@dataclass(frozen=True)
+class _Calibrated:
+    prepared: torch.fx.GraphModule  # float-exact: the reference compare() reads cells from
+    converted: torch.fx.GraphModule
+    calibrate_s: float
+    quantize_s: float
 
 
 def _calibrated(
@@ -123,8 +132,8 @@ def _calibrated(
     variant: Variant,
     calibration: list[tuple[torch.Tensor]],
     progress: bool,
-) -> tuple[torch.fx.GraphModule, float, float]:
-    """The converted reference graph, calibration seconds, total quantize seconds."""
+) -> _Calibrated:
+    """Capture, prepare, calibrate (with a progress bar) and convert for ``variant``."""
     start = time.perf_counter()
     prepared = prepare(capture(model, calibration[0]), variant.quantizer())
     data = tqdm(
@@ -138,21 +147,25 @@ def _calibrated(
     calibrate(prepared, data, progress=False)
     cal_s = time.perf_counter() - cal_start
     converted = convert(prepared)
-    return converted, cal_s, time.perf_counter() - start
+    return _Calibrated(prepared, converted, cal_s, time.perf_counter() - start)
 
 
 def run_demo(
     calibration_batches: int = 50,
     eval_chars: int = 100_000,
     *,
-    compare_batches: int = 4,
+    compare_batches: int = 2,
     variants: tuple[Variant, ...] = VARIANTS,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> DemoResult:
     """Quantize the bundled model with every available variant and measure each one."""
     start = time.perf_counter()
-    result = DemoResult(calibration_batches=calibration_batches, eval_chars=eval_chars)
+    result = DemoResult(
+        calibration_batches=calibration_batches,
+        eval_chars=eval_chars,
+        compare_batches=compare_batches,
+    )
     with torch_threads(1), torch.no_grad():
         model = load_charlm("lstm")
         validation = load_corpus("validation")[: eval_chars + 1]
@@ -164,17 +177,19 @@ def run_demo(
         float_gm = capture(model, probe)
         variant_names = {v.name for v in variants}
 
-        def measure(name: str, qmodel: torch.nn.Module) -> tuple[float, float, float, int]:
+        def measure(
+            name: str, qmodel: torch.nn.Module, reference: torch.fx.GraphModule
+        ) -> tuple[float, float, float, int]:
             logits_db = float("inf")
             if qmodel is not model:
-                comparison = compare(float_gm, qmodel, probes)
+                comparison = compare(reference, qmodel, probes)
                 if name in variant_names:  # the report charts quantree's variants
                     result.comparisons[name] = comparison
                 logits_db = comparison.outputs[0].sqnr_db if comparison.outputs else math.nan
             bpc = bits_per_char(qmodel, validation, SEQ, BATCH)
             return bpc, logits_db, latency_ms(qmodel, probe), model_bytes(qmodel)
 
-        bpc, _, ms, size = measure("float", model)
+        bpc, _, ms, size = measure("float", model, float_gm)
         result.rows.append(DemoRow("float", bpc, float("inf"), ms, size))
         log(f"float: {bpc:.4f} bits/char, {ms:.1f} ms per forward ({BATCH}x{SEQ} chars)")
         with warnings.catch_warnings():  # torch deprecates its quantized tensor types
@@ -183,22 +198,23 @@ def run_demo(
                 copy.deepcopy(model), {torch.nn.LSTM, torch.nn.Linear}, dtype=torch.qint8
             )
             dynamic(*probe)
-        bpc, db, ms, size = measure("torch dynamic int8", dynamic)
+        bpc, db, ms, size = measure("torch dynamic int8", dynamic, float_gm)
         result.rows.append(DemoRow("torch dynamic int8", bpc, db, ms, size, note="baseline"))
 
-        converted: dict[Callable[[], Quantizer], tuple[torch.fx.GraphModule, float, float]] = {}
+        done: dict[Callable[[], Quantizer], _Calibrated] = {}
         for variant in variants:
             if not variant.available:
                 log(f"{variant.name}: skipped (needs {', '.join(variant.requires)})")
                 continue
-            if variant.quantizer not in converted:
-                converted[variant.quantizer] = _calibrated(model, variant, calibration, progress)
-            ref, cal_s, quant_s = converted[variant.quantizer]
+            if variant.quantizer not in done:
+                done[variant.quantizer] = _calibrated(model, variant, calibration, progress)
+            recipe = done[variant.quantizer]
+            cal_s = recipe.calibrate_s
             lower_start = time.perf_counter()
             backend = variant.backend() if variant.backend is not None else REFERENCE
-            qmodel = lower(ref, backend)
-            quant_s += time.perf_counter() - lower_start
-            bpc, db, ms, size = measure(variant.name, qmodel)
+            qmodel = lower(recipe.converted, backend)
+            quant_s = recipe.quantize_s + time.perf_counter() - lower_start
+            bpc, db, ms, size = measure(variant.name, qmodel, recipe.prepared)
             result.rows.append(DemoRow(variant.name, bpc, db, ms, size, cal_s, quant_s))
             log(
                 f"{variant.name}: calibrated {calibration_batches} batches in {cal_s:.1f} s, "
@@ -233,7 +249,8 @@ def table_lines(result: DemoResult) -> list[str]:
 def describe(result: DemoResult) -> str:
     return (
         f"bundled char-level LSTM LM (stdlib text); bits/char on {result.eval_chars:,} "
-        f"validation chars, logits SQNR on {BATCH}x{SEQ} validation windows, latency = median "
+        f"validation chars, logits SQNR on {result.compare_batches} batch(es) of {BATCH}x{SEQ} "
+        "validation windows, latency = median "
         f"forward of {BATCH}x{SEQ} chars on 1 thread, calibration on "
         f"{result.calibration_batches} batches of {BATCH}x{SEQ}"
     )

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from quantree.compare import DEQUANTIZE_OPS, QUANTIZE_OPS
+from quantree.graph_match import DEQUANTIZE_OPS, QUANTIZE_OPS
 from quantree.values import is_getitem, leaves_with_paths
 
 qd = torch.ops.quantized_decomposed
