@@ -18,7 +18,7 @@ from test_nested_models import (
 from torch import nn
 
 import quantree as qt
-from quantree.backends import CPU
+from quantree.backends import CPU, cpu_backend
 
 from support import batches, leaves, run
 
@@ -102,15 +102,29 @@ class ExplicitState(nn.Module):
 
 
 def test_lstm_with_given_initial_state():
+    """Initial states produced by another LSTM, as when a model carries state across calls."""
     torch.manual_seed(0)
-    model = ExplicitState().eval()
-    data = batches((6, 3, 16), (2, 3, 32), (2, 3, 32))
+    model, producer = ExplicitState().eval(), nn.LSTM(16, 32, 2).eval()
+    with torch.no_grad():
+        data = [(x, *producer(p)[1]) for x, p in batches((6, 3, 16), (6, 3, 16))]
     _, ref = run(model, data)
     low = qt.lower(ref, CPU)
     assert lowered_ops(low) == ["quantree.rnn.default"]
     with torch.no_grad():
         for w, g in zip(leaves(ref(*data[0])), leaves(low(*data[0])), strict=True):
             assert qt.sqnr(w, g) >= THRESHOLD_DB
+
+
+def test_int16_hidden_feedback_is_closer_to_reference():
+    torch.manual_seed(0)
+    model = nn.LSTM(48, 64).eval()
+    data = batches((40, 2, 48), n=4)
+    _, ref = run(model, data)
+    with torch.no_grad():
+        want = ref(*data[1])[0]
+        h8 = qt.sqnr(want, qt.lower(ref, cpu_backend(8))(*data[1])[0])
+        h16 = qt.sqnr(want, qt.lower(ref, cpu_backend(16))(*data[1])[0])
+    assert h8 >= THRESHOLD_DB and h16 >= 50.0 and h16 > h8 + 6.0
 
 
 class SmallCnn(nn.Module):

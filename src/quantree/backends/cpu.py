@@ -21,10 +21,16 @@ def drop_unused_tensors(gm: fx.GraphModule) -> fx.GraphModule:
     return lean
 
 
-def cpu_backend(hidden_bits: int = 16) -> Backend:
-    """The native CPU backend; ``hidden_bits`` is how recurrent layers feed h back."""
+def cpu_backend(hidden_bits: int = 8) -> Backend:
+    """The native CPU backend; ``hidden_bits`` is how recurrent layers feed h back.
+
+    8 (``CPU``): int8 like every other activation, the fastest. 16: int16 split into two
+    byte planes, one fused VNNI pass; free at batch 1 (the step is memory bound), about 1.6x
+    the recurrence cost at large batch, and single-layer recurrences then match the
+    reference to 55-65 dB instead of 38-45 dB.
+    """
     return Backend(
-        "cpu" if hidden_bits == 16 else f"cpu-h{hidden_bits}",
+        "cpu" if hidden_bits == 8 else f"cpu-h{hidden_bits}",
         rules=(recurrent_rule(hidden_bits), lower_linear, lower_conv2d),
         prepare_module=drop_unused_tensors,
     )

@@ -1,0 +1,55 @@
+"""Shared timing helpers for the benchmarks: one thread, interleaved runs, medians."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+NA = "n/a"
+
+
+def one_thread() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
+
+def interleaved_medians(
+    variants: dict[str, Callable[[], object]], runs: int, warmup: int = 5
+) -> dict[str, float]:
+    """Median milliseconds of each variant; every round runs each variant once, in turn."""
+    with torch.inference_mode():
+        for fn in variants.values():
+            for _ in range(warmup):
+                fn()
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(runs):
+            for name, fn in variants.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def table(title: str, columns: list[str], rows: list[tuple[str, dict[str, float | None]]]) -> str:
+    """Markdown table: absolute ms and the ratio to the first column."""
+    lines = [f"| {title} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for label, ms in rows:
+        base = ms[columns[0]]
+        cells = []
+        for col in columns:
+            value = ms.get(col)
+            if value is None or base is None:
+                cells.append(NA)
+            else:
+                cells.append(f"{value:.2f} ms ({value / base:.2f})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def load_note() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} on {os.cpu_count()} cores"
