@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -49,6 +49,37 @@ def latency_ms(
             if len(times) >= min_runs and spent > budget_s:
                 break
     return statistics.median(times) * 1e3
+
+
+def latencies_ms(
+    models: Mapping[str, Callable[..., Any]],
+    args: tuple[Any, ...],
+    *,
+    rounds: int = 15,
+    min_runs: int = 3,
+    budget_s: float = 3.0,
+) -> dict[str, float]:
+    """Median milliseconds per call of each model, measured round-robin.
+
+    Models take turns one call at a time, so a change of machine load (other processes on a
+    shared machine) hits every model alike instead of whichever was measured at that moment.
+    A model stops once it has ``min_runs`` calls and has used ``budget_s`` seconds.
+    """
+    times: dict[str, list[float]] = {name: [] for name in models}
+    with torch.no_grad():
+        for fn in models.values():
+            fn(*args)  # warm-up
+        for _ in range(rounds):
+            active = [
+                name for name, ts in times.items() if len(ts) < min_runs or sum(ts) < budget_s
+            ]
+            if not active:
+                break
+            for name in active:
+                start = time.perf_counter()
+                models[name](*args)
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def _saved_bytes(obj: object) -> int:
