@@ -19,13 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import interleaved_medians, load_note, one_thread, table  # benchmarks/ is on the path
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved_medians, load_note, one_thread, table  # noqa: E402
-
-import quantree as qt  # noqa: E402
-from quantree.backends import CPU, cpu_backend  # noqa: E402
+import quantree as qt
+from quantree.backends import CPU, cpu_backend
 
 SHAPES = [  # (input, hidden, layers, seq, batch)
     (256, 256, 2, 128, 1),
