@@ -1,0 +1,56 @@
+"""The custom ops on their own: layouts, odd sizes, zero points, fake implementations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantree.backends import ops  # noqa: F401
+from quantree.backends.packing import pack, zero_point_offset
+
+quantree_ops = torch.ops.quantree
+
+
+def random_int8(*shape: int, low: int = -128, high: int = 128) -> torch.Tensor:
+    return torch.randint(low, high, shape, dtype=torch.int8)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 4, 16), (3, 5, 17), (7, 64, 100), (33, 130, 64)])
+def test_linear_matches_integer_arithmetic(m, k, n):
+    torch.manual_seed(k)
+    x, w = random_int8(m, k), random_int8(n, k, low=-127)
+    zp = 13
+    scale = torch.rand(n) * 1e-3
+    bias = torch.randn(n)
+    acc = (x.int() - zp) @ w.int().t()
+    want = acc.float() * scale + bias
+    got = quantree_ops.linear(x, pack(w), zero_point_offset(w, zp), scale, bias, n, 0.0, 0, False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    q = quantree_ops.linear(x, pack(w), zero_point_offset(w, zp), scale, bias, n, 0.01, -3, True)
+    expect = torch.clamp(torch.round(want * (1 / 0.01)) - 3, -3, 127).to(torch.int8)
+    assert (q.int() - expect.int()).abs().max() <= 1 and q.dtype == torch.int8
+
+
+def test_pack_layout():
+    w = torch.arange(20 * 6, dtype=torch.int32).reshape(20, 6).remainder(127).to(torch.int8)
+    p = pack(w)
+    assert p.shape == (2, 2, 64)
+    # block 0, k-group 1, channel 3, lane 1 -> w[3, 5]; padding is zero
+    assert p[0, 1, 3 * 4 + 1] == w[3, 5] and p[0, 1, 3 * 4 + 2] == 0
+    assert p[1, 0, 3 * 4 + 0] == w[19, 0] and p[1, 0, 4 * 4] == 0
+
+
+def test_fake_implementations_give_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 7, 10, dtype=torch.int8)
+        w = torch.empty(1, 3, 64, dtype=torch.int8)
+        out = quantree_ops.linear(x, w, torch.empty(16, dtype=torch.int32),
+                                  torch.empty(16), None, 16, 0.1, 0, False)  # fmt: skip
+        assert out.shape == (2, 7, 16) and out.dtype == torch.int8
+        img = torch.empty(2, 3, 9, 8, dtype=torch.int8)
+        geometry = ([3, 3], [2, 1], [1, 0], [1, 1])
+        off, scale = torch.empty(5, dtype=torch.int32), torch.empty(5)
+        conv = quantree_ops.conv2d(img, w, off, scale, None, 5, *geometry, 0, 0.0, 0, False)
+        assert conv.shape == (2, 5, 5, 6) and conv.dtype == torch.float32
