@@ -107,8 +107,8 @@ def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
     if terms is None:
         return False
     offset, scale, bias = terms
-    args = [
-        constant(ctx, "_cpu_weight_", pack(w.values), node),
+    args = [  # the kernel reads (kh, kw, c) rows of channels-last im2col
+        constant(ctx, "_cpu_weight_", pack(w.values.permute(0, 2, 3, 1)), node),
         constant(ctx, "_cpu_offset_", offset, node),
         constant(ctx, "_cpu_scale_", scale, node),
         None if bias is None else constant(ctx, "_cpu_bias_", bias, node),

@@ -17,6 +17,7 @@ from torch.utils import cpp_extension
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp")
+CHANNELS_LAST = torch.channels_last
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17")
 
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -50,8 +51,12 @@ def library() -> ctypes.CDLL:
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
-    """The data pointer of a contiguous CPU tensor (None for an absent optional tensor)."""
+    """The data pointer of a dense CPU tensor (None for an absent optional tensor).
+
+    Dense means contiguous, or channels-last for the 4-d tensors of convolutions.
+    """
     if t is None:
         return None
-    assert t.is_contiguous() and t.device.type == "cpu"
+    dense = t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=CHANNELS_LAST))
+    assert dense and t.device.type == "cpu"
     return t.data_ptr()

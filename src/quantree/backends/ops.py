@@ -81,11 +81,16 @@ def conv2d(
     out_zero_point: int,
     relu: bool,
 ) -> Tensor:
-    """int8 NCHW convolution (groups = 1); int8 out (``out_scale > 0``) or float."""
-    x = x.contiguous()
+    """int8 convolution (groups = 1); int8 out (``out_scale > 0``) or float.
+
+    Computed in channels-last layout: the result is an NCHW-shaped tensor with
+    channels-last strides, which the next convolution reads without a copy.
+    """
+    x = x.contiguous(memory_format=torch.channels_last)
     shape = conv2d_shape(x, out_channels, kernel, stride, padding, dilation)
     quantized = out_scale > 0
-    out = torch.empty(shape, dtype=torch.int8 if quantized else torch.float32)
+    dtype = torch.int8 if quantized else torch.float32
+    out = torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
     n, c, h, w = x.shape
     library().qt_conv2d(
         ptr(x), n, c, h, w, x_zero_point, out_channels, *kernel, *stride, *padding, *dilation,
@@ -101,7 +106,7 @@ def _(x, weight, offset, scale, bias, out_channels, kernel, stride, padding, dil
       x_zero_point, out_scale, out_zero_point, relu):  # fmt: skip
     dtype = torch.int8 if out_scale > 0 else torch.float32
     shape = conv2d_shape(x, out_channels, kernel, stride, padding, dilation)
-    return x.new_empty(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
 
 
 def _requantize(x: Tensor, scale: float, zero_point: int) -> Tensor:

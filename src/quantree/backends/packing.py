@@ -12,7 +12,7 @@ import torch
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """An int8 ``[N, K]`` (or ``[N, C, kh, kw]``) weight in the kernels' blocked layout."""
+    """An int8 ``[N, ...]`` weight (rows flattened in order) in the kernels' blocked layout."""
     w = weight.reshape(weight.shape[0], -1)
     if w.dtype != torch.int8:
         raise TypeError(f"pack expects an int8 weight, got {w.dtype}")
