@@ -14,7 +14,7 @@ import torch
 
 import quantree as qt
 from quantree.compare import compare
-from quantree.workloads import batches, bits_per_char, load_charlm, load_corpus
+from quantree.workloads import batches, bits_per_char, load_charlm, load_corpus, weights_path
 
 BATCH, SEQ = 16, 128
 EVAL_CHARS = 60_000  # ~29 batches of 16 x 128: a shortened validation set
@@ -52,4 +52,19 @@ def test_whole_mode_int8_accuracy(workload) -> None:
     delta = bpc / float_bpc - 1.0
     print(f"float {float_bpc:.4f} bpc, int8 whole {bpc:.4f} ({delta:+.2%}), {logits_db:.1f} dB")
     assert abs(delta) <= 0.003
+    assert logits_db >= 30.0
+
+
+@pytest.mark.skipif(not weights_path("gru").exists(), reason="GRU weights not bundled yet")
+def test_whole_mode_int8_accuracy_gru(workload) -> None:
+    _, validation, calibration, probes, _ = workload
+    model = load_charlm("gru")
+    float_bpc = bits_per_char(model, validation, SEQ, BATCH)
+    assert float_bpc < 2.0
+    quantized = qt.quantize(model, calibration[0], calibration, progress=False)
+    with torch.no_grad():
+        bpc = bits_per_char(quantized, validation, SEQ, BATCH)
+    logits_db = compare(model, quantized, probes).outputs[0].sqnr_db
+    print(f"\nGRU: float {float_bpc:.4f} bpc, int8 whole {bpc:.4f}, {logits_db:.1f} dB")
+    assert abs(bpc / float_bpc - 1.0) <= 0.003
     assert logits_db >= 30.0

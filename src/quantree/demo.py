@@ -35,14 +35,17 @@ BATCH, SEQ = 16, 128
 DEFAULT_REPORT = Path("quantree-report") / "report.html"
 
 
-def _resolve(name: str) -> object | None:
-    """``quantree.<name>`` (dotted: ``backends.CPU``) if this build has it, else None."""
+def _resolve(name: str) -> tuple[object | None, str]:
+    """``quantree.<name>`` (dotted: ``backends.CPU``) and, when missing, why."""
     module_name, _, attr = name.rpartition(".")
     try:
         module = importlib.import_module(f"quantree.{module_name}" if module_name else "quantree")
     except ImportError:
-        return None
-    return getattr(module, attr, None)
+        return None, f"needs quantree.{name}"
+    except Exception as error:  # a module that exists but fails to load (a native build)
+        return None, f"quantree.{module_name} failed to load: {type(error).__name__}: {error}"
+    found = getattr(module, attr, None)
+    return found, "" if found is not None else f"needs quantree.{name}"
 
 
 def int8_whole() -> Quantizer:
@@ -66,7 +69,7 @@ def a16w8() -> Quantizer:
 
 
 def cpu_backend() -> Backend:
-    backend = _resolve("backends.CPU")
+    backend, _ = _resolve("backends.CPU")
     assert isinstance(backend, Backend)
     return backend
 
@@ -81,8 +84,14 @@ class Variant:
     requires: tuple[str, ...] = ()
 
     @property
+    def missing(self) -> str:
+        """Why this build cannot run the variant ('' when it can)."""
+        reasons = [_resolve(name)[1] for name in self.requires]
+        return "; ".join(r for r in reasons if r)
+
+    @property
     def available(self) -> bool:
-        return all(_resolve(name) is not None for name in self.requires)
+        return not self.missing
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -206,7 +215,7 @@ def run_demo(
         done: dict[Callable[[], Quantizer], _Calibrated] = {}
         for variant in variants:
             if not variant.available:
-                log(f"{variant.name}: skipped (needs {', '.join(variant.requires)})")
+                log(f"{variant.name}: skipped ({' '.join(variant.missing.split())[:200]})")
                 continue
             if variant.quantizer not in done:
                 done[variant.quantizer] = _calibrated(model, variant, calibration, progress)
