@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from quantree import demo
+from quantree import demo, demo_report
 from quantree.cli import main
 from quantree.compare import Comparison, RowKind, TensorRow
 from quantree.report import PNG_SIGNATURE, embedded_pngs
@@ -25,6 +25,10 @@ def _check_pngs(page: str, tmp_path: Path) -> int:
     return len(images)
 
 
+def _broken() -> demo.Quantizer:
+    raise RuntimeError("no such recipe")
+
+
 def test_variants_are_one_list_with_unique_names() -> None:
     names = [v.name for v in demo.VARIANTS]
     assert len(names) == len(set(names))
@@ -36,27 +40,29 @@ def test_variants_are_one_list_with_unique_names() -> None:
 def test_small_demo_run_table_and_report(tmp_path: Path) -> None:
     messages: list[str] = []
     missing = demo.Variant("needs the future", demo.int8_whole, requires=("NoSuchName",))
+    broken = demo.Variant("broken", _broken)
     result = demo.run_demo(
         calibration_batches=3,
         eval_chars=4_000,
         compare_batches=1,
-        variants=(demo.VARIANTS[0], missing),
+        variants=(missing, broken, demo.VARIANTS[0]),
         progress=False,
         log=messages.append,
     )
     assert [r.variant for r in result.rows] == ["float", "torch dynamic int8", "int8 whole"]
     assert "needs the future: skipped (needs quantree.NoSuchName)" in messages
+    assert result.failures == {"broken": "RuntimeError: no such recipe"}
     whole = result.row("int8 whole")
     assert 0.5 < whole.bits_per_char < 4.0
     assert 15.0 < whole.logits_sqnr_db < math.inf
     assert whole.latency_ms > 0 and whole.calibrate_s > 0
     assert whole.size_bytes < result.row("float").size_bytes / 2  # int8 weights
-    lines = demo.table_lines(result)
+    lines = demo_report.table_lines(result)
     assert "bits/char" in lines[0] and "vs dynamic" in lines[0] and "logits SQNR" in lines[0]
     assert len(lines) == 2 + len(result.rows)
     comparison = result.comparisons["int8 whole"]
     assert {"lstm[0]", "lstm[1]", "lstm[2]"} <= {r.name for r in comparison.rows}
-    written = demo.write_report(result, tmp_path / "out" / "report.html")
+    written = demo_report.write_report(result, tmp_path / "out" / "report.html")
     page = written.read_text()
     assert "int8 whole: per-tensor SQNR against float" in page
     assert _check_pngs(page, tmp_path) == 4  # latency, bits/char, size, one SQNR chart

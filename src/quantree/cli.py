@@ -173,7 +173,7 @@ def inspect_command(args: argparse.Namespace) -> int:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    from quantree.demo import main as demo_main
+    from quantree.demo_report import main as demo_main
 
     demo_main(args.calibration_batches, args.eval_chars, args.report)
     return 0

@@ -28,7 +28,6 @@ from quantree.convert import convert
 from quantree.measure import latencies_ms, model_bytes, torch_threads
 from quantree.prepare import prepare
 from quantree.quantizer import Quantizer
-from quantree.report import Report, bar_chart
 from quantree.workloads import batches, bits_per_char, load_charlm, load_corpus
 
 BATCH, SEQ = 16, 128
@@ -123,6 +122,7 @@ class DemoResult:
     eval_chars: int = 0
     compare_batches: int = 0
     seconds: float = 0.0
+    failures: dict[str, str] = field(default_factory=dict)
 
     def row(self, variant: str) -> DemoRow:
         return next(r for r in self.rows if r.variant == variant)
@@ -217,15 +217,21 @@ def run_demo(
             if not variant.available:
                 log(f"{variant.name}: skipped ({' '.join(variant.missing.split())[:200]})")
                 continue
-            if variant.quantizer not in done:
-                done[variant.quantizer] = _calibrated(model, variant, calibration, progress)
-            recipe = done[variant.quantizer]
+            try:
+                if variant.quantizer not in done:
+                    done[variant.quantizer] = _calibrated(model, variant, calibration, progress)
+                recipe = done[variant.quantizer]
+                lower_start = time.perf_counter()
+                backend = variant.backend() if variant.backend is not None else REFERENCE
+                qmodel = lower(recipe.converted, backend)
+                quant_s = recipe.quantize_s + time.perf_counter() - lower_start
+                bpc, db, ms, size = measure(variant.name, qmodel, recipe.prepared)
+            except Exception as error:  # one broken optional variant must not end the demo
+                message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+                result.failures[variant.name] = message
+                log(f"{variant.name}: failed ({message})")
+                continue
             cal_s = recipe.calibrate_s
-            lower_start = time.perf_counter()
-            backend = variant.backend() if variant.backend is not None else REFERENCE
-            qmodel = lower(recipe.converted, backend)
-            quant_s = recipe.quantize_s + time.perf_counter() - lower_start
-            bpc, db, ms, size = measure(variant.name, qmodel, recipe.prepared)
             result.rows.append(DemoRow(variant.name, bpc, db, ms, size, cal_s, quant_s))
             log(
                 f"{variant.name}: calibrated {calibration_batches} batches in {cal_s:.1f} s, "
@@ -235,83 +241,4 @@ def run_demo(
         latency = latencies_ms(timed, probe)
         result.rows = [replace(r, latency_ms=latency[r.variant]) for r in result.rows]
     result.seconds = time.perf_counter() - start
-    return result
-
-
-def table_lines(result: DemoResult) -> list[str]:
-    """The demo's one table, as printed."""
-    base = result.rows[0]
-    dynamic = next((r for r in result.rows if r.variant == "torch dynamic int8"), base)
-    width = max(len(r.variant) for r in result.rows)
-    header = (
-        f"{'variant':<{width}}  {'bits/char':>9}  {'vs float':>8}  {'logits SQNR':>11}  "
-        f"{'latency':>10}  {'vs float':>8}  {'vs dynamic':>10}  {'size':>8}  {'calibrate':>9}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in result.rows:
-        delta = (r.bits_per_char / base.bits_per_char - 1.0) * 100.0
-        db = "-" if r.variant == "float" else f"{r.logits_sqnr_db:.1f} dB"
-        cal = f"{r.calibrate_s:.1f} s" if r.calibrate_s else "-"
-        lines.append(
-            f"{r.variant:<{width}}  {r.bits_per_char:>9.4f}  {delta:>+7.2f}%  {db:>11}  "
-            f"{r.latency_ms:>7.1f} ms  {r.latency_ms / base.latency_ms:>7.2f}x  "
-            f"{r.latency_ms / dynamic.latency_ms:>9.2f}x  {r.size_bytes / 1e6:>5.2f} MB  {cal:>9}"
-        )
-    return lines
-
-
-def describe(result: DemoResult) -> str:
-    return (
-        f"bundled char-level LSTM LM (stdlib text); bits/char on {result.eval_chars:,} "
-        f"validation chars, logits SQNR on {result.compare_batches} batch(es) of {BATCH}x{SEQ} "
-        "validation windows, latency = median "
-        f"forward of {BATCH}x{SEQ} chars on 1 thread, calibration on "
-        f"{result.calibration_batches} batches of {BATCH}x{SEQ}"
-    )
-
-
-def write_report(result: DemoResult, path: str | Path) -> Path:
-    """The demo's HTML report: the table, latency and size bars, per-tensor SQNR per variant."""
-    report = Report("quantree demo")
-    report.paragraph(describe(result))
-    report.preformatted("\n".join(table_lines(result)))
-    names = [r.variant for r in result.rows]
-    report.heading("Latency")
-    report.image(
-        bar_chart(names, [r.latency_ms for r in result.rows], "forward latency (1 thread)", "ms"),
-        "latency per variant",
-    )
-    report.heading("Accuracy and size")
-    report.image(
-        bar_chart(
-            names,
-            [r.bits_per_char for r in result.rows],
-            "validation bits per character (lower is better)",
-            "bits/char",
-            "{:.4f}",
-        ),
-        "bits per character per variant",
-    )
-    report.image(
-        bar_chart(names, [r.size_bytes / 1e6 for r in result.rows], "model size", "MB", "{:.2f}"),
-        "model size per variant",
-    )
-    for name, comparison in result.comparisons.items():
-        report.comparison(comparison, f"{name}: per-tensor SQNR against float")
-    return report.write(path)
-
-
-def main(
-    calibration_batches: int = 50,
-    eval_chars: int = 100_000,
-    report_path: str | Path = DEFAULT_REPORT,
-) -> DemoResult:
-    """What ``quantree demo`` runs: measure, print the table, write the report."""
-    result = run_demo(calibration_batches, eval_chars)
-    print()
-    print(describe(result))
-    print("\n".join(table_lines(result)))
-    written = write_report(result, report_path)
-    print(f"\nreport: {written}")
-    print(f"demo took {result.seconds:.0f} s")
     return result
