@@ -48,37 +48,51 @@ static inline __m512i broadcast4(const uint8_t* p) {
     return _mm512_set1_epi32(four);
 }
 
+// acc += a . b (u8 x s8, 4 products per lane). Inline asm keeps each accumulator in one
+// register: with the intrinsic, GCC 12 copies every accumulator each iteration.
+static inline void dpbusd(__m512i& acc, __m512i a, __m512i b) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
 // MR rows x NR blocks of 16 columns; DUAL also multiplies the rows of a second (low byte)
 // plane A2 and combines 256 * (acc + off) + acc2.
 template <int MR, int NR, bool DUAL>
 static void micro(const uint8_t* A, const uint8_t* A2, int64_t lda, const int8_t* B,
                   int64_t kq, int64_t row0, int64_t nb0, int64_t N, const Epilogue& ep) {
-    constexpr int M2 = DUAL ? MR : 1;
-    __m512i acc[MR][NR], acc2[M2][NR];
-    for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
-    for (int i = 0; i < M2; ++i)
-        for (int j = 0; j < NR; ++j) acc2[i][j] = _mm512_setzero_si512();
+    __m512i acc[MR * NR], acc2[DUAL ? MR * NR : 1];
+#pragma GCC unroll 32
+    for (int i = 0; i < MR * NR; ++i) acc[i] = _mm512_setzero_si512();
+    if constexpr (DUAL) {
+#pragma GCC unroll 32
+        for (int i = 0; i < MR * NR; ++i) acc2[i] = _mm512_setzero_si512();
+    }
     const int8_t* b = B + nb0 * kq * 64;
     const uint8_t* a0 = A + row0 * lda;
     const uint8_t* a2 = DUAL ? A2 + row0 * lda : nullptr;
     for (int64_t k = 0; k < kq; ++k) {
         __m512i bv[NR];
+#pragma GCC unroll 8
         for (int j = 0; j < NR; ++j) bv[j] = _mm512_loadu_si512(b + (j * kq + k) * 64);
+#pragma GCC unroll 4
         for (int i = 0; i < MR; ++i) {
             const __m512i a = broadcast4(a0 + i * lda + 4 * k);
-            for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], a, bv[j]);
+#pragma GCC unroll 8
+            for (int j = 0; j < NR; ++j) dpbusd(acc[i * NR + j], a, bv[j]);
             if constexpr (DUAL) {
                 const __m512i c = broadcast4(a2 + i * lda + 4 * k);
-                for (int j = 0; j < NR; ++j)
-                    acc2[i][j] = _mm512_dpbusd_epi32(acc2[i][j], c, bv[j]);
+#pragma GCC unroll 8
+                for (int j = 0; j < NR; ++j) dpbusd(acc2[i * NR + j], c, bv[j]);
             }
         }
     }
-    for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j)
-            store_block(ep, row0 + i, (nb0 + j) * 16, N, acc[i][j],
-                        DUAL ? &acc2[DUAL ? i : 0][j] : nullptr);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j) {
+            store_block(ep, row0 + i, (nb0 + j) * 16, N, acc[i * NR + j],
+                        DUAL ? &acc2[DUAL ? i * NR + j : 0] : nullptr);
+        }
+    }
 }
 
 using Micro = void (*)(const uint8_t*, const uint8_t*, int64_t, const int8_t*, int64_t,
