@@ -187,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadFile as error:
         print(f"quantree: error: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as error:  # an output that cannot be written (permissions, a full disk)
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"quantree: error: {where}{error.strerror or error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except QuantreeError as error:
         message = " ".join(str(error).split())
         print(f"quantree: error: {message[:500]}", file=sys.stderr)

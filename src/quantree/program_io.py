@@ -113,6 +113,13 @@ def check_output(path: str | Path, protect: tuple[str | Path, ...] = ()) -> Path
             raise BadFile(f"{target}: refusing to overwrite the input file {other}")
     if target.exists() and not target.is_file():
         raise BadFile(f"{target}: exists and is not a regular file")
+    ancestor = target.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise BadFile(f"{target}: cannot be created, {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK):
+        raise BadFile(f"{target}: cannot be created, {ancestor} is not writable")
     return target
 
 
