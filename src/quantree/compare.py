@@ -215,10 +215,11 @@ class _Session:
         self.quantized_plans = {}
         for scope, gm in self.graphs.items():
             keys = self.reference.get((scope, 0), {})
+            nodes = {n.name: (i, n) for i, n in enumerate(gm.graph.nodes)}
+            index = list(self.graphs).index(scope)
             for key in keys:
                 if key[0] == VALUE and (scope, key) not in self.stats:
-                    index = list(self.graphs).index(scope)
-                    described = self._scoped(scope, describe_value(gm, key), index)
+                    described = self._scoped(scope, describe_value(nodes, key), index)
                     self.stats[(scope, key)] = _Stat(described)
             if not isinstance(self.quantized, fx.GraphModule):
                 continue

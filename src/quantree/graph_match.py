@@ -127,9 +127,11 @@ def float_plan(gm: fx.GraphModule) -> tuple[Plan, dict[Key, Described], dict[Key
     return Plan(watch, {}), described, weights
 
 
-def describe_value(gm: fx.GraphModule, key: Key) -> Described:
-    """``lstm[1]``, or ``gates_split[0] (i_pre)`` when the leaf's getitem has its own name."""
-    nodes = {n.name: (i, n) for i, n in enumerate(gm.graph.nodes)}
+def describe_value(nodes: dict[str, tuple[int, fx.Node]], key: Key) -> Described:
+    """``lstm[1]``, or ``gates_split[0] (i_pre)`` when the leaf's getitem has its own name.
+
+    ``nodes`` maps node names to (position, node): ``{n.name: (i, n) for i, n in ...}``.
+    """
     order, node = nodes[key[1]]
     suffix = "".join(f"[{p!r}]" for p in key[2])
     leaf, rest = carrier(node, key[2])
