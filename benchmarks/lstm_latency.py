@@ -4,9 +4,10 @@
 
 Columns: float ``nn.LSTM``; PyTorch dynamic int8 (``quantize_dynamic``); PyTorch eager
 static int8 (the custom-module flow through ``torch.ao.nn.quantizable.LSTM``); quantree
-whole mode lowered to ``quantree.backends.CPU`` (int16 hidden feedback, the default) and
-with ``cpu_backend(hidden_bits=8)``; quantree cells mode lowered to CPU (``n/a`` if this
-quantree has no cells mode); ONNX Runtime dynamic int8 when ``onnxruntime`` is installed.
+whole mode lowered to ``quantree.backends.CPU`` (int8 hidden-state feedback, the default)
+and to ``cpu_backend(hidden_bits=16)`` (int16 feedback); quantree cells mode lowered to
+CPU (``n/a`` if this quantree has no cells mode); ONNX Runtime dynamic int8 when
+``onnxruntime`` is installed.
 Ratios are to float ``nn.LSTM`` measured in the same run.
 """
 
@@ -35,7 +36,7 @@ COLUMNS = [
     "torch dynamic",
     "torch eager static",
     "quantree whole",
-    "quantree whole h8",
+    "quantree whole h16",
     "quantree cells",
     "onnxruntime dynamic",
 ]
@@ -117,13 +118,13 @@ def variants(shape: tuple[int, int, int, int, int]) -> dict[str, Callable[[], ob
     ref = qt.convert(calibrated(model, x, calib, qt.Int8Quantizer()))
     dynamic = torch.ao.quantization.quantize_dynamic(model, {nn.LSTM}, dtype=torch.qint8)
     static = eager_static(lstm, calib)
-    whole, whole8 = qt.lower(ref, CPU), qt.lower(ref, cpu_backend(hidden_bits=8))
+    whole, whole16 = qt.lower(ref, CPU), qt.lower(ref, cpu_backend(hidden_bits=16))
     out: dict[str, Callable[[], object]] = {
         "float": lambda: model(x),
         "torch dynamic": lambda: dynamic(x),
         "torch eager static": lambda: static(x),
         "quantree whole": lambda: whole(x),
-        "quantree whole h8": lambda: whole8(x),
+        "quantree whole h16": lambda: whole16(x),
     }
     mode = getattr(qt, "RecurrentMode", None)
     if mode is not None:
