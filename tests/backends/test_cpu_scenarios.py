@@ -25,11 +25,17 @@ from support import batches, leaves, run
 THRESHOLD_DB = 35.0
 
 
+QDQ = ("quantree.quantize.default", "quantree.dequantize.default")
+
+
 def lowered_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """The native kernels in ``gm`` (not counting its native quantize/dequantize)."""
     return [
         str(n.target)
         for n in gm.graph.nodes
-        if n.op == "call_function" and str(n.target).startswith("quantree.")
+        if n.op == "call_function"
+        and str(n.target).startswith("quantree.")
+        and str(n.target) not in QDQ
     ]
 
 
@@ -139,8 +145,22 @@ class SmallCnn(nn.Module):
 
 
 def test_conv_relu_and_linear_lower():
+    torch.manual_seed(0)
     ops = check(SmallCnn(), (2, 3, 16, 16))
     assert ops.count("quantree.conv2d.default") == 2 and "quantree.linear.default" in ops
+
+
+def test_no_reference_quantize_dequantize_left_around_kernels():
+    """int8 flattening between conv and linear; native q/dq at the model's edges."""
+    torch.manual_seed(0)
+    model = SmallCnn().eval()
+    _, ref = run(model, batches((2, 3, 16, 16), n=3))
+    low = qt.lower(ref, CPU)
+    targets = [str(n.target) for n in low.graph.nodes if n.op == "call_function"]
+    assert not [t for t in targets if t.startswith("quantized_decomposed")]
+    assert targets.count("quantree.quantize.default") == 1
+    assert targets.count("quantree.dequantize.default") == 1
+    assert "aten.flatten.using_ints" in targets
 
 
 def test_reference_is_untouched_and_weights_not_duplicated():

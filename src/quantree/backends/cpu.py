@@ -1,8 +1,9 @@
 """``CPU``: the native int8 backend (VNNI kernels built on first use).
 
-Rules, tried in order at each node: whole recurrent layers, linear(+relu), conv2d(+relu).
-After lowering, the module keeps only the tensors its graph still reads, so the reference
-graph's int8 weights are not stored twice.
+Rules, tried in order at each node: whole recurrent layers, linear(+relu), conv2d(+relu),
+int8 data movement. Then the remaining quantize/dequantize nodes become native ones, and
+the module keeps only the tensors its graph still reads, so the reference graph's int8
+weights are not stored twice.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ import torch.fx as fx
 
 from quantree.backend import Backend
 from quantree.backends.lowering_linear import lower_conv2d, lower_linear
+from quantree.backends.lowering_qdq import lower_movement, native_quantize_dequantize
 from quantree.backends.lowering_recurrent import recurrent_rule
 
 
-def drop_unused_tensors(gm: fx.GraphModule) -> fx.GraphModule:
-    """A GraphModule over the same graph holding only the attributes it reads."""
+def finish(gm: fx.GraphModule) -> fx.GraphModule:
+    """Native q/dq for what is left, then a module holding only the tensors it reads."""
+    native_quantize_dequantize(gm)
+    gm.graph.lint()
+    gm.recompile()
     lean = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
     lean.meta = dict(gm.meta)
     return lean
@@ -31,8 +36,8 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
     """
     return Backend(
         "cpu" if hidden_bits == 8 else f"cpu-h{hidden_bits}",
-        rules=(recurrent_rule(hidden_bits), lower_linear, lower_conv2d),
-        prepare_module=drop_unused_tensors,
+        rules=(recurrent_rule(hidden_bits), lower_linear, lower_conv2d, lower_movement),
+        prepare_module=finish,
     )
 
 

@@ -25,6 +25,8 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_linear": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32,
                   _int],
     "qt_conv2d": [_ptr, *[_i64] * 17, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32, _int],
+    "qt_quantize": [_ptr, _i64, _f32, _f32, _ptr],
+    "qt_dequantize": [_ptr, _i64, _f32, _f32, _ptr],
     "qt_rnn_layer": [_int, _i64, _i64, _i64, _i64, _int, _ptr, _f32, _f32, _ptr, _i64, _ptr,
                      _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _f32, _f32, _f32, _f32, _int,
                      _ptr, _i64, _f32, _f32, _ptr, _ptr],

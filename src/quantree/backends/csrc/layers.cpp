@@ -63,4 +63,15 @@ void qt_conv2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W, 
     }
 }
 
+// quantize_per_tensor / dequantize_per_tensor of quantized_decomposed, int8 [-128, 127]:
+// q = clamp(round_half_even(x * inv) + zp), x = (q - zp) * scale, in float32.
+void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out) {
+    for (int64_t i = 0; i < n; ++i)
+        out[i] = static_cast<int8_t>(qt::quantize_value(x[i], inv, zp, -128.0f, 127.0f));
+}
+
+void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (static_cast<float>(q[i]) - zp) * scale;
+}
+
 }  // extern "C"

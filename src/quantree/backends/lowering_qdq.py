@@ -1,0 +1,81 @@
+"""Lowering of what surrounds the kernels: data movement in int8, native quantize/dequantize.
+
+``dq -> flatten/view/permute/max_pool... -> q`` with the same parameters on both sides is
+the movement applied to the int8 tensor itself (quantization is monotonic, so max commutes
+with it too). After every rule has run, the quantize/dequantize nodes still in the graph
+(model inputs and outputs, float islands) become ``quantree.quantize``/``dequantize``: the
+same arithmetic in one C loop instead of five ATen ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from quantree.backend import LoweringContext
+from quantree.backends import ops  # noqa: F401  (registers torch.ops.quantree.*)
+from quantree.backends.patterns import activation, is_int8_per_tensor
+
+aten = torch.ops.aten
+qd = torch.ops.quantized_decomposed
+MOVEMENT = (
+    aten.flatten.using_ints,
+    aten.view.default,
+    aten.reshape.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.squeeze.dim,
+    aten.unsqueeze.default,
+    aten.max_pool2d.default,
+)
+
+
+def lower_movement(ctx: LoweringContext, node: fx.Node) -> bool:
+    if node.target not in MOVEMENT:
+        return False
+    x = activation(ctx, node.args[0])
+    q = ctx.quantized_output(node)
+    if x is None or q is None or not is_int8_per_tensor(q.params):
+        return False
+    if (float(q.params.scale), int(q.params.zero_point)) != (x.scale, x.zero_point):
+        return False
+    graph = ctx.gm.graph
+    with graph.inserting_before(node):
+        moved = graph.call_function(node.target, (x.node, *node.args[1:]), dict(node.kwargs))
+    moved.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    q.node.replace_all_uses_with(moved)
+    graph.erase_node(q.node)
+    graph.erase_node(node)
+    return True
+
+
+def _int8_per_tensor_args(node: fx.Node) -> tuple[float, int] | None:
+    _, scale, zero_point, qmin, qmax, dtype = node.args[:6]
+    if (qmin, qmax, dtype) != (-128, 127, torch.int8):
+        return None
+    if not isinstance(scale, float | int) or not isinstance(zero_point, int):
+        return None
+    return float(scale), int(zero_point)
+
+
+def native_quantize_dequantize(gm: fx.GraphModule) -> None:
+    """Replace the remaining int8 per-tensor q/dq nodes of ``gm`` by the native ops."""
+    swap = {
+        qd.quantize_per_tensor.default: torch.ops.quantree.quantize.default,
+        qd.dequantize_per_tensor.default: torch.ops.quantree.dequantize.default,
+    }
+    for node in list(gm.graph.nodes):
+        new_target = swap.get(node.target)  # type: ignore[call-overload]
+        params = _int8_per_tensor_args(node) if new_target is not None else None
+        if new_target is None or params is None:
+            continue
+        if node.kwargs.get("out_dtype", torch.float32) != torch.float32:
+            continue
+        source = node.args[0]
+        if isinstance(source, fx.Node) and source.op == "get_attr":
+            continue  # folded constants stay as convert stored them
+        with gm.graph.inserting_before(node):
+            native = gm.graph.call_function(new_target, (source, *params))
+        native.meta = dict(node.meta)
+        node.replace_all_uses_with(native)
+        gm.graph.erase_node(node)
