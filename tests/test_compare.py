@@ -207,3 +207,14 @@ def test_lowered_model_keeps_output_rows() -> None:
     result = compare(model, lowered, data[:2])
     assert isinstance(result, Comparison)
     assert result.outputs and result.outputs[0].sqnr_db > 15
+
+
+def test_lone_tensors_and_no_data() -> None:
+    torch.manual_seed(0)
+    model = MaxIndices().eval()
+    data = _data(4, 8)
+    _, converted = run(model, data)
+    lone = compare(model, converted, (x for (x,) in data[:2]))  # a generator of tensors
+    assert lone.batches == 2 and lone.outputs
+    empty = compare(model, converted, [])
+    assert empty.rows == () and empty.batches == 0
