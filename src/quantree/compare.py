@@ -121,7 +121,7 @@ class Comparison:
             shape = "x".join(str(s) for s in r.shape) or "scalar"
             lines.append(
                 f"{r.name:<{width}}  {r.op:<{opw}}  {r.quantization:<18}  {shape:<16}  "
-                f"{r.sqnr_db:7.1f}"
+                + (f"{r.sqnr_db:7.1f}" if math.isfinite(r.sqnr_db) else "  exact")
             )
         if limit is not None and len(self.rows) > limit:
             lines.append(f"... and {len(self.rows) - limit} more")
