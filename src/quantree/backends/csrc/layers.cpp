@@ -37,7 +37,8 @@ void qt_conv2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W, 
                int8_t* out_q, float* out_f, float inv, float zp, int relu) {
     const int64_t P = batch * OH * OW, K = KH * KW * C, panel = 256;
     const uint8_t pad = static_cast<uint8_t>(x_zp + 128);
-    std::vector<uint8_t> col(static_cast<size_t>((P < panel ? P : panel) * Kp));
+    const int8_t* x_end = x + batch * H * W * C;
+    std::vector<uint8_t> col(static_cast<size_t>((P < panel ? P : panel) * Kp + 4));
     for (int64_t p0 = 0; p0 < P; p0 += panel) {
         const int64_t rows = P - p0 < panel ? P - p0 : panel;
         for (int64_t r = 0; r < rows; ++r) {
@@ -52,6 +53,13 @@ void qt_conv2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W, 
                         continue;
                     }
                     const int8_t* src = x + ((n * H + ih) * W + iw) * C;
+                    if (C <= 4 && src + 4 <= x_end) {  // one word; the spill is rewritten next
+                        uint32_t word;
+                        std::memcpy(&word, src, 4);
+                        word ^= 0x80808080u;
+                        std::memcpy(dst, &word, 4);
+                        continue;
+                    }
                     for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<uint8_t>(src[c] ^ 0x80);
                 }
             }
