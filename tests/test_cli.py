@@ -195,10 +195,12 @@ def test_bad_file_in_a_subprocess_has_no_traceback(files: dict[str, Path]) -> No
 def test_cells_mode_round_trip(files: dict[str, Path]) -> None:
     if not hasattr(qt, "RecurrentMode"):
         pytest.skip("cells mode not in this build")
-    out = files["root"] / "cells.pt2"
+    out, report = files["root"] / "cells.pt2", files["root"] / "cells.html"
     code = main(["quantize", str(files["model"]), "--calibration", str(files["data"]),
-                 "-o", str(out), "--recurrent", "cells", "--quiet"])  # fmt: skip
+                 "-o", str(out), "--recurrent", "cells", "--quiet",
+                 "--report", str(report)])  # fmt: skip
     assert code == 0
+    assert ".body/cell" in report.read_text()  # the report shows inside the cells
     expected, data = _python_api(files, qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS))
     loaded = torch.export.load(str(out)).module()
     with torch.no_grad():

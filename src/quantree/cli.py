@@ -126,13 +126,13 @@ def quantize_command(args: argparse.Namespace) -> int:
     written = save_program(quantized, data[0], args.output, protect=(args.model,))
     print(f"quantized {args.model} on {len(data)} calibration batch(es) -> {written}")
     if args.report:
-        _write_report(args, module, quantized, data)
+        _write_report(args, prepared, quantized, data)
     return 0
 
 
 def _write_report(
     args: argparse.Namespace,
-    float_module: fx.GraphModule,
+    reference: fx.GraphModule,
     quantized: torch.nn.Module,
     data: list[tuple[Any, ...]],
 ) -> None:
@@ -141,7 +141,9 @@ def _write_report(
     from quantree.program_io import atomic_write
     from quantree.report import Report
 
-    comparison = compare(float_module, quantized, data[:REPORT_BATCHES])
+    # The prepared model computes what the float model computes and has the cells of a
+    # cells-mode layer as its own graphs, so the report shows inside them too.
+    comparison = compare(reference, quantized, data[:REPORT_BATCHES])
     report = Report(f"quantree: {Path(args.model).name}")
     report.paragraph(
         f"{args.model} quantized ({args.recurrent} recurrent mode, {args.backend} backend) "
