@@ -153,7 +153,7 @@ class _Session:
         self.float_plans: dict[str, Plan] = {}
         self.weights: dict[str, dict[Key, torch.Tensor]] = {}
         self.stats: dict[tuple[str, Key], _Stat] = {}
-        for scope, (index, gm) in zip(self.graphs, enumerate(self.graphs.values()), strict=True):
+        for index, (scope, gm) in enumerate(self.graphs.items()):
             plan, described, weights = float_plan(gm)
             self.float_plans[scope], self.weights[scope] = plan, weights
             for key, d in described.items():
