@@ -54,8 +54,20 @@ def _parser() -> argparse.ArgumentParser:
         "--calibration", required=True, help="DATA.pt: torch.save'd list of argument tuples"
     )
     quantize.add_argument("-o", "--output", required=True, help="where to write OUT.pt2")
-    quantize.add_argument("--backend", choices=("reference", "cpu"), default="reference")
-    quantize.add_argument("--recurrent", choices=("whole", "cells"), default="whole")
+    quantize.add_argument(
+        "--backend",
+        choices=("reference", "cpu"),
+        default="reference",
+        help="reference: quantize/dequantize graph (default); cpu: native int8 kernels "
+        "(to load the output elsewhere, import quantree.backends first)",
+    )
+    quantize.add_argument(
+        "--recurrent",
+        choices=("whole", "cells"),
+        default="whole",
+        help="whole: LSTM/GRU/RNN quantized at their boundary (default); cells: every gate "
+        "and the cell state a quantization point",
+    )
     quantize.add_argument("--report", help="also write an HTML report of per-tensor SQNR")
     quantize.add_argument("--quiet", action="store_true", help="no progress bar")
 
