@@ -27,6 +27,18 @@ static inline void store_block(const Epilogue& ep, int64_t row, int64_t n0, int6
                                   : static_cast<__mmask16>((1u << rem) - 1u);
     __m512 v = _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_maskz_loadu_epi32(m, ep.off + n0)));
     if (lo) v = _mm512_fmadd_ps(v, _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(*lo));
+    if (ep.mult) {
+        // mul then add (not an FMA): with power-of-two scales this rounds exactly like
+        // the reference's (acc * scale + bias) / out_scale
+        __m512 q = _mm512_add_ps(_mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, ep.mult + n0)),
+                                 _mm512_maskz_loadu_ps(m, ep.add + n0));
+        q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_add_ps(q, _mm512_set1_ps(ep.zero_point));  // after rounding: ties to even
+        q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(ep.qmin)), _mm512_set1_ps(ep.qmax));
+        _mm512_mask_cvtsepi32_storeu_epi8(ep.out_q + row * ep.ldc + n0, m,
+                                          _mm512_cvtps_epi32(q));
+        return;
+    }
     __m512 y = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, ep.scale + n0));
     if (ep.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, ep.bias + n0));
     if (ep.out_f) {
@@ -161,6 +173,12 @@ void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
             }
             float v = static_cast<float>(acc + ep.off[n]);
             if (A_lo) v = v * 256.0f + static_cast<float>(acc2);
+            if (ep.mult) {
+                float q = __builtin_nearbyintf(v * ep.mult[n] + ep.add[n]) + ep.zero_point;
+                q = q < ep.qmin ? ep.qmin : (q > ep.qmax ? ep.qmax : q);
+                ep.out_q[r * ep.ldc + n] = static_cast<int8_t>(q);
+                continue;
+            }
             float y = v * ep.scale[n];
             if (ep.bias) y += ep.bias[n];
             if (ep.out_f) {

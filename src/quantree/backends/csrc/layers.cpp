@@ -7,11 +7,28 @@
 
 using qt::Epilogue;
 
+// Per-channel requantization of an int8 output: mult = scale / out_scale and
+// add = bias / out_scale (the zero point is added after rounding, as the reference does).
+struct Requant {
+    std::vector<float> mult, add;
+    Requant(const float* scale, const float* bias, int64_t N, float inv)
+        : mult(static_cast<size_t>(N)), add(static_cast<size_t>(N)) {
+        for (int64_t n = 0; n < N; ++n) {
+            mult[n] = scale[n] * inv;
+            add[n] = bias ? bias[n] * inv : 0.0f;
+        }
+    }
+};
+
 static Epilogue make_epilogue(const int32_t* off, const float* scale, const float* bias,
                               float* out_f, int8_t* out_q, int64_t ldc, float inv, float zp,
-                              int relu) {
+                              int relu, const Requant* rq) {
     Epilogue ep{off, scale, bias, out_f, out_q, ldc, inv, zp, -128.0f, 127.0f};
     if (relu) ep.qmin = zp > -128.0f ? zp : -128.0f;
+    if (out_q && rq) {
+        ep.mult = rq->mult.data();
+        ep.add = rq->add.data();
+    }
     return ep;
 }
 
@@ -23,7 +40,8 @@ void qt_linear(const int8_t* x, int64_t M, int64_t K, int64_t N, int64_t Kp, con
                float* out_f, float inv, float zp, int relu) {
     std::vector<uint8_t> a(static_cast<size_t>(M * Kp));
     qt::to_u8(x, M, K, K, a.data(), Kp);
-    const Epilogue ep = make_epilogue(off, scale, bias, out_f, out_q, N, inv, zp, relu);
+    const Requant rq(scale, bias, N, inv);
+    const Epilogue ep = make_epilogue(off, scale, bias, out_f, out_q, N, inv, zp, relu, &rq);
     qt::gemm_u8s8(M, N, Kp, a.data(), Kp, w, ep);
 }
 
@@ -39,6 +57,7 @@ void qt_conv2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W, 
     const uint8_t pad = static_cast<uint8_t>(x_zp + 128);
     const int8_t* x_end = x + batch * H * W * C;
     std::vector<uint8_t> col(static_cast<size_t>((P < panel ? P : panel) * Kp + 4));
+    const Requant rq(scale, bias, OC, inv);
     for (int64_t p0 = 0; p0 < P; p0 += panel) {
         const int64_t rows = P - p0 < panel ? P - p0 : panel;
         for (int64_t r = 0; r < rows; ++r) {
@@ -66,7 +85,8 @@ void qt_conv2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W, 
             std::memset(col.data() + r * Kp + K, 0, static_cast<size_t>(Kp - K));
         }
         const Epilogue ep = make_epilogue(off, scale, bias, out_f ? out_f + p0 * OC : nullptr,
-                                          out_q ? out_q + p0 * OC : nullptr, OC, inv, zp, relu);
+                                          out_q ? out_q + p0 * OC : nullptr, OC, inv, zp, relu,
+                                          &rq);
         qt::gemm_u8s8(rows, OC, Kp, col.data(), Kp, w, ep);
     }
 }

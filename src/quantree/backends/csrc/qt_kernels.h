@@ -22,6 +22,10 @@ struct Epilogue {
     float qmin;          // lower clamp (the zero point for a fused relu)
     float qmax;
     bool accumulate = false;  // float output: add to what is there
+    // int8 output, when set: q = round((acc + off) * mult + add) + zero_point, with
+    // mult = scale / out_scale and add = bias / out_scale: fewer steps than the float detour.
+    const float* mult = nullptr;
+    const float* add = nullptr;
 };
 
 // C[M, N] = epilogue(A_u8[M, Kp] x packed B); lda is A's row stride (>= Kp). With A_lo
