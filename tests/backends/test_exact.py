@@ -72,3 +72,28 @@ def test_default_quantizer_is_within_one_step():
         want, got = ref(*data[0]), low(*data[0])
     step = (want - got).abs().max()
     assert qt.sqnr(want, got) >= 35.0 and step <= 0.1  # output scale ~0.03
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 24), nn.Linear(16, 24)
+
+    def forward(self, x):
+        y, z = self.a(x), self.b(x)
+        return y + z, y * z, y + z[:1]
+
+
+def test_int8_add_and_mul_equal_reference():
+    """Elementwise add/mul use the reference's float arithmetic on dequantized int8."""
+    torch.manual_seed(0)
+    model = Residual().eval()
+    data = batches((5, 16), n=4)
+    _, ref = run(model, data)
+    low = qt.lower(ref, CPU)
+    binary = [n for n in low.graph.nodes if n.target == torch.ops.quantree.binary.default]
+    assert sorted(n.args[0] for n in binary) == ["add", "add", "mul"]
+    with torch.no_grad():
+        for args in data:
+            for want, got in zip(ref(*args), low(*args), strict=True):
+                assert torch.equal(want, got)

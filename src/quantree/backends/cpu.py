@@ -1,9 +1,9 @@
 """``CPU``: the native int8 backend (VNNI kernels built on first use).
 
 Rules, tried in order at each node: whole recurrent layers, linear(+relu), conv2d(+relu),
-int8 data movement. Then the remaining quantize/dequantize nodes become native ones, and
-the module keeps only the tensors its graph still reads, so the reference graph's int8
-weights are not stored twice.
+int8 data movement, int8 add/mul. Then the remaining quantize/dequantize nodes become
+native ones, and the module keeps only the tensors its graph still reads, so the
+reference graph's int8 weights are not stored twice.
 """
 
 from __future__ import annotations
@@ -12,7 +12,11 @@ import torch.fx as fx
 
 from quantree.backend import Backend
 from quantree.backends.lowering_linear import lower_conv2d, lower_linear
-from quantree.backends.lowering_qdq import lower_movement, native_quantize_dequantize
+from quantree.backends.lowering_qdq import (
+    lower_binary,
+    lower_movement,
+    native_quantize_dequantize,
+)
 from quantree.backends.lowering_recurrent import recurrent_rule
 
 
@@ -36,7 +40,13 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
     """
     return Backend(
         "cpu" if hidden_bits == 8 else f"cpu-h{hidden_bits}",
-        rules=(recurrent_rule(hidden_bits), lower_linear, lower_conv2d, lower_movement),
+        rules=(
+            recurrent_rule(hidden_bits),
+            lower_linear,
+            lower_conv2d,
+            lower_movement,
+            lower_binary,
+        ),
         prepare_module=finish,
     )
 

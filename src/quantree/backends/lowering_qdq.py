@@ -1,8 +1,9 @@
-"""Lowering of what surrounds the kernels: data movement in int8, native quantize/dequantize.
+"""Lowering of what surrounds the kernels: int8 data movement, add/mul, native q/dq.
 
 ``dq -> flatten/view/permute/max_pool... -> q`` with the same parameters on both sides is
 the movement applied to the int8 tensor itself (quantization is monotonic, so max commutes
-with it too). After every rule has run, the quantize/dequantize nodes still in the graph
+with it too). ``dq(a) + dq(b) -> q`` and ``*`` become one native elementwise pass with the
+reference's arithmetic. After every rule has run, the quantize/dequantize nodes still in the graph
 (model inputs and outputs, float islands) become ``quantree.quantize``/``dequantize``: the
 same arithmetic in one C loop instead of five ATen ops.
 """
@@ -44,6 +45,41 @@ def lower_movement(ctx: LoweringContext, node: fx.Node) -> bool:
         moved = graph.call_function(node.target, (x.node, *node.args[1:]), dict(node.kwargs))
     moved.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     q.node.replace_all_uses_with(moved)
+    graph.erase_node(q.node)
+    graph.erase_node(node)
+    return True
+
+
+BINARY = {aten.add.Tensor: "add", aten.mul.Tensor: "mul"}
+
+
+def lower_binary(ctx: LoweringContext, node: fx.Node) -> bool:
+    """``dq(a) + dq(b) -> q`` (or ``*``) on two int8 activations: one native pass."""
+    kind = BINARY.get(node.target)  # type: ignore[call-overload]
+    if kind is None or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return False
+    a, b = activation(ctx, node.args[0]), activation(ctx, node.args[1])
+    q = ctx.quantized_output(node)
+    if a is None or b is None or q is None or not is_int8_per_tensor(q.params):
+        return False
+    graph = ctx.gm.graph
+    with graph.inserting_before(node):
+        new = graph.call_function(
+            torch.ops.quantree.binary.default,
+            (
+                kind,
+                a.node,
+                b.node,
+                a.scale,
+                a.zero_point,
+                b.scale,
+                b.zero_point,
+                float(q.params.scale),
+                int(q.params.zero_point),
+            ),
+        )
+    new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    q.node.replace_all_uses_with(new)
     graph.erase_node(q.node)
     graph.erase_node(node)
     return True

@@ -16,7 +16,7 @@ import torch
 from torch.utils import cpp_extension
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp")
+SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp")  # and qt_kernels.h
 CHANNELS_LAST = torch.channels_last
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17")
 
@@ -25,6 +25,7 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_linear": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32,
                   _int],
     "qt_conv2d": [_ptr, *[_i64] * 17, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32, _int],
+    "qt_binary": [_int, _ptr, _ptr, _i64, _f32, _f32, _f32, _f32, _f32, _f32, _ptr],
     "qt_quantize": [_ptr, _i64, _f32, _f32, _ptr],
     "qt_dequantize": [_ptr, _i64, _f32, _f32, _ptr],
     "qt_rnn_layer": [_int, _i64, _i64, _i64, _i64, _int, _ptr, _f32, _f32, _ptr, _i64, _ptr,

@@ -171,6 +171,41 @@ def _(q, scale, zero_point):
     return torch.empty_like(q, dtype=torch.float32)
 
 
+BINARY = {"add": 0, "mul": 1}
+
+
+@op(
+    "binary(str kind, Tensor a, Tensor b, float a_scale, int a_zero_point, float b_scale, "
+    "int b_zero_point, float out_scale, int out_zero_point) -> Tensor"
+)
+def binary(
+    kind: str,
+    a: Tensor,
+    b: Tensor,
+    a_scale: float,
+    a_zero_point: int,
+    b_scale: float,
+    b_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+) -> Tensor:
+    """int8 ``a + b`` or ``a * b`` (``kind``), broadcasting, requantized to int8."""
+    if a.shape != b.shape:
+        a, b = torch.broadcast_tensors(a, b)
+    a, b = a.contiguous(), b.contiguous()
+    out = torch.empty(a.shape, dtype=torch.int8)
+    library().qt_binary(
+        BINARY[kind], ptr(a), ptr(b), a.numel(), a_scale, float(a_zero_point), b_scale,
+        float(b_zero_point), 1.0 / out_scale, float(out_zero_point), ptr(out),
+    )  # fmt: skip
+    return out
+
+
+@torch.library.register_fake("quantree::binary")
+def _(kind, a, b, a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point):
+    return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=torch.int8)
+
+
 def _requantize(x: Tensor, scale: float, zero_point: int) -> Tensor:
     return quantize(x, scale, zero_point)
 
