@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -18,7 +19,9 @@ from torch.utils import cpp_extension
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp")  # and qt_kernels.h
 CHANNELS_LAST = torch.channels_last
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17")
+MARCH = os.environ.get("QUANTREE_NATIVE_MARCH", "native")
+"""``-march`` of the build; e.g. ``x86-64-v3`` exercises the portable path without AVX-512."""
+FLAGS = ("-O3", f"-march={MARCH}", "-ffp-contract=off", "-std=c++17")
 
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SIGNATURES: dict[str, list[type]] = {
@@ -37,8 +40,9 @@ SIGNATURES: dict[str, list[type]] = {
 @functools.cache
 def library() -> ctypes.CDLL:
     """The compiled kernels (built on first use, then loaded from torch's cache)."""
+    suffix = "" if MARCH == "native" else "_" + MARCH.replace("-", "_").replace(".", "_")
     path = cpp_extension.load(
-        name="quantree_cpu_kernels",
+        name="quantree_cpu_kernels" + suffix,
         sources=[str(CSRC / s) for s in SOURCES],
         extra_cflags=list(FLAGS),
         extra_include_paths=[str(CSRC)],
