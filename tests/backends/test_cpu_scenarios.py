@@ -133,6 +133,22 @@ def test_int16_hidden_feedback_is_closer_to_reference():
     assert h8 >= THRESHOLD_DB and h16 >= 50.0 and h16 > h8 + 6.0
 
 
+class LearnedState(nn.Module):
+    """The initial state is a buffer: convert folds it into an int8 constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(16, 32, batch_first=True)
+        self.register_buffer("h0", 0.5 * torch.tanh(torch.randn(1, 3, 32)))
+
+    def forward(self, x):
+        return self.gru(x, self.h0)[0]
+
+
+def test_folded_initial_state():
+    assert check(LearnedState(), (3, 8, 16)) == ["quantree.rnn.default"]
+
+
 class SmallCnn(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -107,7 +107,7 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     if any(p.w_hr is not None for p in call.layers):
         return False  # LSTM projections stay in the reference graph
     x = activation(ctx, node.args[0])
-    states = [activation(ctx, arg_at(node, path)) for path in call.state_paths]
+    states = [activation(ctx, arg_at(node, path), True) for path in call.state_paths]
     outputs = _outputs(ctx, node)
     if x is None or outputs is None or any(s is None for s in states):
         return False

@@ -52,9 +52,14 @@ def is_int8_per_tensor(p: QParams) -> bool:
     return p.axis is None and p.dtype == QDtype.INT8 and (p.quant_min, p.quant_max) == INT8_RANGE
 
 
-def activation(ctx: LoweringContext, arg: object) -> Activation | None:
+def activation(
+    ctx: LoweringContext, arg: object, allow_constant: bool = False
+) -> Activation | None:
+    """``arg`` read through an int8 per-tensor dequantize (a folded constant if allowed)."""
     dq = ctx.dequantized(arg)
-    if dq is None or dq.is_constant or not is_int8_per_tensor(dq.params):
+    if dq is None or not is_int8_per_tensor(dq.params):
+        return None
+    if dq.is_constant and not allow_constant:
         return None
     return Activation(dq.source, float(dq.params.scale), int(dq.params.zero_point))
 
