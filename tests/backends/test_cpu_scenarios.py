@@ -189,3 +189,25 @@ def test_reference_is_untouched_and_weights_not_duplicated():
     ref_bytes = sum(t.numel() * t.element_size() for t in ref.state_dict().values())
     low_bytes = sum(t.numel() * t.element_size() for t in low.state_dict().values())
     assert low_bytes < 1.2 * ref_bytes
+
+
+@pytest.mark.skipif(not hasattr(qt, "RecurrentMode"), reason="no cells mode in this quantree")
+def test_cells_mode_bodies_lower():
+    torch.manual_seed(0)
+    model = nn.LSTM(24, 32, 2).eval()
+    data = batches((9, 3, 24), n=4)
+    quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)  # type: ignore[call-arg]
+    _, ref = run(model, data, quantizer)
+    low = qt.lower(ref, CPU)
+
+    def body_targets(gm: torch.fx.GraphModule) -> set[str]:
+        bodies = [m for n, m in gm.named_modules() if n and isinstance(m, torch.fx.GraphModule)]
+        assert bodies
+        return {str(n.target) for b in bodies for n in b.graph.nodes if n.op == "call_function"}
+
+    assert "quantree.linear.default" in body_targets(low)
+    assert not {t for t in body_targets(low) if t.startswith("quantized_decomposed")}
+    assert "aten.linear.default" in body_targets(ref)  # the reference keeps its own bodies
+    with torch.no_grad():
+        for w, g in zip(leaves(ref(*data[0])), leaves(low(*data[0])), strict=True):
+            assert qt.sqnr(w, g) >= THRESHOLD_DB

@@ -1,14 +1,18 @@
-"""Lowering of what surrounds the kernels: int8 data movement, add/mul, native q/dq.
+"""Lowering of what surrounds the kernels: int8 data movement, add/mul, tables, native q/dq.
 
 ``dq -> flatten/view/permute/max_pool... -> q`` with the same parameters on both sides is
 the movement applied to the int8 tensor itself (quantization is monotonic, so max commutes
 with it too). ``dq(a) + dq(b) -> q`` and ``*`` become one native elementwise pass with the
-reference's arithmetic. After every rule has run, the quantize/dequantize nodes still in the graph
-(model inputs and outputs, float islands) become ``quantree.quantize``/``dequantize``: the
-same arithmetic in one C loop instead of five ATen ops.
+reference's arithmetic. A pointwise function between two int8 grids (sigmoid, tanh, ...)
+becomes a 256-entry table computed with the reference's own ops. After every rule has run,
+the quantize/dequantize nodes still in the graph (model inputs and outputs, float islands)
+become ``quantree.quantize``/``dequantize``: the same arithmetic in one C loop instead of
+five ATen ops.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -45,6 +49,45 @@ def lower_movement(ctx: LoweringContext, node: fx.Node) -> bool:
         moved = graph.call_function(node.target, (x.node, *node.args[1:]), dict(node.kwargs))
     moved.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     q.node.replace_all_uses_with(moved)
+    graph.erase_node(q.node)
+    graph.erase_node(node)
+    return True
+
+
+POINTWISE = (
+    aten.sigmoid.default,
+    aten.tanh.default,
+    aten.relu.default,
+    aten.gelu.default,
+    aten.silu.default,
+    aten.hardswish.default,
+    aten.hardsigmoid.default,
+    aten.hardtanh.default,
+    aten.leaky_relu.default,
+    aten.elu.default,
+)
+
+
+def lower_pointwise(ctx: LoweringContext, node: fx.Node) -> bool:
+    """``dq -> sigmoid/tanh/... -> q``: a 256-entry table made by the reference ops."""
+    if node.target not in POINTWISE:
+        return False
+    x = activation(ctx, node.args[0])
+    q = ctx.quantized_output(node)
+    if x is None or q is None or not is_int8_per_tensor(q.params):
+        return False
+    codes = torch.arange(-128, 128, dtype=torch.int8)
+    values = qd.dequantize_per_tensor(codes, x.scale, x.zero_point, -128, 127, torch.int8)
+    fn: Any = node.target
+    result = fn(values, *node.args[1:], **node.kwargs)
+    out_scale, out_zp = float(q.params.scale), int(q.params.zero_point)
+    table = qd.quantize_per_tensor(result, out_scale, out_zp, -128, 127, torch.int8)
+    table_node = ctx.add_constant("_cpu_table_", table, before=node)
+    graph = ctx.gm.graph
+    with graph.inserting_before(node):
+        new = graph.call_function(torch.ops.quantree.lookup.default, (x.node, table_node))
+    new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    q.node.replace_all_uses_with(new)
     graph.erase_node(q.node)
     graph.erase_node(node)
     return True

@@ -171,6 +171,20 @@ def _(q, scale, zero_point):
     return torch.empty_like(q, dtype=torch.float32)
 
 
+@op("lookup(Tensor x, Tensor table) -> Tensor")
+def lookup(x: Tensor, table: Tensor) -> Tensor:
+    """``table[x + 128]`` for int8 ``x`` and a 256-entry int8 table."""
+    x = _dense(x)
+    out = torch.empty_like(x)
+    library().qt_lookup(ptr(x), x.numel(), ptr(table), ptr(out))
+    return out
+
+
+@torch.library.register_fake("quantree::lookup")
+def _(x, table):
+    return torch.empty_like(x)
+
+
 BINARY = {"add": 0, "mul": 1}
 
 
