@@ -97,3 +97,28 @@ def test_int8_add_and_mul_equal_reference():
         for args in data:
             for want, got in zip(ref(*args), low(*args), strict=True):
                 assert torch.equal(want, got)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        scores = torch.matmul(self.q(x), self.k(x).transpose(-1, -2))
+        return torch.matmul(torch.softmax(scores, -1), self.v(x))
+
+
+def test_int8_matmul_of_two_activations():
+    torch.manual_seed(0)
+    model = Attention().eval()
+    data = batches((2, 7, 16), n=4)
+    _, pow2 = run(model, data, POW2)
+    low = qt.lower(pow2, CPU)
+    assert sum(n.target == torch.ops.quantree.matmul.default for n in low.graph.nodes) == 2
+    with torch.no_grad():
+        for args in data:
+            assert torch.equal(pow2(*args), low(*args))
+    _, ref = run(model, data)
+    with torch.no_grad():
+        assert qt.sqnr(ref(*data[0]), qt.lower(ref, CPU)(*data[0])) >= 35.0

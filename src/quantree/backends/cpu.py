@@ -1,7 +1,7 @@
 """``CPU``: the native int8 backend (VNNI kernels built on first use).
 
 Rules, tried in order at each node: whole recurrent layers, linear(+relu), conv2d(+relu),
-int8 data movement, int8 add/mul, pointwise tables. Cells-mode cell bodies are lowered with
+int8 data movement, int8 add/mul/matmul, pointwise tables. Cells-mode cell bodies are lowered with
 the same rules. Then the remaining quantize/dequantize nodes become native ones, and the
 module keeps only the tensors its graph still reads, so the reference graph's int8 weights
 are not stored twice.
@@ -19,6 +19,7 @@ from quantree.backend import Backend, LoweringRule, lower
 from quantree.backends.lowering_linear import lower_conv2d, lower_linear
 from quantree.backends.lowering_qdq import (
     lower_binary,
+    lower_matmul,
     lower_movement,
     lower_pointwise,
     native_quantize_dequantize,
@@ -71,6 +72,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_conv2d,
         lower_movement,
         lower_binary,
+        lower_matmul,
         lower_pointwise,
     )
     name = "cpu" if hidden_bits == 8 else f"cpu-h{hidden_bits}"

@@ -1,13 +1,14 @@
-"""Lowering of what surrounds the kernels: int8 data movement, add/mul, tables, native q/dq.
+"""Lowering of what surrounds the kernels: int8 data movement, add/mul/matmul, tables, q/dq.
 
 ``dq -> flatten/view/permute/max_pool... -> q`` with the same parameters on both sides is
 the movement applied to the int8 tensor itself (quantization is monotonic, so max commutes
 with it too). ``dq(a) + dq(b) -> q`` and ``*`` become one native elementwise pass with the
-reference's arithmetic. A pointwise function between two int8 grids (sigmoid, tanh, ...)
-becomes a 256-entry table computed with the reference's own ops. After every rule has run,
-the quantize/dequantize nodes still in the graph (model inputs and outputs, float islands)
-become ``quantree.quantize``/``dequantize``: the same arithmetic in one C loop instead of
-five ATen ops.
+reference's arithmetic; ``dq(a) @ dq(b) -> q`` an int8 matmul of two activations. A
+pointwise function between two int8 grids (sigmoid, tanh, ...) becomes a 256-entry table
+computed with the reference's own ops. After every rule has run, the quantize/dequantize
+nodes still in the graph (model inputs and outputs, float islands) become
+``quantree.quantize``/``dequantize``: the same arithmetic in one C loop instead of five
+ATen ops.
 """
 
 from __future__ import annotations
@@ -126,6 +127,38 @@ def lower_binary(ctx: LoweringContext, node: fx.Node) -> bool:
     graph.erase_node(q.node)
     graph.erase_node(node)
     return True
+
+
+MATMUL = (aten.matmul.default, aten.bmm.default, aten.mm.default)
+
+
+def lower_matmul(ctx: LoweringContext, node: fx.Node) -> bool:
+    """``dq(a) @ dq(b) -> q`` on two int8 activations (at least 2-d each)."""
+    if node.target not in MATMUL:
+        return False
+    a, b = activation(ctx, node.args[0]), activation(ctx, node.args[1])
+    q = ctx.quantized_output(node)
+    if a is None or b is None or q is None or not is_int8_per_tensor(q.params):
+        return False
+    if min(_rank(node.args[0]), _rank(node.args[1])) < 2:
+        return False
+    graph = ctx.gm.graph
+    with graph.inserting_before(node):
+        new = graph.call_function(
+            torch.ops.quantree.matmul.default,
+            (a.node, b.node, a.scale, a.zero_point, b.scale, b.zero_point,
+             float(q.params.scale), int(q.params.zero_point)),
+        )  # fmt: skip
+    new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    q.node.replace_all_uses_with(new)
+    graph.erase_node(q.node)
+    graph.erase_node(node)
+    return True
+
+
+def _rank(arg: object) -> int:
+    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else 0
 
 
 def _int8_per_tensor_args(node: fx.Node) -> tuple[float, int] | None:

@@ -30,6 +30,7 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_conv2d": [_ptr, *[_i64] * 17, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32, _int],
     "qt_binary": [_int, _ptr, _ptr, _i64, _f32, _f32, _f32, _f32, _f32, _f32, _ptr],
     "qt_lookup": [_ptr, _i64, _ptr, _ptr],
+    "qt_matmul": [_ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _f32, _f32, _ptr, _ptr, _f32, _f32],
     "qt_quantize": [_ptr, _i64, _f32, _f32, _ptr],
     "qt_dequantize": [_ptr, _i64, _f32, _f32, _ptr],
     "qt_rnn_layer": [_int, _i64, _i64, _i64, _i64, _int, _ptr, _f32, _f32, _ptr, _i64, _ptr,

@@ -185,6 +185,42 @@ def _(x, table):
     return torch.empty_like(x)
 
 
+@op(
+    "matmul(Tensor a, Tensor b, float a_scale, int a_zero_point, float b_scale, "
+    "int b_zero_point, float out_scale, int out_zero_point) -> Tensor"
+)
+def matmul(
+    a: Tensor,
+    b: Tensor,
+    a_scale: float,
+    a_zero_point: int,
+    b_scale: float,
+    b_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+) -> Tensor:
+    """int8 ``a @ b`` (batch dimensions broadcast); int8 out (``out_scale > 0``) or float."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    a3 = a.expand(*batch, m, k).reshape(-1, m, k).contiguous()
+    b3 = b.expand(*batch, k, n).reshape(-1, k, n).contiguous()
+    quantized = out_scale > 0
+    out = torch.empty((*batch, m, n), dtype=torch.int8 if quantized else torch.float32)
+    library().qt_matmul(
+        ptr(a3), ptr(b3), a3.shape[0], m, k, n, float(a_zero_point), float(b_zero_point),
+        a_scale * b_scale, ptr(out) if quantized else None, None if quantized else ptr(out),
+        _inverse(out_scale), float(out_zero_point),
+    )  # fmt: skip
+    return out
+
+
+@torch.library.register_fake("quantree::matmul")
+def _(a, b, a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point):
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    dtype = torch.int8 if out_scale > 0 else torch.float32
+    return torch.empty((*batch, a.shape[-2], b.shape[-1]), dtype=dtype)
+
+
 BINARY = {"add": 0, "mul": 1}
 
 

@@ -25,6 +25,7 @@ static inline void store_block(const Epilogue& ep, int64_t row, int64_t n0, int6
     const int64_t rem = N - n0;
     const __mmask16 m = rem >= 16 ? static_cast<__mmask16>(0xFFFF)
                                   : static_cast<__mmask16>((1u << rem) - 1u);
+    if (ep.row_off) acc = _mm512_add_epi32(acc, _mm512_set1_epi32(ep.row_off[row]));
     __m512 v = _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_maskz_loadu_epi32(m, ep.off + n0)));
     if (lo) v = _mm512_fmadd_ps(v, _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(*lo));
     if (ep.mult) {
@@ -171,6 +172,7 @@ void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                     if (A_lo) acc2 += static_cast<int32_t>(A_lo[r * lda + 4 * k + u]) * b[k * 64 + u];
                 }
             }
+            if (ep.row_off) acc += ep.row_off[r];
             float v = static_cast<float>(acc + ep.off[n]);
             if (A_lo) v = v * 256.0f + static_cast<float>(acc2);
             if (ep.mult) {

@@ -91,6 +91,44 @@ void qt_conv2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W, 
     }
 }
 
+// Batched int8 activation x activation matmul: c[b] = (a[b] - za) . (w[b] - zb), both
+// operands dynamic. Each b[b] ([K, N]) is packed on the fly; the zero point of b becomes a
+// per-row correction -zb * sum_k (a - za).
+void qt_matmul(const int8_t* a, const int8_t* bmat, int64_t batch, int64_t M, int64_t K,
+               int64_t N, float za, float zb, float scale, int8_t* out_q, float* out_f,
+               float inv, float zp) {
+    const int64_t Kp = (K + 3) / 4 * 4, NB = (N + 15) / 16;
+    std::vector<uint8_t> au(static_cast<size_t>(M * Kp));
+    std::vector<int8_t> packed(static_cast<size_t>(NB * Kp * 16), 0);
+    std::vector<int32_t> off(static_cast<size_t>(N)), row(static_cast<size_t>(M));
+    const std::vector<float> scales(static_cast<size_t>(N), scale);
+    const Requant rq(scales.data(), nullptr, N, inv);
+    const int32_t ia = static_cast<int32_t>(za), ib = static_cast<int32_t>(zb);
+    for (int64_t t = 0; t < batch; ++t) {
+        const int8_t* at = a + t * M * K;
+        const int8_t* bt = bmat + t * K * N;
+        qt::to_u8(at, M, K, K, au.data(), Kp);
+        for (int64_t m = 0; m < M; ++m) {
+            int32_t s = 0;
+            for (int64_t k = 0; k < K; ++k) s += at[m * K + k] - ia;
+            row[m] = -ib * s;
+        }
+        for (int64_t n = 0; n < N; ++n) {
+            int32_t s = 0;
+            for (int64_t k = 0; k < K; ++k) s += bt[k * N + n];
+            off[n] = -(ia + 128) * s;
+        }
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t n = 0; n < N; ++n)
+                packed[((n / 16) * (Kp / 4) + k / 4) * 64 + (n % 16) * 4 + k % 4] = bt[k * N + n];
+        Epilogue ep = make_epilogue(off.data(), scales.data(), nullptr,
+                                    out_f ? out_f + t * M * N : nullptr,
+                                    out_q ? out_q + t * M * N : nullptr, N, inv, zp, 0, &rq);
+        ep.row_off = row.data();
+        qt::gemm_u8s8(M, N, Kp, au.data(), Kp, packed.data(), ep);
+    }
+}
+
 // quantize_per_tensor / dequantize_per_tensor of quantized_decomposed, int8 [-128, 127]:
 // q = clamp(round_half_even(x * inv) + zp), x = (q - zp) * scale, in float32.
 void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out) {

@@ -26,6 +26,7 @@ struct Epilogue {
     // mult = scale / out_scale and add = bias / out_scale: fewer steps than the float detour.
     const float* mult = nullptr;
     const float* add = nullptr;
+    const int32_t* row_off = nullptr;  // [M] added to every accumulator of a row, or null
 };
 
 // C[M, N] = epilogue(A_u8[M, Kp] x packed B); lda is A's row stride (>= Kp). With A_lo
