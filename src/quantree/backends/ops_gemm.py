@@ -1,0 +1,139 @@
+"""GEMM-based int8 ops: linear, conv2d (channels-last), matmul of two activations."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from quantree.backends.native import library, ptr
+from quantree.backends.packing import packed_depth
+from quantree.backends.registry import inverse, op
+
+
+@op(
+    "linear(Tensor x, Tensor weight, Tensor offset, Tensor scale, Tensor? bias, "
+    "int out_features, float out_scale, int out_zero_point, bool relu) -> Tensor"
+)
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    offset: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    out_features: int,
+    out_scale: float,
+    out_zero_point: int,
+    relu: bool,
+) -> Tensor:
+    """int8 ``x[..., K]`` times a packed weight; int8 out (``out_scale > 0``) or float."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    shape = (*x.shape[:-1], out_features)
+    quantized = out_scale > 0
+    out = torch.empty(shape, dtype=torch.int8 if quantized else torch.float32)
+    library().qt_linear(
+        ptr(x2), x2.shape[0], x2.shape[1], out_features, packed_depth(weight), ptr(weight),
+        ptr(offset), ptr(scale), ptr(bias), ptr(out) if quantized else None,
+        None if quantized else ptr(out), inverse(out_scale), float(out_zero_point), int(relu),
+    )  # fmt: skip
+    return out
+
+
+@torch.library.register_fake("quantree::linear")
+def _(x, weight, offset, scale, bias, out_features, out_scale, out_zero_point, relu):
+    dtype = torch.int8 if out_scale > 0 else torch.float32
+    return x.new_empty((*x.shape[:-1], out_features), dtype=dtype)
+
+
+def conv2d_shape(
+    x: Tensor, out_channels: int, kernel: list[int], stride: list[int], padding: list[int],
+    dilation: list[int],
+) -> tuple[int, int, int, int]:  # fmt: skip
+    n, _, h, w = x.shape
+    oh = (h + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    return n, out_channels, oh, ow
+
+
+@op(
+    "conv2d(Tensor x, Tensor weight, Tensor offset, Tensor scale, Tensor? bias, "
+    "int out_channels, int[] kernel, int[] stride, int[] padding, int[] dilation, "
+    "int x_zero_point, float out_scale, int out_zero_point, bool relu) -> Tensor"
+)
+def conv2d(
+    x: Tensor,
+    weight: Tensor,
+    offset: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    out_channels: int,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    x_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    relu: bool,
+) -> Tensor:
+    """int8 convolution (groups = 1); int8 out (``out_scale > 0``) or float.
+
+    Computed in channels-last layout: the result is an NCHW-shaped tensor with
+    channels-last strides, which the next convolution reads without a copy.
+    """
+    x = x.contiguous(memory_format=torch.channels_last)
+    shape = conv2d_shape(x, out_channels, kernel, stride, padding, dilation)
+    quantized = out_scale > 0
+    dtype = torch.int8 if quantized else torch.float32
+    out = torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
+    n, c, h, w = x.shape
+    library().qt_conv2d(
+        ptr(x), n, c, h, w, x_zero_point, out_channels, *kernel, *stride, *padding, *dilation,
+        shape[2], shape[3], packed_depth(weight), ptr(weight), ptr(offset), ptr(scale),
+        ptr(bias), ptr(out) if quantized else None, None if quantized else ptr(out),
+        inverse(out_scale), float(out_zero_point), int(relu),
+    )  # fmt: skip
+    return out
+
+
+@torch.library.register_fake("quantree::conv2d")
+def _(x, weight, offset, scale, bias, out_channels, kernel, stride, padding, dilation,
+      x_zero_point, out_scale, out_zero_point, relu):  # fmt: skip
+    dtype = torch.int8 if out_scale > 0 else torch.float32
+    shape = conv2d_shape(x, out_channels, kernel, stride, padding, dilation)
+    return torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
+
+
+@op(
+    "matmul(Tensor a, Tensor b, float a_scale, int a_zero_point, float b_scale, "
+    "int b_zero_point, float out_scale, int out_zero_point) -> Tensor"
+)
+def matmul(
+    a: Tensor,
+    b: Tensor,
+    a_scale: float,
+    a_zero_point: int,
+    b_scale: float,
+    b_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+) -> Tensor:
+    """int8 ``a @ b`` (batch dimensions broadcast); int8 out (``out_scale > 0``) or float."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    a3 = a.expand(*batch, m, k).reshape(-1, m, k).contiguous()
+    b3 = b.expand(*batch, k, n).reshape(-1, k, n).contiguous()
+    quantized = out_scale > 0
+    out = torch.empty((*batch, m, n), dtype=torch.int8 if quantized else torch.float32)
+    library().qt_matmul(
+        ptr(a3), ptr(b3), a3.shape[0], m, k, n, float(a_zero_point), float(b_zero_point),
+        a_scale * b_scale, ptr(out) if quantized else None, None if quantized else ptr(out),
+        inverse(out_scale), float(out_zero_point),
+    )  # fmt: skip
+    return out
+
+
+@torch.library.register_fake("quantree::matmul")
+def _(a, b, a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point):
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    dtype = torch.int8 if out_scale > 0 else torch.float32
+    return torch.empty((*batch, a.shape[-2], b.shape[-1]), dtype=dtype)
