@@ -54,3 +54,19 @@ def test_fake_implementations_give_shapes():
         off, scale = torch.empty(5, dtype=torch.int32), torch.empty(5)
         conv = quantree_ops.conv2d(img, w, off, scale, None, 5, *geometry, 0, 0.0, 0, False)
         assert conv.shape == (2, 5, 5, 6) and conv.dtype == torch.float32
+
+
+def test_builds_without_ninja(tmp_path, monkeypatch):
+    """The direct compiler route gives a library with the same kernels."""
+    import ctypes
+
+    from quantree.backends import native
+
+    monkeypatch.setattr(native.cpp_extension, "get_default_build_root", lambda: str(tmp_path))
+    path = native.build_without_ninja("quantree_kernels_no_ninja")
+    lib = ctypes.CDLL(str(path))
+    x = torch.tensor([-3, 0, 5, 127], dtype=torch.int8)
+    out = torch.empty(4, dtype=torch.float32)
+    lib.qt_dequantize(native.ptr(x), ctypes.c_int64(4), ctypes.c_float(0.5),
+                      ctypes.c_float(1.0), native.ptr(out))  # fmt: skip
+    assert out.tolist() == [-2.0, -0.5, 2.0, 63.0]

@@ -2,7 +2,8 @@
 
 The kernels are plain C functions with no torch headers, so they compile in seconds with
 ``torch.utils.cpp_extension.load`` (``-O3 -march=native``; the build lands in torch's
-extensions directory and is reused until the sources change). They are called through
+extensions directory and is reused until the sources change), or with one direct compiler
+call into the same directory when ninja is not installed. They are called through
 ``ctypes`` with tensor data pointers: no pybind11, and about a microsecond per call.
 """
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
+import subprocess
 from pathlib import Path
 
 import torch
@@ -43,20 +46,47 @@ SIGNATURES: dict[str, list[type]] = {
 def library() -> ctypes.CDLL:
     """The compiled kernels (built on first use, then loaded from torch's cache)."""
     suffix = "" if MARCH == "native" else "_" + MARCH.replace("-", "_").replace(".", "_")
-    path = cpp_extension.load(
-        name="quantree_cpu_kernels" + suffix,
-        sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=list(FLAGS),
-        extra_include_paths=[str(CSRC)],
-        is_python_module=False,
-        verbose=False,
-    )
+    name = "quantree_cpu_kernels" + suffix
+    if cpp_extension.is_ninja_available():
+        path = cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=list(FLAGS),
+            extra_include_paths=[str(CSRC)],
+            is_python_module=False,
+            verbose=False,
+        )
+    else:  # no ninja: one direct compiler call into the same cache
+        path = build_without_ninja(name)
     lib = ctypes.CDLL(str(path))
-    for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)
+    for symbol, argtypes in SIGNATURES.items():
+        fn = getattr(lib, symbol)
         fn.argtypes = argtypes
         fn.restype = None
     return lib
+
+
+def build_without_ninja(name: str) -> Path:
+    """Compile the kernels with ``$CXX`` (default ``c++``) when ninja is not installed.
+
+    The output is keyed by a hash of the sources and flags, so edits rebuild.
+    """
+    digest = hashlib.sha256(repr(FLAGS).encode())
+    for source in (*SOURCES, "qt_kernels.h"):
+        digest.update((CSRC / source).read_bytes())
+    root = Path(cpp_extension.get_default_build_root()) / f"{name}_{digest.hexdigest()[:12]}"
+    target = root / f"{name}.so"
+    if not target.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        compiler = os.environ.get("CXX", "c++")
+        sources = [str(CSRC / s) for s in SOURCES]
+        partial = root / f"{name}.{os.getpid()}.so"
+        subprocess.run(
+            [compiler, *FLAGS, "-shared", "-fPIC", f"-I{CSRC}", *sources, "-o", str(partial)],
+            check=True,
+        )
+        partial.replace(target)  # atomic: concurrent builders never load half a file
+    return target
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
