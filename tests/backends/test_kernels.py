@@ -64,9 +64,9 @@ def test_builds_without_ninja(tmp_path, monkeypatch):
 
     monkeypatch.setattr(native.cpp_extension, "get_default_build_root", lambda: str(tmp_path))
     path = native.build_without_ninja("quantree_kernels_no_ninja")
-    lib = ctypes.CDLL(str(path))
+    dequantize = ctypes.CDLL(str(path)).qt_dequantize
+    dequantize.argtypes = native.SIGNATURES["qt_dequantize"]
     x = torch.tensor([-3, 0, 5, 127], dtype=torch.int8)
     out = torch.empty(4, dtype=torch.float32)
-    lib.qt_dequantize(native.ptr(x), ctypes.c_int64(4), ctypes.c_float(0.5),
-                      ctypes.c_float(1.0), native.ptr(out))  # fmt: skip
+    dequantize(native.ptr(x), 4, 0.5, 1.0, native.ptr(out))
     assert out.tolist() == [-2.0, -0.5, 2.0, 63.0]
