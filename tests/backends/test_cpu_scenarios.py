@@ -166,6 +166,23 @@ def test_conv_relu_and_linear_lower():
     assert ops.count("quantree.conv2d.default") == 2 and "quantree.linear.default" in ops
 
 
+class ConvView(nn.Module):
+    """A channels-last int8 conv output read by ``view`` in int8 and by float code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 8, 3), nn.Linear(8 * 6 * 6, 4)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.fc(y.view(y.shape[0], -1)), y.sum((2, 3)), y.view(2, 8, 36).float()
+
+
+def test_channels_last_conv_outputs_feed_views_and_float_code():
+    ops = check(ConvView(), (2, 3, 8, 8))
+    assert "quantree.conv2d.default" in ops and "quantree.linear.default" in ops
+
+
 def test_no_reference_quantize_dequantize_left_around_kernels():
     """int8 flattening between conv and linear; native q/dq at the model's edges."""
     torch.manual_seed(0)

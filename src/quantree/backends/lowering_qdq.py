@@ -46,8 +46,10 @@ def lower_movement(ctx: LoweringContext, node: fx.Node) -> bool:
     if (float(q.params.scale), int(q.params.zero_point)) != (x.scale, x.zero_point):
         return False
     graph = ctx.gm.graph
+    # int8 tensors may be channels-last (conv outputs): reshape is view where it can be
+    target = aten.reshape.default if node.target == aten.view.default else node.target
     with graph.inserting_before(node):
-        moved = graph.call_function(node.target, (x.node, *node.args[1:]), dict(node.kwargs))
+        moved = graph.call_function(target, (x.node, *node.args[1:]), dict(node.kwargs))
     moved.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     q.node.replace_all_uses_with(moved)
     graph.erase_node(q.node)

@@ -25,16 +25,20 @@ def _(x, scale, zero_point):
 
 @op("dequantize(Tensor q, float scale, int zero_point) -> Tensor")
 def dequantize(q: Tensor, scale: float, zero_point: int) -> Tensor:
-    """``quantized_decomposed.dequantize_per_tensor`` from int8, same arithmetic."""
-    q = dense(q)
-    out = torch.empty_like(q, dtype=torch.float32)
+    """``quantized_decomposed.dequantize_per_tensor`` from int8, same arithmetic.
+
+    The float result is contiguous whatever the layout of ``q`` (a channels-last conv
+    output), as float code after it expects.
+    """
+    q = q.contiguous()
+    out = torch.empty(q.shape, dtype=torch.float32)
     library().qt_dequantize(ptr(q), q.numel(), scale, float(zero_point), ptr(out))
     return out
 
 
 @torch.library.register_fake("quantree::dequantize")
 def _(q, scale, zero_point):
-    return torch.empty_like(q, dtype=torch.float32)
+    return torch.empty(q.shape, dtype=torch.float32)
 
 
 @op("lookup(Tensor x, Tensor table) -> Tensor")
