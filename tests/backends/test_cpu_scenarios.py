@@ -18,7 +18,7 @@ from test_nested_models import (
 from torch import nn
 
 import quantree as qt
-from quantree.backends import CPU, cpu_backend
+from quantree.backends import CPU, cpu_backend, load, save
 
 from support import batches, leaves, run
 
@@ -208,23 +208,34 @@ def test_reference_is_untouched_and_weights_not_duplicated():
     assert low_bytes < 1.2 * ref_bytes
 
 
+CELLS_LAYERS = [
+    nn.LSTM(24, 32, 2),
+    nn.GRU(24, 32, bidirectional=True, batch_first=True),
+    nn.RNN(24, 32),
+]
+
+
 @pytest.mark.skipif(not hasattr(qt, "RecurrentMode"), reason="no cells mode in this quantree")
-def test_cells_mode_bodies_lower():
+@pytest.mark.parametrize("layer", CELLS_LAYERS, ids=["lstm-2l", "gru-bi-bf", "rnn"])
+def test_cells_mode_lowers(layer, tmp_path):
+    """Cell bodies are lowered; loops whose body compiles run as one native program."""
     torch.manual_seed(0)
-    model = nn.LSTM(24, 32, 2).eval()
-    data = batches((9, 3, 24), n=4)
+    model = layer.eval()
+    shape = (3, 9, 24) if layer.batch_first else (9, 3, 24)
+    data = batches(shape, n=4)
     quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)  # type: ignore[call-arg]
     _, ref = run(model, data, quantizer)
+    ref_loops = [type(m).__name__ for m in ref.modules() if type(m).__name__ == "CellLoop"]
     low = qt.lower(ref, CPU)
-
-    def body_targets(gm: torch.fx.GraphModule) -> set[str]:
-        bodies = [m for n, m in gm.named_modules() if n and isinstance(m, torch.fx.GraphModule)]
-        assert bodies
-        return {str(n.target) for b in bodies for n in b.graph.nodes if n.op == "call_function"}
-
-    assert "quantree.linear.default" in body_targets(low)
-    assert not {t for t in body_targets(low) if t.startswith("quantized_decomposed")}
-    assert "aten.linear.default" in body_targets(ref)  # the reference keeps its own bodies
+    loops = [type(m).__name__ for m in low.modules() if "CellLoop" in type(m).__name__]
+    assert len(loops) == len(ref_loops) > 0
+    assert [type(m).__name__ for m in ref.modules() if "CellLoop" in type(m).__name__] == ref_loops
     with torch.no_grad():
-        for w, g in zip(leaves(ref(*data[0])), leaves(low(*data[0])), strict=True):
-            assert qt.sqnr(w, g) >= THRESHOLD_DB
+        for args in data[:2]:
+            for w, g in zip(leaves(ref(*args)), leaves(low(*args)), strict=True):
+                assert qt.sqnr(w, g) >= THRESHOLD_DB
+    assert set(loops) == {"NativeCellLoop"}
+    if isinstance(layer, nn.LSTM):
+        save(low, tmp_path / "cells.pt2", data[0])
+        with torch.no_grad():
+            assert torch.equal(load(tmp_path / "cells.pt2")(*data[0])[0], low(*data[0])[0])

@@ -1,10 +1,11 @@
 """``CPU``: the native int8 backend (VNNI kernels built on first use).
 
 Rules, tried in order at each node: whole recurrent layers, linear(+relu), conv2d(+relu),
-int8 data movement, int8 add/mul/matmul, pointwise tables. Cells-mode cell bodies are lowered with
-the same rules. Then the remaining quantize/dequantize nodes become native ones, and the
-module keeps only the tensors its graph still reads, so the reference graph's int8 weights
-are not stored twice.
+int8 data movement, int8 add/mul/sub/matmul, pointwise tables. Cells-mode cell bodies are
+lowered with the same rules, then each cell loop runs as one native program when its
+lowered body compiles to one. The remaining quantize/dequantize nodes become native ones,
+and the module keeps only the tensors its graph still reads, so the reference graph's int8
+weights are not stored twice.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import copy
 import functools
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from quantree.backend import Backend, LoweringRule, lower
+from quantree.backends.cells_native import NativeCellLoop, compile_body
 from quantree.backends.lowering_linear import lower_conv2d, lower_linear
 from quantree.backends.lowering_qdq import (
     lower_binary,
@@ -25,6 +28,7 @@ from quantree.backends.lowering_qdq import (
     native_quantize_dequantize,
 )
 from quantree.backends.lowering_recurrent import recurrent_rule
+from quantree.cells import CellLoop
 from quantree.prepare import GROUPS_KEY
 
 
@@ -41,21 +45,37 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
 
 
 def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
-    """Lower every submodule graph that carries quantree's groups (cells-mode cell bodies).
+    """Lower every submodule graph that carries quantree's groups (cells-mode cell bodies),
+    then run each cell loop whose lowered body compiles as one native program.
 
-    The modules on the path to each one are copied first, so the reference model, which
-    shares them, is left as it was.
+    The modules on the path to each replaced one are copied first, so the reference model,
+    which shares them, is left as it was.
     """
     for name, module in list(gm.named_modules()):
         if name and isinstance(module, fx.GraphModule) and GROUPS_KEY in module.meta:
-            *parents, leaf = name.split(".")
-            owner: nn.Module = gm
-            for part in parents:
-                clone = copy.copy(getattr(owner, part))
-                clone._modules = dict(clone._modules)
-                setattr(owner, part, clone)
-                owner = clone
-            setattr(owner, leaf, lower(module, backend))
+            replace_submodule(gm, name, lower(module, backend))
+    for name, module in list(gm.named_modules()):
+        if isinstance(module, CellLoop):
+            example = tuple(
+                torch.zeros(n.meta["val"].shape)
+                for n in module.body.graph.nodes
+                if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+            )
+            program = compile_body(module.body, example) if example else None
+            if program is not None:
+                replace_submodule(gm, name, NativeCellLoop(program, module.reverse))
+
+
+def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Set ``root.<name> = new`` after copying the modules on the way (shallowly)."""
+    *parents, leaf = name.split(".")
+    owner = root
+    for part in parents:
+        clone = copy.copy(getattr(owner, part))
+        clone._modules = dict(clone._modules)
+        setattr(owner, part, clone)
+        owner = clone
+    setattr(owner, leaf, new)
 
 
 def cpu_backend(hidden_bits: int = 8) -> Backend:

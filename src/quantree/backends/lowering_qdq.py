@@ -96,11 +96,11 @@ def lower_pointwise(ctx: LoweringContext, node: fx.Node) -> bool:
     return True
 
 
-BINARY = {aten.add.Tensor: "add", aten.mul.Tensor: "mul"}
+BINARY = {aten.add.Tensor: "add", aten.mul.Tensor: "mul", aten.sub.Tensor: "sub"}
 
 
 def lower_binary(ctx: LoweringContext, node: fx.Node) -> bool:
-    """``dq(a) + dq(b) -> q`` (or ``*``) on two int8 activations: one native pass."""
+    """``dq(a) + dq(b) -> q`` (or ``*``, ``-``) on two int8 activations: one native pass."""
     kind = BINARY.get(node.target)  # type: ignore[call-overload]
     if kind is None or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
         return False

@@ -20,7 +20,7 @@ import torch
 from torch.utils import cpp_extension
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp")  # and qt_kernels.h
+SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp", "cells.cpp")  # and qt_kernels.h
 CHANNELS_LAST = torch.channels_last
 MARCH = os.environ.get("QUANTREE_NATIVE_MARCH", "native")
 """``-march`` of the build; e.g. ``x86-64-v3`` exercises the portable path without AVX-512."""
@@ -36,6 +36,8 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_matmul": [_ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _f32, _f32, _ptr, _ptr, _f32, _f32],
     "qt_quantize": [_ptr, _i64, _f32, _f32, _ptr],
     "qt_dequantize": [_ptr, _i64, _f32, _f32, _ptr],
+    "qt_cell_loop": [_ptr, _ptr, _i64, _int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
+                     _i64, _ptr],
     "qt_rnn_layer": [_int, _i64, _i64, _i64, _i64, _int, _ptr, _f32, _f32, _ptr, _i64, _ptr,
                      _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _f32, _f32, _f32, _f32, _int,
                      _ptr, _i64, _f32, _f32, _ptr, _ptr],

@@ -55,7 +55,7 @@ def _(x, table):
     return torch.empty_like(x)
 
 
-BINARY = {"add": 0, "mul": 1}
+BINARY = {"add": 0, "mul": 1, "sub": 2}
 
 
 @op(
@@ -73,7 +73,7 @@ def binary(
     out_scale: float,
     out_zero_point: int,
 ) -> Tensor:
-    """int8 ``a + b`` or ``a * b`` (``kind``), broadcasting, requantized to int8."""
+    """int8 ``a + b``, ``a * b`` or ``a - b`` (``kind``), broadcasting, requantized to int8."""
     if a.shape != b.shape:
         a, b = torch.broadcast_tensors(a, b)
     a, b = a.contiguous(), b.contiguous()

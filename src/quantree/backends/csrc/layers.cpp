@@ -140,14 +140,14 @@ void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out
     for (int64_t i = 0; i < n; ++i) out[i] = (static_cast<float>(q[i]) - zp) * scale;
 }
 
-// Elementwise add (op 0) or mul (op 1) of two int8 tensors, each dequantized exactly as the
+// Elementwise add (op 0), mul (op 1) or sub (op 2) of two int8 tensors, each dequantized exactly as the
 // reference does, combined in float, requantized: one pass instead of four ATen chains.
 void qt_binary(int op, const int8_t* a, const int8_t* b, int64_t n, float sa, float za, float sb,
                float zb, float inv, float zp, int8_t* out) {
     for (int64_t i = 0; i < n; ++i) {
         const float x = (static_cast<float>(a[i]) - za) * sa;
         const float y = (static_cast<float>(b[i]) - zb) * sb;
-        const float r = op == 0 ? x + y : x * y;
+        const float r = op == 0 ? x + y : (op == 1 ? x * y : x - y);
         out[i] = static_cast<int8_t>(qt::quantize_value(r, inv, zp, -128.0f, 127.0f));
     }
 }
