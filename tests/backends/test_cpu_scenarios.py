@@ -239,3 +239,16 @@ def test_cells_mode_lowers(layer, tmp_path):
         save(low, tmp_path / "cells.pt2", data[0])
         with torch.no_grad():
             assert torch.equal(load(tmp_path / "cells.pt2")(*data[0])[0], low(*data[0])[0])
+
+
+def test_conv_model_save_load_round_trip(tmp_path):
+    """Channels-last int8 conv outputs survive torch.export (fake strides match real ones)."""
+    torch.manual_seed(0)
+    model = SmallCnn().eval()
+    data = batches((2, 3, 16, 16), n=3)
+    _, ref = run(model, data)
+    low = qt.lower(ref, CPU)
+    save(low, tmp_path / "cnn.pt2", data[0])
+    loaded = load(tmp_path / "cnn.pt2")
+    with torch.no_grad():
+        assert torch.equal(loaded(*data[1]), low(*data[1]))
