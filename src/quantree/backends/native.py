@@ -98,6 +98,8 @@ def ptr(t: torch.Tensor | None) -> int | None:
     """
     if t is None:
         return None
-    dense = t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=CHANNELS_LAST))
-    assert dense and t.device.type == "cpu"
+    if not t.is_cpu or not (
+        t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=CHANNELS_LAST))
+    ):
+        raise ValueError("quantree's CPU kernels read dense CPU tensors only")
     return t.data_ptr()
