@@ -20,16 +20,22 @@ def one_thread() -> None:
 def interleaved_medians(
     variants: dict[str, Callable[[], object]], runs: int, warmup: int = 5
 ) -> dict[str, float]:
-    """Median milliseconds of each variant; every round runs each variant once, in turn."""
+    """Median milliseconds of each variant; every round runs each variant once, in turn.
+
+    The order rotates from round to round, so no variant always runs right after the same
+    neighbour (whose cache and predictor footprint it would otherwise always inherit).
+    """
+    names = list(variants)
     with torch.inference_mode():
         for fn in variants.values():
             for _ in range(warmup):
                 fn()
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(runs):
-            for name, fn in variants.items():
+        for round_ in range(runs):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
                 start = time.perf_counter()
-                fn()
+                variants[name]()
                 times[name].append((time.perf_counter() - start) * 1e3)
     return {name: statistics.median(t) for name, t in times.items()}
 
