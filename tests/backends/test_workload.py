@@ -1,4 +1,4 @@
-"""The bundled char-LM lowered to CPU: same bits per char, a quarter of the bytes, reloadable."""
+"""The bundled char-LMs lowered to CPU: same bits per char, a quarter of the bytes, reloadable."""
 
 from __future__ import annotations
 
@@ -11,14 +11,16 @@ import torch
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.workloads import batches, bits_per_char, load_charlm, load_corpus
+from quantree.workloads import batches, bits_per_char, load_charlm, load_corpus, weights_path
 
 VALIDATION_CHARS = 20_000
 
 
-@pytest.fixture(scope="module")
-def lowered(tmp_path_factory) -> dict[str, object]:
-    model = load_charlm("lstm")
+@pytest.fixture(scope="module", params=["lstm", "gru"])
+def lowered(request, tmp_path_factory) -> dict[str, object]:
+    if not weights_path(request.param).is_file():
+        pytest.skip(f"no bundled {request.param} weights")
+    model = load_charlm(request.param)
     train = load_corpus("train", max_chars=300_000)
     calib = batches(train, batch_size=32, seq_len=128, n_batches=8, seed=0)
     ref = qt.quantize(model, calib[0], calib, progress=False)
@@ -31,7 +33,7 @@ def lowered(tmp_path_factory) -> dict[str, object]:
 def test_recurrent_and_head_run_on_native_kernels(lowered):
     targets = {str(n.target) for n in lowered["low"].graph.nodes}  # type: ignore[attr-defined]
     assert {"quantree.rnn.default", "quantree.linear.default"} <= targets
-    assert "aten.lstm.input" not in targets
+    assert "aten.lstm.input" not in targets and "aten.gru.input" not in targets
 
 
 def test_bits_per_char_unchanged(lowered):
