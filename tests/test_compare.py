@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.compare import Comparison, RowKind, compare
+from quantree.compare import RowKind
 
 from support import batches, run
 
@@ -57,7 +57,7 @@ def test_every_lstm_leaf_has_a_row_worst_first() -> None:
     model = LSTMThreeHeads().eval()
     data = _data(5, 3, 12)
     _, converted = run(model, data)
-    result = compare(model, converted, data[:3])
+    result = qt.compare(model, converted, data[:3])
     names = [r.name for r in result.rows]
     for leaf in ("lstm[0]", "lstm[1]", "lstm[2]"):
         assert leaf in names
@@ -77,7 +77,7 @@ def test_render_and_records() -> None:
     model = LSTMThreeHeads().eval()
     data = _data(5, 3, 12)
     _, converted = run(model, data)
-    result = compare(model, converted, data[:2])
+    result = qt.compare(model, converted, data[:2])
     text = result.render()
     assert text.splitlines()[0].startswith("per-tensor SQNR over 2 batch(es)")
     assert "lstm[2]" in text and "SQNR dB" in text
@@ -97,7 +97,7 @@ def test_nested_outputs_get_one_row_per_leaf() -> None:
     model = NestedOut().eval()
     data = _data(6, 2, 8)
     _, converted = run(model, data)
-    result = compare(model, converted, data[:2])
+    result = qt.compare(model, converted, data[:2])
     outputs = sorted(r.name for r in result.outputs)
     assert outputs == ["output[0]", "output[1][0]", "output[1][1]"]
     assert all(r.sqnr_db > 20 for r in result.outputs)
@@ -108,7 +108,7 @@ def test_integer_tensors_are_skipped() -> None:
     model = MaxIndices().eval()
     data = _data(4, 8)
     _, converted = run(model, data)
-    result = compare(model, converted, data[:2])
+    result = qt.compare(model, converted, data[:2])
     max_rows = [r for r in result.rows if r.op.startswith("aten.max")]
     assert [r.path for r in max_rows] == [(0,)]  # the values leaf only, never the indices
     assert [r.name for r in result.outputs] == ["output[0]"]  # the indices output is skipped
@@ -119,7 +119,7 @@ def test_energies_accumulate_over_batches() -> None:
     model = LSTMThreeHeads().eval()
     data = _data(5, 3, 12)
     _, converted = run(model, data)
-    result = compare(model, converted, data[:3])
+    result = qt.compare(model, converted, data[:3])
     signal = noise = 0.0
     with torch.no_grad():
         for (x,) in data[:3]:
@@ -135,7 +135,7 @@ def test_prepared_model_is_exact_everywhere() -> None:
     model = LSTMThreeHeads().eval()
     data = _data(5, 3, 12)
     prepared, _ = run(model, data)
-    result = compare(qt.capture(model, data[0]), prepared, data[:2])
+    result = qt.compare(qt.capture(model, data[0]), prepared, data[:2])
     assert result.rows and all(r.sqnr_db == math.inf for r in result.rows)
 
 
@@ -149,10 +149,10 @@ def test_any_module_gets_output_rows() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return converted(x)
 
-    result = compare(model, Wrapped(), data[:2])
+    result = qt.compare(model, Wrapped(), data[:2])
     assert [r.kind for r in result.rows] == [RowKind.OUTPUT]
     assert result.rows[0].sqnr_db == pytest.approx(
-        compare(model, converted, data[:2]).outputs[0].sqnr_db
+        qt.compare(model, converted, data[:2]).outputs[0].sqnr_db
     )
 
 
@@ -164,7 +164,7 @@ def test_cells_mode_rows_follow_the_surviving_leaves() -> None:
     data = _data(5, 3, 12)
     quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
     _, converted = run(model, data, quantizer)
-    result = compare(model, converted, data[:2])
+    result = qt.compare(model, converted, data[:2])
     names = [r.name for r in result.rows]
     assert {"lstm[0]", "lstm[1]", "lstm[2]"} <= set(names)
     assert result.outputs[0].sqnr_db > 15
@@ -179,7 +179,7 @@ def test_cells_are_compared_step_by_step_against_the_prepared_model() -> None:
     quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS, cell_state_dtype=qt.QDtype.INT16)
     prepared, converted = run(model, data, quantizer)
     before = {k: v.clone() for k, v in prepared.state_dict().items()}
-    result = compare(prepared, converted, data[:2])
+    result = qt.compare(prepared, converted, data[:2])
     inner = [r for r in result.rows if "/" in r.node]
     assert inner, "the cell body's Values are rows"
     scopes = {r.node.split("/")[0] for r in inner}
@@ -204,8 +204,8 @@ def test_lowered_model_keeps_output_rows() -> None:
     data = _data(5, 3, 12)
     _, converted = run(model, data)
     lowered = qt.lower(converted, CPU)
-    result = compare(model, lowered, data[:2])
-    assert isinstance(result, Comparison)
+    result = qt.compare(model, lowered, data[:2])
+    assert isinstance(result, qt.Comparison)
     assert result.outputs and result.outputs[0].sqnr_db > 15
 
 
@@ -214,7 +214,7 @@ def test_lone_tensors_and_no_data() -> None:
     model = MaxIndices().eval()
     data = _data(4, 8)
     _, converted = run(model, data)
-    lone = compare(model, converted, (x for (x,) in data[:2]))  # a generator of tensors
+    lone = qt.compare(model, converted, (x for (x,) in data[:2]))  # a generator of tensors
     assert lone.batches == 2 and lone.outputs
-    empty = compare(model, converted, [])
+    empty = qt.compare(model, converted, [])
     assert empty.rows == () and empty.batches == 0

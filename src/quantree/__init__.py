@@ -9,6 +9,7 @@ ref = convert(prepared)
 from quantree.backend import REFERENCE, Backend, lower
 from quantree.calibrate import calibrate
 from quantree.capture import capture
+from quantree.compare import Comparison, compare
 from quantree.convert import convert
 from quantree.errors import QuantreeError, QuantreeWarning
 from quantree.int8 import A16W8Quantizer, Int8Quantizer, RecurrentMode
@@ -39,6 +40,7 @@ __all__ = [
     "REFERENCE",
     "A16W8Quantizer",
     "CellsOptions",
+    "Comparison",
     "Point",
     "RecurrentMode",
     "Annotation",
@@ -64,6 +66,7 @@ __all__ = [
     "bias_spec",
     "calibrate",
     "capture",
+    "compare",
     "convert",
     "lower",
     "prepare",
