@@ -99,6 +99,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("integer LSTM (cells)", integer_lstm, requires=("RecurrentMode",)),
     Variant("a16w8 whole", a16w8, requires=("A16W8Quantizer",)),
     Variant("int8 whole, CPU kernels", int8_whole, cpu_backend, requires=("backends.CPU",)),
+    Variant("integer LSTM, CPU kernels", integer_lstm, cpu_backend, requires=("backends.CPU",)),
 )
 
 

@@ -215,15 +215,23 @@ CELLS_LAYERS = [
 ]
 
 
-@pytest.mark.skipif(not hasattr(qt, "RecurrentMode"), reason="no cells mode in this quantree")
+CELLS_RECIPES = {
+    "int8": {},
+    "int16-cell": {"cell_state_dtype": qt.QDtype.INT16},
+    "integer-lstm": {"cell_state_dtype": qt.QDtype.INT16, "gate_dtype": qt.QDtype.INT16},
+}
+
+
+@pytest.mark.parametrize("recipe", CELLS_RECIPES.values(), ids=CELLS_RECIPES.keys())
 @pytest.mark.parametrize("layer", CELLS_LAYERS, ids=["lstm-2l", "gru-bi-bf", "rnn"])
-def test_cells_mode_lowers(layer, tmp_path):
-    """Cell bodies are lowered; loops whose body compiles run as one native program."""
+def test_cells_mode_lowers(layer, recipe, tmp_path):
+    """Cell bodies are lowered and every loop runs as one native program, int16 points
+    (reference quantize/dequantize around float gate math) included."""
     torch.manual_seed(0)
     model = layer.eval()
     shape = (3, 9, 24) if layer.batch_first else (9, 3, 24)
     data = batches(shape, n=4)
-    quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)  # type: ignore[call-arg]
+    quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS, **recipe)
     _, ref = run(model, data, quantizer)
     ref_loops = [type(m).__name__ for m in ref.modules() if type(m).__name__ == "CellLoop"]
     low = qt.lower(ref, CPU)

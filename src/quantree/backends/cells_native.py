@@ -1,7 +1,9 @@
 """Cells mode, natively: a lowered cell body compiled into a program run for all steps in C.
 
 After the CPU rules have lowered a cell body, what is left is a handful of native ops on
-[batch, features] tensors (quantize, linear, add/mul, table lookups, chunk, dequantize). This
+[batch, features] tensors (quantize, linear, add/mul, table lookups, chunk, dequantize), and,
+where a point is quantized to a type the int8 rules leave alone (an int16 cell state or
+gate), reference quantize -> dequantize pairs around float add/mul/sigmoid/tanh. This
 module records the body once with example inputs, gives every value a slice of one
 workspace (a chunk's pieces are views of their source), and encodes each op as a fixed-size
 record. ``torch.ops.quantree.cell_loop`` then runs the program for every time step in one
@@ -26,9 +28,13 @@ from quantree.backends.packing import packed_depth
 from quantree.backends.registry import op
 
 NI, NF = 12, 8  # int and float fields per instruction (csrc/cells.cpp)
-QUANT, DEQUANT, LINEAR, BINARY, LOOKUP = range(5)
+QUANT, DEQUANT, LINEAR, BINARY, LOOKUP, COPY, FAKE_QUANT, FLOAT_BINARY, FLOAT_UNARY = range(9)
 BINARY_KINDS = {"add": 0, "mul": 1, "sub": 2}
+aten = torch.ops.aten
+FLOAT_BINARY_KINDS = {aten.add.Tensor: 0, aten.mul.Tensor: 1, aten.sub.Tensor: 2}
+FLOAT_UNARY_KINDS = {aten.sigmoid.default: 0, aten.tanh.default: 1, aten.relu.default: 2}
 quantree_ops = torch.ops.quantree
+qd = torch.ops.quantized_decomposed
 
 
 @dataclass
@@ -156,6 +162,20 @@ def _emit(
         floats += [1.0 / args[7], float(args[8])]
     elif n.target == quantree_ops.lookup.default and args[0] in slot:
         ints, floats = [LOOKUP, 0, slot[args[0]], const_index(args[1])], []
+    elif n.target == qd.quantize_per_tensor.default:
+        # emitted with its dequantize users (a fake quantization in float): the integer
+        # tensor itself never needs a slot.
+        return all(_fake_quant_source(u) is n for u in n.users)
+    elif (source := _fake_quant_source(n)) is not None and source.args[0] in slot:
+        _, scale, zero_point, qmin, qmax = args[:5]
+        ints = [FAKE_QUANT, 0, slot[source.args[0]]]  # type: ignore[index]
+        floats = [1.0 / scale, float(zero_point), float(qmin), float(qmax), float(scale)]
+    elif n.target in FLOAT_BINARY_KINDS and not n.kwargs and _float_pair(p, slot, args):
+        ints, floats = [FLOAT_BINARY, 0, slot[args[0]], slot[args[1]]], []
+        ints.append(FLOAT_BINARY_KINDS[n.target])  # type: ignore[index]
+    elif n.target in FLOAT_UNARY_KINDS and args[0] in slot and p.slots[slot[args[0]]][0] == 0:
+        ints = [FLOAT_UNARY, 0, slot[args[0]], FLOAT_UNARY_KINDS[n.target]]  # type: ignore[index]
+        floats = []
     else:
         return False
     dst = value_slot(n)
@@ -165,6 +185,24 @@ def _emit(
     ints[1] = dst
     p.emit(ints, floats)
     return True
+
+
+def _fake_quant_source(n: fx.Node) -> fx.Node | None:
+    """The per-tensor quantize that ``n`` dequantizes with the same parameters, if any."""
+    if n.target != qd.dequantize_per_tensor.default or not isinstance(n.args[0], fx.Node):
+        return None
+    source = n.args[0]
+    same = source.target == qd.quantize_per_tensor.default and source.args[1:6] == n.args[1:6]
+    scalars = all(isinstance(a, int | float) for a in n.args[1:5])
+    return source if same and scalars and n.kwargs.get("out_dtype") in (None, torch.float32) else None
+
+
+def _float_pair(p: Program, slot: dict[fx.Node, int], args: Any) -> bool:
+    """Two float values of one shape (no broadcasting, no scalars)."""
+    if len(args) != 2 or args[0] not in slot or args[1] not in slot:
+        return False
+    a, b = p.slots[slot[args[0]]], p.slots[slot[args[1]]]
+    return a[0] == b[0] == 0 and a[2:4] == b[2:4]
 
 
 class NativeCellLoop(nn.Module):

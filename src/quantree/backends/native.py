@@ -20,7 +20,8 @@ import torch
 from torch.utils import cpp_extension
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp", "cells.cpp")  # and qt_kernels.h
+SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp", "cells.cpp")
+HEADERS = ("qt_kernels.h", "qt_vmath.h")
 CHANNELS_LAST = torch.channels_last
 MARCH = os.environ.get("QUANTREE_NATIVE_MARCH", "native")
 """``-march`` of the build; e.g. ``x86-64-v3`` exercises the portable path without AVX-512."""
@@ -74,7 +75,7 @@ def build_without_ninja(name: str) -> Path:
     The output is keyed by a hash of the sources and flags, so edits rebuild.
     """
     digest = hashlib.sha256(repr(FLAGS).encode())
-    for source in (*SOURCES, "qt_kernels.h"):
+    for source in (*SOURCES, *HEADERS):
         digest.update((CSRC / source).read_bytes())
     root = Path(cpp_extension.get_default_build_root()) / f"{name}_{digest.hexdigest()[:12]}"
     target = root / f"{name}.so"

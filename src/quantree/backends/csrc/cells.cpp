@@ -3,14 +3,26 @@
 //
 // Values are 2-d [rows, cols] slices (row stride ld) of one workspace; a chunk's pieces are
 // views of their source. Instructions are fixed-size records of int64 and float fields.
+#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "qt_kernels.h"
+#include "qt_vmath.h"
 
 namespace {
 
-enum Op { QUANT = 0, DEQUANT = 1, LINEAR = 2, BINARY = 3, LOOKUP = 4, COPY = 5 };
+enum Op {
+    QUANT = 0,
+    DEQUANT = 1,
+    LINEAR = 2,
+    BINARY = 3,
+    LOOKUP = 4,
+    COPY = 5,
+    FAKE_QUANT = 6,    // float -> float through an integer grid (an int16 point, say)
+    FLOAT_BINARY = 7,  // float add / mul / sub
+    FLOAT_UNARY = 8,   // float sigmoid / tanh / relu
+};
 constexpr int NI = 12, NF = 8;  // fields per instruction
 constexpr int NS = 5;            // fields per slot: dtype (0 f32, 1 i8), offset, rows, cols, ld
 
@@ -52,6 +64,42 @@ void binary_row(int64_t kind, const int8_t* __restrict a, const int8_t* __restri
             const float v = (static_cast<float>(a[j]) - za) * sa - (static_cast<float>(b[j]) - zb) * sb;
             out[j] = static_cast<int8_t>(qt::quantize_value(v, inv, zo, -128.0f, 127.0f));
         }
+    }
+}
+
+// The reference's quantize then dequantize: (clamp(round(a / s) + zp) - zp) * s.
+void fake_quant_row(const float* __restrict a, float* __restrict out, int64_t n, const float* f) {
+    const float inv = f[0], zp = f[1], lo = f[2], hi = f[3], scale = f[4];
+    for (int64_t j = 0; j < n; ++j) out[j] = (qt::quantize_value(a[j], inv, zp, lo, hi) - zp) * scale;
+}
+
+void float_binary_row(int64_t kind, const float* a, const float* b, float* out, int64_t n) {
+    if (kind == 0) {
+        for (int64_t j = 0; j < n; ++j) out[j] = a[j] + b[j];
+    } else if (kind == 1) {
+        for (int64_t j = 0; j < n; ++j) out[j] = a[j] * b[j];
+    } else {
+        for (int64_t j = 0; j < n; ++j) out[j] = a[j] - b[j];
+    }
+}
+
+void float_unary_row(int64_t kind, const float* a, float* out, int64_t n) {
+#if defined(__AVX512F__)
+    if (kind < 2) {
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 m = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+            const __m512 x = _mm512_maskz_loadu_ps(m, a + j);
+            _mm512_mask_storeu_ps(out + j, m, kind == 0 ? qt::vsig(x) : qt::vtanh(x));
+        }
+        return;
+    }
+#endif
+    if (kind == 0) {
+        for (int64_t j = 0; j < n; ++j) out[j] = 1.0f / (1.0f + std::exp(-a[j]));
+    } else if (kind == 1) {
+        for (int64_t j = 0; j < n; ++j) out[j] = std::tanh(a[j]);
+    } else {
+        for (int64_t j = 0; j < n; ++j) out[j] = a[j] > 0.0f ? a[j] : 0.0f;
     }
 }
 
@@ -148,6 +196,18 @@ void qt_cell_loop(const float* xs, float* ys, int64_t T, int reverse, float** st
                             dst.q(r)[j] = table[static_cast<int>(a.q(r)[j]) + 128];
                     break;
                 }
+                case FAKE_QUANT:
+                    for (int64_t r = 0; r < dst.rows; ++r) fake_quant_row(a.f(r), dst.f(r), dst.cols, f);
+                    break;
+                case FLOAT_BINARY: {
+                    const Slot& b = s[c[3]];
+                    for (int64_t r = 0; r < dst.rows; ++r)
+                        float_binary_row(c[4], a.f(r), b.f(r), dst.f(r), dst.cols);
+                    break;
+                }
+                case FLOAT_UNARY:
+                    for (int64_t r = 0; r < dst.rows; ++r) float_unary_row(c[3], a.f(r), dst.f(r), dst.cols);
+                    break;
                 default:
                     break;
             }
