@@ -24,7 +24,6 @@ import torch.fx as fx
 from torch import nn
 
 import quantree as qt
-from quantree.backend import LoweringContext
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed
@@ -87,7 +86,7 @@ def accel_linear_relu(
     return q.clamp(-128, 127).to(torch.int8)
 
 
-def _weight_is_symmetric_per_channel(ctx: LoweringContext, linear: fx.Node) -> bool:
+def _weight_is_symmetric_per_channel(ctx: qt.LoweringContext, linear: fx.Node) -> bool:
     info = ctx.annotation(linear)
     spec = None if info is None else info.annotation.inputs.get((1,))
     return isinstance(spec, qt.QuantSpec) and spec.symmetric and spec.axis == 0
@@ -96,7 +95,7 @@ def _weight_is_symmetric_per_channel(ctx: LoweringContext, linear: fx.Node) -> b
 def linear_relu_rule(scope: str):
     """Lower ``dq -> linear -> relu -> q`` for linears whose module is under ``scope``."""
 
-    def rule(ctx: LoweringContext, linear: fx.Node) -> bool:
+    def rule(ctx: qt.LoweringContext, linear: fx.Node) -> bool:
         # Anchor on the pattern's first op: at each node, rules of a composed backend are
         # tried in order, so anchoring where other backends anchor lets ``+`` decide.
         if linear.target != aten.linear.default or len(linear.users) != 1:

@@ -6,7 +6,15 @@ calibrate(prepared, data)
 ref = convert(prepared)
 """
 
-from quantree.backend import REFERENCE, Backend, lower
+from quantree.backend import (
+    REFERENCE,
+    Backend,
+    Dequantized,
+    LoweringContext,
+    LoweringRule,
+    Quantized,
+    lower,
+)
 from quantree.calibrate import calibrate
 from quantree.capture import capture
 from quantree.compare import Comparison, compare
@@ -46,9 +54,12 @@ __all__ = [
     "Annotation",
     "Backend",
     "DerivedSpec",
+    "Dequantized",
     "FixedSpec",
     "HistogramObserver",
     "Int8Quantizer",
+    "LoweringContext",
+    "LoweringRule",
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
     "Observer",
@@ -56,6 +67,7 @@ __all__ = [
     "QDtype",
     "QParams",
     "QuantSpec",
+    "Quantized",
     "QuantreeError",
     "QuantreeWarning",
     "Quantizer",

@@ -173,14 +173,27 @@ class Backend:
     prepare_module: Callable[[fx.GraphModule], fx.GraphModule] | None = None
 
     def __add__(self, other: Backend) -> Backend:
-        """``other``'s rules first, then ours; ``other``'s tensor functions if it has them."""
+        """``other``'s rules first, then ours; ``other``'s tensor functions if it has them;
+        both module finishers, ours first."""
+        finishers = [f for f in (self.prepare_module, other.prepare_module) if f is not None]
         return Backend(
             f"{self.name}+{other.name}",
             other.rules + self.rules,
             other.quantize or self.quantize,
             other.dequantize or self.dequantize,
-            other.prepare_module or self.prepare_module,
+            _chain(finishers) if len(finishers) > 1 else next(iter(finishers), None),
         )
+
+
+def _chain(
+    finishers: list[Callable[[fx.GraphModule], fx.GraphModule]],
+) -> Callable[[fx.GraphModule], fx.GraphModule]:
+    def run_all(gm: fx.GraphModule) -> fx.GraphModule:
+        for finish in finishers:
+            gm = finish(gm)
+        return gm
+
+    return run_all
 
 
 REFERENCE = Backend("reference")

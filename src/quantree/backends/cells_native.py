@@ -194,7 +194,8 @@ def _fake_quant_source(n: fx.Node) -> fx.Node | None:
     source = n.args[0]
     same = source.target == qd.quantize_per_tensor.default and source.args[1:6] == n.args[1:6]
     scalars = all(isinstance(a, int | float) for a in n.args[1:5])
-    return source if same and scalars and n.kwargs.get("out_dtype") in (None, torch.float32) else None
+    to_float = n.kwargs.get("out_dtype") in (None, torch.float32)
+    return source if same and scalars and to_float else None
 
 
 def _float_pair(p: Program, slot: dict[fx.Node, int], args: Any) -> bool:
