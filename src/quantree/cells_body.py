@@ -15,6 +15,7 @@ reaches the gates, the cell state and the hidden state like any other Value. Poi
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -190,3 +191,28 @@ def rnn_body(
     pre = b.op("pre", aten.add.Tensor, ip, hp)
     hidden = b.op("hidden", aten.relu.default if relu else aten.tanh.default, pre)
     return b.module((hidden,))
+
+
+@functools.cache
+def point_names(split_gates: bool) -> frozenset[str]:
+    """Every point name a cell body of any kind can have (read off tiny example bodies)."""
+    size, gates = 2, {"lstm": 4, "gru": 3, "rnn": 1}
+    x, h = torch.zeros(1, size), torch.zeros(1, size)
+
+    def weights(kind: str, projected: bool = False) -> CellWeights:
+        rows = gates[kind] * size
+        w_hr = torch.zeros(size, size) if projected else None
+        return CellWeights(
+            torch.zeros(rows, size), torch.zeros(rows, size), torch.zeros(rows), torch.zeros(rows),
+            w_hr,
+        )  # fmt: skip
+
+    bodies = (
+        lstm_body(weights("lstm"), x, h, h, split_gates, {}),
+        lstm_body(weights("lstm", projected=True), x, h, h, split_gates, {}),
+        gru_body(weights("gru"), x, h, split_gates, {}),
+        rnn_body(weights("rnn"), x, h, False, {}),
+    )
+    return frozenset(
+        n.meta[POINT_KEY] for body in bodies for n in body.graph.nodes if POINT_KEY in n.meta
+    )

@@ -12,11 +12,13 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.fx as fx
 
+from quantree.cells_body import point_names
 from quantree.errors import QuantreeError
 from quantree.points import CellsOptions, Point
 from quantree.quantizer import Annotation, Rule
 from quantree.specs import FixedSpec, QDtype, QuantSpec, SharedSpec, Spec
-from quantree.values import Value
+from quantree.values import Value, tensor_meta
+from quantree.weighted import weighted_annotation
 
 aten = torch.ops.aten
 
@@ -56,6 +58,11 @@ def _point_node(graph: fx.Graph, name: str) -> fx.Node:
     raise QuantreeError(f"cell body has no point named {name!r}")
 
 
+SPLITS = ("gates_split", "input_split", "hidden_split")
+"""The chunks of fused projections: data movement, so their pieces keep the source's grid."""
+FUSED_GATE_PRE = ("i_pre", "f_pre", "g_pre", "o_pre")
+
+
 def cells_rules(
     act: QuantSpec,
     weight: QuantSpec,
@@ -68,45 +75,65 @@ def cells_rules(
     """Decompose recurrent layers (under ``scope``) into cells and annotate their points.
 
     ``points`` pins specs by point name (``{"cell": FixedSpec(2**-11, 0, QDtype.INT16)}``).
+    A pinned projection keeps its int8 weight and int32 bias; a pinned ``gates`` carries to
+    the four gate pre-activations unless they are pinned too.
     """
+    known = point_names(options.split_gates)
+    unknown = sorted(set(points) - known)
+    if unknown:
+        mode = "split_gates=True" if options.split_gates else "fused gates"
+        raise QuantreeError(
+            f"no cell point named {', '.join(map(repr, unknown))} with {mode}; "
+            f"the points are: {', '.join(sorted(known))}"
+        )
 
-    def output(spec: Spec) -> Callable[[fx.Node], Annotation]:
-        return lambda node: Annotation(outputs=spec, name=node.name)
+    def output(spec: Spec | None) -> Callable[[fx.Node], Annotation]:
+        def annotate(node: fx.Node) -> Annotation:
+            if node.target is aten.linear.default:
+                return weighted_annotation(node, act, weight, spec, name=node.name)
+            return Annotation(outputs=spec, name=node.name)
 
-    def carried(name: str) -> Callable[[fx.Node], Annotation]:
-        """A step's incoming state shares its parameters with the state the step produces."""
+        return annotate
+
+    def shared_with(name: str) -> Callable[[fx.Node], Annotation]:
+        """Same parameters as point ``name`` (a carried state, a chunk of a pinned gates)."""
         return lambda node: Annotation(
             outputs=SharedSpec(Value(_point_node(node.graph, name))), name=node.name
         )
 
+    def split(node: fx.Node) -> Annotation:
+        """Each piece of a chunk carries exactly the parameters of what it splits."""
+        source = node.args[0]
+        assert isinstance(source, fx.Node)
+        pieces = tuple(SharedSpec(Value(source)) for _ in tensor_meta(node))
+        return Annotation(outputs=pieces, name=node.name)
+
     sigmoid, tanh = fixed_sigmoid(gate_dtype), fixed_tanh(gate_dtype)
-    gate_pre = (
-        "gates",
-        "i_pre",
-        "f_pre",
-        "g_pre",
-        "o_pre",
-        "reset_pre",
-        "update_pre",
-        "candidate_pre",
-        "pre",
-    )
+    # tanh(c) of an int16 cell state stays 16-bit: squeezing it to 8 bits right away would
+    # spend the cell state's precision (the integer-LSTM convention).
+    cell_tanh = fixed_tanh(cell_state.dtype) if cell_state.dtype == QDtype.INT16 else tanh
+    gate_pre = (*FUSED_GATE_PRE, "gates", "reset_pre", "update_pre", "candidate_pre", "pre")
     by_point: dict[str, Spec] = {
         "x": act,
         **dict.fromkeys(gate_pre, act),
         **dict.fromkeys(("i", "f", "o", "reset", "update"), sigmoid),
-        **dict.fromkeys(("g", "cell_tanh", "candidate"), tanh),
+        **dict.fromkeys(("g", "candidate"), tanh),
+        "cell_tanh": cell_tanh,
         **dict.fromkeys(("forget_cell", "input_cell", "cell"), cell_state),
         **dict.fromkeys(
             ("candidate_hidden", "hidden_delta", "update_hidden", "hidden_unprojected"), act
         ),
     }
+    carried = {"h_prev": "hidden", "c_prev": "cell"}
+    if "gates" in points:
+        carried |= dict.fromkeys(FUSED_GATE_PRE, "gates")
+    carried = {name: source for name, source in carried.items() if name not in points}
     by_point.update({k: v for k, v in points.items() if k != "hidden"})
     rules = [
         Rule(RECURRENT_OPS, lambda node: Annotation(cells=options), scope),
-        Rule((Point("h_prev"),), carried("hidden"), scope),
-        Rule((Point("c_prev"),), carried("cell"), scope),
+        Rule(tuple(Point(name) for name in SPLITS), split, scope),
         *(Rule((Point(name),), output(spec), scope) for name, spec in by_point.items()),
+        *(Rule((Point(name),), shared_with(source), scope) for name, source in carried.items()),
     ]
     rules.append(Rule((Point("hidden"),), _hidden_rule(act, weight, points.get("hidden")), scope))
     return tuple(rules)
@@ -119,9 +146,7 @@ def _hidden_rule(
 
     def annotate(node: fx.Node) -> Annotation:
         if node.target is aten.linear.default:
-            return Annotation(
-                outputs=pinned or act, inputs={(0,): act, (1,): weight}, name=node.name
-            )
+            return weighted_annotation(node, act, weight, pinned or act, name=node.name)
         if node.target is aten.tanh.default and pinned is None:
             return Annotation(outputs=fixed_tanh(act.dtype), name=node.name)
         return Annotation(outputs=pinned or act, name=node.name)

@@ -26,11 +26,11 @@ from quantree.specs import (
     QuantSpec,
     SharedSpec,
     Spec,
-    bias_spec,
     int8_activation,
     int8_weight,
 )
 from quantree.values import Use, Value, is_float_tensor, tensor_meta
+from quantree.weighted import weighted_annotation
 
 aten = torch.ops.aten
 
@@ -123,12 +123,9 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
     fused_activations = (aten.relu, aten.relu_)
 
     def weighted(node: fx.Node) -> Annotation:
-        """linear / conv: weight at args[1], optional bias at args[2]."""
-        inputs: dict[tuple[int | str, ...], object] = {(0,): act, (1,): weight}
-        if len(node.args) > 2 and _is_float_node(node.args[2]):
-            inputs[(2,)] = bias_spec(Use.of(node, (0,)), Use.of(node, (1,)))
+        """linear / conv: the output is left to a following relu it fuses with."""
         fused = _sole_user_is(node, fused_activations)
-        return Annotation(outputs=None if fused else act, inputs=inputs)
+        return weighted_annotation(node, act, weight, None if fused else act)
 
     def relu(node: fx.Node) -> Annotation:
         producer = node.args[0]
