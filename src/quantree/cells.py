@@ -44,8 +44,11 @@ class CellLoop(nn.Module):
 class RecurrentCells(nn.Module):
     """A whole ``aten.lstm/gru/rnn_*`` call as cell loops: same inputs, same outputs."""
 
-    def __init__(self, call: RecurrentCall, loops: dict[str, CellLoop]) -> None:
+    def __init__(
+        self, call: RecurrentCall, loops: dict[str, CellLoop], state_sizes: tuple[int, ...]
+    ) -> None:
         super().__init__()
+        self.state_sizes = state_sizes
         self.kind = call.kind
         self.num_layers = call.num_layers
         self.directions = 2 if call.bidirectional else 1
@@ -53,9 +56,15 @@ class RecurrentCells(nn.Module):
         self.loops = nn.ModuleDict(loops)
 
     def forward(self, x: torch.Tensor, hx: Any):
+        """``hx`` leaves that are None are zero states sized for this call's batch."""
         states = list(hx) if isinstance(hx, list | tuple) else [hx]
         if self.batch_first:
             x = x.transpose(0, 1)
+        count = self.num_layers * self.directions
+        states = [
+            x.new_zeros(count, x.shape[1], size) if s is None else s
+            for s, size in zip(states, self.state_sizes, strict=True)
+        ]
         finals: list[list[torch.Tensor]] = [[] for _ in states]
         for layer in range(self.num_layers):
             outs = []
@@ -108,7 +117,7 @@ def build_cells(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> Rec
         else:
             body = rnn_body(w, x, example_states[0], call.kind == "rnn_relu", stack)
         loops[name] = CellLoop(body, reverse=p.direction == 1)
-    return RecurrentCells(call, loops)
+    return RecurrentCells(call, loops, tuple(s.shape[-1] for s in states))
 
 
 def decompose(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> fx.Node:
@@ -116,12 +125,25 @@ def decompose(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> fx.No
     cells = build_cells(gm, node, options)
     name = f"{node.name}_cells"
     gm.add_submodule(name, cells)
+    states: Any = node.args[1]  # export's default zeros pin the captured batch: drop them
+    if isinstance(states, list | tuple):
+        states = [None if _is_zeros(s) else s for s in states]
+    elif _is_zeros(states):
+        states = None
     with gm.graph.inserting_before(node):
-        replacement = gm.graph.call_module(name, (node.args[0], node.args[1]))
+        replacement = gm.graph.call_module(name, (node.args[0], states))
     replacement.meta = copy.copy(node.meta)
     node.replace_all_uses_with(replacement)
     gm.graph.erase_node(node)
     return replacement
+
+
+def _is_zeros(node: object) -> bool:
+    """A state made by ``zeros`` (nn.LSTM's default): the loop makes it per call instead."""
+    return isinstance(node, fx.Node) and node.target in (
+        torch.ops.aten.zeros.default,
+        torch.ops.aten.new_zeros.default,
+    )
 
 
 def cell_bodies(gm: nn.Module) -> list[fx.GraphModule]:

@@ -39,17 +39,25 @@ qd = torch.ops.quantized_decomposed
 
 @dataclass
 class Program:
-    slots: list[list[int]] = field(default_factory=list)  # dtype, byte offset, rows, cols, ld
+    # Per slot: dtype (0 f32, 1 i8), the slot owning the storage, byte offset inside its
+    # rows, cols, row stride. Rows are the batch, known only when the loop runs, so the
+    # workspace is laid out per call (csrc/cells.cpp) and one program serves every batch size.
+    slots: list[list[int]] = field(default_factory=list)
     code: list[list[int]] = field(default_factory=list)
     fcode: list[list[float]] = field(default_factory=list)
     consts: list[Tensor] = field(default_factory=list)
     outs: list[int] = field(default_factory=list)
-    workspace: int = 0
 
-    def alloc(self, dtype: torch.dtype, rows: int, cols: int) -> int:
-        elem = 4 if dtype == torch.float32 else 1
-        self.slots.append([0 if elem == 4 else 1, self.workspace, rows, cols, cols])
-        self.workspace += -(-rows * cols * elem // 64) * 64
+    def alloc(self, dtype: torch.dtype, cols: int) -> int:
+        index = len(self.slots)
+        self.slots.append([0 if dtype == torch.float32 else 1, index, 0, cols, cols])
+        return index
+
+    def view(self, source: int, first_col: int, cols: int) -> int:
+        """Columns ``first_col:first_col + cols`` of ``source``, sharing its storage."""
+        dtype, base, offset, _, ld = self.slots[source]
+        elem = 4 if dtype == 0 else 1
+        self.slots.append([dtype, base, offset + first_col * elem, cols, ld])
         return len(self.slots) - 1
 
     def emit(self, ints: list[int], floats: list[float]) -> None:
@@ -83,7 +91,7 @@ def compile_body(body: fx.GraphModule, example: tuple[Tensor, ...]) -> Program |
         v = values.get(n)
         if not isinstance(v, Tensor) or v.dim() != 2 or v.dtype not in (torch.float32, torch.int8):
             return None
-        return p.alloc(v.dtype, *v.shape)
+        return p.alloc(v.dtype, v.shape[1])
 
     def const_index(n: object) -> int:
         if n is None:
@@ -114,13 +122,8 @@ def compile_body(body: fx.GraphModule, example: tuple[Tensor, ...]) -> Program |
             dim = a[2] if len(a) > 2 else 0
             if src not in slot or dim not in (-1, 1):
                 return None
-            dtype, offset, rows, cols, ld = p.slots[slot[src]]
-            width = cols // chunks
-            elem = 4 if dtype == 0 else 1
-            pieces[n] = []
-            for i in range(chunks):
-                p.slots.append([dtype, offset + i * width * elem, rows, width, ld])
-                pieces[n].append(len(p.slots) - 1)
+            width = p.slots[slot[src]][3] // chunks
+            pieces[n] = [p.view(slot[src], i * width, width) for i in range(chunks)]
         elif n.target is operator.getitem and n.args[0] in pieces:
             g: Any = n.args
             slot[n] = pieces[g[0]][g[1]]
@@ -155,7 +158,7 @@ def _emit(
         floats = [float(args[6]), float(args[7])]
     elif n.target == quantree_ops.binary.default and args[1] in slot and args[2] in slot:
         a, b = p.slots[slot[args[1]]], p.slots[slot[args[2]]]
-        if a[2:4] != b[2:4] or args[0] not in BINARY_KINDS:
+        if a[3] != b[3] or args[0] not in BINARY_KINDS:
             return False
         ints = [BINARY, 0, slot[args[1]], slot[args[2]], BINARY_KINDS[args[0]]]
         floats = [float(args[3]), float(args[4]), float(args[5]), float(args[6])]
@@ -203,7 +206,7 @@ def _float_pair(p: Program, slot: dict[fx.Node, int], args: Any) -> bool:
     if len(args) != 2 or args[0] not in slot or args[1] not in slot:
         return False
     a, b = p.slots[slot[args[0]]], p.slots[slot[args[1]]]
-    return a[0] == b[0] == 0 and a[2:4] == b[2:4]
+    return a[0] == b[0] == 0 and a[3] == b[3]
 
 
 class NativeCellLoop(nn.Module):
@@ -219,20 +222,19 @@ class NativeCellLoop(nn.Module):
         self.register_buffer("fcode", torch.tensor(program.fcode, dtype=torch.float32))
         self.register_buffer("slots", torch.tensor(program.slots, dtype=torch.int64))
         self.register_buffer("outs", torch.tensor(program.outs, dtype=torch.int64))
-        self.workspace = program.workspace
 
     def forward(self, xs: Tensor, state: tuple[Tensor, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
         consts = [getattr(self, f"const{i}") for i in range(self.n_consts)]
         ys, *final = quantree_ops.cell_loop(
             xs, list(state), consts, self.code, self.fcode, self.slots, self.outs,
-            self.workspace, self.reverse,
+            self.reverse,
         )  # fmt: skip
         return ys, tuple(final)
 
 
 @op(
     "cell_loop(Tensor xs, Tensor[] state, Tensor[] consts, Tensor code, Tensor fcode, "
-    "Tensor slots, Tensor outs, int workspace, bool reverse) -> Tensor[]"
+    "Tensor slots, Tensor outs, bool reverse) -> Tensor[]"
 )
 def cell_loop(
     xs: Tensor,
@@ -242,25 +244,31 @@ def cell_loop(
     fcode: Tensor,
     slots: Tensor,
     outs: Tensor,
-    workspace: int,
     reverse: bool,
 ) -> list[Tensor]:
     """Run a compiled cell program over ``xs`` [T, B, I]: ``[ys, *final_states]``."""
     xs = xs.float().contiguous()
     finals = [s.float().contiguous().clone() for s in state]
+    widths = [int(w) for w in slots[: 1 + len(finals), 3]]
+    shapes = [tuple(xs.shape[1:]), *(tuple(f.shape) for f in finals)]
+    if shapes != [(xs.shape[1], w) for w in widths]:
+        raise ValueError(
+            f"cell loop compiled for [batch, {widths[0]}] inputs and states of widths "
+            f"{widths[1:]}, got input {tuple(xs.shape)} and states {shapes[1:]}"
+        )
     ys = torch.empty(xs.shape[0], xs.shape[1], finals[0].shape[-1])
     void_p = ctypes.c_void_p
     state_ptrs = (void_p * len(finals))(*[ptr(s) for s in finals])
     const_ptrs = (void_p * max(len(consts), 1))(*[ptr(c.contiguous()) for c in consts])
     library().qt_cell_loop(
         ptr(xs), ptr(ys), xs.shape[0], int(reverse), state_ptrs, len(finals), ptr(outs),
-        ptr(slots), slots.shape[0], workspace, ptr(code), ptr(fcode), code.shape[0],
+        ptr(slots), slots.shape[0], xs.shape[1], ptr(code), ptr(fcode), code.shape[0],
         const_ptrs,
     )  # fmt: skip
     return [ys, *finals]
 
 
 @torch.library.register_fake("quantree::cell_loop")
-def _(xs, state, consts, code, fcode, slots, outs, workspace, reverse):
+def _(xs, state, consts, code, fcode, slots, outs, reverse):
     ys = xs.new_empty((xs.shape[0], xs.shape[1], state[0].shape[-1]), dtype=torch.float32)
     return [ys, *[torch.empty_like(s, dtype=torch.float32) for s in state]]

@@ -1,8 +1,8 @@
 // A cells-mode loop (one layer and direction) run natively: a small program, compiled in
 // Python from the lowered cell body, executed for every time step in one call.
 //
-// Values are 2-d [rows, cols] slices (row stride ld) of one workspace; a chunk's pieces are
-// views of their source. Instructions are fixed-size records of int64 and float fields.
+// Values are 2-d [batch, cols] slices (row stride ld) of one workspace laid out per call for
+// the batch at hand; a chunk's pieces are views of their source. Instructions are fixed-size records of int64 and float fields.
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -24,7 +24,7 @@ enum Op {
     FLOAT_UNARY = 8,   // float sigmoid / tanh / relu
 };
 constexpr int NI = 12, NF = 8;  // fields per instruction
-constexpr int NS = 5;            // fields per slot: dtype (0 f32, 1 i8), offset, rows, cols, ld
+constexpr int NS = 5;  // fields per slot: dtype (0 f32, 1 i8), owner slot, byte offset, cols, ld
 
 struct Slot {
     char* base;
@@ -113,20 +113,30 @@ extern "C" {
 // the body returns as the new states (outs[0] is also y_t).
 void qt_cell_loop(const float* xs, float* ys, int64_t T, int reverse, float** states,
                   int64_t n_states, const int64_t* outs, const int64_t* slots, int64_t n_slots,
-                  int64_t workspace_bytes, const int64_t* code, const float* fcode,
+                  int64_t B, const int64_t* code, const float* fcode,
                   int64_t n_code, void** consts) {
-    std::vector<char> ws(static_cast<size_t>(workspace_bytes) + 64);
+    std::vector<int64_t> start(static_cast<size_t>(n_slots));
+    int64_t bytes = 0;
+    for (int64_t i = 0; i < n_slots; ++i) {  // owners first: a view follows its source
+        const int64_t* d = slots + NS * i;
+        if (d[1] == i) {
+            start[i] = bytes;
+            bytes += (B * d[4] * (d[0] == 0 ? 4 : 1) + 63) / 64 * 64;
+        } else {
+            start[i] = start[d[1]] + d[2];
+        }
+    }
+    std::vector<char> ws(static_cast<size_t>(bytes) + 64);
     std::vector<Slot> s(static_cast<size_t>(n_slots));
     for (int64_t i = 0; i < n_slots; ++i) {
         const int64_t* d = slots + NS * i;
-        const int64_t elem = d[0] == 0 ? 4 : 1;
-        s[i] = Slot{ws.data() + d[1], d[2], d[3], d[4], elem};  // offsets in bytes
+        s[i] = Slot{ws.data() + start[i], B, d[3], d[4], d[0] == 0 ? 4 : 1};
         (void)s[i].size;
     }
     int64_t scratch_k = 0;
     for (int64_t n = 0; n < n_code; ++n)
         if (code[NI * n] == LINEAR && code[NI * n + 9] > scratch_k) scratch_k = code[NI * n + 9];
-    const int64_t B = s[0].rows, I = s[0].cols;
+    const int64_t I = s[0].cols;
     std::vector<uint8_t> u8(static_cast<size_t>(B * (scratch_k + 4)));
     // per LINEAR: requantization multipliers (int8 output), computed once
     std::vector<std::vector<float>> mult(static_cast<size_t>(n_code)), add(mult.size());
