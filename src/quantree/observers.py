@@ -7,6 +7,7 @@ Statistics are buffers, so ``state_dict``/``load_state_dict`` save and restore t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -34,7 +35,9 @@ class Observer(nn.Module):
 
     @property
     def calibrated(self) -> bool:
-        return bool(self.num_batches > 0)
+        # the extremes are empty until the first batch (cheaper than reading num_batches:
+        # observers inside cell loops run once per time step)
+        return self.min_val.numel() > 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -42,31 +45,37 @@ class Observer(nn.Module):
                 f"observer of {self.label} received {type(x).__name__} "
                 f"{getattr(x, 'dtype', '')}; observers only take float tensors"
             )
-        with torch.no_grad():
-            if not bool(torch.isfinite(x).all()):
-                raise QuantreeError(
-                    f"calibration data produced NaN or infinite values at {self.label}; "
-                    "remove non-finite inputs from the calibration set"
+        if x.numel():
+            with torch.no_grad():
+                x32 = x.float()
+                lo, hi = self._reduce(x32)
+                # min and max propagate NaN and keep infinities: checking them checks all
+                finite = (
+                    math.isfinite(lo.item() + hi.item())
+                    if lo.dim() == 0
+                    else bool(torch.isfinite(lo + hi).all())
                 )
-            if x.numel():
-                self.observe(x.detach().float())
-                self.num_batches += 1
+                if not finite:
+                    raise QuantreeError(
+                        f"calibration data produced NaN or infinite values at {self.label}; "
+                        "remove non-finite inputs from the calibration set"
+                    )
+                self.observe(x32, lo, hi)
+                self.num_batches.add_(1)
         return x
 
     def _reduce(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         axis = self.spec.axis
         if axis is None:
-            return x.min(), x.max()
-        flat = x.transpose(0, axis).reshape(x.shape[axis], -1)
-        return flat.min(dim=1).values, flat.max(dim=1).values
+            return torch.aminmax(x)
+        return torch.aminmax(x.transpose(0, axis).reshape(x.shape[axis], -1), dim=1)
 
-    def observe(self, x: torch.Tensor) -> None:
-        lo, hi = self._reduce(x)
+    def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         if not self.calibrated:
             self.min_val, self.max_val = lo, hi
         else:
-            self.min_val = torch.minimum(self.min_val, lo)
-            self.max_val = torch.maximum(self.max_val, hi)
+            torch.minimum(self.min_val, lo, out=self.min_val)
+            torch.maximum(self.max_val, hi, out=self.max_val)
 
     def qparams(self) -> QParams:
         if not self.calibrated:
@@ -99,14 +108,13 @@ class MovingAverageMinMaxObserver(Observer):
         super().__init__(spec, label)
         self.averaging_constant = averaging_constant
 
-    def observe(self, x: torch.Tensor) -> None:
-        lo, hi = self._reduce(x)
+    def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         if not self.calibrated:
             self.min_val, self.max_val = lo, hi
         else:
             c = self.averaging_constant
-            self.min_val = self.min_val + c * (lo - self.min_val)
-            self.max_val = self.max_val + c * (hi - self.max_val)
+            self.min_val.add_(c * (lo - self.min_val))
+            self.max_val.add_(c * (hi - self.max_val))
 
 
 class HistogramObserver(Observer):
@@ -126,8 +134,7 @@ class HistogramObserver(Observer):
         self.grid = grid
         self.register_buffer("histogram", torch.zeros(bins))
 
-    def observe(self, x: torch.Tensor) -> None:
-        lo, hi = x.min(), x.max()
+    def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         if not self.calibrated:
             self.min_val, self.max_val = lo, hi
             self.histogram = torch.histc(x, self.bins, float(lo), float(hi))

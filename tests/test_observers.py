@@ -1,0 +1,81 @@
+"""Observers: identity on their input, exact extremes, every dtype, statistics in state_dict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quantree as qt
+from quantree.observers import make_observer
+
+KINDS = [qt.ObserverKind.MINMAX, qt.ObserverKind.MOVING_AVERAGE, qt.ObserverKind.HISTOGRAM]
+
+
+def _batches(n: int = 5) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(4, 6, 3) * (i + 1) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.value for k in KINDS])
+def test_identity_and_state_dict_round_trip(kind):
+    spec = qt.QuantSpec(qt.QDtype.INT8, observer=kind)
+    observer = make_observer(spec, "x")
+    for x in _batches():
+        assert observer(x) is x
+    fresh = make_observer(spec, "x")
+    fresh.load_state_dict(observer.state_dict())
+    want, got = observer.qparams(), fresh.qparams()
+    assert torch.equal(want.scale, got.scale) and torch.equal(want.zero_point, got.zero_point)
+
+
+def test_min_max_is_exact_per_tensor_and_per_channel():
+    data = _batches()
+    stacked = torch.cat(data)
+    per_tensor = make_observer(qt.QuantSpec(qt.QDtype.INT8), "x")
+    per_channel = make_observer(qt.QuantSpec(qt.QDtype.INT8, symmetric=True, axis=2), "w")
+    for x in data:
+        per_tensor(x)
+        per_channel(x)
+    assert per_tensor.min_val == stacked.min() and per_tensor.max_val == stacked.max()
+    assert torch.equal(per_channel.min_val, stacked.amin(dim=(0, 1)))
+    assert torch.equal(per_channel.max_val, stacked.amax(dim=(0, 1)))
+    assert per_channel.qparams().scale.shape == (3,)
+
+
+def test_moving_average_lags_behind_a_growing_range():
+    observer = make_observer(qt.QuantSpec(qt.QDtype.INT8, observer=KINDS[1]), "x")
+    data = _batches()
+    for x in data:
+        observer(x)
+    assert data[0].max() < observer.max_val < torch.cat(data).max()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "symmetric", "qrange"),
+    [
+        (qt.QDtype.UINT8, False, (0, 255)),
+        (qt.QDtype.INT8, False, (-128, 127)),
+        (qt.QDtype.INT16, True, (-32768, 32767)),
+        (qt.QDtype.INT32, True, (-(2**31), 2**31 - 1)),
+    ],
+)
+def test_every_dtype_covers_the_observed_range(dtype, symmetric, qrange):
+    observer = make_observer(qt.QuantSpec(dtype, symmetric=symmetric), "x")
+    x = torch.linspace(-3.0, 5.0, 101)
+    observer(x)
+    p = observer.qparams()
+    assert (p.quant_min, p.quant_max) == qrange
+    q = torch.clamp(torch.round(x / p.scale) + p.zero_point, *qrange)
+    back = (q - p.zero_point) * p.scale
+    assert (back - x).abs().max() <= p.scale / 2 + 1e-6  # nothing clipped
+    if symmetric:
+        assert int(p.zero_point) == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_calibration_values_are_refused(bad):
+    observer = make_observer(qt.QuantSpec(qt.QDtype.INT8), "linear_1")
+    x = torch.randn(10)
+    x[3] = bad
+    with pytest.raises(qt.QuantreeError, match="linear_1"):
+        observer(x)
