@@ -30,7 +30,7 @@ from quantree.observers import (
 )
 from quantree.pipeline import quantize
 from quantree.points import CellsOptions, Point
-from quantree.prepare import prepare
+from quantree.prepare import NodeQuant, prepare
 from quantree.quantizer import Annotation, Quantizer, Rule
 from quantree.specs import (
     DerivedSpec,
@@ -62,6 +62,7 @@ __all__ = [
     "LoweringRule",
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
+    "NodeQuant",
     "Observer",
     "ObserverKind",
     "QDtype",
