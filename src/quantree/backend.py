@@ -11,6 +11,8 @@ and module scope, and the backend's quantize function.
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +105,12 @@ class LoweringContext:
         group = self.groups.get(gid)
         return None if group is None else group.qparams
 
+    def for_backend(self, backend: Backend) -> LoweringContext:
+        """The same lowering seen by one part of a composed backend (its tensor functions)."""
+        view = copy.copy(self)
+        view.backend = backend
+        return view
+
     def scope(self, node: fx.Node) -> str:
         """The fully qualified name of the module ``node`` came from."""
         return module_scope(node)
@@ -172,17 +180,30 @@ class Backend:
     dequantize: Callable[[torch.Tensor, QParams], torch.Tensor] | None = None
     prepare_module: Callable[[fx.GraphModule], fx.GraphModule] | None = None
 
+    def own_rules(self) -> tuple[LoweringRule, ...]:
+        """The rules, bound to this backend's quantize/dequantize when it has its own."""
+        if self.quantize is None and self.dequantize is None:
+            return self.rules
+        return tuple(functools.partial(_with_functions_of, self, rule) for rule in self.rules)
+
     def __add__(self, other: Backend) -> Backend:
         """``other``'s rules first, then ours; ``other``'s tensor functions if it has them;
-        both module finishers, ours first."""
+        both module finishers, ours first. Each side's rules keep quantizing into that side's
+        own tensor types."""
         finishers = [f for f in (self.prepare_module, other.prepare_module) if f is not None]
         return Backend(
             f"{self.name}+{other.name}",
-            other.rules + self.rules,
+            other.own_rules() + self.own_rules(),
             other.quantize or self.quantize,
             other.dequantize or self.dequantize,
             _chain(finishers) if len(finishers) > 1 else next(iter(finishers), None),
         )
+
+
+def _with_functions_of(
+    backend: Backend, rule: LoweringRule, ctx: LoweringContext, node: fx.Node
+) -> bool:
+    return rule(ctx.for_backend(backend), node)
 
 
 def _chain(
