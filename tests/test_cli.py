@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,7 +139,20 @@ def _bad_inputs(files: dict[str, Path]) -> dict[str, list[str]]:
     torch.save([(torch.zeros(2, 3),)], wrong_shape)
     text = root / "text.pt"
     text.write_text("hello")
+    good = torch.load(files["data"], weights_only=True)[:3]
+    later = {  # a bad batch after good ones: caught before it runs, not by a traceback
+        "arity": (torch.zeros(3, 7, 10), torch.zeros(1)),
+        "shape": (torch.zeros(3, 9, 10),),
+        "dtype": (torch.zeros(3, 7, 10, dtype=torch.float64),),
+    }
+    for name, batch in later.items():
+        torch.save([*good, batch], root / f"{name}_later.pt")
+    torch.save([(x, torch.zeros(3)) for (x,) in good], root / "pairs.pt")
     model, data, out = str(files["model"]), str(files["data"]), str(root / "o.pt2")
+
+    def calibrating_on(path: Path) -> list[str]:
+        return ["quantize", model, "--calibration", str(path), "-o", out]
+
     return {
         "missing model": ["quantize", str(root / "nope.pt2"), "--calibration", data, "-o", out],
         "truncated model": ["quantize", str(truncated), "--calibration", data, "-o", out],
@@ -150,6 +164,8 @@ def _bad_inputs(files: dict[str, Path]) -> dict[str, list[str]]:
         "program as data": ["quantize", model, "--calibration", model, "-o", out],
         "text as data": ["quantize", model, "--calibration", str(text), "-o", out],
         "data of wrong shape": ["quantize", model, "--calibration", str(wrong_shape), "-o", out],
+        "arity in batch 0": calibrating_on(root / "pairs.pt"),
+        **{f"{name} in batch 3": calibrating_on(root / f"{name}_later.pt") for name in later},
         "output is the input": ["quantize", model, "--calibration", data, "-o", model],
         "output under a file": ["quantize", model, "--calibration", data, "-o", f"{data}/o.pt2"],
         "report is the input": [
@@ -178,6 +194,47 @@ def test_bad_files_give_one_line_and_exit_2(files: dict[str, Path], capsys) -> N
         assert err.startswith("quantree: error: "), (case, err)
         assert "Traceback" not in err
     assert (_digest(files["model"]), _digest(files["data"])) == before
+    assert not (files["root"] / "o.pt2").exists()
+
+
+def test_a_bad_batch_is_named_with_its_file_index_and_problem(files: dict[str, Path], capsys):
+    cases = _bad_inputs(files)
+    expected = {
+        "arity in batch 0": r"pairs\.pt: calibration batch 0 has 2 argument\(s\), the program "
+        r"takes 1; .*\[\(x,\) for x, _ in loader\]",
+        "arity in batch 3": r"arity_later\.pt: calibration batch 3 has 2 argument\(s\), the "
+        r"program takes 1",
+        "shape in batch 3": r"shape_later\.pt: calibration batch 3 fails the program's shape "
+        r"guard x\.size\(\)\[1\] == 7 .*\(3, 9, 10\).*dynamic_shapes=",
+        "dtype in batch 3": r"dtype_later\.pt: calibration batch 3 gives x as torch\.float64, "
+        r"the program was captured with torch\.float32",
+    }
+    for case, pattern in expected.items():
+        assert main([*cases[case], "--quiet"]) == EXIT_BAD_INPUT, case
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert re.search(pattern, err), (case, err)
+    assert not (files["root"] / "o.pt2").exists()
+
+
+def test_cells_mode_calibrates_on_another_sequence_length(files: dict[str, Path], capsys):
+    """Cells-mode graphs have no shape guard: a longer batch is data, not a bad file."""
+    if not hasattr(qt, "RecurrentMode"):
+        pytest.skip("cells mode not in this build")
+    argv = _bad_inputs(files)["shape in batch 3"]
+    out = files["root"] / "cells_longer.pt2"
+    assert main([*argv[:-1], str(out), "--recurrent", "cells", "--quiet"]) == 0
+    assert out.exists()
+    wrong_features = files["root"] / "features_later.pt"
+    good = torch.load(files["data"], weights_only=True)[:2]
+    torch.save([*good, (torch.zeros(3, 7, 12),)], wrong_features)
+    argv = ["quantize", str(files["model"]), "--calibration", str(wrong_features), "-o",
+            str(files["root"] / "o.pt2"), "--recurrent", "cells", "--quiet"]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "features_later.pt" in err and "batch 2" in err and "RuntimeError" in err
     assert not (files["root"] / "o.pt2").exists()
 
 

@@ -132,3 +132,73 @@ def test_symbolically_traced_graph_is_refused_with_the_fix():
 def test_capture_needs_a_tuple_of_arguments():
     with pytest.raises(qt.QuantreeError, match=r"write \(x,\)"):
         qt.capture(WithGelu(), torch.randn(2, 8))  # type: ignore[arg-type]
+
+
+def _prepared_head(gm: torch.fx.GraphModule | None = None) -> torch.fx.GraphModule:
+    gm = gm or qt.capture(WithGelu().eval(), (torch.randn(4, 8),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)
+        return qt.prepare(gm, qt.Int8Quantizer())
+
+
+def test_calibration_batch_of_the_wrong_arity_names_it_and_the_fix():
+    prepared, good = _prepared_head(), (torch.randn(4, 8),)
+    with pytest.raises(qt.QuantreeError, match=r"batch 2 has 2 argument\(s\), the program takes 1"):
+        qt.calibrate(prepared, [good, good, (torch.randn(4, 8), torch.randn(4))], progress=False)
+    with pytest.raises(qt.QuantreeError, match=r"batch 0 has 0 argument\(s\), the program takes 1"):
+        qt.calibrate(prepared, [()], progress=False)
+
+
+def test_dataloader_of_input_target_pairs_gets_the_fix():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 8), torch.randint(0, 4, (8,))), batch_size=4)
+    fix = r"batch 0 has 2 argument\(s\), the program takes 1.*\[\(x,\) for x, _ in loader\]"
+    with pytest.raises(qt.QuantreeError, match=fix):
+        qt.calibrate(_prepared_head(), loader, progress=False)
+    qt.calibrate(_prepared_head(), [(x,) for x, _ in loader], progress=False)
+
+
+def test_calibration_batch_of_another_shape_suggests_dynamic_shapes():
+    prepared = _prepared_head()
+    other = (torch.randn(5, 8),)
+    with pytest.raises(
+        qt.QuantreeError, match=r"batch 1 .*x\.size\(\)\[0\] == 4.*dynamic_shapes="
+    ) as caught:
+        qt.calibrate(prepared, [(torch.randn(4, 8),), other], progress=False)
+    assert isinstance(caught.value.__cause__, AssertionError)  # export's own guard, chained
+
+
+def test_calibration_batch_of_the_wrong_dtype_or_rank_is_named():
+    prepared = _prepared_head()
+    with pytest.raises(qt.QuantreeError, match=r"batch 0 gives x as torch\.float64.*x\.to"):
+        qt.calibrate(prepared, [(torch.randn(4, 8, dtype=torch.float64),)], progress=False)
+    with pytest.raises(qt.QuantreeError, match=r"batch 0 gives x with shape \(4, 2, 8\)"):
+        qt.calibrate(prepared, [(torch.randn(4, 2, 8),)], progress=False)
+    with pytest.raises(qt.QuantreeError, match=r"batch 0 is a dict; .*\(args, kwargs\) pair"):
+        qt.calibrate(prepared, [{"x": torch.randn(4, 8)}], progress=False)
+
+
+def test_a_refused_batch_never_reaches_an_observer():
+    """The graph's own guard runs after the input's observer; ours runs before anything."""
+    data, gm = batches((4, 8), n=3), qt.capture(WithGelu().eval(), (torch.randn(4, 8),))
+    clean, refused = _prepared_head(gm), _prepared_head(gm)
+    qt.calibrate(clean, data, progress=False)
+    qt.calibrate(refused, data, progress=False)
+    with pytest.raises(qt.QuantreeError, match="shape guard"):
+        qt.calibrate(refused, [(100 * torch.randn(6, 8),)], progress=False)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(clean.state_dict().values(), refused.state_dict().values(), strict=True)
+    )
+
+
+def test_other_errors_keep_their_type_and_gain_the_batch_index():
+    """Cells mode drops export's guard, so a wrong feature size fails inside an op."""
+    gm = qt.capture(LstmHead().eval(), (torch.randn(3, 2, 8),))
+    prepared = qt.prepare(gm, qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS))
+    qt.calibrate(prepared, [(torch.randn(5, 4, 8),)], progress=False)  # any length and batch
+    with pytest.raises(RuntimeError) as caught:
+        qt.calibrate(prepared, [(torch.randn(3, 2, 8),), (torch.randn(3, 2, 6),)], progress=False)
+    assert not isinstance(caught.value, qt.QuantreeError)
+    assert "raised by calibration batch 1" in caught.value.__notes__

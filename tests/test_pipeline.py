@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
+from torch.export import Dim
 from torch.utils.data import DataLoader, TensorDataset
 
 import quantree as qt
 
-from support import batches, run
+from support import batches, output_sqnrs, run
 
 
 def _model() -> nn.Module:
@@ -38,3 +40,49 @@ def test_reference_backend_leaves_the_graph_as_convert_made_it():
     model, data = _model(), batches((4, 6))
     _, ref = run(model, data)
     assert qt.lower(ref, qt.REFERENCE) is ref
+
+
+def test_dynamic_batch_dimension_through_quantize():
+    model, data = _model(), batches((4, 6), n=6)
+    varied = [(torch.randn(b, 6),) for b in (1, 3, 8)] + data
+    with pytest.raises(qt.QuantreeError, match=r"batch 0 .*dynamic_shapes="):
+        qt.quantize(model, data[0], varied, progress=False)
+    batch = {"input": {0: Dim("batch")}}  # nn.Sequential's argument is named input
+    one_call = qt.quantize(model, data[0], varied, dynamic_shapes=batch, progress=False)
+    gm = qt.capture(model, data[0], dynamic_shapes=batch)
+    prepared = qt.prepare(gm, qt.Int8Quantizer())
+    qt.calibrate(prepared, varied, progress=False)
+    stepwise = qt.convert(prepared)
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        assert torch.equal(one_call(x), stepwise(x))
+        rows = torch.cat([one_call(x[i : i + 1]) for i in range(5)])
+        assert torch.equal(one_call(x), rows)  # each sample quantized as on its own
+    assert min(output_sqnrs(model, one_call, (x,))) >= 25.0
+
+
+class _Keyword(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 4), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, *, y: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(y)
+
+
+def test_keyword_example_inputs_and_args_kwargs_calibration_pairs():
+    torch.manual_seed(0)
+    model, data = _Keyword().eval(), batches((4, 6), (4, 6))
+    pairs = [((x,), {"y": y}) for x, y in data]
+    one_call = qt.quantize(
+        model, (data[0][0],), pairs, example_kwargs={"y": data[0][1]}, progress=False
+    )
+    prepared = qt.prepare(qt.capture(model, (data[0][0],), {"y": data[0][1]}), qt.Int8Quantizer())
+    for x, y in data:
+        prepared(x, y=y)
+    stepwise = qt.convert(prepared)
+    x, y = data[0]
+    with torch.no_grad():
+        assert torch.equal(one_call(x, y=y), stepwise(x, y=y))
+    with pytest.raises(qt.QuantreeError, match=r"batch 0 has keyword argument\(s\) none.*\['y'\]"):
+        qt.calibrate(prepared, [(x,)], progress=False)

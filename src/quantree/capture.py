@@ -23,11 +23,21 @@ def capture(
 
     Recurrent layers stay single ``aten.lstm``/``aten.gru``/``aten.rnn_*`` nodes, tuples come
     back as ``getitem`` chains. The model is not modified.
+
+    torch.export fixes every input dimension to the example's and the graph checks it on
+    each call; ``dynamic_shapes`` (as for ``torch.export.export``, e.g.
+    ``{"x": {0: torch.export.Dim("batch")}}``) lets a dimension vary. Keyword example inputs
+    make the graph take those keywords; calibrate it with ``(args, kwargs)`` pairs.
     """
     if not isinstance(example_args, tuple):
         raise QuantreeError(
             f"example_args must be a tuple of the model's positional arguments, got "
             f"{type(example_args).__name__}; write (x,) for a single input"
+        )
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise QuantreeError(
+            f"example_kwargs must be a dict of keyword arguments, got "
+            f"{type(example_kwargs).__name__}; write {{'y': y}}"
         )
     was_training = model.training
     model.eval()

@@ -17,10 +17,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from quantree.calibrate import BadBatch, as_call, calibrate, check_batch
 from quantree.errors import QuantreeError, QuantreeWarning
 from quantree.program_io import (
     BadFile,
     check_output,
+    first_line,
     load_calibration,
     load_program,
     save_program,
@@ -100,20 +102,46 @@ def _backend(name: str) -> Any:
 
 
 def _check_fits(module: torch.nn.Module, args: tuple[Any, ...], source: str) -> None:
+    """Batch 0 is also the example the output is exported with: it must run on the program."""
+    try:
+        check_batch(module, (args, {}), 0)
+    except BadBatch as error:
+        raise BadFile(f"{source}: {error}") from None
     try:
         with torch.no_grad():
             module(*args)
     except Exception as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise BadFile(
-            f"{source}: calibration batch 0 does not fit the program's inputs "
-            f"({type(error).__name__}: {first[:200]})"
+            f"{source}: calibration batch 0 does not fit the program's inputs ({first_line(error)})"
+        ) from None
+
+
+def _calibrate(prepared: fx.GraphModule, data: list[tuple[Any, ...]], args: Any) -> None:
+    """Every batch is checked before calibration starts: a bad one fails fast, in one line.
+
+    The checks run on the prepared graph, which may take more than the program did (a
+    cells-mode graph has no shape guard: its sequence length may change). A batch of a wrong
+    feature size then fails inside an op, reported the same way with the batch index that
+    calibrate notes on the error.
+    """
+    try:
+        for index, batch in enumerate(data):
+            check_batch(prepared, as_call(batch, index), index)
+        calibrate(prepared, data, progress=not args.quiet)
+    except BadBatch as error:
+        raise BadFile(f"{args.calibration}: {error}") from None
+    except QuantreeError:
+        raise
+    except Exception as error:
+        where = "; ".join(getattr(error, "__notes__", ()))
+        raise BadFile(
+            f"{args.calibration}: the program fails on the calibration data ({where}): "
+            f"{first_line(error)}"
         ) from None
 
 
 def quantize_command(args: argparse.Namespace) -> int:
     from quantree.backend import lower
-    from quantree.calibrate import calibrate
     from quantree.convert import convert
     from quantree.prepare import prepare
 
@@ -130,7 +158,7 @@ def quantize_command(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         prepared = prepare(module, quantizer)
-        calibrate(prepared, data, progress=not args.quiet)
+        _calibrate(prepared, data, args)
         quantized = lower(convert(prepared), backend)
     for w in caught:
         if issubclass(w.category, QuantreeWarning):

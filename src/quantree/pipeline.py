@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -22,11 +22,21 @@ def quantize(
     example_args: tuple[Any, ...],
     calibration: Iterable[Any],
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    dynamic_shapes: Any = None,
     quantizer: Quantizer | None = None,
     backend: Backend = REFERENCE,
     progress: bool = True,
 ) -> fx.GraphModule:
-    """Quantize ``model`` in one call; ``calibration`` is any iterable of argument tuples."""
-    prepared = prepare(capture(model, example_args), quantizer or Int8Quantizer())
+    """Quantize ``model`` in one call.
+
+    ``example_kwargs`` and ``dynamic_shapes`` go to :func:`quantree.capture` (so to
+    ``torch.export``): without ``dynamic_shapes`` every dimension is fixed to the example's,
+    and calibration batches of another batch size are refused. ``calibration`` is any
+    iterable of argument tuples, or of ``(args, kwargs)`` pairs for a model captured with
+    ``example_kwargs``.
+    """
+    captured = capture(model, example_args, example_kwargs, dynamic_shapes=dynamic_shapes)
+    prepared = prepare(captured, quantizer or Int8Quantizer())
     calibrate(prepared, calibration, progress=progress)
     return lower(convert(prepared), backend)

@@ -28,7 +28,8 @@ class BadFile(QuantreeError):
     """An input or output file the CLI cannot use; the message is one line."""
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """``Type: first line of the message`` (at most 200 characters), for one-line errors."""
     text = str(error).strip().splitlines()
     line = text[0] if text else ""
     line = line if len(line) <= 200 else line[:197] + "..."
@@ -70,7 +71,7 @@ def load_program(path: str | Path) -> torch.export.ExportedProgram:
     except Exception as error:
         raise BadFile(
             f"{p}: not a readable torch.export program (truncated, or saved some other way): "
-            f"{_first_line(error)}"
+            f"{first_line(error)}"
         ) from None
     if not isinstance(program, torch.export.ExportedProgram):
         raise BadFile(f"{p}: holds a {type(program).__name__}, not an ExportedProgram")
@@ -85,7 +86,7 @@ def load_calibration(path: str | Path) -> list[tuple[Any, ...]]:
     except Exception as error:
         raise BadFile(
             f"{p}: not readable as calibration data with torch.load(weights_only=True): "
-            f"{_first_line(error)}"
+            f"{first_line(error)}"
         ) from None
     if not isinstance(data, list | tuple):
         raise BadFile(
@@ -153,6 +154,6 @@ def save_program(
         program = torch.export.export(module, tuple(example_args), strict=False)
     except Exception as error:
         raise QuantreeError(
-            f"torch.export could not re-export the quantized model: {_first_line(error)}"
+            f"torch.export could not re-export the quantized model: {first_line(error)}"
         ) from error
     return atomic_write(path, lambda tmp: torch.export.save(program, tmp), protect=protect)
