@@ -250,3 +250,15 @@ def test_whole_and_cells_mix_in_one_model():
     whole = [n for n in ref.graph.nodes if n.target is torch.ops.aten.lstm.input]
     assert len(whole) == 1 and len(cell_bodies(ref)) == 1
     assert min(_sqnrs(model, ref, data[0])) >= 20.0
+
+
+def test_cells_mode_with_a_dynamic_batch_dimension():
+    torch.manual_seed(0)
+    model = nn.LSTM(12, 8, 1, batch_first=True).eval()
+    data = batches((3, 5, 12), n=6)
+    ref = qt.quantize(
+        model, data[0], data, quantizer=qt.Int8Quantizer(recurrent=CELLS), progress=False,
+        dynamic_shapes=({0: torch.export.Dim("batch")},),
+    )  # fmt: skip
+    for batch in (1, 6):
+        assert min(_sqnrs(model, ref, (torch.randn(batch, 7, 12),))) >= 17.0

@@ -90,7 +90,7 @@ def build_cells(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> Rec
     call = RecurrentCall.parse(node)
     x_meta = tensor_meta(node.args[0])  # type: ignore[arg-type]
     states = [tensor_meta(arg_at(node, p)) for p in call.state_paths]
-    batch = x_meta.shape[0] if call.batch_first else x_meta.shape[1]
+    batch = _example_size(x_meta.shape[0] if call.batch_first else x_meta.shape[1])
 
     def param(path: Any) -> torch.Tensor:
         return fetch_attr(gm, str(arg_at(node, path).target))
@@ -136,6 +136,14 @@ def decompose(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> fx.No
     node.replace_all_uses_with(replacement)
     gm.graph.erase_node(node)
     return replacement
+
+
+def _example_size(size: int | torch.SymInt) -> int:
+    """A concrete size to build the cell graph with (a dynamic batch has a hint, or is 2)."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    return int(hint) if hint is not None else 2
 
 
 def _is_zeros(node: object) -> bool:
