@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import quantree as qt
+from quantree.sharing import compatible
+from quantree.specs import int8_activation, int8_weight
 
 from support import (
     DEQUANTIZE,
@@ -56,13 +59,13 @@ def test_custom_op_nested_output_gets_one_observer_per_leaf_and_its_dtypes():
         if n.op == "call_module" and n.target.startswith("observer_")
     }
     assert len(observers) == 3
-    assert len(calls(ref, torch.ops.quantree_test.cell.default)) == 1
+    (node,) = calls(ref, torch.ops.quantree_test.cell.default)
     dtypes = {}
     for q in calls(ref, qd.quantize_per_tensor.default):
-        dtypes[q.args[0].name] = q.args[5]
-    assert sorted(dtypes.values(), key=str) == sorted(
-        [torch.int8, torch.uint8, torch.int16], key=str
-    )
+        leaf = qt.Value.of(q.args[0])
+        if leaf.node is node:
+            dtypes[leaf.path] = q.args[5]
+    assert dtypes == {(0,): torch.int8, (1, 0): torch.uint8, (1, 1): torch.int16}
     assert min(output_sqnrs(model, ref, data[0])) >= 25.0
 
 
@@ -173,3 +176,108 @@ def test_histogram_observer_clips_outliers_better_than_minmax():
     err_h = (fake_quantize(x, hist.qparams()) - x).pow(2).mean()
     err_m = (fake_quantize(x, minmax.qparams()) - x).pow(2).mean()
     assert err_h < err_m
+
+
+class CatOfSigmoid(nn.Module):
+    """``y`` spans about [-6, 6]; the sigmoid beside it in the cat has the fixed [0, 1) grid."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.fc(x) * 5.0
+        return torch.cat([torch.sigmoid(y), y], dim=1)
+
+
+def test_implicit_sharing_never_puts_a_wider_value_on_a_fixed_grid():
+    data = batches((8, 16))
+    model = CatOfSigmoid().eval()
+    _, ref = run(model, data)
+    (sig,) = calls(ref, torch.ops.aten.sigmoid.default)
+    (q,) = sig.users
+    assert qparams_of(q) == (1.0 / 256.0, -128, torch.int8)  # the sigmoid keeps its own grid
+    (cat,) = calls(ref, torch.ops.aten.cat.default)
+    (q_cat,) = [u for u in cat.users if u.target in QUANTIZE]
+    assert qparams_of(q_cat)[0] > 8.0 / 256.0  # the cat covers y's range: sigmoid requantized
+    assert min(output_sqnrs(model, ref, data[0])) >= 30.0
+
+
+def test_explicit_shared_spec_still_joins_a_fixed_group():
+    def cat(node):
+        pieces = node.args[0]
+        fixed = qt.SharedSpec(qt.Value.of(pieces[0]))
+        inputs = {(0, i): qt.SharedSpec(qt.Value(node)) for i in range(len(pieces))}
+        return qt.Annotation(outputs=fixed, inputs=inputs)
+
+    rule = qt.Rule((torch.ops.aten.cat.default,), cat)
+    _, ref = run(CatOfSigmoid().eval(), batches((8, 16)), qt.Int8Quantizer(rules=(rule,)))
+    (cat_node,) = calls(ref, torch.ops.aten.cat.default)
+    (q_cat,) = [u for u in cat_node.users if u.target in QUANTIZE]
+    assert qparams_of(q_cat) == (1.0 / 256.0, -128, torch.int8)
+
+
+class TanhInitialState(nn.Module):
+    """An LSTM whose c0 = tanh(...) and whose forget gate keeps |c| growing well past 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.init_h, self.init_c = nn.Linear(8, 16), nn.Linear(8, 16)
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        with torch.no_grad():
+            self.lstm.bias_ih_l0[16:32] += 3.0
+            self.lstm.bias_ih_l0[32:48] += 1.0
+
+    def forward(self, z, x):
+        h0 = torch.tanh(self.init_h(z.unsqueeze(0)))
+        c0 = torch.tanh(self.init_c(z.unsqueeze(0)))
+        out, (h, c) = self.lstm(x, (h0, c0))
+        return out, h, c
+
+
+class TanhInitialCellLoop(nn.Module):
+    """The same with an ``nn.LSTMCell`` loop: each step's c shares the incoming c's group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.init_c, self.cell = nn.Linear(8, 16), nn.LSTMCell(8, 16)
+        with torch.no_grad():
+            self.cell.bias_ih[16:32] += 3.0
+            self.cell.bias_ih[32:48] += 1.0
+
+    def forward(self, z, x):
+        h = torch.zeros(z.shape[0], 16)
+        c = torch.tanh(self.init_c(z))
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+        return h, c
+
+
+@pytest.mark.parametrize("cls", [TanhInitialState, TanhInitialCellLoop])
+def test_state_initialised_by_tanh_is_not_clipped_to_its_fixed_grid(cls):
+    torch.manual_seed(0)
+    model = cls().eval()
+    data = batches((4, 8), (4, 12, 8), n=8)
+    _, ref = run(model, data)
+    with torch.no_grad():
+        c_float, c_quant = model(*data[0])[-1], ref(*data[0])[-1]
+    assert c_float.abs().max() > 2.0
+    assert qt.sqnr(c_float, c_quant) >= 30.0
+
+
+class LinearOfComputedWeight(nn.Module):
+    def forward(self, x, w):
+        return torch.nn.functional.linear(x, torch.relu(w))
+
+
+def test_implicit_sharing_needs_the_same_scheme_not_just_the_dtype():
+    assert not compatible(int8_weight(0), int8_activation())
+    assert not compatible(int8_weight(None), int8_activation())
+    assert compatible(qt.FixedSpec(1 / 128, 0), qt.QuantSpec(symmetric=True))
+    assert not compatible(qt.FixedSpec(1 / 256, -128), qt.QuantSpec(symmetric=True))
+    assert compatible(qt.FixedSpec(1 / 256, -128), int8_activation())
+
+    data = batches((4, 6), (5, 6))
+    _, ref = run(LinearOfComputedWeight(), data)
+    (linear,) = calls(ref, torch.ops.aten.linear.default)
+    assert linear.args[1].target is qd.dequantize_per_channel.default  # requantized per channel

@@ -1,7 +1,8 @@
 """From annotations to sharing groups: specs per Value and Use, unions, one spec a group.
 
 Explicit ``SharedSpec``s join groups first; then a Use joins the group of the Value it reads
-when the user's annotation allows it and the two groups' specs are compatible.
+when the user's annotation allows it and ``sharing.may_merge`` agrees (one integer grid, and
+no Value pulled onto a fixed grid it was not given). Otherwise convert requantizes the edge.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch.fx as fx
 
 from quantree.errors import QuantreeError
 from quantree.quantizer import Annotation
-from quantree.sharing import Group, UnionFind, compatible, labels, resolve_group_spec
+from quantree.sharing import Group, UnionFind, labels, may_merge, resolve_group_spec
 from quantree.specs import SPEC_TYPES, DerivedSpec, SharedSpec, Spec
 from quantree.values import Key, Use, Value, is_float_tensor, leaves_with_paths, tensor_meta
 
@@ -95,7 +96,7 @@ def _form_groups(
         if not annotations[key.user].share_with_producers:
             continue
         a, b = uf.find(key), uf.find(key.value)
-        if a != b and compatible(resolved[a], resolved[b]):
+        if a != b and may_merge(uf.members(a), resolved[a], uf.members(b), resolved[b]):
             uf.union(a, b)
             resolved[uf.find(a)] = resolve_group_spec(uf.members(a), specs)
     return specs, uf

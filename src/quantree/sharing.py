@@ -2,7 +2,8 @@
 
 One group gets one observer and one set of quantization parameters. Groups are formed by
 explicit ``SharedSpec``s (transitively) and by implicit sharing between a Value and the Uses
-that read it when their dtypes agree.
+that read it when their specs describe the same integer grid and the merge cannot narrow
+the range of a Value (see ``may_merge``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from quantree.errors import QuantreeError
 from quantree.specs import DerivedSpec, FixedSpec, QParams, QuantSpec, SharedSpec, Spec
-from quantree.values import Key
+from quantree.values import Key, Value
 
 ConcreteSpec = QuantSpec | FixedSpec | DerivedSpec
 
@@ -89,10 +90,51 @@ def resolve_group_spec(members: Sequence[Key], specs: dict[Key, Spec]) -> Concre
 
 
 def compatible(a: ConcreteSpec, b: ConcreteSpec) -> bool:
-    """Whether two groups may merge implicitly (a Value and a Use that reads it)."""
-    if a.dtype != b.dtype or isinstance(a, DerivedSpec) or isinstance(b, DerivedSpec):
+    """Whether two groups' specs describe one integer grid, so they may merge implicitly.
+
+    Same dtype, quant range and axis, and a symmetric spec meets only zero point 0. Observer
+    kind and power-of-two rounding are not compared: they choose how the one grid is
+    calibrated, and the merged group's observer sees every member. Derived parameters are
+    never merged implicitly: they follow their sources, not the tensors that read them.
+    """
+    if isinstance(a, DerivedSpec) or isinstance(b, DerivedSpec):
         return False
-    return not (isinstance(a, FixedSpec) and isinstance(b, FixedSpec) and a != b)
+    if isinstance(a, FixedSpec) and isinstance(b, FixedSpec):
+        return a == b
+    if isinstance(a, FixedSpec) or isinstance(b, FixedSpec):
+        fixed, calibrated = (a, b) if isinstance(a, FixedSpec) else (b, a)
+        assert isinstance(fixed, FixedSpec) and isinstance(calibrated, QuantSpec)
+        return (
+            fixed.dtype == calibrated.dtype
+            and fixed.range == calibrated.range
+            and calibrated.axis is None
+            and (fixed.zero_point == 0 or not calibrated.symmetric)
+        )
+    assert isinstance(a, QuantSpec) and isinstance(b, QuantSpec)
+    return (a.dtype, a.symmetric, a.axis, a.range) == (b.dtype, b.symmetric, b.axis, b.range)
+
+
+def may_merge(
+    a: Sequence[Key], a_spec: ConcreteSpec, b: Sequence[Key], b_spec: ConcreteSpec
+) -> bool:
+    """Whether groups ``a`` and ``b`` may merge implicitly (a Value and a Use that reads it).
+
+    A merged group with a FixedSpec is quantized with it, whatever its members' ranges. The
+    Uses that read a fixed Value hold exactly that Value's tensor, so they may join it; a
+    Value reaching the fixed group from the other side (a ``cat`` output, the state an LSTM
+    returns for a ``tanh`` initial state) may hold a wider range and would be clipped. Such a
+    merge is refused and the edge is requantized instead; an explicit ``SharedSpec`` still
+    joins anything.
+    """
+    if not compatible(a_spec, b_spec):
+        return False
+    return not (_gains_fixed(a, a_spec, b_spec) or _gains_fixed(b, b_spec, a_spec))
+
+
+def _gains_fixed(members: Sequence[Key], spec: ConcreteSpec, other: ConcreteSpec) -> bool:
+    """Whether a merge would put Values of ``members`` on ``other``'s fixed grid."""
+    newly_fixed = isinstance(other, FixedSpec) and not isinstance(spec, FixedSpec)
+    return newly_fixed and any(isinstance(m, Value) for m in members)
 
 
 @dataclass(frozen=True)
