@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 
 import quantree as qt
 
-from support import assert_prepared_exact, batches, calls, output_sqnrs, run
+from support import assert_prepared_exact, batches, calls, output_sqnrs, qd, run
 
 
 class ConvNet(nn.Module):
@@ -59,4 +60,59 @@ def test_prepared_equals_float_exactly_without_batch_norm():
     data = batches((2, 3, 8, 8))
     prepared, ref = run(model, data)
     assert_prepared_exact(model, prepared, data[0])
+    assert min(output_sqnrs(model, ref, data[0])) >= 25.0
+
+
+class Activations(nn.Module):
+    """Every activation with a rule of its own, functional and in place (as export keeps them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.in_place = nn.Sequential(
+            nn.SiLU(inplace=True),
+            nn.Hardswish(inplace=True),
+            nn.LeakyReLU(inplace=True),
+            nn.ELU(inplace=True),
+            nn.Hardsigmoid(inplace=True),
+        )
+
+    def forward(self, x):
+        y = self.fc(x)
+        outs = [
+            torch.nn.functional.gelu(y),
+            torch.nn.functional.silu(y),
+            torch.nn.functional.hardswish(y),
+            torch.nn.functional.hardsigmoid(y),
+            torch.nn.functional.elu(y),
+            torch.nn.functional.leaky_relu(y, 0.1),
+            torch.nn.functional.relu6(y),
+            torch.softmax(y, -1),
+            self.in_place(y * 1.0),
+        ]
+        z = y * 1.0
+        z.add_(y)
+        z.mul_(y)
+        z.sub_(y)
+        torch.nn.functional.hardtanh_(z)
+        return (*outs, z.relu_())
+
+
+def test_activations_and_in_place_ops_are_quantized():
+    torch.manual_seed(0)
+    model = Activations().eval()
+    data = batches((4, 8), n=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qt.QuantreeWarning)  # every op has a rule
+        prepared, ref = run(model, data)
+    assert_prepared_exact(model, prepared, data[0])
+    float_ops = [
+        n
+        for n in ref.graph.nodes
+        if n.op == "call_function"
+        and n.target is not operator.getitem
+        and n.target.namespace != "quantized_decomposed"
+    ]
+    for node in float_ops:  # each op's result is quantized where it is produced
+        assert any(u.target is qd.quantize_per_tensor.default for u in node.users), node.name
     assert min(output_sqnrs(model, ref, data[0])) >= 25.0

@@ -1,65 +1,216 @@
-"""Fold eval-mode batch norm into the conv or linear before it.
+"""Fold what is known before calibration: parameter-only computations and eval batch norm.
 
-A batch norm after a conv is an affine map per output channel; folding it into the weights
-and bias leaves one op to quantize instead of a float op between two quantized ones.
+A weight that reaches a linear through ops on parameters alone (the ``chunk`` of a fused QKV
+weight in ``nn.MultiheadAttention``, a transpose) is a constant: folding it into one lets the
+recipe quantize it as a weight (per channel, stored as integers) instead of observing it as
+an activation. A batch norm after a conv is an affine map per output channel; folding it into
+the weights and bias leaves one op to quantize instead of a float op between two quantized
+ones.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import torch
 import torch.fx as fx
+from torch._ops import OpOverload
+from torch.utils import _pytree as pytree
 
-from quantree.graphs import fetch_attr, register_constant
+from quantree.graphs import register_constant
 
 aten = torch.ops.aten
-_FOLDABLE = (aten.conv1d.default, aten.conv2d.default, aten.linear.default)
+_FOLDABLE = (
+    aten.conv1d.default,
+    aten.conv1d.padding,
+    aten.conv2d.default,
+    aten.conv2d.padding,
+    aten.linear.default,
+)
+_BN_CHANNEL_AXIS = 1
+
+
+def _attr(gm: fx.GraphModule, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _written_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs an in-place op writes to (``x`` of ``x.add_(1)``)."""
+    schema = node.target._schema if isinstance(node.target, OpOverload) else None
+    if schema is None:
+        return []
+    written: list[fx.Node] = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        given = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        written += _nodes_in(given)
+    return written
+
+
+def _nodes_in(arg: object) -> list[fx.Node]:
+    return [n for n in pytree.tree_leaves(arg) if isinstance(n, fx.Node)]
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s result aliases its input (a view, a getitem of a split)."""
+    if node.target is operator.getitem:
+        return True
+    schema = node.target._schema if isinstance(node.target, OpOverload) else None
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _written_to(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose memory an in-place op writes, followed back through views.
+
+    Such a node must keep running every call: a folded copy would carry one call's writes
+    into the next (or lose them).
+    """
+    pinned: set[fx.Node] = set()
+    stack = [n for node in graph.nodes for n in _written_inputs(node)]
+    while stack:
+        node = stack.pop()
+        if node in pinned:
+            continue
+        pinned.add(node)
+        if _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+            stack.append(node.args[0])
+    return pinned
+
+
+def _computes_from(node: fx.Node, known: dict[fx.Node, object]) -> bool:
+    """Whether ``node`` is a deterministic, non-mutating op on ``known`` values only."""
+    if node.op != "call_function" or not node.all_input_nodes:
+        return False
+    if not all(n in known for n in node.all_input_nodes):
+        return False
+    if node.target is operator.getitem:
+        return True
+    if not isinstance(node.target, OpOverload) or node.target._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in node.target.tags
+
+
+def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace every tensor computed from parameters and buffers alone by a constant, in place.
+
+    Ops that depend on an input, draw random numbers or write memory keep running. The folded
+    tensor is the op's own result (a view stays a view of the parameter), so the graph
+    computes exactly what it computed before.
+    """
+    graph = gm.graph
+    pinned = _written_to(graph)
+    known: dict[fx.Node, object] = {}
+    for node in graph.nodes:
+        if node in pinned:
+            continue
+        if node.op == "get_attr" and isinstance(_attr(gm, str(node.target)), torch.Tensor):
+            known[node] = _attr(gm, str(node.target))
+        elif _computes_from(node, known):
+            args, kwargs = pytree.tree_map_only(
+                fx.Node, known.__getitem__, (node.args, node.kwargs)
+            )
+            with torch.no_grad():
+                known[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+    for node, value in known.items():
+        if node.op == "get_attr" or not isinstance(value, torch.Tensor):
+            continue
+        if all(user in known for user in node.users):
+            continue
+        with graph.inserting_before(node):
+            constant = graph.get_attr(register_constant(gm, "_folded_", value.detach()))
+        constant.meta = dict(node.meta)
+        node.replace_all_uses_with(constant)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
 
 
 def _constant(gm: fx.GraphModule, arg: object) -> torch.Tensor | None:
     if isinstance(arg, fx.Node) and arg.op == "get_attr":
-        return fetch_attr(gm, str(arg.target))
+        value = _attr(gm, str(arg.target))
+        return value if isinstance(value, torch.Tensor) else None
     return None
 
 
+def _optional_constants(
+    gm: fx.GraphModule, args: Sequence[object]
+) -> list[torch.Tensor | None] | None:
+    """Each argument as a tensor (None where absent); None if any is computed at run time."""
+    values = [None if a is None else _constant(gm, a) for a in args]
+    if any(v is None and a is not None for v, a in zip(values, args, strict=True)):
+        return None
+    return values
+
+
+def _channel_axis(producer: fx.Node) -> int:
+    """The output axis of a conv/linear that indexes its output channels.
+
+    Batch dims come first, then the channel axis, then one axis per spatial dim of the weight
+    (none for linear): ``[N, C]`` and ``[N, C, H, W]`` have it at 1, ``[N, L, C]`` at 2.
+    """
+    weight = producer.args[1]
+    assert isinstance(weight, fx.Node)
+    out, w = producer.meta["val"], weight.meta["val"]
+    return int(out.dim() - w.dim() + 1)
+
+
 def fold_batch_norm(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite ``conv/linear -> batch_norm(training=False)`` in place; returns ``gm``."""
+    """Rewrite ``conv/linear -> batch_norm(training=False)`` in place; returns ``gm``.
+
+    Parameter-only computations are folded first (``fold_constants``): a weight computed from
+    parameters is a constant too, and both folds need the weight as one.
+    """
+    fold_constants(gm)
     graph = gm.graph
     for bn in list(graph.nodes):
-        if bn.op != "call_function" or bn.target is not aten.batch_norm.default:
-            continue
-        producer, gamma, beta, mean, var, training, _, eps = bn.args[:8]
-        if training or not isinstance(producer, fx.Node) or producer.target not in _FOLDABLE:
-            continue
-        if len(producer.users) != 1:
-            continue
-        weight = _constant(gm, producer.args[1])
-        bias = _constant(gm, producer.args[2]) if len(producer.args) > 2 else None
-        stats = [_constant(gm, a) for a in (mean, var)]
-        if weight is None or stats[0] is None or stats[1] is None:
-            continue
-        with torch.no_grad():
-            scale = torch.rsqrt(stats[1] + eps)
-            if (g := _constant(gm, gamma)) is not None:
-                scale = scale * g
-            shift = -stats[0] * scale
-            if (b := _constant(gm, beta)) is not None:
-                shift = shift + b
-            if bias is not None:
-                shift = shift + bias * scale
-            folded = weight * scale.reshape(-1, *([1] * (weight.dim() - 1)))
-        with graph.inserting_before(producer):
-            w_node = graph.get_attr(register_constant(gm, "_folded_weight_", folded.detach()))
-            b_node = graph.get_attr(register_constant(gm, "_folded_bias_", shift.detach()))
-        w_node.meta["val"], b_node.meta["val"] = folded, shift
-        args = list(producer.args)
-        args[1] = w_node
-        if len(args) > 2:
-            args[2] = b_node
-        else:
-            args.append(b_node)
-        producer.args = tuple(args)
-        bn.replace_all_uses_with(producer)
-        graph.erase_node(bn)
+        if bn.op == "call_function" and bn.target is aten.batch_norm.default:
+            _fold_one(gm, bn)
     graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _fold_one(gm: fx.GraphModule, bn: fx.Node) -> None:
+    """Fold one batch norm into its producer when it normalises the producer's channels."""
+    graph = gm.graph
+    producer, gamma, beta, mean, var, training, _, eps = bn.args[:8]
+    if training or not isinstance(producer, fx.Node) or producer.target not in _FOLDABLE:
+        return
+    assert isinstance(eps, float)
+    if len(producer.users) != 1 or _channel_axis(producer) != _BN_CHANNEL_AXIS:
+        return
+    bias_arg = producer.args[2] if len(producer.args) > 2 else None
+    found = _optional_constants(gm, [producer.args[1], bias_arg, gamma, beta, mean, var])
+    if found is None:
+        return
+    weight, bias, g, b, stats_mean, stats_var = found
+    if weight is None or stats_mean is None or stats_var is None:
+        return
+    with torch.no_grad():
+        scale = torch.rsqrt(stats_var + eps)
+        if g is not None:
+            scale = scale * g
+        shift = -stats_mean * scale
+        if b is not None:
+            shift = shift + b
+        if bias is not None:
+            shift = shift + bias * scale
+        folded = weight * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+    with graph.inserting_before(producer):
+        w_node = graph.get_attr(register_constant(gm, "_folded_weight_", folded.detach()))
+        b_node = graph.get_attr(register_constant(gm, "_folded_bias_", shift.detach()))
+    w_node.meta["val"], b_node.meta["val"] = folded, shift
+    args = list(producer.args)
+    args[1] = w_node
+    if len(args) > 2:
+        args[2] = b_node
+    else:
+        args.append(b_node)
+    producer.args = tuple(args)
+    bn.replace_all_uses_with(producer)
+    graph.erase_node(bn)

@@ -1,0 +1,131 @@
+"""Folding before annotation: parameter-only computations and eval-mode batch norm."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import quantree as qt
+from quantree.fold import fold_batch_norm, fold_constants
+from quantree.graphs import copy_graph_module
+
+from support import assert_prepared_exact, batches, calls, output_sqnrs, qd, run
+
+aten = torch.ops.aten
+
+
+class ChunkedWeight(nn.Module):
+    """Two linears whose weights and biases are pieces of one parameter each (fused QKV)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        rows = torch.logspace(-2, 0, 64)[:, None]  # rows of very different scale
+        self.w = nn.Parameter(torch.randn(64, 32) * rows)
+        self.b = nn.Parameter(torch.randn(64))
+
+    def forward(self, x):
+        wq, wk = self.w.chunk(2)
+        bq, bk = self.b.split([32, 32])
+        return F.linear(x, wq, bq), F.linear(x, wk, bk)
+
+
+def _weight_and_bias_are_integer_constants(ref: torch.fx.GraphModule, linears: int) -> None:
+    nodes = calls(ref, aten.linear.default)
+    assert len(nodes) == linears
+    for linear in nodes:
+        w_dq, b_dq = linear.args[1], linear.args[2]
+        assert w_dq.target is qd.dequantize_per_channel.default
+        assert w_dq.args[0].op == "get_attr"  # quantized once by convert
+        assert getattr(ref, w_dq.args[0].target).dtype == torch.int8
+        assert b_dq.args[0].op == "get_attr"
+        assert getattr(ref, b_dq.args[0].target).dtype == torch.int32
+
+
+def test_weights_split_from_one_parameter_are_per_channel_constants():
+    torch.manual_seed(0)
+    model = ChunkedWeight().eval()
+    data = batches((16, 32), n=8)
+    prepared, ref = run(model, data)
+    assert not calls(prepared, aten.chunk.default)
+    assert not calls(prepared, aten.split_with_sizes.default)
+    assert_prepared_exact(model, prepared, data[0])
+    _weight_and_bias_are_integer_constants(ref, linears=2)
+    assert min(output_sqnrs(model, ref, data[0])) >= 30.0
+
+
+class CrossAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, query, memory):
+        return self.attention(query, memory, memory, need_weights=False)[0]
+
+
+def test_cross_attention_in_projection_gets_per_channel_weights():
+    """query != key splits ``in_proj_weight`` into the q and the kv projections."""
+    torch.manual_seed(0)
+    model = CrossAttention().eval()
+    data = batches((2, 5, 16), (2, 7, 16), n=8)
+    _, ref = run(model, data)
+    _weight_and_bias_are_integer_constants(ref, linears=3)
+    assert min(output_sqnrs(model, ref, data[0])) >= 30.0
+
+
+class WritesParameterView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        row = (self.w * 2.0)[0]
+        row.add_(1.0)  # writes a fresh tensor each call: folding it would accumulate
+        return x + row
+
+
+def test_tensors_written_in_place_keep_running():
+    model = WritesParameterView().eval()
+    x = torch.randn(2, 4)
+    gm = fold_constants(copy_graph_module(qt.capture(model, (x,))))
+    assert calls(gm, aten.mul.Tensor) and calls(gm, aten.add_.Tensor)
+    with torch.no_grad():
+        assert torch.equal(gm(x), model(x)) and torch.equal(gm(x), model(x))
+
+
+class LinearBatchNorm(nn.Module):
+    """``[N, L, C_in] -> linear -> [N, L, C_out]``; BatchNorm1d normalises dim 1 (L)."""
+
+    def __init__(self, length: int, features: int) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(16, features), nn.BatchNorm1d(length)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1), self.bn.running_var.uniform_(0.2, 3)
+            self.bn.weight.uniform_(0.2, 2), self.bn.bias.uniform_(-1, 1)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+def test_batch_norm_over_another_axis_than_the_linear_output_is_not_folded():
+    torch.manual_seed(0)
+    model = LinearBatchNorm(length=8, features=8).eval()  # L == C_out: shapes do not tell
+    data = batches((4, 8, 16), n=8)
+    gm = fold_batch_norm(copy_graph_module(qt.capture(model, data[0])))
+    assert calls(gm, aten.batch_norm.default)
+    _, ref = run(model, data)
+    assert min(output_sqnrs(model, ref, data[0])) >= 25.0
+
+
+def test_batch_norm_after_a_2d_linear_and_a_same_padded_conv_is_folded():
+    torch.manual_seed(0)
+    linear = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8)).eval()
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3, padding="same"), nn.BatchNorm2d(4)).eval()
+    for model, shape in ((linear, (4, 16)), (conv, (2, 3, 8, 8))):
+        with torch.no_grad():
+            model[1].running_mean.uniform_(-1, 1), model[1].running_var.uniform_(0.2, 3)
+        x = torch.randn(*shape)
+        gm = fold_batch_norm(copy_graph_module(qt.capture(model, (x,))))
+        assert not calls(gm, aten.batch_norm.default), type(model[0]).__name__
+        with torch.no_grad():
+            assert torch.allclose(gm(x), model(x), atol=1e-5)
