@@ -25,8 +25,9 @@ class Annotation:
 
     ``outputs`` is a pytree of specs (or None) shaped like the node's output; a single-tensor
     output takes a bare spec. ``inputs`` maps argument paths (``(0,)``, ``(1, 0)`` for the
-    ``h0`` inside ``[h0, c0]``) to specs. With ``share_with_producers`` an input whose spec has
-    the dtype of the producing Value's spec shares its parameters (no requantization).
+    ``h0`` inside ``[h0, c0]``) to specs. With ``share_with_producers`` an input whose spec asks
+    for the producing Value's integer grid shares its parameters (no requantization), unless
+    that would pull another Value onto a fixed grid.
     ``name`` labels the node's quantization points in reports and errors. ``cells``, on a
     recurrent node, asks prepare to decompose it into cell loops (see ``quantree.cells``).
     """
