@@ -4,9 +4,10 @@ Pattern: ``aten.lstm|gru|rnn_*`` whose input and initial states are read through
 dequantize, whose weights are folded int8 and biases folded int32, and whose every used
 output leaf is quantized. Inside, the kernel keeps the cell state in float. Outputs passed
 between stacked layers are int8 on an "inner" grid: the union of the observed output range
-and the state range (whose h_n samples every layer), clipped to [-1, 1] for tanh-bounded
-kinds. The hidden state fed back each step is requantized over the same range, to int8 by
-default (36-45 dB against the reference on random models) or to int16 (``hidden_bits=16``:
+and the state range (whose h_n samples every layer), clipped to [-1, 1] for the kinds whose
+hidden state is provably bounded (LSTM, tanh RNN; not GRU, whose state mixes in h0). The
+hidden state fed back each step is requantized over the same range, to int8 by default
+(36-45 dB against the reference on random models) or to int16 (``hidden_bits=16``:
 single-layer recurrences then match to 55-65 dB; stacked layers stay bounded by the int8
 outputs between layers). The first step reads the initial state on its own int8 grid, as
 the reference does.
@@ -36,6 +37,10 @@ from quantree.values import arg_at
 
 aten = torch.ops.aten
 RECURRENT = (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
+# Kinds whose every computed hidden state lies in (-1, 1) whatever the initial state:
+# LSTM h = o * tanh(c) and tanh RNN h = tanh(...). A GRU's h = (1 - z) * n + z * h_prev is
+# a convex mix with the previous state, so an initial state outside [-1, 1] carries over.
+BOUNDED = ("lstm", "rnn_tanh")
 
 
 def inner_params(ranges: list[tuple[float, float]]) -> tuple[float, int]:
@@ -118,7 +123,7 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     y = outputs[0].params
     y_s, y_z = float(y.scale), int(y.zero_point)
     ranges = [_range(y_s, y_z), _range(h0.scale, h0.zero_point)]
-    if call.kind != "rnn_relu":  # tanh-bounded outputs: a wide initial state must not widen
+    if call.kind in BOUNDED:  # |h_t| < 1 for t >= 1: a wide initial state must not widen
         ranges = [(max(lo, -1.0), min(hi, 1.0)) for lo, hi in ranges]
     inner = inner_params(ranges)
     params = _layer_params(ctx, node, call)
