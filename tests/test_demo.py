@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import matplotlib.image
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from quantree import demo, demo_report
 from quantree.cli import main
 from quantree.compare import Comparison, RowKind, TensorRow
+from quantree.measure import latencies_ms
 from quantree.report import PNG_SIGNATURE, embedded_pngs
 
 
@@ -97,3 +100,31 @@ def test_cli_demo_prints_the_table_and_the_report_path(
     assert "int8 whole" in out and "+0.13%" in out and "38.0 dB" in out
     assert f"report: {report.resolve()}" in out
     assert _check_pngs(report.read_text(), tmp_path) == 4
+
+
+def test_every_variant_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_demo drops a failing variant's row, so each one is run here: a broken cells or
+    CPU-kernel variant must fail CI, not vanish from the table."""
+    assert all(v.available for v in demo.VARIANTS), [v.missing for v in demo.VARIANTS]
+
+    def one_timed_call(models: Mapping[str, Callable[..., Any]], args: tuple[Any, ...]):
+        return latencies_ms(models, args, rounds=1, min_runs=1, budget_s=0.0)
+
+    monkeypatch.setattr(demo, "latencies_ms", one_timed_call)  # timing is not under test
+    result = demo.run_demo(
+        calibration_batches=2,
+        eval_chars=2_048,  # one evaluation batch of 16 x 128
+        compare_batches=1,
+        progress=False,
+        log=lambda _: None,
+    )
+    assert result.failures == {}
+    names = [v.name for v in demo.VARIANTS]
+    assert [r.variant for r in result.rows] == ["float", "torch dynamic int8", *names]
+    float_bpc = result.row("float").bits_per_char
+    for name in names:
+        row = result.row(name)
+        assert abs(row.bits_per_char - float_bpc) < 0.05 * float_bpc, name
+        assert 20.0 < row.logits_sqnr_db < math.inf, name
+        assert row.latency_ms > 0 and row.size_bytes < result.row("float").size_bytes / 2, name
+    assert set(result.comparisons) == set(names)
