@@ -363,7 +363,7 @@ CORE_SCENARIOS = {
         lambda: nn.LSTM(12, 16, num_layers=2, bidirectional=True, batch_first=True, proj_size=8),
         [(4, 9, 12)],
         None,
-        {"aten.lstm.input"},
+        {"quantree.rnn.default"},
     ),
     "convnet-bn": (
         conv_net_with_batch_norm,

@@ -84,7 +84,7 @@ def _layer_params(
         b_hh = float_constant(ctx, None if p.b_hh is None else arg_at(node, p.b_hh), n)
         if b_ih is None or b_hh is None:
             return None
-        tensors = (
+        tensors = [
             pack(w_ih.values),
             row_sums(w_ih.values),
             w_ih.scale,
@@ -93,7 +93,12 @@ def _layer_params(
             row_sums(w_hh.values),
             w_hh.scale,
             b_hh,
-        )
+        ]
+        if p.w_hr is not None:
+            w_hr = weight(ctx, arg_at(node, p.w_hr))
+            if w_hr is None:
+                return None
+            tensors += [pack(w_hr.values), row_sums(w_hr.values), w_hr.scale]
         params += [constant(ctx, f"_cpu_{call.kind}_", t, node) for t in tensors]
     return params
 
@@ -109,8 +114,6 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     if node.target not in RECURRENT:
         return False
     call = RecurrentCall.parse(node)
-    if any(p.w_hr is not None for p in call.layers):
-        return False  # LSTM projections stay in the reference graph
     x = activation(ctx, node.args[0])
     states = [activation(ctx, arg_at(node, path), True) for path in call.state_paths]
     outputs = _outputs(ctx, node)
@@ -129,9 +132,12 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     params = _layer_params(ctx, node, call)
     if params is None:
         return False
-    w_hh = weight(ctx, arg_at(node, call.layers[0].w_hh))
+    first = call.layers[0]
+    w_hh = weight(ctx, arg_at(node, first.w_hh))
     assert w_hh is not None
-    hidden = int(w_hh.values.shape[1])
+    hidden = int(w_hh.values.shape[0]) // {"lstm": 4, "gru": 3}.get(call.kind, 1)
+    w_hr = None if first.w_hr is None else weight(ctx, arg_at(node, first.w_hr))
+    proj_size = 0 if w_hr is None else int(w_hr.values.shape[0])
     qparams = [x.scale, x.zero_point, *inner, y_s, y_z, h0.scale, h0.zero_point, c0.scale]
     qparams += [c0.zero_point, max(abs(v) for v in _range(*inner)) / 32767.0]
     hx = [s.node for s in states if s is not None]
@@ -140,7 +146,7 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
         new = graph.call_function(
             torch.ops.quantree.rnn.default,
             (call.kind, x.node, hx, params, hidden, call.num_layers, call.bidirectional,
-             call.batch_first, [float(v) for v in qparams], hidden_bits),
+             call.batch_first, [float(v) for v in qparams], hidden_bits, proj_size),
         )  # fmt: skip
         new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     for index, q in outputs.items():

@@ -11,12 +11,13 @@ from quantree.backends.packing import packed_depth
 from quantree.backends.registry import op
 
 RNN_KINDS = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
-PER_LAYER = 8  # per weight: packed int8, int32 row sums, per-channel scale, float bias
+PER_LAYER = 8  # w_ih and w_hh: packed int8, int32 row sums, per-channel scale, float bias
+PER_PROJECTION = 3  # w_hr (LSTM proj_size): packed int8, int32 row sums, per-channel scale
 
 
 @op(
     "rnn(str kind, Tensor x, Tensor[] hx, Tensor[] params, int hidden, int num_layers, "
-    "bool bidirectional, bool batch_first, float[] qparams, int hidden_bits) "
+    "bool bidirectional, bool batch_first, float[] qparams, int hidden_bits, int proj_size) "
     "-> (Tensor, Tensor, Tensor)"
 )
 def rnn(
@@ -30,6 +31,7 @@ def rnn(
     batch_first: bool,
     qparams: list[float],
     hidden_bits: int,
+    proj_size: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A whole int8 LSTM/GRU/RNN: ``(output, h_n, c_n)``, all int8 (``c_n`` empty if no cell).
 
@@ -37,7 +39,8 @@ def rnn(
     between layers), the output, the h state, the c state, then the scale of the hidden state
     fed back: on the inner grid when ``hidden_bits`` is 8, symmetric int16 when 16.
     ``params``: per layer and direction, ``w_ih, rowsum_ih, scale_ih, b_ih`` and the same for
-    ``hh``: packed int8 weights, their int32 row sums, per-channel scales, float biases.
+    ``hh``: packed int8 weights, their int32 row sums, per-channel scales, float biases;
+    with ``proj_size``, then ``w_hr, rowsum_hr, scale_hr``.
     """
     x_s, x_z, inner_s, inner_z, y_s, y_z, h_s, h_z, c_s, c_z, fb_s = qparams
     wide = hidden_bits == 16
@@ -47,22 +50,24 @@ def rnn(
     steps, batch = inp.shape[0], inp.shape[1]
     h = dequantize(hx[0], h_s, int(h_z)).contiguous()
     c = dequantize(hx[1], c_s, int(c_z)).contiguous() if kind == "lstm" else None
+    per_layer = PER_LAYER + (PER_PROJECTION if proj_size else 0)
+    width = proj_size or hidden  # of the hidden state and the output
     for layer in range(num_layers):
         last = layer == num_layers - 1
         out_s, out_z = (y_s, y_z) if last else (inner_s, inner_z)
         in_s, in_z = (x_s, x_z) if layer == 0 else (inner_s, inner_z)
-        y = torch.empty(steps, batch, dirs * hidden, dtype=torch.int8)
+        y = torch.empty(steps, batch, dirs * width, dtype=torch.int8)
         for d in range(dirs):
             i = layer * dirs + d
-            w_ih, sum_ih, sc_ih, b_ih, w_hh, sum_hh, sc_hh, b_hh = params[
-                i * PER_LAYER : (i + 1) * PER_LAYER
-            ]
+            layer_params = params[i * per_layer : (i + 1) * per_layer]
+            w_ih, sum_ih, sc_ih, b_ih, w_hh, sum_hh, sc_hh, b_hh = layer_params[:PER_LAYER]
+            w_hr, sum_hr, sc_hr = layer_params[PER_LAYER:] or (None, None, None)
             lib.qt_rnn_layer(
                 code, steps, batch, inp.shape[2], hidden, d, ptr(inp), in_s, in_z, ptr(w_ih),
                 packed_depth(w_ih), ptr(sum_ih), ptr(sc_ih), ptr(b_ih), ptr(w_hh),
                 packed_depth(w_hh), ptr(sum_hh), ptr(sc_hh), ptr(b_hh), h_s, h_z, fb_s, fb_z,
-                int(wide), y.data_ptr() + d * hidden, dirs * hidden, out_s, out_z, ptr(h[i]),
-                None if c is None else ptr(c[i]),
+                int(wide), y.data_ptr() + d * width, dirs * width, out_s, out_z, ptr(h[i]),
+                None if c is None else ptr(c[i]), ptr(w_hr), proj_size, ptr(sum_hr), ptr(sc_hr),
             )  # fmt: skip
         inp = y
     out = inp.transpose(0, 1).contiguous() if batch_first else inp
@@ -72,8 +77,11 @@ def rnn(
 
 
 @torch.library.register_fake("quantree::rnn")
-def _(kind, x, hx, params, hidden, num_layers, bidirectional, batch_first, qparams, hidden_bits):
+def _(
+    kind, x, hx, params, hidden, num_layers, bidirectional, batch_first, qparams, hidden_bits,
+    proj_size,
+):  # fmt: skip
     dirs = 2 if bidirectional else 1
-    out = x.new_empty((*x.shape[:2], dirs * hidden), dtype=torch.int8)
+    out = x.new_empty((*x.shape[:2], dirs * (proj_size or hidden)), dtype=torch.int8)
     c_n = hx[1].new_empty(hx[1].shape) if kind == "lstm" else x.new_empty((0,))
     return out, hx[0].new_empty(hx[0].shape), c_n

@@ -39,8 +39,10 @@ inline __m512i vquant(__m512 h, float inv, float zp) {
 }
 
 // Gate math of one batch row; gx/gh hold the G*H pre-activations, h/c the float states.
+// With a projection (raw != null) the LSTM's o * tanh(c) goes to raw, and emit() writes
+// the projected hidden state once W_hr has been applied to every row.
 void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, uint8_t* hu8,
-          int8_t* y) {
+          int8_t* y, float* raw) {
     const int64_t H = s.H;
     for (int64_t j = 0; j < H; j += 16) {
         const __mmask16 m = H - j >= 16 ? static_cast<__mmask16>(0xFFFF)
@@ -56,6 +58,10 @@ void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, u
                                               _mm512_mul_ps(i, g));
             _mm512_mask_storeu_ps(c + j, m, cv);
             hv = _mm512_mul_ps(o, vtanh(cv));
+            if (raw) {
+                _mm512_mask_storeu_ps(raw + j, m, hv);
+                continue;
+            }
         } else if (s.kind == GRU) {
             const __m512 r = vsig(pre(0)), z = vsig(pre(1));
             const __m512 n = vtanh(_mm512_fmadd_ps(r, _mm512_maskz_loadu_ps(m, gh + 2 * H + j),
@@ -90,7 +96,7 @@ void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, u
 inline float sig(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, uint8_t* hu8,
-          int8_t* y) {
+          int8_t* y, float* raw) {
     const int64_t H = s.H;
     for (int64_t j = 0; j < H; ++j) {
         auto pre = [&](int64_t g) { return gx[g * H + j] + gh[g * H + j]; };
@@ -98,6 +104,10 @@ void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, u
         if (s.kind == LSTM) {
             c[j] = sig(pre(1)) * c[j] + sig(pre(0)) * std::tanh(pre(2));
             hv = sig(pre(3)) * std::tanh(c[j]);
+            if (raw) {
+                raw[j] = hv;
+                continue;
+            }
         } else if (s.kind == GRU) {
             const float r = sig(pre(0)), z = sig(pre(1));
             const float n = std::tanh(gx[2 * H + j] + r * gh[2 * H + j]);
@@ -121,6 +131,23 @@ void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, u
     }
 }
 #endif
+
+// A projected hidden row: the float state, the feedback operand and the output.
+void emit(const Step& s, const float* hv, int64_t P, float* h, uint8_t* hu8, int8_t* y) {
+    for (int64_t j = 0; j < P; ++j) {
+        h[j] = hv[j];
+        if (s.lo_offset) {
+            const int32_t q = static_cast<int32_t>(
+                qt::quantize_value(hv[j], s.h_inv, 0.0f, -32768.0f, 32767.0f));
+            hu8[j] = static_cast<uint8_t>((q >> 8) + 128);
+            hu8[s.lo_offset + j] = static_cast<uint8_t>(q & 255);
+        } else {
+            hu8[j] = static_cast<uint8_t>(
+                qt::quantize_value(hv[j], s.h_inv, s.h_zp, -128.0f, 127.0f) + 128.0f);
+        }
+        y[j] = static_cast<int8_t>(qt::quantize_value(hv[j], s.y_inv, s.y_zp, -128.0f, 127.0f));
+    }
+}
 
 }  // namespace
 
@@ -158,7 +185,8 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
                   const int8_t* w_hh, int64_t kp_hh, const int32_t* colsum_hh,
                   const float* ws_hh, const float* b_hh, float h0_s, float h0_z, float in_s,
                   float in_z, int wide, int8_t* y, int64_t y_ld, float y_s, float y_z,
-                  float* h, float* c) {
+                  float* h, float* c, const int8_t* w_hr, int64_t P, const int32_t* colsum_hr,
+                  const float* ws_hr) {
     const int64_t G = kind == LSTM ? 4 : (kind == GRU ? 3 : 1), N = G * H;
     // Input projection of a chunk of time steps at once, sized to stay in L2.
     const int64_t chunk = std::max<int64_t>(1, (256 * 1024) / (B * N * 4));
@@ -173,8 +201,17 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
     const std::vector<int32_t> off_hh = offsets(colsum_hh, N, wide ? 0.0f : in_z);
     const std::vector<float> sc_hh = scales(ws_hh, N, in_s);
 
+    // projection (LSTM proj_size): each row of o * tanh(c) is quantized to int8 on its own
+    // symmetric scale and multiplied by W_hr [P, H] in int8; h is then [B, P]
+    const int64_t HS = w_hr ? P : H;  // width of the hidden state
+    const int64_t kp_hr = (H + 3) / 4 * 4;
+    std::vector<float> raw(w_hr ? static_cast<size_t>(B * H) : 0), hp(w_hr ? B * P : 0);
+    std::vector<uint8_t> rawu8(w_hr ? static_cast<size_t>(B * kp_hr) : 0, 128);
+    const std::vector<int32_t> off_hr = w_hr ? offsets(colsum_hr, P, 0.0f) : std::vector<int32_t>();
+    std::vector<float> row_scale(static_cast<size_t>(B));
+
     std::vector<uint8_t> hu8(static_cast<size_t>(2 * B * kp_hh), 0);
-    quantize_rows(h, B, H, 1.0f / h0_s, h0_z, hu8.data(), kp_hh);
+    quantize_rows(h, B, HS, 1.0f / h0_s, h0_z, hu8.data(), kp_hh);
     const Step s{kind, H, 1.0f / in_s, in_z, 1.0f / y_s, y_z, wide ? B * kp_hh : 0};
     for (int64_t c0 = 0; c0 < T; c0 += chunk) {
         const int64_t n = std::min(chunk, T - c0);
@@ -192,8 +229,29 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
             const uint8_t* lo = wide && !first ? hu8.data() + B * kp_hh : nullptr;
             qt::gemm_u8s8(B, N, kp_hh, hu8.data(), kp_hh, w_hh, eh, lo);
             for (int64_t b = 0; b < B; ++b) {
-                cell(s, gx.data() + (local * B + b) * N, gh.data() + b * N, h + b * H,
-                     c ? c + b * H : nullptr, hu8.data() + b * kp_hh, y + (t * B + b) * y_ld);
+                cell(s, gx.data() + (local * B + b) * N, gh.data() + b * N, h + b * HS,
+                     c ? c + b * H : nullptr, hu8.data() + b * kp_hh, y + (t * B + b) * y_ld,
+                     w_hr ? raw.data() + b * H : nullptr);
+            }
+            if (w_hr) {
+                for (int64_t b = 0; b < B; ++b) {  // symmetric int8, one scale per row
+                    const float* r = raw.data() + b * H;
+                    float peak = 0.0f;
+                    for (int64_t j = 0; j < H; ++j) peak = std::max(peak, std::fabs(r[j]));
+                    row_scale[b] = peak > 0.0f ? peak / 127.0f : 1.0f;
+                    const float inv = 1.0f / row_scale[b];
+                    for (int64_t j = 0; j < H; ++j)
+                        rawu8[b * kp_hr + j] = static_cast<uint8_t>(
+                            qt::quantize_value(r[j], inv, 0.0f, -127.0f, 127.0f) + 128.0f);
+                }
+                const qt::Epilogue ep{off_hr.data(), ws_hr, nullptr, hp.data(), nullptr,
+                                      P, 0, 0, 0, 0};
+                qt::gemm_u8s8(B, P, kp_hr, rawu8.data(), kp_hr, w_hr, ep);
+                for (int64_t b = 0; b < B; ++b) {
+                    float* row = hp.data() + b * P;
+                    for (int64_t j = 0; j < P; ++j) row[j] *= row_scale[b];
+                    emit(s, row, P, h + b * P, hu8.data() + b * kp_hh, y + (t * B + b) * y_ld);
+                }
             }
         }
     }
