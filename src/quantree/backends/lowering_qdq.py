@@ -5,10 +5,12 @@ the movement applied to the int8 tensor itself (quantization is monotonic, so ma
 with it too). ``dq(a) + dq(b) -> q`` and ``*`` become one native elementwise pass with the
 reference's arithmetic; ``dq(a) @ dq(b) -> q`` an int8 matmul of two activations. A
 pointwise function between two int8 grids (sigmoid, tanh, ...) becomes a 256-entry table
-computed with the reference's own ops. After every rule has run, the quantize/dequantize
-nodes still in the graph (model inputs and outputs, float islands) become
-``quantree.quantize``/``dequantize``: the same arithmetic in one C loop instead of five
-ATen ops.
+computed with the reference's own ops; in-place forms (``out += identity``, ``relu_``) lower
+the same way when nothing else reads what they overwrite. ``dq -> softmax(last dim) -> q``
+is one pass over int8 rows with the 256 possible exponentials tabulated. After every rule
+has run, the quantize/dequantize nodes still in the graph (model inputs and outputs, float
+islands) become ``quantree.quantize``/``dequantize``: the same arithmetic in one C loop
+instead of five ATen ops.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.fx as fx
 
 from quantree.backend import LoweringContext
 from quantree.backends import ops  # noqa: F401  (registers torch.ops.quantree.*)
-from quantree.backends.patterns import activation, is_int8_per_tensor
+from quantree.backends.patterns import activation, is_int8_per_tensor, writes_shared_input
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed
@@ -61,19 +63,30 @@ POINTWISE = (
     aten.sigmoid.default,
     aten.tanh.default,
     aten.relu.default,
+    aten.relu_.default,
+    aten.relu6.default,
+    aten.clamp.default,
     aten.gelu.default,
     aten.silu.default,
+    aten.silu_.default,
     aten.hardswish.default,
+    aten.hardswish_.default,
     aten.hardsigmoid.default,
+    aten.hardsigmoid_.default,
     aten.hardtanh.default,
+    aten.hardtanh_.default,
     aten.leaky_relu.default,
+    aten.leaky_relu_.default,
     aten.elu.default,
+    aten.elu_.default,
 )
+"""Pointwise ops tabulated over the 256 input codes; in-place ones when their write is
+unobservable (``writes_shared_input``), since the table op does not write its input."""
 
 
 def lower_pointwise(ctx: LoweringContext, node: fx.Node) -> bool:
     """``dq -> sigmoid/tanh/... -> q``: a 256-entry table made by the reference ops."""
-    if node.target not in POINTWISE:
+    if node.target not in POINTWISE or writes_shared_input(node):
         return False
     x = activation(ctx, node.args[0])
     q = ctx.quantized_output(node)
@@ -96,13 +109,25 @@ def lower_pointwise(ctx: LoweringContext, node: fx.Node) -> bool:
     return True
 
 
-BINARY = {aten.add.Tensor: "add", aten.mul.Tensor: "mul", aten.sub.Tensor: "sub"}
+BINARY = {
+    aten.add.Tensor: "add",
+    aten.mul.Tensor: "mul",
+    aten.sub.Tensor: "sub",
+    aten.add_.Tensor: "add",
+    aten.mul_.Tensor: "mul",
+    aten.sub_.Tensor: "sub",
+}
 
 
 def lower_binary(ctx: LoweringContext, node: fx.Node) -> bool:
-    """``dq(a) + dq(b) -> q`` (or ``*``, ``-``) on two int8 activations: one native pass."""
+    """``dq(a) + dq(b) -> q`` (or ``*``, ``-``) on two int8 activations: one native pass.
+
+    In-place forms (``out += identity``) too, when their write is unobservable.
+    """
     kind = BINARY.get(node.target)  # type: ignore[call-overload]
     if kind is None or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return False
+    if writes_shared_input(node):
         return False
     a, b = activation(ctx, node.args[0]), activation(ctx, node.args[1])
     q = ctx.quantized_output(node)
@@ -123,6 +148,39 @@ def lower_binary(ctx: LoweringContext, node: fx.Node) -> bool:
                 float(q.params.scale),
                 int(q.params.zero_point),
             ),
+        )
+    new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    q.node.replace_all_uses_with(new)
+    graph.erase_node(q.node)
+    graph.erase_node(node)
+    return True
+
+
+SOFTMAX = (aten.softmax.int, aten._softmax.default)
+
+
+def lower_softmax(ctx: LoweringContext, node: fx.Node) -> bool:
+    """``dq -> softmax(last dim) -> q``: one native pass over int8 rows.
+
+    ``exp(x_i - max x)`` depends only on the code difference, so the 256 exponentials are
+    computed here, once, with torch's ``exp``.
+    """
+    if node.target not in SOFTMAX or _dtype(node) != torch.float32:
+        return False
+    dim = node.args[1]
+    if not isinstance(dim, int) or dim not in (-1, _rank(node.args[0]) - 1):
+        return False
+    x = activation(ctx, node.args[0])
+    q = ctx.quantized_output(node)
+    if x is None or q is None or not is_int8_per_tensor(q.params):
+        return False
+    steps = torch.arange(256, dtype=torch.float32)
+    table = ctx.add_constant("_cpu_exp_", torch.exp(-steps * x.scale), before=node)
+    graph = ctx.gm.graph
+    with graph.inserting_before(node):
+        new = graph.call_function(
+            torch.ops.quantree.softmax.default,
+            (x.node, table, float(q.params.scale), int(q.params.zero_point)),
         )
     new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     q.node.replace_all_uses_with(new)
@@ -161,6 +219,11 @@ def lower_matmul(ctx: LoweringContext, node: fx.Node) -> bool:
 def _rank(arg: object) -> int:
     val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
     return val.dim() if isinstance(val, torch.Tensor) else 0
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _int8_per_tensor_args(node: fx.Node) -> tuple[float, int] | None:

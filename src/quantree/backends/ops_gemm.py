@@ -1,6 +1,10 @@
-"""GEMM-based int8 ops: linear, conv2d (channels-last), matmul of two activations."""
+"""GEMM-based int8 ops: linear, conv1d/conv2d (channels-last), matmul of two activations."""
 
 from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,16 +52,44 @@ def conv2d_shape(
     x: Tensor, out_channels: int, kernel: list[int], stride: list[int], padding: list[int],
     dilation: list[int],
 ) -> tuple[int, int, int, int]:  # fmt: skip
+    """The NCHW output shape; ``padding`` is ``[top, left]`` or ``[top, left, bottom, right]``."""
     n, _, h, w = x.shape
-    oh = (h + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
-    ow = (w + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    end = padding[2:] or padding
+    oh = (h + padding[0] + end[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+    ow = (w + padding[1] + end[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
     return n, out_channels, oh, ow
+
+
+I64, F32, PTR, INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+CONV_GROUPED = (PTR, *[I64] * 18, *[PTR] * 6, F32, F32, INT)
+CONV_DEPTHWISE = (PTR, *[I64] * 15, *[PTR] * 6, F32, F32, INT)
+
+
+@functools.cache
+def native_function(symbol: str, argtypes: tuple[type, ...]) -> Any:
+    """A kernel of the native library with its argument types, set once.
+
+    (``native.SIGNATURES`` types the kernels every build had; these are typed next to the
+    ops that call them.)
+    """
+    fn = getattr(library(), symbol)
+    fn.argtypes = list(argtypes)
+    fn.restype = None
+    return fn
+
+
+def is_depthwise(in_channels: int, out_channels: int, groups: int) -> bool:
+    """One input and one output channel per group: the direct kernel, weight ``[taps, C]``.
+
+    A GEMM per group would fill 1 of its 16 output lanes (measured 10x slower than float).
+    """
+    return groups == in_channels == out_channels
 
 
 @op(
     "conv2d(Tensor x, Tensor weight, Tensor offset, Tensor scale, Tensor? bias, "
     "int out_channels, int[] kernel, int[] stride, int[] padding, int[] dilation, "
-    "int x_zero_point, float out_scale, int out_zero_point, bool relu) -> Tensor"
+    "int x_zero_point, float out_scale, int out_zero_point, bool relu, int groups=1) -> Tensor"
 )
 def conv2d(
     x: Tensor,
@@ -74,11 +106,15 @@ def conv2d(
     out_scale: float,
     out_zero_point: int,
     relu: bool,
+    groups: int = 1,
 ) -> Tensor:
-    """int8 convolution (groups = 1); int8 out (``out_scale > 0``) or float.
+    """int8 convolution; int8 out (``out_scale > 0``) or float.
 
-    Computed in channels-last layout: the result is an NCHW-shaped tensor with
-    channels-last strides, which the next convolution reads without a copy.
+    ``padding`` is ``[top, left]``, or ``[top, left, bottom, right]`` when the two sides
+    differ (``padding='same'`` with an even kernel). ``weight`` holds each group packed in
+    turn, or is ``[taps, C]`` for a depthwise convolution (``is_depthwise``). Computed in
+    channels-last layout: the result is an NCHW-shaped tensor with channels-last strides,
+    which the next convolution reads without a copy.
     """
     x = x.contiguous(memory_format=torch.channels_last)
     shape = conv2d_shape(x, out_channels, kernel, stride, padding, dilation)
@@ -86,21 +122,82 @@ def conv2d(
     dtype = torch.int8 if quantized else torch.float32
     out = torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
     n, c, h, w = x.shape
-    library().qt_conv2d(
-        ptr(x), n, c, h, w, x_zero_point, out_channels, *kernel, *stride, *padding, *dilation,
-        shape[2], shape[3], packed_depth(weight), ptr(weight), ptr(offset), ptr(scale),
-        ptr(bias), ptr(out) if quantized else None, None if quantized else ptr(out),
-        inverse(out_scale), float(out_zero_point), int(relu),
-    )  # fmt: skip
+    out_q, out_f = (ptr(out), None) if quantized else (None, ptr(out))
+    requant = (ptr(offset), ptr(scale), ptr(bias), out_q, out_f, inverse(out_scale),
+               float(out_zero_point), int(relu))  # fmt: skip
+    if is_depthwise(c, out_channels, groups):
+        native_function("qt_conv2d_depthwise", CONV_DEPTHWISE)(
+            ptr(x), n, c, h, w, x_zero_point, *kernel, *stride, *padding[:2], *dilation,
+            shape[2], shape[3], ptr(weight), *requant,
+        )  # fmt: skip
+    else:
+        native_function("qt_conv2d_grouped", CONV_GROUPED)(
+            ptr(x), n, c, h, w, x_zero_point, out_channels, groups, *kernel, *stride,
+            *padding[:2], *dilation, shape[2], shape[3], packed_depth(weight), ptr(weight),
+            *requant,
+        )  # fmt: skip
     return out
 
 
 @torch.library.register_fake("quantree::conv2d")
 def _(x, weight, offset, scale, bias, out_channels, kernel, stride, padding, dilation,
-      x_zero_point, out_scale, out_zero_point, relu):  # fmt: skip
+      x_zero_point, out_scale, out_zero_point, relu, groups=1):  # fmt: skip
     dtype = torch.int8 if out_scale > 0 else torch.float32
     shape = conv2d_shape(x, out_channels, kernel, stride, padding, dilation)
     return torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
+
+
+def as_conv2d_geometry(
+    kernel: list[int], stride: list[int], padding: list[int], dilation: list[int]
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A 1-d convolution's geometry as that of a conv2d of height 1."""
+    end = padding[1:] or padding
+    return [1, *kernel], [1, *stride], [0, padding[0], 0, end[0]], [1, *dilation]
+
+
+@op(
+    "conv1d(Tensor x, Tensor weight, Tensor offset, Tensor scale, Tensor? bias, "
+    "int out_channels, int[] kernel, int[] stride, int[] padding, int[] dilation, "
+    "int x_zero_point, float out_scale, int out_zero_point, bool relu, int groups=1) -> Tensor"
+)
+def conv1d(
+    x: Tensor,
+    weight: Tensor,
+    offset: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    out_channels: int,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    x_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    relu: bool,
+    groups: int = 1,
+) -> Tensor:
+    """int8 ``[N, C, L]`` convolution, run as the conv2d of ``[N, C, 1, L]``.
+
+    ``padding`` is ``[left]`` or ``[left, right]``. The result keeps the conv2d's
+    channels-last strides (``[N, O, L]`` with the channels innermost), so a following
+    conv1d reads it without a copy.
+    """
+    geometry = as_conv2d_geometry(kernel, stride, padding, dilation)
+    out = conv2d(
+        x.unsqueeze(2), weight, offset, scale, bias, out_channels, *geometry,
+        x_zero_point, out_scale, out_zero_point, relu, groups,
+    )  # fmt: skip
+    return out.squeeze(2)
+
+
+@torch.library.register_fake("quantree::conv1d")
+def _(x, weight, offset, scale, bias, out_channels, kernel, stride, padding, dilation,
+      x_zero_point, out_scale, out_zero_point, relu, groups=1):  # fmt: skip
+    dtype = torch.int8 if out_scale > 0 else torch.float32
+    geometry = as_conv2d_geometry(kernel, stride, padding, dilation)
+    shape = conv2d_shape(x.unsqueeze(2), out_channels, *geometry)
+    return torch.empty(shape, dtype=dtype, memory_format=torch.channels_last).squeeze(2)
 
 
 @op(

@@ -64,6 +64,20 @@ def activation(
     return Activation(dq.source, float(dq.params.scale), int(dq.params.zero_point))
 
 
+def writes_shared_input(node: fx.Node) -> bool:
+    """Whether ``node`` is an in-place op whose write another node could observe.
+
+    ``out += identity`` or ``relu_`` between q/dq writes into the tensor a dequantize made;
+    when that dequantize has no other reader, the write is lost with it, and the out-of-place
+    native op computes exactly what the reference does.
+    """
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return False
+    written = node.args[0] if node.args else None
+    return not (isinstance(written, fx.Node) and list(written.users) == [node])
+
+
 def weight(ctx: LoweringContext, arg: object) -> Weight | None:
     dq = ctx.dequantized(arg)
     if dq is None or not dq.is_constant or dq.params.dtype != QDtype.INT8:

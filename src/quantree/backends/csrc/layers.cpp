@@ -1,9 +1,13 @@
-// C entry points for linear and conv2d on int8 activations and packed int8 weights.
+// C entry points for linear, conv2d (grouped, depthwise), matmul, elementwise ops and softmax
+// on int8 activations and packed int8 weights.
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "qt_kernels.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#endif
 
 using qt::Epilogue;
 
@@ -20,17 +24,164 @@ struct Requant {
     }
 };
 
+// The epilogue of a GEMM writing output channels c0, c0 + 1, ... of rows of stride ldc (one
+// group of a grouped convolution): every per-channel array is read from c0 on.
 static Epilogue make_epilogue(const int32_t* off, const float* scale, const float* bias,
                               float* out_f, int8_t* out_q, int64_t ldc, float inv, float zp,
-                              int relu, const Requant* rq) {
-    Epilogue ep{off, scale, bias, out_f, out_q, ldc, inv, zp, -128.0f, 127.0f};
+                              int relu, const Requant* rq, int64_t c0 = 0) {
+    Epilogue ep{off + c0, scale + c0, bias ? bias + c0 : nullptr, out_f ? out_f + c0 : nullptr,
+                out_q ? out_q + c0 : nullptr, ldc, inv, zp, -128.0f, 127.0f};
     if (relu) ep.qmin = zp > -128.0f ? zp : -128.0f;
     if (out_q && rq) {
-        ep.mult = rq->mult.data();
-        ep.add = rq->add.data();
+        ep.mult = rq->mult.data() + c0;
+        ep.add = rq->add.data() + c0;
     }
     return ep;
 }
+
+struct ConvGeometry {
+    int64_t C, H, W, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW;
+
+    // Where each tap (kh, kw) of output pixel p reads in an NHWC input, -1 in the padding.
+    void taps(int64_t p, int64_t* offset) const {
+        const int64_t n = p / (OH * OW), oh = (p / OW) % OH, ow = p % OW;
+        const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw;
+        for (int64_t i = 0; i < KH; ++i) {
+            const int64_t ih = ih0 + i * dh;
+            for (int64_t j = 0; j < KW; ++j) {
+                const int64_t iw = iw0 + j * dw;
+                const bool inside = ih >= 0 && ih < H && iw >= 0 && iw < W;
+                offset[i * KW + j] = inside ? ((n * H + ih) * W + iw) * C : -1;
+            }
+        }
+    }
+};
+
+// dst = src + 128 (int8 -> uint8) for n bytes, in 8-byte words: a group's few channels
+// per tap are too short for the vectorized byte loop, whose set-up then dominates.
+static inline void flip_copy(uint8_t* dst, const int8_t* src, int64_t n) {
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        uint64_t word;
+        std::memcpy(&word, src + c, 8);
+        word ^= 0x8080808080808080ull;
+        std::memcpy(dst + c, &word, 8);
+    }
+    for (; c < n; ++c) dst[c] = static_cast<uint8_t>(src[c] ^ 0x80);
+}
+
+// Rows [p0, p0 + rows) of the channels-last im2col, group-major: row r holds, for each
+// group in turn, (kh, kw, c) of its Cg channels at output pixel p0 + r as uint8 (x + 128),
+// zero padded to Kp; padding taps read the zero point. One GEMM per group then reads its
+// own Kp columns of every row (row stride groups * Kp).
+static void im2col(const int8_t* x, const int8_t* x_end, const ConvGeometry& g, int64_t groups,
+                   int64_t p0, int64_t rows, uint8_t pad, uint8_t* col, int64_t Kp) {
+    const int64_t taps = g.KH * g.KW, Cg = g.C / groups, K = taps * Cg;
+    std::vector<int64_t> offset(static_cast<size_t>(taps));
+    for (int64_t r = 0; r < rows; ++r) {
+        g.taps(p0 + r, offset.data());
+        uint8_t* dst = col + r * groups * Kp;
+        for (int64_t gi = 0; gi < groups; ++gi) {
+            for (int64_t t = 0; t < taps; ++t, dst += Cg) {
+                if (offset[t] < 0) {
+                    std::memset(dst, pad, static_cast<size_t>(Cg));
+                    continue;
+                }
+                const int8_t* src = x + offset[t] + gi * Cg;
+                if (Cg <= 4 && src + 4 <= x_end) {  // one word; the spill is rewritten next
+                    uint32_t word;
+                    std::memcpy(&word, src, 4);
+                    word ^= 0x80808080u;
+                    std::memcpy(dst, &word, 4);
+                    continue;
+                }
+                flip_copy(dst, src, Cg);
+            }
+            std::memset(dst, 0, static_cast<size_t>(Kp - K));
+            dst += Kp - K;
+        }
+    }
+}
+
+// Output pixels of a depthwise conv: for each channel, the sum over taps of (x + 128) * w
+// plus `off`, requantized as the GEMM epilogue does (same float operations in the same
+// order, so the result equals the grouped GEMM's bit for bit). src[r * taps + t] is where
+// tap t of pixel r reads its C channels; outputs have row stride C.
+struct Depthwise {
+    int64_t taps, C;
+    const int8_t* w;  // [taps][C]
+    const int32_t* off;
+    const float* scale;
+    const float* bias;
+    const Requant& rq;
+    float zp, qmin;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+// Channels in vectors of 16: a block's weights are widened to int32 once for all pixels.
+static void depthwise_pixels(const Depthwise& d, const int8_t* const* src, int64_t rows,
+                             int8_t* out_q, float* out_f) {
+    std::vector<int32_t> w32(static_cast<size_t>(d.taps * 16));
+    const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+    for (int64_t c0 = 0; c0 < d.C; c0 += 16) {
+        const int64_t n = d.C - c0 < 16 ? d.C - c0 : 16;
+        const __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
+        for (int64_t t = 0; t < d.taps; ++t)
+            _mm512_storeu_si512(w32.data() + t * 16, _mm512_cvtepi8_epi32(
+                                                         _mm_maskz_loadu_epi8(m, d.w + t * d.C + c0)));
+        const __m512i off = _mm512_maskz_loadu_epi32(m, d.off + c0);
+        const __m512 mult = _mm512_maskz_loadu_ps(m, d.rq.mult.data() + c0);
+        const __m512 add = _mm512_maskz_loadu_ps(m, d.rq.add.data() + c0);
+        for (int64_t r = 0; r < rows; ++r) {
+            const int8_t* const* s = src + r * d.taps;
+            __m512i acc = off;
+            for (int64_t t = 0; t < d.taps; ++t) {
+                const __m128i xs = _mm_xor_si128(_mm_maskz_loadu_epi8(m, s[t] + c0), flip);
+                const __m512i wt = _mm512_loadu_si512(w32.data() + t * 16);
+                acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(_mm512_cvtepu8_epi32(xs), wt));
+            }
+            const __m512 v = _mm512_cvtepi32_ps(acc);
+            if (out_f) {
+                __m512 y = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, d.scale + c0));
+                if (d.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, d.bias + c0));
+                _mm512_mask_storeu_ps(out_f + r * d.C + c0, m, y);
+                continue;
+            }
+            __m512 q = _mm512_add_ps(_mm512_mul_ps(v, mult), add);
+            q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm512_add_ps(q, _mm512_set1_ps(d.zp));
+            q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(d.qmin)), _mm512_set1_ps(127.0f));
+            _mm512_mask_cvtsepi32_storeu_epi8(out_q + r * d.C + c0, m, _mm512_cvtps_epi32(q));
+        }
+    }
+}
+
+#else  // portable: the same arithmetic, one channel at a time
+
+static void depthwise_pixels(const Depthwise& d, const int8_t* const* src, int64_t rows,
+                             int8_t* out_q, float* out_f) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* const* s = src + r * d.taps;
+        for (int64_t c = 0; c < d.C; ++c) {
+            int32_t acc = d.off[c];
+            for (int64_t t = 0; t < d.taps; ++t)
+                acc += static_cast<int32_t>(static_cast<uint8_t>(s[t][c] ^ 0x80)) *
+                       d.w[t * d.C + c];
+            const float v = static_cast<float>(acc);
+            if (out_f) {
+                const float y = v * d.scale[c];
+                out_f[r * d.C + c] = d.bias ? y + d.bias[c] : y;
+                continue;
+            }
+            float q = __builtin_nearbyintf(v * d.rq.mult[c] + d.rq.add[c]) + d.zp;
+            q = q < d.qmin ? d.qmin : (q > 127.0f ? 127.0f : q);
+            out_q[r * d.C + c] = static_cast<int8_t>(q);
+        }
+    }
+}
+
+#endif
 
 extern "C" {
 
@@ -45,49 +196,74 @@ void qt_linear(const int8_t* x, int64_t M, int64_t K, int64_t N, int64_t Kp, con
     qt::gemm_u8s8(M, N, Kp, a.data(), Kp, w, ep);
 }
 
-// int8 conv (groups = 1) on NHWC (channels-last) tensors: im2col of a panel of output
-// pixels, then one GEMM whose rows are those pixels, written straight into NHWC output.
-// Weights are packed with K ordered (kh, kw, c); padding reads the input zero point.
+// int8 grouped conv on NHWC (channels-last) tensors: for each panel of output pixels, the
+// group-major im2col, then one GEMM per group of its packed weight, written straight into
+// the group's columns of the NHWC output. The weight holds the groups one after the other,
+// each packed with K ordered (kh, kw, c) and padded to Kp. (ph, pw) is the padding before
+// the input; OH and OW may imply a different padding after it (asymmetric 'same'): the
+// kernel reads the zero point wherever a tap falls outside.
+void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W,
+                       int64_t x_zp, int64_t OC, int64_t groups, int64_t KH, int64_t KW,
+                       int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                       int64_t OH, int64_t OW, int64_t Kp, const int8_t* w, const int32_t* off,
+                       const float* scale, const float* bias, int8_t* out_q, float* out_f,
+                       float inv, float zp, int relu) {
+    const ConvGeometry g{C, H, W, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW};
+    const int64_t P = batch * OH * OW, OCg = OC / groups, lda = groups * Kp, panel = 256;
+    const int64_t group_weight = (OCg + 15) / 16 * Kp * 16;
+    const uint8_t pad = static_cast<uint8_t>(x_zp + 128);
+    std::vector<uint8_t> col(static_cast<size_t>((P < panel ? P : panel) * lda + 4));
+    const Requant rq(scale, bias, OC, inv);
+    for (int64_t p0 = 0; p0 < P; p0 += panel) {
+        const int64_t rows = P - p0 < panel ? P - p0 : panel;
+        im2col(x, x + batch * H * W * C, g, groups, p0, rows, pad, col.data(), Kp);
+        for (int64_t gi = 0; gi < groups; ++gi) {
+            const Epilogue ep =
+                make_epilogue(off, scale, bias, out_f ? out_f + p0 * OC : nullptr,
+                              out_q ? out_q + p0 * OC : nullptr, OC, inv, zp, relu, &rq,
+                              gi * OCg);
+            qt::gemm_u8s8(rows, OCg, Kp, col.data() + gi * Kp, lda, w + gi * group_weight, ep);
+        }
+    }
+}
+
+// The same with groups = 1 (the entry point of the first release).
 void qt_conv2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W, int64_t x_zp,
                int64_t OC, int64_t KH, int64_t KW, int64_t sh, int64_t sw, int64_t ph,
                int64_t pw, int64_t dh, int64_t dw, int64_t OH, int64_t OW, int64_t Kp,
                const int8_t* w, const int32_t* off, const float* scale, const float* bias,
                int8_t* out_q, float* out_f, float inv, float zp, int relu) {
-    const int64_t P = batch * OH * OW, K = KH * KW * C, panel = 256;
-    const uint8_t pad = static_cast<uint8_t>(x_zp + 128);
-    const int8_t* x_end = x + batch * H * W * C;
-    std::vector<uint8_t> col(static_cast<size_t>((P < panel ? P : panel) * Kp + 4));
-    const Requant rq(scale, bias, OC, inv);
+    qt_conv2d_grouped(x, batch, C, H, W, x_zp, OC, 1, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW,
+                      Kp, w, off, scale, bias, out_q, out_f, inv, zp, relu);
+}
+
+// int8 depthwise conv (groups = C = OC) on NHWC tensors: one output channel per input
+// channel, so instead of GEMMs of one column per group, panels of output pixels accumulate
+// their taps over vectors of 16 channels. Weight [KH*KW][C]; the input is read as x + 128
+// and padding as the zero point, so `off` is the GEMM's int32 correction.
+void qt_conv2d_depthwise(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W,
+                         int64_t x_zp, int64_t KH, int64_t KW, int64_t sh, int64_t sw,
+                         int64_t ph, int64_t pw, int64_t dh, int64_t dw, int64_t OH, int64_t OW,
+                         const int8_t* w, const int32_t* off, const float* scale,
+                         const float* bias, int8_t* out_q, float* out_f, float inv, float zp,
+                         int relu) {
+    const ConvGeometry g{C, H, W, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW};
+    const int64_t taps = KH * KW, P = batch * OH * OW, panel = 64;
+    const std::vector<int8_t> pad(static_cast<size_t>(C), static_cast<int8_t>(x_zp));
+    std::vector<int64_t> offset(static_cast<size_t>(taps));
+    std::vector<const int8_t*> src(static_cast<size_t>(panel * taps));
+    const Requant rq(scale, bias, C, inv);
+    const float qmin = relu && zp > -128.0f ? zp : -128.0f;
+    const Depthwise d{taps, C, w, off, scale, bias, rq, zp, qmin};
     for (int64_t p0 = 0; p0 < P; p0 += panel) {
         const int64_t rows = P - p0 < panel ? P - p0 : panel;
         for (int64_t r = 0; r < rows; ++r) {
-            const int64_t p = p0 + r, n = p / (OH * OW), oh = (p / OW) % OH, ow = p % OW;
-            uint8_t* dst = col.data() + r * Kp;
-            for (int64_t i = 0; i < KH; ++i) {
-                const int64_t ih = oh * sh - ph + i * dh;
-                for (int64_t j = 0; j < KW; ++j, dst += C) {
-                    const int64_t iw = ow * sw - pw + j * dw;
-                    if (ih < 0 || ih >= H || iw < 0 || iw >= W) {
-                        std::memset(dst, pad, static_cast<size_t>(C));
-                        continue;
-                    }
-                    const int8_t* src = x + ((n * H + ih) * W + iw) * C;
-                    if (C <= 4 && src + 4 <= x_end) {  // one word; the spill is rewritten next
-                        uint32_t word;
-                        std::memcpy(&word, src, 4);
-                        word ^= 0x80808080u;
-                        std::memcpy(dst, &word, 4);
-                        continue;
-                    }
-                    for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<uint8_t>(src[c] ^ 0x80);
-                }
-            }
-            std::memset(col.data() + r * Kp + K, 0, static_cast<size_t>(Kp - K));
+            g.taps(p0 + r, offset.data());
+            for (int64_t t = 0; t < taps; ++t)
+                src[r * taps + t] = offset[t] < 0 ? pad.data() : x + offset[t];
         }
-        const Epilogue ep = make_epilogue(off, scale, bias, out_f ? out_f + p0 * OC : nullptr,
-                                          out_q ? out_q + p0 * OC : nullptr, OC, inv, zp, relu,
-                                          &rq);
-        qt::gemm_u8s8(rows, OC, Kp, col.data(), Kp, w, ep);
+        depthwise_pixels(d, src.data(), rows, out_q ? out_q + p0 * C : nullptr,
+                         out_f ? out_f + p0 * C : nullptr);
     }
 }
 
@@ -155,6 +331,28 @@ void qt_binary(int op, const int8_t* a, const int8_t* b, int64_t n, float sa, fl
 // out[i] = table[x[i] + 128]: any pointwise int8 -> int8 function, tabulated at lowering.
 void qt_lookup(const int8_t* x, int64_t n, const int8_t* table, int8_t* out) {
     for (int64_t i = 0; i < n; ++i) out[i] = table[static_cast<int>(x[i]) + 128];
+}
+
+// Softmax over the last dimension of int8 rows: exp(x_i - max x) depends only on the code
+// difference max q - q_i (0..255), so exp_table[d] = exp(-d * scale) is computed once at
+// lowering; each row is then a max, table lookups, a sum and a requantization.
+void qt_softmax(const int8_t* x, int64_t rows, int64_t cols, const float* exp_table, float inv,
+                float zp, int8_t* out) {
+    std::vector<float> e(static_cast<size_t>(cols));
+    for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* row = x + r * cols;
+        int32_t top = -128;
+        for (int64_t c = 0; c < cols; ++c) top = row[c] > top ? row[c] : top;
+        float sum = 0.0f;
+        for (int64_t c = 0; c < cols; ++c) {
+            e[c] = exp_table[top - row[c]];
+            sum += e[c];
+        }
+        const float recip = 1.0f / sum;
+        for (int64_t c = 0; c < cols; ++c)
+            out[r * cols + c] =
+                static_cast<int8_t>(qt::quantize_value(e[c] * recip, inv, zp, -128.0f, 127.0f));
+    }
 }
 
 }  // extern "C"
