@@ -1,8 +1,8 @@
 """``CPU``: the native int8 backend (VNNI kernels built on first use).
 
-Rules, tried in order at each node: whole recurrent layers, linear(+relu), conv2d(+relu),
-int8 data movement, int8 add/mul/sub/matmul, pointwise tables. Cells-mode cell bodies are
-lowered with the same rules, then each cell loop runs as one native program when its
+Rules, tried in order at each node: whole recurrent layers, linear(+relu), conv(+relu),
+int8 data movement, int8 add/mul/sub/matmul, pointwise tables, softmax. Cells-mode cell
+bodies are lowered with the same rules, then each cell loop runs as one native program when its
 lowered body compiles to one. The remaining quantize/dequantize nodes become native ones,
 and the module keeps only the tensors its graph still reads, so the reference graph's int8
 weights are not stored twice.
@@ -25,6 +25,7 @@ from quantree.backends.lowering_qdq import (
     lower_matmul,
     lower_movement,
     lower_pointwise,
+    lower_softmax,
     native_quantize_dequantize,
 )
 from quantree.backends.lowering_recurrent import recurrent_rule
@@ -94,6 +95,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_binary,
         lower_matmul,
         lower_pointwise,
+        lower_softmax,
     )
     name = "cpu" if hidden_bits == 8 else f"cpu-h{hidden_bits}"
     body = Backend(f"{name}-body", rules, prepare_module=finish)

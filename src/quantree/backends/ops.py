@@ -6,14 +6,15 @@ float scales), have fake implementations, and so survive ``torch.export`` and
 them, nothing else of quantree is needed to run a loaded model.
 """
 
-from quantree.backends.ops_elementwise import binary, dequantize, lookup, quantize
-from quantree.backends.ops_gemm import conv2d, linear, matmul
+from quantree.backends.ops_elementwise import binary, dequantize, lookup, quantize, softmax
+from quantree.backends.ops_gemm import conv1d, conv2d, linear, matmul
 from quantree.backends.ops_rnn import PER_LAYER, RNN_KINDS, rnn
 
 __all__ = [
     "PER_LAYER",
     "RNN_KINDS",
     "binary",
+    "conv1d",
     "conv2d",
     "dequantize",
     "linear",
@@ -21,4 +22,5 @@ __all__ = [
     "matmul",
     "quantize",
     "rnn",
+    "softmax",
 ]

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import Tensor
 
 from quantree.backends.native import library, ptr
-from quantree.backends.ops_gemm import native_function
 from quantree.backends.registry import dense, op
 
 
@@ -131,10 +128,6 @@ def _(kind, a, b, a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_z
     return torch.empty_like(same_layout(a, b)[0])
 
 
-SOFTMAX = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
-           ctypes.c_float, ctypes.c_void_p)  # fmt: skip
-
-
 @op("softmax(Tensor x, Tensor exp_table, float out_scale, int out_zero_point) -> Tensor")
 def softmax(x: Tensor, exp_table: Tensor, out_scale: float, out_zero_point: int) -> Tensor:
     """int8 softmax over the last dimension; ``exp_table[d] = exp(-d * x_scale)``, d in 0..255.
@@ -146,7 +139,7 @@ def softmax(x: Tensor, exp_table: Tensor, out_scale: float, out_zero_point: int)
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.int8)
     cols = x.shape[-1]
-    native_function("qt_softmax", SOFTMAX)(
+    library().qt_softmax(
         ptr(x), x.numel() // cols if cols else 0, cols, ptr(exp_table), 1.0 / out_scale,
         float(out_zero_point), ptr(out),
     )  # fmt: skip

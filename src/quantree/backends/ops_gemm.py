@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -60,24 +56,6 @@ def conv2d_shape(
     return n, out_channels, oh, ow
 
 
-I64, F32, PTR, INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-CONV_GROUPED = (PTR, *[I64] * 18, *[PTR] * 6, F32, F32, INT)
-CONV_DEPTHWISE = (PTR, *[I64] * 15, *[PTR] * 6, F32, F32, INT)
-
-
-@functools.cache
-def native_function(symbol: str, argtypes: tuple[type, ...]) -> Any:
-    """A kernel of the native library with its argument types, set once.
-
-    (``native.SIGNATURES`` types the kernels every build had; these are typed next to the
-    ops that call them.)
-    """
-    fn = getattr(library(), symbol)
-    fn.argtypes = list(argtypes)
-    fn.restype = None
-    return fn
-
-
 def is_depthwise(in_channels: int, out_channels: int, groups: int) -> bool:
     """One input and one output channel per group: the direct kernel, weight ``[taps, C]``.
 
@@ -126,12 +104,12 @@ def conv2d(
     requant = (ptr(offset), ptr(scale), ptr(bias), out_q, out_f, inverse(out_scale),
                float(out_zero_point), int(relu))  # fmt: skip
     if is_depthwise(c, out_channels, groups):
-        native_function("qt_conv2d_depthwise", CONV_DEPTHWISE)(
+        library().qt_conv2d_depthwise(
             ptr(x), n, c, h, w, x_zero_point, *kernel, *stride, *padding[:2], *dilation,
             shape[2], shape[3], ptr(weight), *requant,
         )  # fmt: skip
     else:
-        native_function("qt_conv2d_grouped", CONV_GROUPED)(
+        library().qt_conv2d_grouped(
             ptr(x), n, c, h, w, x_zero_point, out_channels, groups, *kernel, *stride,
             *padding[:2], *dilation, shape[2], shape[3], packed_depth(weight), ptr(weight),
             *requant,
