@@ -70,6 +70,40 @@ static inline void flip_copy(uint8_t* dst, const int8_t* src, int64_t n) {
     for (; c < n; ++c) dst[c] = static_cast<uint8_t>(src[c] ^ 0x80);
 }
 
+// im2col without groups and with unit horizontal dilation: the KW taps of a kernel row that
+// lies inside the input are KW * C consecutive bytes of the NHWC input, copied at once (a
+// first layer with 3 channels otherwise pays per 3-byte tap).
+static void im2col_rows(const int8_t* x, const ConvGeometry& g, int64_t p0, int64_t rows,
+                        uint8_t pad, uint8_t* col, int64_t Kp) {
+    const int64_t run = g.KW * g.C, K = g.KH * run;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t p = p0 + r, n = p / (g.OH * g.OW), oh = (p / g.OW) % g.OH, ow = p % g.OW;
+        const int64_t ih0 = oh * g.sh - g.ph, iw0 = ow * g.sw - g.pw;
+        const bool row_inside = iw0 >= 0 && iw0 + g.KW <= g.W;
+        uint8_t* dst = col + r * Kp;
+        for (int64_t i = 0; i < g.KH; ++i, dst += run) {
+            const int64_t ih = ih0 + i * g.dh;
+            if (ih < 0 || ih >= g.H) {
+                std::memset(dst, pad, static_cast<size_t>(run));
+                continue;
+            }
+            const int8_t* line = x + (n * g.H + ih) * g.W * g.C;
+            if (row_inside) {
+                flip_copy(dst, line + iw0 * g.C, run);
+                continue;
+            }
+            for (int64_t j = 0; j < g.KW; ++j) {
+                const int64_t iw = iw0 + j;
+                if (iw < 0 || iw >= g.W)
+                    std::memset(dst + j * g.C, pad, static_cast<size_t>(g.C));
+                else
+                    flip_copy(dst + j * g.C, line + iw * g.C, g.C);
+            }
+        }
+        std::memset(col + r * Kp + K, 0, static_cast<size_t>(Kp - K));
+    }
+}
+
 // Rows [p0, p0 + rows) of the channels-last im2col, group-major: row r holds, for each
 // group in turn, (kh, kw, c) of its Cg channels at output pixel p0 + r as uint8 (x + 128),
 // zero padded to Kp; padding taps read the zero point. One GEMM per group then reads its
@@ -77,6 +111,10 @@ static inline void flip_copy(uint8_t* dst, const int8_t* src, int64_t n) {
 static void im2col(const int8_t* x, const int8_t* x_end, const ConvGeometry& g, int64_t groups,
                    int64_t p0, int64_t rows, uint8_t pad, uint8_t* col, int64_t Kp) {
     const int64_t taps = g.KH * g.KW, Cg = g.C / groups, K = taps * Cg;
+    if (groups == 1 && g.dw == 1) {  // a kernel row inside the input is one contiguous run
+        im2col_rows(x, g, p0, rows, pad, col, Kp);
+        return;
+    }
     std::vector<int64_t> offset(static_cast<size_t>(taps));
     for (int64_t r = 0; r < rows; ++r) {
         g.taps(p0 + r, offset.data());
