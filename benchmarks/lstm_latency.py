@@ -6,14 +6,15 @@ Columns: float ``nn.LSTM``; PyTorch dynamic int8 (``quantize_dynamic``); PyTorch
 static int8 (the custom-module flow through ``torch.ao.nn.quantizable.LSTM``); quantree
 whole mode lowered to ``quantree.backends.CPU`` (int8 hidden-state feedback, the default)
 and to ``cpu_backend(hidden_bits=16)`` (int16 feedback); quantree cells mode lowered to
-CPU (``n/a`` if this quantree has no cells mode); ONNX Runtime dynamic int8 when
-``onnxruntime`` is installed.
+CPU, int8 everywhere and the integer-LSTM recipe (``i16``: int16 cell state and gates);
+ONNX Runtime dynamic int8 when ``onnxruntime`` is installed.
 Ratios are to float ``nn.LSTM`` measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import sys
 import tempfile
@@ -39,6 +40,7 @@ COLUMNS = [
     "quantree whole",
     "quantree whole h16",
     "quantree cells",
+    "quantree cells i16",
     "onnxruntime dynamic",
 ]
 
@@ -132,11 +134,15 @@ def variants(shape: tuple[int, int, int, int, int]) -> dict[str, Callable[[], ob
         "quantree whole": lambda: whole(x),
         "quantree whole h16": lambda: whole16(x),
     }
-    mode = getattr(qt, "RecurrentMode", None)
-    if mode is not None:
-        cells_quantizer = qt.Int8Quantizer(recurrent=mode.CELLS)  # type: ignore[call-arg]
-        cells = qt.lower(qt.convert(calibrated(model, x, calib, cells_quantizer)), CPU)
-        out["quantree cells"] = lambda: cells(x)
+    cells = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
+    integer = qt.Int8Quantizer(
+        recurrent=qt.RecurrentMode.CELLS,
+        cell_state_dtype=qt.QDtype.INT16,
+        gate_dtype=qt.QDtype.INT16,
+    )
+    for name, quantizer in (("quantree cells", cells), ("quantree cells i16", integer)):
+        lowered = qt.lower(qt.convert(calibrated(model, x, calib, quantizer)), CPU)
+        out[name] = functools.partial(lowered, x)
     ort = onnxruntime_dynamic(model, x)
     if ort is not None:
         out["onnxruntime dynamic"] = ort
@@ -161,7 +167,6 @@ def main() -> None:
         rows.append((label, interleaved_medians(variants(shape), args.runs)))
         print(f"measured {label}", file=sys.stderr)
     columns = [c for c in COLUMNS if any(c in ms for _, ms in rows)]
-    columns += [c for c in COLUMNS if c not in columns and c == "quantree cells"]
     print(table("LSTM (1 thread, median ms, ratio to float)", columns, rows))
     print(f"\n{load_note()}; torch {torch.__version__}; {args.runs} interleaved rounds")
 
