@@ -58,25 +58,30 @@ def test_lstm_float_parity(bias, batch_first, bidirectional, split):
         assert _max_diff(model(x, (h0, c0)), with_state(x, (h0, c0))) < 1e-5
 
 
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: nn.LSTM(12, 8, num_layers=2, proj_size=4, bidirectional=True),
-        lambda: nn.GRU(12, 8, num_layers=2, bidirectional=True, batch_first=True),
-        lambda: nn.GRU(12, 8, num_layers=2, bias=False),
-        lambda: nn.RNN(12, 8, num_layers=2, bidirectional=True),
-        lambda: nn.RNN(12, 8, nonlinearity="relu", batch_first=True, bias=False),
-    ],
-    ids=["lstm-proj", "gru-bi-bf", "gru-nobias", "rnn-bi", "rnn-relu-bf"],
-)
-def test_float_parity_proj_gru_rnn(make, split):
+LAYERS = {
+    "lstm-proj": lambda **kw: nn.LSTM(12, 8, num_layers=2, proj_size=4, **kw),
+    "gru": lambda **kw: nn.GRU(12, 8, num_layers=2, **kw),
+    "rnn-tanh": lambda **kw: nn.RNN(12, 8, num_layers=2, **kw),
+    "rnn-relu": lambda **kw: nn.RNN(12, 8, num_layers=2, nonlinearity="relu", **kw),
+}
+
+
+@pytest.mark.parametrize("layer", LAYERS, ids=LAYERS.keys())
+@pytest.mark.parametrize(("bias", "batch_first", "bidirectional", "split"), COMBOS, ids=IDS)
+def test_float_parity_proj_gru_rnn(layer, bias, batch_first, bidirectional, split):
+    """Every combination, without and with initial states (output and every final state)."""
     torch.manual_seed(0)
-    model = make().eval()
+    model = LAYERS[layer](bias=bias, batch_first=batch_first, bidirectional=bidirectional)
+    model.eval()
     x = torch.randn(5, 3, 12)
     decomposed = _prepare(model, (x,), decompose_only(split))
+    directions = 2 if bidirectional else 1
+    h0 = torch.randn(2 * directions, 5 if batch_first else 3, 4 if layer == "lstm-proj" else 8)
+    state = (h0, torch.randn(2 * directions, h0.shape[1], 8)) if layer == "lstm-proj" else h0
+    with_state = _prepare(model, (x, state), decompose_only(split))
     with torch.no_grad():
         assert _max_diff(model(x), decomposed(x)) < 1e-5
+        assert _max_diff(model(x, state), with_state(x, state)) < 1e-5
 
 
 def _quantized(model, data, quantizer):
