@@ -76,8 +76,18 @@ static inline void flip_copy(uint8_t* dst, const int8_t* src, int64_t n) {
 static void im2col_rows(const int8_t* x, const ConvGeometry& g, int64_t p0, int64_t rows,
                         uint8_t pad, uint8_t* col, int64_t Kp) {
     const int64_t run = g.KW * g.C, K = g.KH * run;
+    // (n, oh, ow) of pixel p0, then stepped: no divisions per pixel
+    int64_t n = p0 / (g.OH * g.OW), oh = (p0 / g.OW) % g.OH, ow = p0 % g.OW;
     for (int64_t r = 0; r < rows; ++r) {
-        const int64_t p = p0 + r, n = p / (g.OH * g.OW), oh = (p / g.OW) % g.OH, ow = p % g.OW;
+        if (r) {
+            if (++ow == g.OW) {
+                ow = 0;
+                if (++oh == g.OH) {
+                    oh = 0;
+                    ++n;
+                }
+            }
+        }
         const int64_t ih0 = oh * g.sh - g.ph, iw0 = ow * g.sw - g.pw;
         const bool row_inside = iw0 >= 0 && iw0 + g.KW <= g.W;
         uint8_t* dst = col + r * Kp;
