@@ -267,7 +267,7 @@ def test_cells_mode_round_trip(files: dict[str, Path]) -> None:
 @pytest.mark.skipif(
     importlib.util.find_spec("quantree.backends") is None, reason="no CPU backend in this build"
 )
-def test_cpu_backend_round_trip(files: dict[str, Path]) -> None:
+def test_cpu_backend_round_trip(files: dict[str, Path], capsys) -> None:
     from quantree.backends import CPU
 
     out = files["root"] / "cpu.pt2"
@@ -279,3 +279,7 @@ def test_cpu_backend_round_trip(files: dict[str, Path]) -> None:
     loaded = torch.export.load(str(out)).module()
     with torch.no_grad():
         assert torch.equal(loaded(*data[0]), lowered(*data[0]))
+    assert main(["inspect", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "the model is float" not in printed and "integer kernel" in printed
+    assert "0 quantization point(s)" not in printed

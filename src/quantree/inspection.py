@@ -1,7 +1,8 @@
 """inspection: what a quantized graph quantizes and how, read from the graph alone.
 
-Works on any GraphModule with ``quantized_decomposed`` quantize/dequantize ops, including one
-loaded back from a ``.pt2`` file (no quantree metadata needed): each quantization point with
+Works on any GraphModule with ``quantized_decomposed`` quantize/dequantize ops, or with the
+native int8 ones of ``quantree.backends.CPU``, including one loaded back from a ``.pt2`` file
+(no quantree metadata needed): each quantization point with
 its dtype, range and scale/zero-point (or per-channel axis), then every compute op with how
 many of its float inputs and outputs go through q/dq, so the ops left in float stand out.
 """
@@ -19,6 +20,26 @@ from quantree.values import is_getitem, leaves_with_paths
 
 qd = torch.ops.quantized_decomposed
 _PER_CHANNEL = (qd.quantize_per_channel.default, qd.dequantize_per_channel.default)
+# The CPU backend's own int8 quantize/dequantize: (x, scale, zero_point), range [-128, 127].
+# Matched by name so that inspecting a file never needs the native kernels built.
+_NATIVE_QUANTIZE, _NATIVE_DEQUANTIZE = "quantree.quantize.default", "quantree.dequantize.default"
+
+
+def _is_quantize(node: fx.Node) -> bool:
+    return node.target in QUANTIZE_OPS or str(node.target) == _NATIVE_QUANTIZE
+
+
+def _is_dequantize(node: fx.Node) -> bool:
+    return node.target in DEQUANTIZE_OPS or str(node.target) == _NATIVE_DEQUANTIZE
+
+
+def _bounds(node: fx.Node) -> tuple[int, int, str]:
+    """(quant_min, quant_max, dtype) of a quantize or dequantize node."""
+    if str(node.target) in (_NATIVE_QUANTIZE, _NATIVE_DEQUANTIZE):
+        return -128, 127, "int8"
+    bounds: Any = node.args[4:7] if node.target in _PER_CHANNEL else node.args[3:6]
+    qmin, qmax, dtype = bounds
+    return int(qmin), int(qmax), str(dtype).replace("torch.", "")
 
 
 @dataclass(frozen=True)
@@ -102,19 +123,19 @@ def quant_points(gm: fx.GraphModule) -> list[QuantPoint]:
     output)."""
     points = []
     for node in gm.graph.nodes:
-        if node.target in QUANTIZE_OPS:
+        if _is_quantize(node):
             source = node.args[0]
             assert isinstance(source, fx.Node)
             tensor, constant = tensor_name(source), False
-            readers = [u for u in node.users if u.target not in DEQUANTIZE_OPS]
+            readers = [u for u in node.users if not _is_dequantize(u)]
             read_by = [f"{u.name} (integer)" for u in readers]
             for dq in node.users:
-                if dq.target in DEQUANTIZE_OPS:
+                if _is_dequantize(dq):
                     read_by.extend(_consumers(dq))
-        elif node.target in DEQUANTIZE_OPS:
+        elif _is_dequantize(node):
             source = node.args[0]
             assert isinstance(source, fx.Node)
-            if source.target in QUANTIZE_OPS:
+            if _is_quantize(source):
                 continue  # listed with its quantize
             constant = source.op == "get_attr"
             if constant:
@@ -126,17 +147,9 @@ def quant_points(gm: fx.GraphModule) -> list[QuantPoint]:
             read_by = list(_consumers(node))
         else:
             continue
-        qmin, qmax, dtype = node.args[4:7] if node.target in _PER_CHANNEL else node.args[3:6]
+        qmin, qmax, dtype = _bounds(node)
         points.append(
-            QuantPoint(
-                tensor,
-                tuple(read_by),
-                str(dtype).replace("torch.", ""),
-                int(qmin),  # type: ignore[call-overload]
-                int(qmax),  # type: ignore[call-overload]
-                _scheme(gm, node),
-                constant,
-            )
+            QuantPoint(tensor, tuple(read_by), dtype, qmin, qmax, _scheme(gm, node), constant)
         )
     return points
 
@@ -154,7 +167,7 @@ def op_statuses(gm: fx.GraphModule) -> list[OpStatus]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or is_getitem(node):
             continue
-        if node.target in QUANTIZE_OPS or node.target in DEQUANTIZE_OPS:
+        if _is_quantize(node) or _is_dequantize(node):
             continue
         namespace = getattr(node.target, "namespace", "")
         lowered = namespace not in ("", "aten", "quantized_decomposed", "prims")
@@ -164,11 +177,9 @@ def op_statuses(gm: fx.GraphModule) -> list[OpStatus]:
             for _, leaf in leaves_with_paths(root)
             if isinstance(leaf, fx.Node)
         ]
-        in_q = sum(1 for a in inputs if a.target in DEQUANTIZE_OPS)
+        in_q = sum(1 for a in inputs if _is_dequantize(a))
         in_f = sum(
-            1
-            for a in inputs
-            if a.target not in DEQUANTIZE_OPS and a.op != "get_attr" and _is_float_value(a)
+            1 for a in inputs if not _is_dequantize(a) and a.op != "get_attr" and _is_float_value(a)
         )
         in_f += sum(
             1
@@ -179,7 +190,7 @@ def op_statuses(gm: fx.GraphModule) -> list[OpStatus]:
         )
         carriers = [node] if not any(is_getitem(u) for u in node.users) else _leaves(node)
         float_carriers = [c for c in carriers if _is_float_value(c)]
-        out_q = sum(1 for c in float_carriers if any(u.target in QUANTIZE_OPS for u in c.users))
+        out_q = sum(1 for c in float_carriers if any(_is_quantize(u) for u in c.users))
         rows.append(
             OpStatus(
                 node.name,
@@ -228,7 +239,7 @@ def summary(gm: fx.GraphModule, title: str = "model") -> str:
                 f"  {p.tensor:<{tw}}  {p.dtype:<6} [{p.quant_min}, {p.quant_max}]  {p.scheme}"
                 f"  -> {', '.join(p.read_by) or '(unused)'}"
             )
-    else:
+    elif not any(op.lowered for op in ops):
         lines += ["", "no quantize/dequantize ops: the model is float"]
     if ops:
         lines += ["", "ops:"]
