@@ -80,7 +80,8 @@ def build_without_ninja(name: str) -> Path:
     digest = hashlib.sha256(repr(FLAGS).encode())
     for source in (*SOURCES, *HEADERS):
         digest.update((CSRC / source).read_bytes())
-    root = Path(cpp_extension.get_default_build_root()) / f"{name}_{digest.hexdigest()[:12]}"
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    root = Path(cache) / f"{name}_{digest.hexdigest()[:12]}"
     target = root / f"{name}.so"
     if not target.exists():
         root.mkdir(parents=True, exist_ok=True)
