@@ -315,3 +315,42 @@ def test_elementwise_ops_keep_dense_layouts(make: Callable[[], torch.Tensor], ke
         assert out.stride() == a.stride() and looked_up.stride() == a.stride()
     else:
         assert out.is_contiguous() and looked_up.is_contiguous()
+
+
+# --- max pooling -----------------------------------------------------------------------------
+
+POOLS = {
+    "lenet": (lambda: nn.Sequential(
+        nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(400, 10)), (2, 3, 32, 32)),
+    "padded-ceil": (lambda: nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True)), (1, 3, 31, 31)),
+    "dilated": (lambda: nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, dilation=2)), (1, 3, 17, 17)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("factory", "shape"), POOLS.values(), ids=POOLS.keys())
+def test_max_pool_after_conv_is_native(factory, shape):
+    """ATen has no channels-last int8 max pooling: the native one pools the conv's output."""
+    ref, low, data = lowered(factory(), shape)
+    assert native.max_pool2d.default in targets(low)
+    assert aten.max_pool2d.default not in targets(low)
+    assert_matches(ref, low, data, exact=False)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "padding", "dilation", "ceil_mode"),
+    [([2, 2], [2, 2], [0, 0], [1, 1], False), ([3, 3], [2, 2], [1, 1], [1, 1], True),
+     ([3, 2], [1, 2], [1, 0], [2, 1], False)],
+)  # fmt: skip
+def test_native_max_pool_equals_aten(kernel, stride, padding, dilation, ceil_mode):
+    torch.manual_seed(0)
+    x = torch.randint(-128, 128, (2, 19, 13, 11), dtype=torch.int8)
+    want = F.max_pool2d(x.float(), kernel, stride, padding, dilation, ceil_mode).to(torch.int8)
+    got = native.max_pool2d(
+        x.contiguous(memory_format=torch.channels_last), kernel, stride, padding, dilation,
+        ceil_mode,
+    )  # fmt: skip
+    assert torch.equal(want, got)

@@ -1,11 +1,11 @@
 """``CPU``: the native int8 backend (VNNI kernels built on first use).
 
 Rules, tried in order at each node: whole recurrent layers, linear(+relu), conv(+relu),
-int8 data movement, int8 add/mul/sub/matmul, pointwise tables, softmax. Cells-mode cell
-bodies are lowered with the same rules, then each cell loop runs as one native program when its
-lowered body compiles to one. The remaining quantize/dequantize nodes become native ones,
-and the module keeps only the tensors its graph still reads, so the reference graph's int8
-weights are not stored twice.
+int8 data movement and max pooling, int8 add/mul/sub/matmul, pointwise tables, softmax.
+Cells-mode cell bodies are lowered with the same rules, then each cell loop runs as one
+native program when its lowered body compiles to one. The remaining quantize/dequantize
+nodes become native ones, and the module keeps only the tensors its graph still reads, so
+the reference graph's int8 weights are not stored twice.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from quantree.backends.lowering_linear import lower_conv2d, lower_linear
 from quantree.backends.lowering_qdq import (
     lower_binary,
     lower_matmul,
+    lower_max_pool,
     lower_movement,
     lower_pointwise,
     lower_softmax,
@@ -92,6 +93,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_linear,
         lower_conv2d,
         lower_movement,
+        lower_max_pool,
         lower_binary,
         lower_matmul,
         lower_pointwise,

@@ -34,8 +34,40 @@ MOVEMENT = (
     aten.transpose.int,
     aten.squeeze.dim,
     aten.unsqueeze.default,
-    aten.max_pool2d.default,
 )
+
+
+def lower_max_pool(ctx: LoweringContext, node: fx.Node) -> bool:
+    """``max_pool2d`` of int8 values on one grid (its output shares its input's parameters)."""
+    if node.target is not aten.max_pool2d.default:
+        return False
+    x = activation(ctx, node.args[0])
+    q = ctx.quantized_output(node)
+    if x is None or q is None or not is_int8_per_tensor(q.params):
+        return False
+    if (float(q.params.scale), int(q.params.zero_point)) != (x.scale, x.zero_point):
+        return False
+    if len(node.meta["val"].shape) != 4:
+        return False  # an unbatched [C, H, W] input stays with ATen
+    args: Any = [*node.args, *([None] * 6)][:6]
+    kernel = _pair(args[1])
+    stride = _pair(args[2]) if args[2] else kernel
+    padding, dilation = _pair(args[3] or 0), _pair(args[4] or 1)
+    with ctx.gm.graph.inserting_before(node):
+        pooled = ctx.gm.graph.call_function(
+            torch.ops.quantree.max_pool2d.default,
+            (x.node, kernel, stride, padding, dilation, bool(args[5])),
+        )
+    pooled.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    q.node.replace_all_uses_with(pooled)
+    ctx.gm.graph.erase_node(q.node)
+    ctx.gm.graph.erase_node(node)
+    return True
+
+
+def _pair(value: Any) -> list[int]:
+    values = list(value) if isinstance(value, list | tuple) else [value]
+    return [int(v) for v in (values * 2 if len(values) == 1 else values)]
 
 
 def lower_movement(ctx: LoweringContext, node: fx.Node) -> bool:

@@ -20,7 +20,7 @@ import torch
 from torch.utils import cpp_extension
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp", "cells.cpp")
+SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp", "cells.cpp", "pool.cpp")
 HEADERS = ("qt_kernels.h", "qt_vmath.h")
 CHANNELS_LAST = torch.channels_last
 MARCH = os.environ.get("QUANTREE_NATIVE_MARCH", "native")
@@ -35,6 +35,7 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_conv2d_grouped": [_ptr, *[_i64] * 18, *[_ptr] * 6, _f32, _f32, _int],
     "qt_conv2d_depthwise": [_ptr, *[_i64] * 15, *[_ptr] * 6, _f32, _f32, _int],
     "qt_softmax": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr],
+    "qt_max_pool2d": [_ptr, *[_i64] * 14, _ptr],
     "qt_binary": [_int, _ptr, _ptr, _i64, _f32, _f32, _f32, _f32, _f32, _f32, _ptr],
     "qt_lookup": [_ptr, _i64, _ptr, _ptr],
     "qt_matmul": [_ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _f32, _f32, _ptr, _ptr, _f32, _f32],

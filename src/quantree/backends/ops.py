@@ -8,6 +8,7 @@ them, nothing else of quantree is needed to run a loaded model.
 
 from quantree.backends.ops_elementwise import binary, dequantize, lookup, quantize, softmax
 from quantree.backends.ops_gemm import conv1d, conv2d, linear, matmul
+from quantree.backends.ops_pool import max_pool2d
 from quantree.backends.ops_rnn import PER_LAYER, RNN_KINDS, rnn
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "linear",
     "lookup",
     "matmul",
+    "max_pool2d",
     "quantize",
     "rnn",
     "softmax",
