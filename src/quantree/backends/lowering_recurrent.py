@@ -33,7 +33,7 @@ from quantree.backends.patterns import (
 )
 from quantree.errors import QuantreeError
 from quantree.recurrent import RecurrentCall
-from quantree.values import arg_at
+from quantree.values import Path, arg_at
 
 aten = torch.ops.aten
 RECURRENT = (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
@@ -50,6 +50,53 @@ def inner_params(ranges: list[tuple[float, float]]) -> tuple[float, int]:
     scale = max(hi - lo, 1e-8) / 255.0
     zero_point = int(max(-128, min(127, round(-128 - lo / scale))))
     return scale, zero_point
+
+
+def _hidden_ranges(
+    ctx: LoweringContext,
+    node: fx.Node,
+    call: RecurrentCall,
+    output: tuple[float, int],
+    initial: tuple[float, int],
+) -> list[tuple[float, float]]:
+    """Ranges the grid of the layers before the last must cover: all their hidden states.
+
+    The last layer's states are observed (its output) and so is the initial state; the
+    states of the others were never observed, so their grid also covers a
+    bound that holds for any input: |h| < 1 for an LSTM and a tanh RNN, max(1, |h0|) for a
+    GRU (a convex mix of tanh and the previous state), the largest row L1 norm of W_hr for a
+    projected LSTM (|o * tanh(c)| < 1). A stacked ReLU RNN has no such bound and is not
+    lowered.
+    """
+    ranges = _observed_ranges(call, output, initial)
+    if call.num_layers == 1:
+        return ranges
+    projected = any(p.w_hr is not None for p in call.layers)
+    if projected:
+        bound = max(_projection_bound(ctx, node, p.w_hr) for p in call.layers if p.w_hr)
+    elif call.kind == "gru":
+        bound = max(1.0, *(abs(v) for v in _range(*initial)))
+    else:
+        bound = 1.0
+    return [*ranges, (-bound, bound)]
+
+
+def _observed_ranges(
+    call: RecurrentCall, output: tuple[float, int], initial: tuple[float, int]
+) -> list[tuple[float, float]]:
+    """The last layer's hidden states: its observed output and the initial state."""
+    ranges = [_range(*output), _range(*initial)]
+    projected = any(p.w_hr is not None for p in call.layers)
+    if call.kind in BOUNDED and not projected:  # a wide initial state must not widen the grid
+        ranges = [(max(lo, -1.0), min(hi, 1.0)) for lo, hi in ranges]
+    return ranges
+
+
+def _projection_bound(ctx: LoweringContext, node: fx.Node, path: Path) -> float:
+    w_hr = weight(ctx, arg_at(node, path))
+    assert w_hr is not None
+    values = w_hr.values.float() * w_hr.scale.reshape(-1, 1)
+    return float(values.abs().sum(1).max())
 
 
 def _range(scale: float, zero_point: int) -> tuple[float, float]:
@@ -125,13 +172,14 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     assert c0 is not None
     y = outputs[0].params
     y_s, y_z = float(y.scale), int(y.zero_point)
-    ranges = [_range(y_s, y_z), _range(h0.scale, h0.zero_point)]
-    if call.kind in BOUNDED:  # |h_t| < 1 for t >= 1: a wide initial state must not widen
-        ranges = [(max(lo, -1.0), min(hi, 1.0)) for lo, hi in ranges]
-    inner = inner_params(ranges)
+    if call.kind == "rnn_relu" and call.num_layers > 1:
+        return False  # no bound on the unobserved layers' states: stays as the reference
     params = _layer_params(ctx, node, call)
     if params is None:
         return False
+    initial = (h0.scale, h0.zero_point)
+    inner = inner_params(_hidden_ranges(ctx, node, call, (y_s, y_z), initial))
+    last = inner_params(_observed_ranges(call, (y_s, y_z), initial))
     first = call.layers[0]
     w_hh = weight(ctx, arg_at(node, first.w_hh))
     assert w_hh is not None
@@ -140,6 +188,7 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     proj_size = 0 if w_hr is None else int(w_hr.values.shape[0])
     qparams = [x.scale, x.zero_point, *inner, y_s, y_z, h0.scale, h0.zero_point, c0.scale]
     qparams += [c0.zero_point, max(abs(v) for v in _range(*inner)) / 32767.0]
+    qparams += [*last, max(abs(v) for v in _range(*last)) / 32767.0]
     hx = [s.node for s in states if s is not None]
     graph = ctx.gm.graph
     with graph.inserting_before(node):

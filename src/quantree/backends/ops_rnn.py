@@ -35,16 +35,20 @@ def rnn(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A whole int8 LSTM/GRU/RNN: ``(output, h_n, c_n)``, all int8 (``c_n`` empty if no cell).
 
-    ``qparams``: (scale, zero point) of the input, the inner int8 grid (outputs passed
-    between layers), the output, the h state, the c state, then the scale of the hidden state
-    fed back: on the inner grid when ``hidden_bits`` is 8, symmetric int16 when 16.
+    ``qparams``: (scale, zero point) of the input, the inner int8 grid (where the hidden
+    states of the layers before the last lie), the output, the h state, the c state, the
+    int16 step of the inner grid, then the last layer's grid and its int16 step. The hidden
+    state fed back is requantized on its layer's grid: int8 when ``hidden_bits`` is 8,
+    symmetric int16 when 16 (and always for the layers before the last). Outputs passed
+    between stacked layers are quantized per call on their own range.
     ``params``: per layer and direction, ``w_ih, rowsum_ih, scale_ih, b_ih`` and the same for
     ``hh``: packed int8 weights, their int32 row sums, per-channel scales, float biases;
     with ``proj_size``, then ``w_hr, rowsum_hr, scale_hr``.
     """
-    x_s, x_z, inner_s, inner_z, y_s, y_z, h_s, h_z, c_s, c_z, fb_s = qparams
+    x_s, x_z, inner_s, inner_z, y_s, y_z, h_s, h_z, c_s, c_z, inner_fb, last_s, last_z, last_fb = (
+        qparams
+    )
     wide = hidden_bits == 16
-    fb_s, fb_z = (fb_s, 0.0) if wide else (inner_s, inner_z)
     lib, code, dirs = library(), RNN_KINDS[kind], 2 if bidirectional else 1
     inp = (x.transpose(0, 1) if batch_first else x).contiguous()
     steps, batch = inp.shape[0], inp.shape[1]
@@ -52,11 +56,19 @@ def rnn(
     c = dequantize(hx[1], c_s, int(c_z)).contiguous() if kind == "lstm" else None
     per_layer = PER_LAYER + (PER_PROJECTION if proj_size else 0)
     width = proj_size or hidden  # of the hidden state and the output
+    in_s, in_z = x_s, x_z
     for layer in range(num_layers):
         last = layer == num_layers - 1
-        out_s, out_z = (y_s, y_z) if last else (inner_s, inner_z)
-        in_s, in_z = (x_s, x_z) if layer == 0 else (inner_s, inner_z)
-        y = torch.empty(steps, batch, dirs * width, dtype=torch.int8)
+        # the last layer writes int8 on the output's grid; the others float, quantized
+        # below on the range they actually took (never observed, so not known in advance)
+        y = torch.empty(steps, batch, dirs * width, dtype=torch.int8 if last else torch.float32)
+        out_q, out_f = (y.data_ptr(), None) if last else (None, y.data_ptr())
+        grid = (last_s, last_z, last_fb) if last else (inner_s, inner_z, inner_fb)
+        grid_s, grid_z, grid_fb = grid
+        # the layers before the last feed back int16 whatever hidden_bits says: their grid is
+        # a bound on states never observed, too coarse for int8 where the states are small
+        layer_wide = wide or not last
+        fb_s, fb_z = (grid_fb, 0.0) if layer_wide else (grid_s, grid_z)
         for d in range(dirs):
             i = layer * dirs + d
             layer_params = params[i * per_layer : (i + 1) * per_layer]
@@ -66,14 +78,27 @@ def rnn(
                 code, steps, batch, inp.shape[2], hidden, d, ptr(inp), in_s, in_z, ptr(w_ih),
                 packed_depth(w_ih), ptr(sum_ih), ptr(sc_ih), ptr(b_ih), ptr(w_hh),
                 packed_depth(w_hh), ptr(sum_hh), ptr(sc_hh), ptr(b_hh), h_s, h_z, fb_s, fb_z,
-                int(wide), y.data_ptr() + d * width, dirs * width, out_s, out_z, ptr(h[i]),
+                int(layer_wide), out_q and out_q + d * width, dirs * width, y_s, y_z, ptr(h[i]),
                 None if c is None else ptr(c[i]), ptr(w_hr), proj_size, ptr(sum_hr), ptr(sc_hr),
+                out_f and out_f + 4 * d * width,
             )  # fmt: skip
-        inp = y
+        if last:
+            inp = y
+        else:
+            in_s, in_z = _grid_of(y)
+            inp = quantize(y, in_s, in_z)
     out = inp.transpose(0, 1).contiguous() if batch_first else inp
     h_n = quantize(h, h_s, int(h_z))
     c_n = quantize(c, c_s, int(c_z)) if c is not None else x.new_empty((0,))
     return out, h_n, c_n
+
+
+def _grid_of(values: Tensor) -> tuple[float, int]:
+    """int8 affine (scale, zero point) covering ``values`` and zero."""
+    lo, hi = torch.aminmax(values)
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    scale = max(hi - lo, 1e-8) / 255.0
+    return scale, int(max(-128, min(127, round(-128 - lo / scale))))
 
 
 @torch.library.register_fake("quantree::rnn")

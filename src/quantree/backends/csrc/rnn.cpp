@@ -42,7 +42,7 @@ inline __m512i vquant(__m512 h, float inv, float zp) {
 // With a projection (raw != null) the LSTM's o * tanh(c) goes to raw, and emit() writes
 // the projected hidden state once W_hr has been applied to every row.
 void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, uint8_t* hu8,
-          int8_t* y, float* raw) {
+          int8_t* y, float* yf, float* raw) {
     const int64_t H = s.H;
     for (int64_t j = 0; j < H; j += 16) {
         const __mmask16 m = H - j >= 16 ? static_cast<__mmask16>(0xFFFF)
@@ -89,14 +89,17 @@ void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, u
                 _mm512_add_epi32(vquant(hv, s.h_inv, s.h_zp), _mm512_set1_epi32(128));
             _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hq);
         }
-        _mm512_mask_cvtsepi32_storeu_epi8(y + j, m, vquant(hv, s.y_inv, s.y_zp));
+        if (yf)
+            _mm512_mask_storeu_ps(yf + j, m, hv);
+        else
+            _mm512_mask_cvtsepi32_storeu_epi8(y + j, m, vquant(hv, s.y_inv, s.y_zp));
     }
 }
 #else
 inline float sig(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, uint8_t* hu8,
-          int8_t* y, float* raw) {
+          int8_t* y, float* yf, float* raw) {
     const int64_t H = s.H;
     for (int64_t j = 0; j < H; ++j) {
         auto pre = [&](int64_t g) { return gx[g * H + j] + gh[g * H + j]; };
@@ -127,13 +130,17 @@ void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, u
             hu8[j] = static_cast<uint8_t>(
                 qt::quantize_value(hv, s.h_inv, s.h_zp, -128.0f, 127.0f) + 128.0f);
         }
-        y[j] = static_cast<int8_t>(qt::quantize_value(hv, s.y_inv, s.y_zp, -128.0f, 127.0f));
+        if (yf)
+            yf[j] = hv;
+        else
+            y[j] = static_cast<int8_t>(qt::quantize_value(hv, s.y_inv, s.y_zp, -128.0f, 127.0f));
     }
 }
 #endif
 
 // A projected hidden row: the float state, the feedback operand and the output.
-void emit(const Step& s, const float* hv, int64_t P, float* h, uint8_t* hu8, int8_t* y) {
+void emit(const Step& s, const float* hv, int64_t P, float* h, uint8_t* hu8, int8_t* y,
+          float* yf) {
     for (int64_t j = 0; j < P; ++j) {
         h[j] = hv[j];
         if (s.lo_offset) {
@@ -145,7 +152,11 @@ void emit(const Step& s, const float* hv, int64_t P, float* h, uint8_t* hu8, int
             hu8[j] = static_cast<uint8_t>(
                 qt::quantize_value(hv[j], s.h_inv, s.h_zp, -128.0f, 127.0f) + 128.0f);
         }
-        y[j] = static_cast<int8_t>(qt::quantize_value(hv[j], s.y_inv, s.y_zp, -128.0f, 127.0f));
+        if (yf)
+            yf[j] = hv[j];
+        else
+            y[j] = static_cast<int8_t>(
+                qt::quantize_value(hv[j], s.y_inv, s.y_zp, -128.0f, 127.0f));
     }
 }
 
@@ -175,6 +186,7 @@ static void quantize_rows(const float* h, int64_t B, int64_t H, float inv, float
 extern "C" {
 
 // x: int8 [T*B, K] time-major (scale x_s, zero point x_z); y: int8 rows of stride y_ld
+// (or, when yf is given, float rows there instead: a layer whose output another layer reads)
 // (already offset to this direction's columns); h/c: float [B, H] initial states,
 // overwritten by the final ones. The first step reads h exactly on the state's own int8
 // grid (h0_s, h0_z); later steps requantize h to the inner grid: int8 (in_s, in_z), or with
@@ -186,7 +198,7 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
                   const float* ws_hh, const float* b_hh, float h0_s, float h0_z, float in_s,
                   float in_z, int wide, int8_t* y, int64_t y_ld, float y_s, float y_z,
                   float* h, float* c, const int8_t* w_hr, int64_t P, const int32_t* colsum_hr,
-                  const float* ws_hr) {
+                  const float* ws_hr, float* yf) {
     const int64_t G = kind == LSTM ? 4 : (kind == GRU ? 3 : 1), N = G * H;
     // Input projection of a chunk of time steps at once, sized to stay in L2.
     const int64_t chunk = std::max<int64_t>(1, (256 * 1024) / (B * N * 4));
@@ -230,7 +242,8 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
             qt::gemm_u8s8(B, N, kp_hh, hu8.data(), kp_hh, w_hh, eh, lo);
             for (int64_t b = 0; b < B; ++b) {
                 cell(s, gx.data() + (local * B + b) * N, gh.data() + b * N, h + b * HS,
-                     c ? c + b * H : nullptr, hu8.data() + b * kp_hh, y + (t * B + b) * y_ld,
+                     c ? c + b * H : nullptr, hu8.data() + b * kp_hh,
+                     yf ? nullptr : y + (t * B + b) * y_ld, yf ? yf + (t * B + b) * y_ld : nullptr,
                      w_hr ? raw.data() + b * H : nullptr);
             }
             if (w_hr) {
@@ -250,7 +263,9 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
                 for (int64_t b = 0; b < B; ++b) {
                     float* row = hp.data() + b * P;
                     for (int64_t j = 0; j < P; ++j) row[j] *= row_scale[b];
-                    emit(s, row, P, h + b * P, hu8.data() + b * kp_hh, y + (t * B + b) * y_ld);
+                    emit(s, row, P, h + b * P, hu8.data() + b * kp_hh,
+                         yf ? nullptr : y + (t * B + b) * y_ld,
+                         yf ? yf + (t * B + b) * y_ld : nullptr);
                 }
             }
         }
