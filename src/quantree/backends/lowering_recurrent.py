@@ -2,15 +2,14 @@
 
 Pattern: ``aten.lstm|gru|rnn_*`` whose input and initial states are read through int8
 dequantize, whose weights are folded int8 and biases folded int32, and whose every used
-output leaf is quantized. Inside, the kernel keeps the cell state in float. Outputs passed
-between stacked layers are int8 on an "inner" grid: the union of the observed output range
-and the state range (whose h_n samples every layer), clipped to [-1, 1] for the kinds whose
-hidden state is provably bounded (LSTM, tanh RNN; not GRU, whose state mixes in h0). The
-hidden state fed back each step is requantized over the same range, to int8 by default
-(36-45 dB against the reference on random models) or to int16 (``hidden_bits=16``:
-single-layer recurrences then match to 55-65 dB; stacked layers stay bounded by the int8
-outputs between layers). The first step reads the initial state on its own int8 grid, as
-the reference does.
+output leaf is quantized. Inside, the kernel keeps the cell state in float. The hidden state
+fed back each step is requantized: for the last layer on the range observed for its output
+and the state (clipped to [-1, 1] where the state is bounded: LSTM, tanh RNN), to int8 by
+default (36-45 dB against the reference on random models) or int16 (``hidden_bits=16``:
+55-65 dB on single layers); for the layers before the last, whose states were never
+observed, as int16 on a bound that holds for any input (``_hidden_ranges``). Outputs passed
+between stacked layers are quantized per call on the range they took. The first step reads
+the initial state on its own int8 grid, as the reference does.
 """
 
 from __future__ import annotations
