@@ -202,3 +202,204 @@ def test_other_errors_keep_their_type_and_gain_the_batch_index():
         qt.calibrate(prepared, [(torch.randn(3, 2, 8),), (torch.randn(3, 2, 6),)], progress=False)
     assert not isinstance(caught.value, qt.QuantreeError)
     assert "raised by calibration batch 1" in caught.value.__notes__
+
+
+aten = torch.ops.aten
+ACT = qt.QuantSpec(qt.QDtype.INT8)
+
+
+def _pool_rule(annotate) -> qt.Quantizer:
+    return qt.Int8Quantizer(rules=(qt.Rule((aten.adaptive_avg_pool2d,), annotate),))
+
+
+class ConvPool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        return torch.nn.functional.adaptive_avg_pool2d(self.conv(x), 1)
+
+
+def _conv_pool() -> torch.fx.GraphModule:
+    return qt.capture(ConvPool().eval(), (torch.randn(2, 3, 8, 8),))
+
+
+def test_per_channel_axis_out_of_range_is_refused_at_prepare():
+    spec = qt.QuantSpec(qt.QDtype.INT8, axis=5)
+    quantizer = _pool_rule(lambda n: qt.Annotation(outputs=ACT, inputs={(0,): spec}))
+    with pytest.raises(
+        qt.QuantreeError, match=r"node adaptive_avg_pool2d .*axis 5 is out of range.*axis=None"
+    ):
+        qt.prepare(_conv_pool(), quantizer)
+
+
+class AddColumn(nn.Module):
+    def forward(self, x, y):
+        return x + y  # [4, 8] + [4, 1]
+
+
+def test_per_channel_group_of_tensors_with_different_channel_counts_is_refused_at_prepare():
+    def add(node):
+        x = qt.Use.of(node, (0,))
+        inputs = {(0,): qt.QuantSpec(qt.QDtype.INT8, axis=1), (1,): qt.SharedSpec(x)}
+        return qt.Annotation(outputs=ACT, inputs=inputs)
+
+    gm = qt.capture(AddColumn(), (torch.randn(4, 8), torch.randn(4, 1)))
+    with pytest.raises(
+        qt.QuantreeError, match=r"node add .*add\.input\[1\].*8 channel\(s\) on axis 1.*has 1"
+    ):
+        qt.prepare(gm, qt.Quantizer([qt.Rule((aten.add.Tensor,), add)]))
+
+
+def test_derived_bias_with_channels_of_another_axis_names_the_bias_at_convert():
+    """Axis 0 of a transposed conv's weight is its input channels: 8 scales for 4 biases."""
+    from test_specs_sharing import UpConv, transposed_conv_rule
+
+    data = batches((2, 8, 4, 4), n=2)
+    prepared = qt.prepare(
+        qt.capture(UpConv().eval(), data[0]), qt.Int8Quantizer(rules=(transposed_conv_rule(0),))
+    )
+    qt.calibrate(prepared, data, progress=False)
+    with pytest.raises(qt.QuantreeError, match=r"node up_bias .*8 channel\(s\) on axis 0.*has 4"):
+        qt.convert(prepared)
+
+
+def test_annotation_input_path_that_does_not_exist_names_the_node_and_the_path():
+    quantizer = _pool_rule(lambda n: qt.Annotation(outputs=ACT, inputs={(5,): ACT}))
+    with pytest.raises(
+        qt.QuantreeError, match=r"node adaptive_avg_pool2d .* no argument at path \[5\]"
+    ):
+        qt.prepare(_conv_pool(), quantizer)
+
+
+@pytest.mark.parametrize(
+    ("derive", "error"),
+    [
+        (lambda ps: None, r"returned NoneType, not QParams"),
+        (lambda ps: ps[0], r"returned int8 parameters, but the spec declares int32"),
+    ],
+)
+def test_derive_function_returning_the_wrong_thing_names_the_node(derive, error):
+    def annotate(node):
+        spec = qt.DerivedSpec((qt.Use.of(node, (0,)),), derive)
+        return qt.Annotation(outputs=spec, inputs={(0,): ACT})
+
+    data = batches((2, 3, 8, 8), n=2)
+    prepared = qt.prepare(_conv_pool(), _pool_rule(annotate))
+    qt.calibrate(prepared, data, progress=False)
+    with pytest.raises(qt.QuantreeError, match=r"\(adaptive_avg_pool2d\) " + error):
+        qt.convert(prepared)
+
+
+class ConvBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def test_graph_captured_in_train_mode_is_refused_with_the_fix():
+    model = ConvBatchNorm().train()
+    x = torch.randn(2, 3, 8, 8)
+    gm = torch.export.export(model, (x,)).module()  # not quantree.capture: stays in train mode
+    with pytest.raises(
+        qt.QuantreeError, match=r"node batch_norm \(aten\.batch_norm\.default\).*model\.eval\(\)"
+    ):
+        qt.prepare(gm, qt.Int8Quantizer())
+    qt.prepare(qt.capture(model, (x,)), qt.Int8Quantizer())  # capture exports in eval mode
+    assert model.training and model.bn.training
+
+
+class Accumulates(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("acc", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.acc.add_(y.detach().mean(0))
+        return y + self.acc
+
+
+def test_buffer_written_in_place_is_not_quantized_as_a_constant():
+    model, data = Accumulates().eval(), batches((2, 4), n=3)
+    gm = qt.capture(model, data[0])
+    with pytest.raises(
+        qt.QuantreeError, match=r"node add_ \(aten\.add_\.Tensor\) writes acc in place.*float"
+    ):
+        qt.prepare(gm, qt.Int8Quantizer())
+    # Left in float, the buffer stays state: calibration and the converted model update
+    # their own copies, never the captured graph's or the model's.
+    float_add = qt.Rule((aten.add_.Tensor,), lambda n: qt.Annotation(outputs=ACT))
+    prepared = qt.prepare(gm, qt.Int8Quantizer(rules=(float_add,)))
+    qt.calibrate(prepared, data, progress=False)
+    ref = qt.convert(prepared)
+    calibrated = prepared.acc.clone()
+    with torch.no_grad():
+        ref(*data[0])
+        once = ref.acc.clone()
+        ref(*data[0])
+    assert not torch.equal(once, ref.acc) and not torch.equal(calibrated, torch.zeros(4))
+    assert torch.equal(prepared.acc, calibrated)
+    assert torch.equal(model.acc, torch.zeros(4)) and torch.equal(gm.acc, torch.zeros(4))
+
+
+def _scope_warnings(gm: torch.fx.GraphModule, quantizer: qt.Quantizer) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qt.prepare(gm, quantizer)
+    return [str(w.message) for w in caught if "matched the rule" in str(w.message)]
+
+
+def test_a_scope_that_matches_no_node_is_named_with_the_scopes_where_its_ops_are():
+    gm = qt.capture(LstmHead().eval(), (torch.randn(3, 2, 8),))
+    cells = qt.RecurrentMode.CELLS
+    (message,) = _scope_warnings(gm, qt.Int8Quantizer(recurrent=cells, cells_scope="nope"))
+    assert "scope 'nope'" in message and "aten.lstm.input" in message
+    assert "occur in scopes 'lstm'" in message
+    wide = qt.Rule((aten.linear,), lambda n: qt.Annotation(outputs=ACT), scope="head")
+    (message,) = _scope_warnings(gm, qt.Int8Quantizer(rules=(wide,)))
+    assert "scope 'head'" in message and "occur in scopes 'fc'" in message
+    # A scope that applies (its GRU-only point rules match nothing) and unscoped rules: quiet.
+    assert not _scope_warnings(gm, qt.Int8Quantizer(recurrent=cells, cells_scope="lstm"))
+    assert not _scope_warnings(gm, qt.Int8Quantizer(recurrent=cells))
+
+
+class DeadRelu(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        with torch.no_grad():
+            self.a.bias.fill_(-100.0)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _vanishing_warnings(model: nn.Module, data: list, quantizer: qt.Quantizer) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(model, data, quantizer)
+    return [str(w.message) for w in caught if "vanishing range" in str(w.message)]
+
+
+def test_groups_whose_calibrated_range_vanished_are_named_in_one_warning():
+    data = batches((4, 8), n=4)
+    (message,) = _vanishing_warnings(DeadRelu().eval(), data, qt.Int8Quantizer())
+    assert "group 0 (relu, linear_1.input[0])" in message and "representative data" in message
+    zeros = [(torch.zeros(4, 8),)] * 3
+    (message,) = _vanishing_warnings(WithErf().eval(), zeros, qt.Int8Quantizer())
+    assert "linear.input[0]" in message
+    assert not _vanishing_warnings(WithErf().eval(), data, qt.Int8Quantizer())
+
+
+def test_vanishing_ranges_of_every_cell_body_share_one_warning():
+    lstm = nn.LSTM(8, 8, bidirectional=True).eval()
+    zeros = [(torch.zeros(3, 2, 8),)] * 2
+    quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
+    (message,) = _vanishing_warnings(lstm, zeros, quantizer)
+    assert "lstm_cells.l0 group" in message and "lstm_cells.l0_reverse group" in message

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import quantree as qt
-from quantree.fold import fold_batch_norm, fold_constants
+from quantree.fold import fold_batch_norm, fold_constants, written_to
 from quantree.graphs import copy_graph_module
 
 from support import assert_prepared_exact, batches, calls, output_sqnrs, qd, run
@@ -129,3 +129,21 @@ def test_batch_norm_after_a_2d_linear_and_a_same_padded_conv_is_folded():
         assert not calls(gm, aten.batch_norm.default), type(model[0]).__name__
         with torch.no_grad():
             assert torch.allclose(gm(x), model(x), atol=1e-5)
+
+
+class AccumulatesInAView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(4))
+
+    def forward(self, x):
+        self.acc[:2].add_(x.sum())
+        return x * self.acc
+
+
+def test_written_to_maps_a_buffer_and_its_views_to_the_in_place_writer():
+    gm = qt.capture(AccumulatesInAView(), (torch.randn(4),))
+    written = {n.name: w.name for n, w in written_to(gm.graph).items()}
+    (add_,) = calls(gm, aten.add_.Tensor)
+    assert written["acc"] == add_.name and len(set(written.values())) == 1
+    assert set(written) == {"acc", add_.args[0].name}

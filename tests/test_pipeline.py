@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -86,3 +88,36 @@ def test_keyword_example_inputs_and_args_kwargs_calibration_pairs():
         assert torch.equal(one_call(x, y=y), stepwise(x, y=y))
     with pytest.raises(qt.QuantreeError, match=r"batch 0 has keyword argument\(s\) none.*\['y'\]"):
         qt.calibrate(prepared, [(x,)], progress=False)
+
+
+class _LstmHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.fc = nn.LSTM(6, 8, num_layers=2), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.lstm(x)[0])
+
+
+@pytest.mark.parametrize(
+    ("make", "shape", "recurrent"),
+    [
+        (_model, (4, 6), qt.RecurrentMode.WHOLE),
+        (_LstmHead, (5, 2, 6), qt.RecurrentMode.WHOLE),
+        (_LstmHead, (5, 2, 6), qt.RecurrentMode.CELLS),
+    ],
+)
+def test_prepared_and_converted_models_deep_copy_and_compute_alike(make, shape, recurrent):
+    """Groups with derived biases live in ``gm.meta``, which ``GraphModule`` deep-copies."""
+    torch.manual_seed(0)
+    model, data = make().eval(), batches(shape, n=4)
+    prepared = qt.prepare(qt.capture(model, data[0]), qt.Int8Quantizer(recurrent=recurrent))
+    twin = copy.deepcopy(prepared)
+    qt.calibrate(prepared, data, progress=False)
+    qt.calibrate(twin, data, progress=False)
+    ref = qt.convert(prepared)
+    copies = (qt.convert(twin), copy.deepcopy(ref), qt.convert(copy.deepcopy(prepared)))
+    with torch.no_grad():
+        assert torch.equal(prepared(*data[0]), twin(*data[0]))
+        for other in copies:
+            assert torch.equal(ref(*data[0]), other(*data[0]))

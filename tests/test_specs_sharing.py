@@ -281,3 +281,50 @@ def test_implicit_sharing_needs_the_same_scheme_not_just_the_dtype():
     _, ref = run(LinearOfComputedWeight(), data)
     (linear,) = calls(ref, torch.ops.aten.linear.default)
     assert linear.args[1].target is qd.dequantize_per_channel.default  # requantized per channel
+
+
+class UpConv(nn.Module):
+    """A transposed conv keeps its output channels on the weight's axis 1: [in, out, kh, kw]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+
+    def forward(self, x):
+        return self.up(x)
+
+
+def transposed_conv_rule(axis: int) -> qt.Rule:
+    weight = qt.QuantSpec(qt.QDtype.INT8, symmetric=True, axis=axis, quant_min=-127, quant_max=127)
+
+    def annotate(node):
+        x, w = qt.Use.of(node, (0,)), qt.Use.of(node, (1,))
+        inputs = {(0,): int8_activation(), (1,): weight, (2,): qt.bias_spec(x, w)}
+        return qt.Annotation(outputs=int8_activation(), inputs=inputs)
+
+    return qt.Rule((torch.ops.aten.conv_transpose2d,), annotate)
+
+
+def test_product_of_scales_puts_a_bias_on_its_only_axis():
+    from quantree.specs import product_of_scales
+
+    x = qt.QParams(torch.tensor(0.5), torch.tensor(0), qt.QDtype.INT8, -128, 127)
+    w = qt.QParams(torch.full((4,), 0.25), torch.zeros(4, dtype=torch.int64), qt.QDtype.INT8,
+                   -127, 127, axis=1)  # fmt: skip
+    bias = product_of_scales([x, w])
+    assert bias.axis == 0 and torch.equal(bias.scale, torch.full((4,), 0.125))
+    assert product_of_scales([x, x]).axis is None
+
+
+def test_derived_bias_of_a_weight_per_channel_on_axis_1_is_per_channel_on_axis_0():
+    torch.manual_seed(0)
+    model, data = UpConv().eval(), batches((2, 8, 4, 4), n=8)
+    _, ref = run(model, data, qt.Int8Quantizer(rules=(transposed_conv_rule(1),)))
+    (conv,) = calls(ref, torch.ops.aten.conv_transpose2d.input)
+    x_dq, w_dq, b_dq = conv.args[:3]
+    assert w_dq.args[3] == 1 and b_dq.args[3] == 0  # the axis of each dequantize
+    w_scale = getattr(ref, w_dq.args[1].target).double()
+    b_scale = getattr(ref, b_dq.args[1].target)
+    assert b_scale.shape == (4,)
+    assert torch.equal(b_scale, (float(x_dq.args[1]) * w_scale).float())
+    assert min(output_sqnrs(model, ref, data[0])) >= 30.0

@@ -10,6 +10,7 @@ by a dequantize, so the model's weights take a quarter of their float bytes.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -17,12 +18,13 @@ import torch.ao.quantization.fx._decomposed
 import torch.fx as fx
 
 from quantree.cells import CellLoop, RecurrentCells
-from quantree.errors import QuantreeError
+from quantree.errors import QuantreeError, QuantreeWarning
+from quantree.fold import own_written_state
 from quantree.graphs import copy_graph_module, fetch_attr, register_constant
 from quantree.prepare import GROUPS_KEY, NODE_KEY, OBSERVER_KEY, NodeQuant
-from quantree.qparams import fixed_qparams
+from quantree.qparams import SCALE_FLOOR, at_scale_floor, fixed_qparams, per_channel_mismatch
 from quantree.sharing import Group
-from quantree.specs import DerivedSpec, FixedSpec, QParams
+from quantree.specs import Derivation, FixedSpec, QParams
 from quantree.values import Path, Use, Value, arg_at, input_uses, value_carriers
 
 qd = torch.ops.quantized_decomposed
@@ -40,9 +42,9 @@ def _resolve(groups: dict[int, Group], gm: fx.GraphModule) -> dict[int, QParams]
         group = groups[gid]
         if isinstance(group.spec, FixedSpec):
             params = fixed_qparams(group.spec)
-        elif isinstance(group.spec, DerivedSpec):
+        elif isinstance(group.spec, Derivation):
             sources = [visit(s, (*trail, gid)) for s in group.derived_from]
-            params = group.spec.derive(sources)
+            params = _derived(group, group.spec, sources)
         else:
             assert group.observer is not None
             params = gm.get_submodule(group.observer).qparams()  # type: ignore[operator]
@@ -52,6 +54,25 @@ def _resolve(groups: dict[int, Group], gm: fx.GraphModule) -> dict[int, QParams]
     for gid in groups:
         visit(gid, ())
     return done
+
+
+def _derived(group: Group, derivation: Derivation, sources: list[QParams]) -> QParams:
+    """What a DerivedSpec's ``derive`` returns, checked: it is user code."""
+    params = derivation.derive(sources)
+    if not isinstance(params, QParams):
+        raise QuantreeError(
+            f"the derive function of the DerivedSpec of {group.label} returned "
+            f"{type(params).__name__}, not QParams; return quantree.QParams(scale, zero_point, "
+            "dtype, quant_min, quant_max, axis)"
+        )
+    if params.dtype != derivation.dtype:
+        raise QuantreeError(
+            f"the derive function of the DerivedSpec of {group.label} returned "
+            f"{params.dtype.value} parameters, but the spec declares {derivation.dtype.value}; "
+            "return parameters of the declared dtype, or declare the dtype it returns "
+            "(DerivedSpec(..., dtype=...))"
+        )
+    return params
 
 
 def quantize_tensor(x: torch.Tensor, p: QParams) -> torch.Tensor:
@@ -67,9 +88,12 @@ def quantize_tensor(x: torch.Tensor, p: QParams) -> torch.Tensor:
 class _Rewriter:
     """Inserts q/dq nodes, caching one pair per (source node, group)."""
 
-    def __init__(self, gm: fx.GraphModule, params: dict[int, QParams]) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, params: dict[int, QParams], groups: dict[int, Group]
+    ) -> None:
         self.gm = gm
         self.params = params
+        self.groups = groups
         self.cache: dict[tuple[fx.Node, int], fx.Node] = {}
 
     def _qparam_args(self, p: QParams, after: fx.Node) -> tuple[tuple[Any, ...], fx.Node]:
@@ -91,6 +115,7 @@ class _Rewriter:
         if key in self.cache:
             return self.cache[key]
         p = self.params[gid]
+        _check_fits(p, source, self.groups[gid])
         graph = self.gm.graph
         bounds = (p.quant_min, p.quant_max, p.dtype.torch_dtype)
         q_op, dq_op = (
@@ -114,6 +139,21 @@ class _Rewriter:
         dequantized.meta["quantree_group"] = gid
         self.cache[key] = dequantized
         return dequantized
+
+
+def _check_fits(p: QParams, source: fx.Node, group: Group) -> None:
+    """Per-channel parameters match the tensor they quantize (derived ones come from code)."""
+    val = source.meta.get("val")
+    if p.axis is None or not isinstance(val, torch.Tensor):
+        return
+    problem = per_channel_mismatch(p.axis, p.scale.numel(), tuple(val.shape))
+    if problem is not None:
+        raise QuantreeError(
+            f"node {source.name} ({source.target}): per-channel parameters of {group.label}: "
+            f"{problem}; a derived spec must give parameters for the tensor it "
+            "quantizes (a bias is 1-D: axis 0, one scale per output channel), and its sources "
+            "must have that many channels"
+        )
 
 
 def _set_at(obj: Any, path: Path, new: Any) -> Any:
@@ -140,21 +180,39 @@ def _check_calibrated(gm: fx.GraphModule, groups: dict[int, Group]) -> None:
 
 
 def convert(prepared: fx.GraphModule) -> fx.GraphModule:
-    """The reference q/dq graph for a calibrated prepared model (``prepared`` is kept)."""
+    """The reference q/dq graph for a calibrated prepared model (``prepared`` is kept).
+
+    Groups whose calibrated range vanished are named in one QuantreeWarning: their tensors
+    convert to a constant, which calibration data that never exercised them is the likely
+    cause of.
+    """
+    gm, vanishing = _convert(prepared)
+    if vanishing:
+        shown = "; ".join(vanishing[:10])
+        more = f"; and {len(vanishing) - 10} more" if len(vanishing) > 10 else ""
+        warnings.warn(
+            f"quantree: calibration gave {len(vanishing)} group(s) a zero or vanishing range, "
+            f"so their scale is the floor {SCALE_FLOOR:.3g} and every value they hold converts "
+            f"to the zero point: {shown}{more}. Calibrate with representative data: inputs "
+            "that exercise these tensors (all-zero inputs, a ReLU that never fires or "
+            "activations below the scale floor give this)",
+            QuantreeWarning,
+            stacklevel=2,
+        )
+    return gm
+
+
+def _convert(prepared: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
+    """convert, and the labels of the groups whose calibrated scale is at the floor."""
     groups: dict[int, Group] | None = prepared.meta.get(GROUPS_KEY)
     if groups is None:
         raise QuantreeError("convert expects the output of quantree.prepare (no groups found)")
     _check_calibrated(prepared, groups)
-    gm = copy_graph_module(prepared)
-    for name, child in list(gm.named_children()):
-        if isinstance(child, RecurrentCells):  # convert each cell body of a private copy
-            cells = copy.deepcopy(child)
-            for loop in cells.loops.values():
-                assert isinstance(loop, CellLoop)
-                loop.body = convert(loop.body)
-            setattr(gm, name, cells)
+    gm = own_written_state(copy_graph_module(prepared))
+    vanishing = _convert_cells(gm)
     params = _resolve(groups, gm)
     graph = gm.graph
+    vanishing += _vanishing(graph, groups, params)
     for node in list(graph.nodes):
         if OBSERVER_KEY in node.meta:
             graph.erase_node(node)
@@ -167,7 +225,7 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         info: NodeQuant | None = node.meta.get(NODE_KEY)
         if info is not None:
             value_group.update({Value(node, p): g for p, g in info.output_groups.items()})
-    rewriter = _Rewriter(gm, params)
+    rewriter = _Rewriter(gm, params, groups)
     for node in list(graph.nodes):
         info = node.meta.get(NODE_KEY)
         for use in list(input_uses(node)):
@@ -187,7 +245,31 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
     }
     graph.lint()
     gm.recompile()
-    return gm
+    return gm, vanishing
+
+
+def _convert_cells(gm: fx.GraphModule) -> list[str]:
+    """Convert each cell body of ``gm`` in a private copy of its cells module."""
+    vanishing: list[str] = []
+    for name, child in list(gm.named_children()):
+        if isinstance(child, RecurrentCells):
+            cells = copy.deepcopy(child)
+            for loop_name, loop in cells.loops.items():
+                assert isinstance(loop, CellLoop)
+                loop.body, inner = _convert(loop.body)
+                vanishing += [f"{name}.{loop_name} {label}" for label in inner]
+            setattr(gm, name, cells)
+    return vanishing
+
+
+def _vanishing(graph: fx.Graph, groups: dict[int, Group], params: dict[int, QParams]) -> list[str]:
+    """Groups observed on run-time tensors whose scale is at the floor.
+
+    Constants (weights) are left out: their range is exact, and an all-zero row of a pruned
+    weight is quantized exactly.
+    """
+    observed = {n.meta[OBSERVER_KEY] for n in graph.nodes if OBSERVER_KEY in n.meta}
+    return [groups[gid].label for gid in sorted(observed) if at_scale_floor(params[gid])]
 
 
 def _rewire(

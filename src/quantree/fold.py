@@ -64,22 +64,46 @@ def _is_view(node: fx.Node) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
-def _written_to(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes whose memory an in-place op writes, followed back through views.
+def written_to(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Nodes whose memory an in-place op writes, followed back through views, each with
+    the in-place node that writes it (the first, in graph order).
 
     Such a node must keep running every call: a folded copy would carry one call's writes
-    into the next (or lose them).
+    into the next (or lose them). The writer is what an error about it names.
     """
-    pinned: set[fx.Node] = set()
-    stack = [n for node in graph.nodes for n in _written_inputs(node)]
-    while stack:
-        node = stack.pop()
-        if node in pinned:
+    written: dict[fx.Node, fx.Node] = {}
+    for writer in graph.nodes:
+        stack = _written_inputs(writer)
+        while stack:
+            node = stack.pop()
+            if node in written:
+                continue
+            written[node] = writer
+            if _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+                stack.append(node.args[0])
+    return written
+
+
+def own_written_state(gm: fx.GraphModule) -> fx.GraphModule:
+    """Give ``gm`` its own copy of every parameter or buffer its graph writes in place.
+
+    ``copy_graph_module`` shares tensors with the module it copies, which is safe only for
+    tensors nothing writes: running a prepared model (calibration) would otherwise update
+    the state of the captured graph and of the user's model. The owners of ``get_attr``
+    targets in such a copy are its own containers (fx copies the path), so replacing the
+    tensor there leaves the source alone. Returns ``gm``.
+    """
+    for node in written_to(gm.graph):
+        if node.op != "get_attr":
             continue
-        pinned.add(node)
-        if _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
-            stack.append(node.args[0])
-    return pinned
+        prefix, _, leaf = str(node.target).rpartition(".")
+        owner = gm.get_submodule(prefix)
+        value = getattr(owner, leaf, None)
+        if isinstance(value, torch.nn.Parameter):
+            setattr(owner, leaf, torch.nn.Parameter(value.detach().clone(), value.requires_grad))
+        elif isinstance(value, torch.Tensor):
+            setattr(owner, leaf, value.clone())
+    return gm
 
 
 def _computes_from(node: fx.Node, known: dict[fx.Node, object]) -> bool:
@@ -103,7 +127,7 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
     computes exactly what it computed before.
     """
     graph = gm.graph
-    pinned = _written_to(graph)
+    pinned = written_to(graph)
     known: dict[fx.Node, object] = {}
     for node in graph.nodes:
         if node in pinned:

@@ -7,13 +7,32 @@ no Value pulled onto a fixed grid it was not given). Otherwise convert requantiz
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
 from quantree.errors import QuantreeError
+from quantree.qparams import per_channel_mismatch
 from quantree.quantizer import Annotation
-from quantree.sharing import Group, UnionFind, labels, may_merge, resolve_group_spec
-from quantree.specs import SPEC_TYPES, DerivedSpec, SharedSpec, Spec
-from quantree.values import Key, Use, Value, is_float_tensor, leaves_with_paths, tensor_meta
+from quantree.sharing import (
+    ConcreteSpec,
+    Group,
+    UnionFind,
+    labels,
+    may_merge,
+    resolve_group_spec,
+)
+from quantree.specs import SPEC_TYPES, DerivedSpec, QuantSpec, SharedSpec, Spec
+from quantree.values import (
+    Key,
+    Use,
+    Value,
+    is_float_tensor,
+    leaves_with_paths,
+    node_of,
+    tensor_meta,
+    value_of,
+)
 
 
 def _canonical(key: Value | Use) -> Value | Use:
@@ -107,17 +126,23 @@ def form_groups(
 ) -> tuple[dict[int, Group], dict[Key, int]]:
     """The sharing groups of a graph's annotations and the group of every Value and Use."""
     specs, uf = _form_groups(annotations)
-    groups: dict[int, Group] = {}
-    group_of: dict[Key, int] = {}
-    for gid, members in enumerate(uf.groups()):
-        for m in members:
-            group_of[m] = gid
-        groups[gid] = Group(gid, resolve_group_spec(members, specs), labels(members))
-    for gid, group in groups.items():
-        if isinstance(group.spec, DerivedSpec):
-            sources = tuple(_source_group(k, group_of, group) for k in group.spec.derived_from)
-            groups[gid] = Group(gid, group.spec, group.members, derived_from=sources)
+    members_of = dict(enumerate(uf.groups()))
+    group_of = {m: gid for gid, members in members_of.items() for m in members}
+    groups = {
+        gid: _group(gid, members, resolve_group_spec(members, specs), group_of)
+        for gid, members in members_of.items()
+    }
+    _check_per_channel(groups, group_of)
     return groups, group_of
+
+
+def _group(gid: int, members: list[Key], spec: ConcreteSpec, group_of: dict[Key, int]) -> Group:
+    """The group as prepare stores it: a derived group keeps its sources as group ids."""
+    if not isinstance(spec, DerivedSpec):
+        return Group(gid, spec, labels(members))
+    group = Group(gid, spec.derivation, labels(members))
+    sources = tuple(_source_group(k, group_of, group) for k in spec.derived_from)
+    return dataclasses.replace(group, derived_from=sources)
 
 
 def _source_group(key: Value | Use, group_of: dict[Value | Use, int], group: Group) -> int:
@@ -128,3 +153,30 @@ def _source_group(key: Value | Use, group_of: dict[Value | Use, int], group: Gro
             "it (or derive from a quantized Value or Use)"
         )
     return gid
+
+
+def _check_per_channel(groups: dict[int, Group], group_of: dict[Key, int]) -> None:
+    """Every tensor of a per-channel group has its axis, with one channel count for all.
+
+    Checked on ``meta['val']`` now, so a bad axis names the node instead of failing inside
+    an observer during calibration.
+    """
+    first: dict[int, tuple[Key, int]] = {}
+    for key, gid in group_of.items():
+        spec = groups[gid].spec
+        if not isinstance(spec, QuantSpec) or spec.axis is None:
+            continue
+        shape = tuple(value_of(key).meta.shape)
+        seen = first.get(gid)
+        problem = per_channel_mismatch(spec.axis, None if seen is None else seen[1], shape)
+        if problem is not None:
+            node = node_of(key)
+            other = "" if seen is None else f" ({seen[0]} of the same group has {seen[1]})"
+            raise QuantreeError(
+                f"node {node.name} ({node.target}): per-channel spec of {key} in "
+                f"{groups[gid].label}: {problem}{other}; give an axis the tensor has (its "
+                "channel axis: 0 for linear/conv weights, 1 for a transposed conv's), or "
+                "quantize per tensor (axis=None)"
+            )
+        if seen is None and isinstance(shape[spec.axis], int):
+            first[gid] = (key, shape[spec.axis])

@@ -15,14 +15,15 @@ import torch.fx as fx
 from quantree.canonicalize import canonicalize
 from quantree.cells import cell_bodies, decompose
 from quantree.errors import QuantreeError, QuantreeWarning
-from quantree.fold import fold_batch_norm
+from quantree.fold import fold_batch_norm, own_written_state, written_to
 from quantree.graphs import copy_graph_module, fetch_attr
 from quantree.grouping import form_groups
 from quantree.observers import make_observer
-from quantree.quantizer import Annotation, Quantizer
+from quantree.quantizer import Annotation, Quantizer, idle_scopes
 from quantree.sharing import Group
 from quantree.specs import QuantSpec
 from quantree.values import (
+    Key,
     Path,
     Value,
     is_float_tensor,
@@ -30,6 +31,7 @@ from quantree.values import (
     leaves_with_paths,
     tensor_meta,
     value_carriers,
+    value_of,
 )
 
 GROUPS_KEY = "quantree_groups"
@@ -73,6 +75,12 @@ LAYOUT_OPS = frozenset(
         _aten.copy,
     )
 )
+# Ops whose ``training`` argument (at this position) makes them compute batch statistics.
+_TRAINING_ARG = {
+    _aten.batch_norm.default: 5,
+    _aten.native_batch_norm.default: 5,
+    _aten._native_batch_norm_legit.default: 5,
+}
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,9 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     each cell body is then observed like any graph.
     """
     _check_captured(gm)
-    gm = canonicalize(fold_batch_norm(copy_graph_module(gm)))
+    _check_eval_mode(gm)
+    gm = canonicalize(fold_batch_norm(own_written_state(copy_graph_module(gm))))
+    annotated = list(gm.graph.nodes)  # what the rules see, recurrent nodes included
     decomposed = False
     for node in list(gm.graph.nodes):
         annotation = quantizer.annotate_node(node)
@@ -121,7 +131,10 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     observe(gm, quantizer)
     for body in cell_bodies(gm):
         observe(body, quantizer)
+        annotated += body.graph.nodes
     gm.recompile()
+    for idle in idle_scopes(quantizer.rules, annotated):
+        warnings.warn(idle.message, QuantreeWarning, stacklevel=2)
     return gm
 
 
@@ -132,6 +145,46 @@ def _check_captured(gm: fx.GraphModule) -> None:
                 f"node {node.name} ({node.target}) has no meta['val']: prepare needs a graph "
                 "from quantree.capture (torch.export), not from symbolic tracing"
             )
+
+
+def _check_eval_mode(gm: fx.GraphModule) -> None:
+    """Refuse a graph captured in training mode: its batch norms use batch statistics.
+
+    Such a batch norm cannot be folded or quantized, updates its running statistics on every
+    calibration batch, and normalises each batch by itself; quantizing it would silently
+    leave a different model in float.
+    """
+    for node in gm.graph.nodes:
+        index = _TRAINING_ARG.get(node.target) if node.op == "call_function" else None
+        if index is not None and len(node.args) > index and node.args[index] is True:
+            raise QuantreeError(
+                f"node {node.name} ({node.target}) runs in training mode (training=True): the "
+                "model was captured in train mode. Call model.eval() before capturing it "
+                "(quantree.capture captures in eval mode and restores the model's mode)"
+            )
+
+
+def _check_no_written_constant(
+    gm: fx.GraphModule, group_of: dict[Key, int], carriers: dict[Value, fx.Node]
+) -> None:
+    """Refuse to quantize a buffer that an op of the graph writes in place.
+
+    Parameters and buffers are observed once and stored as integer constants, which would
+    freeze such state at its captured value and drop every update of it.
+    """
+    writers = written_to(gm.graph)
+    for key in group_of:
+        carrier = carriers[value_of(key)]
+        writer = writers.get(carrier)
+        if carrier.op != "get_attr" or writer is None:
+            continue
+        raise QuantreeError(
+            f"node {writer.name} ({writer.target}) writes {carrier.target} in place, so it is "
+            f"state that changes every call, yet {key} gives it a spec: quantree stores "
+            "quantized parameters and buffers as integer constants, which would freeze it. "
+            f"Leave it in float (annotate {writer.name} and its readers without a spec for "
+            f"{carrier.target}), or pass the state in as an input and return its update"
+        )
 
 
 def _drop_export_guards(gm: fx.GraphModule) -> None:
@@ -150,6 +203,7 @@ def observe(gm: fx.GraphModule, quantizer: Quantizer) -> None:
     annotations = quantizer.annotate(gm)
     groups, group_of = form_groups(annotations)
     carriers = value_carriers(gm.graph)
+    _check_no_written_constant(gm, group_of, carriers)
 
     outputs: dict[fx.Node, dict[Path, int]] = {}
     inputs: dict[fx.Node, dict[Path, int]] = {}
@@ -164,7 +218,7 @@ def observe(gm: fx.GraphModule, quantizer: Quantizer) -> None:
 
     observed: dict[int, set[fx.Node]] = {}
     for key, gid in group_of.items():
-        value = key if isinstance(key, Value) else key.value
+        value = value_of(key)
         observed.setdefault(gid, set()).add(carriers[value])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for gid, nodes in observed.items():

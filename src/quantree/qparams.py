@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from quantree.specs import FixedSpec, QParams, QuantSpec
 
-_EPS = torch.finfo(torch.float32).eps
+SCALE_FLOOR = torch.finfo(torch.float32).eps
+"""The smallest scale a calibrated range gets (a zero range would divide by zero)."""
 
 
 def qparams_from_range(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
@@ -17,16 +20,42 @@ def qparams_from_range(min_val: torch.Tensor, max_val: torch.Tensor, spec: Quant
     if spec.symmetric:
         bound = torch.maximum(-lo, hi)
         scale = bound / ((qmax - qmin) / 2)
-        scale = torch.clamp(scale, min=_EPS)
+        scale = torch.clamp(scale, min=SCALE_FLOOR)
         if spec.power_of_two:
             scale = torch.exp2(torch.ceil(torch.log2(scale)))
         zero_point = torch.full_like(scale, (qmin + qmax + 1) // 2, dtype=torch.int64)
     else:
-        scale = torch.clamp((hi - lo) / (qmax - qmin), min=_EPS)
+        scale = torch.clamp((hi - lo) / (qmax - qmin), min=SCALE_FLOOR)
         if spec.power_of_two:
             scale = torch.exp2(torch.ceil(torch.log2(scale)))
         zero_point = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax).to(torch.int64)
     return QParams(scale, zero_point, spec.dtype, qmin, qmax, spec.axis)
+
+
+def per_channel_mismatch(axis: int, channels: int | None, shape: Sequence[object]) -> str | None:
+    """Why ``channels`` parameters on ``axis`` cannot quantize a tensor of ``shape``, or None.
+
+    ``channels`` None checks the axis alone (a spec's parameters are not known before
+    calibration). Symbolic sizes are not compared: they are known only at run time.
+    """
+    if not -len(shape) <= axis < len(shape):
+        return f"axis {axis} is out of range for a {len(shape)}-D tensor of shape {list(shape)}"
+    size = shape[axis]
+    if channels is not None and isinstance(size, int) and size != channels:
+        return (
+            f"{channels} channel(s) on axis {axis} do not fit the tensor of shape {list(shape)}, "
+            f"which has {size}"
+        )
+    return None
+
+
+def at_scale_floor(p: QParams) -> bool:
+    """Whether any scale of ``p`` is the floor ``qparams_from_range`` clamps to.
+
+    That happens when the observed range is zero (all-zero data, a ReLU that never fired)
+    or narrower than the dtype can resolve: every value then rounds to the zero point.
+    """
+    return bool((p.scale <= SCALE_FLOOR).any())
 
 
 def fixed_qparams(spec: FixedSpec) -> QParams:

@@ -55,21 +55,96 @@ class Rule:
     scope: str | None = None
 
     def matches(self, node: fx.Node) -> bool:
+        if not self.matches_target(node):
+            return False
+        return self.scope is None or in_scope(module_scope(node), self.scope)
+
+    def matches_target(self, node: fx.Node) -> bool:
+        """Whether ``node`` is one of ``targets``, wherever it is (``scope`` not applied)."""
         point = node.meta.get(POINT_KEY)
-        by_point = point is not None and any(
-            isinstance(t, Point) and t.name == point for t in self.targets
-        )
-        if not by_point:
-            if node.op != "call_function":
-                return False
-            target = node.target
-            packet = getattr(target, "overloadpacket", None)
-            if not any(t is target or (packet is not None and t is packet) for t in self.targets):
-                return False
-        if self.scope is None:
+        points = (t.name for t in self.targets if isinstance(t, Point))
+        if point is not None and point in points:
             return True
-        scope = module_scope(node)
-        return scope == self.scope or scope.startswith(self.scope + ".")
+        if node.op != "call_function":
+            return False
+        target = node.target
+        packet = getattr(target, "overloadpacket", None)
+        return any(t is target or (packet is not None and t is packet) for t in self.targets)
+
+
+def in_scope(scope: str, within: str) -> bool:
+    """Whether module scope ``scope`` is ``within`` or one of its submodules."""
+    return scope == within or scope.startswith(within + ".")
+
+
+@dataclass(frozen=True)
+class IdleScope:
+    """A ``Rule.scope`` under which none of the rules that name it matched a node.
+
+    ``present`` are those rules whose targets occur elsewhere, in the scopes ``found_in``
+    (both empty when the targets occur nowhere); ``rules`` are all the rules of the scope.
+    """
+
+    scope: str
+    rules: tuple[Rule, ...]
+    present: tuple[Rule, ...]
+    found_in: tuple[str, ...]
+    scopes: tuple[str, ...]
+
+    @property
+    def message(self) -> str:
+        """What did nothing, and where its ops are (or which scopes the model has)."""
+        shown = self.present or self.rules
+        targets = list(dict.fromkeys(_target_name(t) for rule in shown[:3] for t in rule.targets))
+        others = len(self.rules) - min(len(shown), 3)
+        more = f" (and {others} other rule(s) of that scope)" if others else ""
+        if self.found_in:
+            where = f"these ops occur in scopes {_quoted(self.found_in)}"
+        else:
+            where = f"the model's module scopes are {_quoted(self.scopes)}"
+        return (
+            f"quantree: no node in scope {self.scope!r} matched the rule(s) for "
+            f"{', '.join(targets[:8])}{more}, so they did nothing; {where}. A scope is the "
+            "fully qualified name of a module (as in model.named_modules()); check its spelling"
+        )
+
+
+def _target_name(target: Target) -> str:
+    return f"Point({target.name!r})" if isinstance(target, Point) else str(target)
+
+
+def _quoted(scopes: Iterable[str]) -> str:
+    named = [repr(s) for s in scopes if s]
+    if not named:
+        return "(none)"
+    return ", ".join(named[:20]) + (" ..." if len(named) > 20 else "")
+
+
+def idle_scopes(rules: Iterable[Rule], nodes: Iterable[fx.Node]) -> list[IdleScope]:
+    """Scopes of ``rules`` that matched none of ``nodes``, when that looks like a mistake.
+
+    Rules are taken together by scope: a recipe limited to one module (``cells_scope``)
+    brings rules for ops that module may lack (GRU gates on an LSTM), which is not an error
+    as long as some rule of that scope applies. A scope with no match is reported when its
+    rules' targets occur elsewhere (a misspelt or wrong module) or when no node lies in it
+    at all; rules for ops the model does not have, under a module it does have, are not.
+    """
+    nodes = list(nodes)
+    scopes = tuple(sorted({module_scope(n) for n in nodes}))
+    by_scope: dict[str, list[Rule]] = {}
+    for rule in rules:
+        if rule.scope is not None:
+            by_scope.setdefault(rule.scope, []).append(rule)
+    idle = []
+    for scope, scoped in by_scope.items():
+        if any(rule.matches(node) for rule in scoped for node in nodes):
+            continue
+        hits = {r: [n for n in nodes if r.matches_target(n)] for r in scoped}
+        present = tuple(r for r in scoped if hits[r])
+        found = sorted({module_scope(n) for r in present for n in hits[r]})
+        if present or not any(in_scope(s, scope) for s in scopes):
+            idle.append(IdleScope(scope, tuple(scoped), present, tuple(found), scopes))
+    return idle
 
 
 class Quantizer:

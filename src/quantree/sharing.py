@@ -12,10 +12,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from quantree.errors import QuantreeError
-from quantree.specs import DerivedSpec, FixedSpec, QParams, QuantSpec, SharedSpec, Spec
+from quantree.specs import (
+    Derivation,
+    DerivedSpec,
+    FixedSpec,
+    QParams,
+    QuantSpec,
+    SharedSpec,
+    Spec,
+)
 from quantree.values import Key, Value
 
 ConcreteSpec = QuantSpec | FixedSpec | DerivedSpec
+GroupSpec = QuantSpec | FixedSpec | Derivation
+"""What a group keeps of its spec: no Value or Use, so no graph node (see ``Derivation``)."""
 
 
 class UnionFind:
@@ -139,10 +149,14 @@ def _gains_fixed(members: Sequence[Key], spec: ConcreteSpec, other: ConcreteSpec
 
 @dataclass(frozen=True)
 class Group:
-    """A sharing group as prepare leaves it; ``qparams`` is set by convert."""
+    """A sharing group as prepare leaves it; ``qparams`` is set by convert.
+
+    Groups live in ``gm.meta``, so they hold no graph nodes: members are labels, and a
+    derived group names the groups it derives from by id.
+    """
 
     id: int
-    spec: ConcreteSpec
+    spec: GroupSpec
     members: tuple[str, ...]
     observer: str | None = None
     derived_from: tuple[int, ...] = ()

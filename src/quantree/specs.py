@@ -173,6 +173,23 @@ class DerivedSpec:
         if not self.derived_from:
             raise QuantreeError("DerivedSpec needs at least one Value or Use to derive from")
 
+    @property
+    def derivation(self) -> Derivation:
+        return Derivation(self.derive, self.dtype)
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """A DerivedSpec without its sources: what convert calls once they are group ids.
+
+    Sharing groups keep this instead of the DerivedSpec, whose Values and Uses hold graph
+    nodes (with FakeTensor metadata): ``GraphModule.__deepcopy__`` deep-copies ``meta``, so
+    node references there would make prepared and converted models impossible to copy.
+    """
+
+    derive: Callable[[Sequence[QParams]], QParams]
+    dtype: QDtype
+
 
 Spec = QuantSpec | FixedSpec | SharedSpec | DerivedSpec
 SPEC_TYPES = (QuantSpec, FixedSpec, SharedSpec, DerivedSpec)
@@ -181,14 +198,15 @@ SPEC_TYPES = (QuantSpec, FixedSpec, SharedSpec, DerivedSpec)
 def product_of_scales(params: Sequence[QParams]) -> QParams:
     """int32 bias parameters: scale = product of the input scales, zero point 0.
 
-    Per-channel if any source is per-channel (the weight), on that source's axis.
+    Per-channel if any source is per-channel (the weight). The bias is 1-D, one entry per
+    output channel, so its axis is 0 whatever axis the weight keeps its output channels on
+    (1 for a transposed convolution's ``[in, out, kh, kw]``).
     """
     scale = params[0].scale.double()
-    axis = params[0].axis
     for p in params[1:]:
         scale = scale * p.scale.double()
-        axis = p.axis if p.axis is not None else axis
     scale = scale.float()
+    axis = 0 if any(p.per_channel for p in params) else None
     lo, hi = QDtype.INT32.bounds
     return QParams(scale, torch.zeros_like(scale, dtype=torch.int64), QDtype.INT32, lo, hi, axis)
 

@@ -95,7 +95,16 @@ class Use:
 
     @staticmethod
     def of(user: fx.Node, arg_path: Path) -> Use:
-        arg = arg_at(user, arg_path)
+        """The Use at ``arg_path``; paths come from annotations, so a wrong one names the node."""
+        try:
+            arg = arg_at(user, arg_path)
+        except (IndexError, KeyError, TypeError, ValueError) as error:
+            raise QuantreeError(
+                f"node {user.name} ({user.target}) has no argument at path {list(arg_path)}: "
+                f"its args are {_describe(user.args)} and its kwargs {_describe(user.kwargs)}; "
+                "give a path that exists, e.g. (0,) for the first argument or (1, 0) for the "
+                "first tensor of a list in the second"
+            ) from error
         if not isinstance(arg, fx.Node):
             raise QuantreeError(
                 f"node {user.name} ({user.target}): argument {list(arg_path)} is not a tensor "
@@ -111,6 +120,11 @@ def arg_at(node: fx.Node, arg_path: Path) -> Any:
     head, *rest = arg_path
     root = node.kwargs[head] if isinstance(head, str) else node.args[head]
     return get_at(root, tuple(rest))
+
+
+def _describe(args: Any) -> str:
+    """Arguments with nodes shown by name, for error messages."""
+    return str(pytree.tree_map_only(fx.Node, lambda n: n.name, args))
 
 
 def output_values(node: fx.Node) -> list[Value]:
@@ -154,3 +168,13 @@ def module_scope(node: fx.Node) -> str:
 
 Key = Value | Use
 """What quantization specs attach to and sharing groups are made of."""
+
+
+def value_of(key: Key) -> Value:
+    """The Value a key holds: itself, or the Value a Use reads."""
+    return key if isinstance(key, Value) else key.value
+
+
+def node_of(key: Key) -> fx.Node:
+    """The node an error about ``key`` names: the producer of a Value, the user of a Use."""
+    return key.node if isinstance(key, Value) else key.user
