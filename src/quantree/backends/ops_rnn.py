@@ -95,8 +95,8 @@ def rnn(
 
 def _grid_of(values: Tensor) -> tuple[float, int]:
     """int8 affine (scale, zero point) covering ``values`` and zero."""
-    lo, hi = torch.aminmax(values)
-    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    low, high = torch.aminmax(values)
+    lo, hi = min(float(low), 0.0), max(float(high), 0.0)
     scale = max(hi - lo, 1e-8) / 255.0
     return scale, int(max(-128, min(127, round(-128 - lo / scale))))
 
