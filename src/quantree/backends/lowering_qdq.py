@@ -20,9 +20,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from quantree.backend import LoweringContext
+from quantree.backend import LoweringContext, Quantized
 from quantree.backends import ops  # noqa: F401  (registers torch.ops.quantree.*)
-from quantree.backends.patterns import activation, is_int8_per_tensor, writes_shared_input
+from quantree.backends.patterns import (
+    Activation,
+    activation,
+    is_int8_per_tensor,
+    writes_shared_input,
+)
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed
@@ -39,14 +44,9 @@ MOVEMENT = (
 
 def lower_max_pool(ctx: LoweringContext, node: fx.Node) -> bool:
     """``max_pool2d`` of int8 values on one grid (its output shares its input's parameters)."""
-    if node.target is not aten.max_pool2d.default:
+    if node.target is not aten.max_pool2d.default or (io := _same_grid(ctx, node)) is None:
         return False
-    x = activation(ctx, node.args[0])
-    q = ctx.quantized_output(node)
-    if x is None or q is None or not is_int8_per_tensor(q.params):
-        return False
-    if (float(q.params.scale), int(q.params.zero_point)) != (x.scale, x.zero_point):
-        return False
+    x, q = io
     if len(node.meta["val"].shape) != 4:
         return False  # an unbatched [C, H, W] input stays with ATen
     args: Any = [*node.args, *([None] * 6)][:6]
@@ -70,15 +70,21 @@ def _pair(value: Any) -> list[int]:
     return [int(v) for v in (values * 2 if len(values) == 1 else values)]
 
 
-def lower_movement(ctx: LoweringContext, node: fx.Node) -> bool:
-    if node.target not in MOVEMENT:
-        return False
+def _same_grid(ctx: LoweringContext, node: fx.Node) -> tuple[Activation, Quantized] | None:
+    """The int8 input and output of an op that keeps its input's grid (data movement)."""
     x = activation(ctx, node.args[0])
     q = ctx.quantized_output(node)
     if x is None or q is None or not is_int8_per_tensor(q.params):
-        return False
+        return None
     if (float(q.params.scale), int(q.params.zero_point)) != (x.scale, x.zero_point):
+        return None
+    return x, q
+
+
+def lower_movement(ctx: LoweringContext, node: fx.Node) -> bool:
+    if node.target not in MOVEMENT or (io := _same_grid(ctx, node)) is None:
         return False
+    x, q = io
     graph = ctx.gm.graph
     # int8 tensors may be channels-last (conv outputs): reshape is view where it can be
     target = aten.reshape.default if node.target == aten.view.default else node.target
