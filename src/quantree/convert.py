@@ -22,57 +22,13 @@ from quantree.errors import QuantreeError, QuantreeWarning
 from quantree.fold import own_written_state
 from quantree.graphs import copy_graph_module, fetch_attr, register_constant
 from quantree.prepare import GROUPS_KEY, NODE_KEY, OBSERVER_KEY, NodeQuant
-from quantree.qparams import SCALE_FLOOR, at_scale_floor, fixed_qparams, per_channel_mismatch
+from quantree.qparams import SCALE_FLOOR, per_channel_mismatch
+from quantree.resolve import check_calibrated, resolve_params, vanishing_groups
 from quantree.sharing import Group
-from quantree.specs import Derivation, FixedSpec, QParams
+from quantree.specs import QParams
 from quantree.values import Path, Use, Value, arg_at, input_uses, value_carriers
 
 qd = torch.ops.quantized_decomposed
-
-
-def _resolve(groups: dict[int, Group], gm: fx.GraphModule) -> dict[int, QParams]:
-    """Parameters of every group; derived groups after the groups they derive from."""
-    done: dict[int, QParams] = {}
-
-    def visit(gid: int, trail: tuple[int, ...]) -> QParams:
-        if gid in done:
-            return done[gid]
-        if gid in trail:
-            raise QuantreeError(f"DerivedSpec cycle through {groups[gid].label}")
-        group = groups[gid]
-        if isinstance(group.spec, FixedSpec):
-            params = fixed_qparams(group.spec)
-        elif isinstance(group.spec, Derivation):
-            sources = [visit(s, (*trail, gid)) for s in group.derived_from]
-            params = _derived(group, group.spec, sources)
-        else:
-            assert group.observer is not None
-            params = gm.get_submodule(group.observer).qparams()  # type: ignore[operator]
-        done[gid] = params
-        return params
-
-    for gid in groups:
-        visit(gid, ())
-    return done
-
-
-def _derived(group: Group, derivation: Derivation, sources: list[QParams]) -> QParams:
-    """What a DerivedSpec's ``derive`` returns, checked: it is user code."""
-    params = derivation.derive(sources)
-    if not isinstance(params, QParams):
-        raise QuantreeError(
-            f"the derive function of the DerivedSpec of {group.label} returned "
-            f"{type(params).__name__}, not QParams; return quantree.QParams(scale, zero_point, "
-            "dtype, quant_min, quant_max, axis)"
-        )
-    if params.dtype != derivation.dtype:
-        raise QuantreeError(
-            f"the derive function of the DerivedSpec of {group.label} returned "
-            f"{params.dtype.value} parameters, but the spec declares {derivation.dtype.value}; "
-            "return parameters of the declared dtype, or declare the dtype it returns "
-            "(DerivedSpec(..., dtype=...))"
-        )
-    return params
 
 
 def quantize_tensor(x: torch.Tensor, p: QParams) -> torch.Tensor:
@@ -167,18 +123,6 @@ def _set_at(obj: Any, path: Path, new: Any) -> Any:
     return type(obj)(items) if isinstance(obj, tuple) else items
 
 
-def _check_calibrated(gm: fx.GraphModule, groups: dict[int, Group]) -> None:
-    for group in groups.values():
-        if group.observer is None:
-            continue
-        if not gm.get_submodule(group.observer).calibrated:  # type: ignore[operator]
-            raise QuantreeError(
-                f"{group.label} was never observed: convert needs calibration first. Run the "
-                "prepared model on representative inputs (or use quantree.calibrate) before "
-                "calling convert"
-            )
-
-
 def convert(prepared: fx.GraphModule) -> fx.GraphModule:
     """The reference q/dq graph for a calibrated prepared model (``prepared`` is kept).
 
@@ -207,12 +151,12 @@ def _convert(prepared: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     groups: dict[int, Group] | None = prepared.meta.get(GROUPS_KEY)
     if groups is None:
         raise QuantreeError("convert expects the output of quantree.prepare (no groups found)")
-    _check_calibrated(prepared, groups)
+    check_calibrated(prepared, groups)
     gm = own_written_state(copy_graph_module(prepared))
     vanishing = _convert_cells(gm)
-    params = _resolve(groups, gm)
+    params = resolve_params(groups, gm)
     graph = gm.graph
-    vanishing += _vanishing(graph, groups, params)
+    vanishing += vanishing_groups(graph, groups, params)
     for node in list(graph.nodes):
         if OBSERVER_KEY in node.meta:
             graph.erase_node(node)
@@ -260,16 +204,6 @@ def _convert_cells(gm: fx.GraphModule) -> list[str]:
                 vanishing += [f"{name}.{loop_name} {label}" for label in inner]
             setattr(gm, name, cells)
     return vanishing
-
-
-def _vanishing(graph: fx.Graph, groups: dict[int, Group], params: dict[int, QParams]) -> list[str]:
-    """Groups observed on run-time tensors whose scale is at the floor.
-
-    Constants (weights) are left out: their range is exact, and an all-zero row of a pruned
-    weight is quantized exactly.
-    """
-    observed = {n.meta[OBSERVER_KEY] for n in graph.nodes if OBSERVER_KEY in n.meta}
-    return [groups[gid].label for gid in sorted(observed) if at_scale_floor(params[gid])]
 
 
 def _rewire(
