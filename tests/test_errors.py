@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import quantree as qt
+from quantree.backends import CPU
 
 from support import batches, output_sqnrs, run
 
@@ -403,3 +404,24 @@ def test_vanishing_ranges_of_every_cell_body_share_one_warning():
     quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
     (message,) = _vanishing_warnings(lstm, zeros, quantizer)
     assert "lstm_cells.l0 group" in message and "lstm_cells.l0_reverse group" in message
+
+
+@pytest.mark.parametrize("mode", [qt.RecurrentMode.WHOLE, qt.RecurrentMode.CELLS])
+def test_each_step_refuses_the_output_of_the_wrong_step(mode):
+    """prepare(prepared), convert(converted), lower(prepared) once ran silently (a float
+    "lowered" model, a cells-mode prepared model rewritten in place)."""
+    torch.manual_seed(0)
+    model = nn.LSTM(4, 8).eval()
+    data = batches((3, 2, 4), n=2)
+    quantizer = qt.Int8Quantizer(recurrent=mode)
+    prepared = qt.prepare(qt.capture(model, data[0]), quantizer)
+    qt.calibrate(prepared, data, progress=False)
+    with pytest.raises(qt.QuantreeError, match="prepare got a prepared model"):
+        qt.prepare(prepared, quantizer)
+    with pytest.raises(qt.QuantreeError, match="lower expects the output of quantree.convert"):
+        qt.lower(prepared, CPU)
+    converted = qt.convert(prepared)  # the refused calls left `prepared` as it was
+    with pytest.raises(qt.QuantreeError, match="got a converted model"):
+        qt.convert(converted)
+    with pytest.raises(qt.QuantreeError, match="prepare got a converted model"):
+        qt.prepare(converted, quantizer)

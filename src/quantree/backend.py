@@ -23,7 +23,7 @@ import torch.fx as fx
 from quantree.convert import quantize_tensor
 from quantree.errors import QuantreeError
 from quantree.graphs import copy_graph_module, fetch_attr, register_constant
-from quantree.prepare import GROUPS_KEY, NODE_KEY, NodeQuant
+from quantree.prepare import GROUPS_KEY, NODE_KEY, STAGE_KEY, NodeQuant
 from quantree.sharing import Group
 from quantree.specs import QDtype, QParams
 from quantree.values import module_scope
@@ -223,8 +223,12 @@ REFERENCE = Backend("reference")
 
 def lower(ref: fx.GraphModule, backend: Backend = REFERENCE) -> fx.GraphModule:
     """Apply ``backend``'s rules to a converted graph; ``ref`` itself is not changed."""
-    if GROUPS_KEY not in ref.meta:
-        raise QuantreeError("lower expects the output of quantree.convert")
+    if GROUPS_KEY not in ref.meta or ref.meta.get(STAGE_KEY) != "converted":
+        stage = ref.meta.get(STAGE_KEY, "captured or float")
+        raise QuantreeError(
+            f"lower expects the output of quantree.convert, got a {stage} model: calibrate "
+            "and convert it first"
+        )
     if not backend.rules and backend.prepare_module is None:
         return ref
     gm = copy_graph_module(ref)

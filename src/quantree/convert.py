@@ -21,7 +21,7 @@ from quantree.cells import CellLoop, RecurrentCells
 from quantree.errors import QuantreeError, QuantreeWarning
 from quantree.fold import own_written_state
 from quantree.graphs import copy_graph_module, fetch_attr, register_constant
-from quantree.prepare import GROUPS_KEY, NODE_KEY, OBSERVER_KEY, NodeQuant
+from quantree.prepare import GROUPS_KEY, NODE_KEY, OBSERVER_KEY, STAGE_KEY, NodeQuant
 from quantree.qparams import SCALE_FLOOR, per_channel_mismatch
 from quantree.resolve import check_calibrated, resolve_params, vanishing_groups
 from quantree.sharing import Group
@@ -149,8 +149,12 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
 def _convert(prepared: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     """convert, and the labels of the groups whose calibrated scale is at the floor."""
     groups: dict[int, Group] | None = prepared.meta.get(GROUPS_KEY)
-    if groups is None:
-        raise QuantreeError("convert expects the output of quantree.prepare (no groups found)")
+    if groups is None or prepared.meta.get(STAGE_KEY) != "prepared":
+        stage = prepared.meta.get(STAGE_KEY, "captured or float")
+        raise QuantreeError(
+            f"convert expects the output of quantree.prepare, got a {stage} model: prepare "
+            "and calibrate the captured graph, then convert that"
+        )
     check_calibrated(prepared, groups)
     gm = own_written_state(copy_graph_module(prepared))
     vanishing = _convert_cells(gm)
@@ -183,6 +187,7 @@ def _convert(prepared: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
             _drop_attr(gm, str(node.target))
+    gm.meta[STAGE_KEY] = "converted"
     gm.meta[GROUPS_KEY] = {
         gid: Group(g.id, g.spec, g.members, None, g.derived_from, params[gid])
         for gid, g in groups.items()

@@ -35,6 +35,8 @@ from quantree.values import (
 )
 
 GROUPS_KEY = "quantree_groups"
+STAGE_KEY = "quantree_stage"
+"""``gm.meta`` key: ``"prepared"`` or ``"converted"``, so each step refuses the wrong input."""
 NODE_KEY = "quantree"
 OBSERVER_KEY = "quantree_observer"
 
@@ -117,6 +119,11 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     each cell body is then observed like any graph.
     """
     _check_captured(gm)
+    if STAGE_KEY in gm.meta:
+        raise QuantreeError(
+            f"prepare got a {gm.meta[STAGE_KEY]} model; prepare the graph quantree.capture "
+            "returned (each prepare needs a fresh capture or the same captured graph)"
+        )
     _check_eval_mode(gm)
     gm = canonicalize(fold_batch_norm(own_written_state(copy_graph_module(gm))))
     annotated = list(gm.graph.nodes)  # what the rules see, recurrent nodes included
@@ -131,10 +138,12 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     observe(gm, quantizer)
     for body in cell_bodies(gm):
         observe(body, quantizer)
+        body.meta[STAGE_KEY] = "prepared"
         annotated += body.graph.nodes
     gm.recompile()
     for idle in idle_scopes(quantizer.rules, annotated):
         warnings.warn(idle.message, QuantreeWarning, stacklevel=2)
+    gm.meta[STAGE_KEY] = "prepared"
     return gm
 
 
