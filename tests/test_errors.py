@@ -418,7 +418,7 @@ def test_each_step_refuses_the_output_of_the_wrong_step(mode):
     qt.calibrate(prepared, data, progress=False)
     with pytest.raises(qt.QuantreeError, match="prepare got a prepared model"):
         qt.prepare(prepared, quantizer)
-    with pytest.raises(qt.QuantreeError, match="lower expects the output of quantree.convert"):
+    with pytest.raises(qt.QuantreeError, match="lower expects the output of quantree"):
         qt.lower(prepared, CPU)
     converted = qt.convert(prepared)  # the refused calls left `prepared` as it was
     with pytest.raises(qt.QuantreeError, match="got a converted model"):

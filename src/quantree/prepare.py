@@ -118,12 +118,12 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
     Recurrent nodes whose annotation asks for cells are first decomposed into cell loops;
     each cell body is then observed like any graph.
     """
-    _check_captured(gm)
     if STAGE_KEY in gm.meta:
         raise QuantreeError(
             f"prepare got a {gm.meta[STAGE_KEY]} model; prepare the graph quantree.capture "
             "returned (each prepare needs a fresh capture or the same captured graph)"
         )
+    _check_captured(gm)
     _check_eval_mode(gm)
     gm = canonicalize(fold_batch_norm(own_written_state(copy_graph_module(gm))))
     annotated = list(gm.graph.nodes)  # what the rules see, recurrent nodes included
