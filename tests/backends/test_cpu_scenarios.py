@@ -418,3 +418,37 @@ def test_core_scenarios_lower(factory, shapes, quantizer, ops):
     targets = check_data(factory(), batches(*shapes, n=6), quantizer and quantizer())
     assert ops <= set(targets)
     assert not [t for t in targets if "batch_norm" in t]
+
+
+class StatefulLstm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16)
+
+    def forward(self, x, state):
+        return self.lstm(x, state)
+
+
+def test_pinned_state_grids_survive_lowering():
+    """h_n / c_n given parameters of their own (not their initial state's): the native layer
+    returns them on those grids (it once reused the initial state's, at 4.5 / -6.5 dB)."""
+    aten = torch.ops.aten
+
+    def pinned_states(node):
+        base = qt.Int8Quantizer().annotate_node(node)
+        h_n, c_n = qt.FixedSpec(2 / 256, 0), qt.FixedSpec(8 / 256, 0)
+        return qt.Annotation(outputs=(base.outputs[0], h_n, c_n), inputs=base.inputs)
+
+    def sample():
+        return (torch.randn(10, 3, 8), (torch.randn(1, 3, 16) * 0.5, torch.randn(1, 3, 16) * 0.5))
+
+    torch.manual_seed(0)
+    quantizer = qt.Int8Quantizer() + qt.Quantizer([qt.Rule((aten.lstm.input,), pinned_states)])
+    data = [sample() for _ in range(6)]
+    ref = qt.quantize(StatefulLstm().eval(), data[0], data, quantizer=quantizer, progress=False)
+    low = qt.lower(ref, CPU)
+    assert "quantree.rnn.default" in {str(n.target) for n in low.graph.nodes}
+    with torch.no_grad():
+        (_, (h_ref, c_ref)), (_, (h, c)) = ref(*data[0]), low(*data[0])
+    assert torch.equal(h * 128, (h * 128).round()) and torch.equal(c * 32, (c * 32).round())
+    assert qt.sqnr(h_ref, h) >= 30.0 and qt.sqnr(c_ref, c) >= 25.0

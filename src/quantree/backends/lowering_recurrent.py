@@ -188,6 +188,13 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     qparams = [x.scale, x.zero_point, *inner, y_s, y_z, h0.scale, h0.zero_point, c0.scale]
     qparams += [c0.zero_point, max(abs(v) for v in _range(*inner)) / 32767.0]
     qparams += [*last, max(abs(v) for v in _range(*last)) / 32767.0]
+    for index, state in ((1, h0), (2, c0)):  # h_n and c_n on their own grids when used
+        out = outputs.get(index)
+        qparams += (
+            [float(out.params.scale), int(out.params.zero_point)]
+            if out
+            else [state.scale, state.zero_point]
+        )
     hx = [s.node for s in states if s is not None]
     graph = ctx.gm.graph
     with graph.inserting_before(node):

@@ -37,7 +37,8 @@ def rnn(
 
     ``qparams``: (scale, zero point) of the input, the inner int8 grid (where the hidden
     states of the layers before the last lie), the output, the h state, the c state, the
-    int16 step of the inner grid, then the last layer's grid and its int16 step. The hidden
+    int16 step of the inner grid, the last layer's grid and its int16 step, then the grids of
+    h_n and c_n. The hidden
     state fed back is requantized on its layer's grid: int8 when ``hidden_bits`` is 8,
     symmetric int16 when 16 (and always for the layers before the last). Outputs passed
     between stacked layers are quantized per call on their own range.
@@ -46,8 +47,9 @@ def rnn(
     with ``proj_size``, then ``w_hr, rowsum_hr, scale_hr``.
     """
     x_s, x_z, inner_s, inner_z, y_s, y_z, h_s, h_z, c_s, c_z, inner_fb, last_s, last_z, last_fb = (
-        qparams
+        qparams[:14]
     )
+    hn_s, hn_z, cn_s, cn_z = qparams[14:18]
     wide = hidden_bits == 16
     lib, code, dirs = library(), RNN_KINDS[kind], 2 if bidirectional else 1
     inp = (x.transpose(0, 1) if batch_first else x).contiguous()
@@ -88,8 +90,8 @@ def rnn(
             in_s, in_z = _grid_of(y)
             inp = quantize(y, in_s, in_z)
     out = inp.transpose(0, 1).contiguous() if batch_first else inp
-    h_n = quantize(h, h_s, int(h_z))
-    c_n = quantize(c, c_s, int(c_z)) if c is not None else x.new_empty((0,))
+    h_n = quantize(h, hn_s, int(hn_z))
+    c_n = quantize(c, cn_s, int(cn_z)) if c is not None else x.new_empty((0,))
     return out, h_n, c_n
 
 
