@@ -46,3 +46,16 @@ def test_native_loop_refuses_a_wrong_width():
     (loop,) = [m for m in qt.lower(ref, CPU).modules() if type(m).__name__ == "NativeCellLoop"]
     with pytest.raises(ValueError, match="compiled for"):
         loop(torch.randn(5, 4, 9), (torch.zeros(4, 16),))
+
+
+def test_a16w8_loops_are_named_when_they_stay_in_python():
+    """int16 inputs to a linear have no native program: the loop is kept, and said so."""
+    torch.manual_seed(0)
+    model = nn.LSTM(8, 16).eval()
+    data = batches((5, 2, 8), n=3)
+    quantizer = qt.A16W8Quantizer(recurrent=qt.RecurrentMode.CELLS)
+    ref = qt.quantize(model, data[0], data, quantizer=quantizer, progress=False)
+    with pytest.warns(qt.QuantreeWarning, match=r"lstm_cells\.loops\.l0"):
+        low = qt.lower(ref, CPU)
+    with torch.no_grad():
+        assert torch.equal(low(*data[0])[0], ref(*data[0])[0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import torch
 import torch.fx as fx
@@ -31,6 +32,7 @@ from quantree.backends.lowering_qdq import (
 )
 from quantree.backends.lowering_recurrent import recurrent_rule
 from quantree.cells import CellLoop
+from quantree.errors import QuantreeWarning
 from quantree.prepare import GROUPS_KEY
 
 
@@ -56,6 +58,7 @@ def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
     for name, module in list(gm.named_modules()):
         if name and isinstance(module, fx.GraphModule) and GROUPS_KEY in module.meta:
             replace_submodule(gm, name, lower(module, backend))
+    in_python = []
     for name, module in list(gm.named_modules()):
         if isinstance(module, CellLoop):
             example = tuple(
@@ -66,6 +69,17 @@ def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
             program = compile_body(module.body, example) if example else None
             if program is not None:
                 replace_submodule(gm, name, NativeCellLoop(program, module.reverse))
+            else:
+                in_python.append(name)
+    if in_python:
+        warnings.warn(
+            f"{len(in_python)} cell loop(s) run their lowered body step by step in Python, "
+            f"much slower than float: {', '.join(in_python)}. Their bodies hold ops the "
+            "native cell program does not run (int16 inputs to a linear, as A16W8Quantizer "
+            "makes); int8 activations with an int16 cell state and gates run natively.",
+            QuantreeWarning,
+            stacklevel=3,
+        )
 
 
 def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
