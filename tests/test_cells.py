@@ -267,3 +267,27 @@ def test_cells_mode_with_a_dynamic_batch_dimension():
     )  # fmt: skip
     for batch in (1, 6):
         assert min(_sqnrs(model, ref, (torch.randn(batch, 7, 12),))) >= 17.0
+
+
+class CellDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(6, 8)
+
+    def forward(self, xs):
+        h = c = torch.zeros(xs.shape[1], 8)
+        for x in xs:
+            h, c = self.cell(x, (h, c))
+        return h
+
+
+def test_cells_mode_says_when_lstm_cells_stay_whole():
+    """The recipe's cell points do not reach nn.LSTMCell: quantized at its boundary, said so."""
+    torch.manual_seed(0)
+    model = CellDecoder().eval()
+    data = batches((3, 2, 6), n=4)
+    quantizer = qt.Int8Quantizer(recurrent=CELLS, cell_state_dtype=qt.QDtype.INT16)
+    with pytest.warns(qt.QuantreeWarning, match="quantized at their boundary"):
+        prepared = qt.prepare(qt.capture(model, data[0]), quantizer)
+    qt.calibrate(prepared, data, progress=False)
+    assert min(_sqnrs(model, qt.convert(prepared), data[0])) >= 25.0

@@ -7,15 +7,17 @@ cell update without being squeezed through int8 on the way.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.fx as fx
 
 from quantree.cells_body import point_names
-from quantree.errors import QuantreeError
+from quantree.errors import QuantreeError, QuantreeWarning
 from quantree.points import CellsOptions, Point
 from quantree.quantizer import Annotation, Rule
+from quantree.recurrent import CELL_OPS, recurrent_cell_annotation
 from quantree.specs import FixedSpec, QDtype, QuantSpec, SharedSpec, Spec
 from quantree.values import Value, tensor_meta
 from quantree.weighted import weighted_annotation
@@ -131,12 +133,30 @@ def cells_rules(
     by_point.update({k: v for k, v in points.items() if k != "hidden"})
     rules = [
         Rule(RECURRENT_OPS, lambda node: Annotation(cells=options), scope),
+        Rule(CELL_OPS, _cell_op_stays_whole(act, weight), scope),
         Rule(tuple(Point(name) for name in SPLITS), split, scope),
         *(Rule((Point(name),), output(spec), scope) for name, spec in by_point.items()),
         *(Rule((Point(name),), shared_with(source), scope) for name, source in carried.items()),
     ]
     rules.append(Rule((Point("hidden"),), _hidden_rule(act, weight, points.get("hidden")), scope))
     return tuple(rules)
+
+
+def _cell_op_stays_whole(act: QuantSpec, weight: QuantSpec) -> Callable[[fx.Node], Annotation]:
+    """``nn.LSTMCell`` & co. are quantized at their boundary in cells mode too: say so, since
+    the cell points (int16 cell state, pinned gates) of the recipe do not reach them."""
+
+    def annotate(node: fx.Node) -> Annotation:
+        warnings.warn(
+            "cells mode decomposes nn.LSTM/GRU/RNN layers; nn.LSTMCell/GRUCell/RNNCell calls "
+            f"({node.target}) are quantized at their boundary, without the cell points of "
+            "the recipe",
+            QuantreeWarning,
+            stacklevel=2,
+        )
+        return recurrent_cell_annotation(node, act, weight)
+
+    return annotate
 
 
 def _hidden_rule(
