@@ -41,7 +41,7 @@ def rnn(
     h_n and c_n. The hidden
     state fed back is requantized on its layer's grid: int8 when ``hidden_bits`` is 8,
     symmetric int16 when 16 (and always for the layers before the last). Outputs passed
-    between stacked layers are quantized per call on their own range.
+    between stacked layers are quantized per call on their own range, as int16.
     ``params``: per layer and direction, ``w_ih, rowsum_ih, scale_ih, b_ih`` and the same for
     ``hh``: packed int8 weights, their int32 row sums, per-channel scales, float biases;
     with ``proj_size``, then ``w_hr, rowsum_hr, scale_hr``.
@@ -58,7 +58,7 @@ def rnn(
     c = dequantize(hx[1], c_s, int(c_z)).contiguous() if kind == "lstm" else None
     per_layer = PER_LAYER + (PER_PROJECTION if proj_size else 0)
     width = proj_size or hidden  # of the hidden state and the output
-    in_s, in_z = x_s, x_z
+    in_s, in_z, inp16 = x_s, x_z, None
     for layer in range(num_layers):
         last = layer == num_layers - 1
         # the last layer writes int8 on the output's grid; the others float, quantized
@@ -71,36 +71,28 @@ def rnn(
         # a bound on states never observed, too coarse for int8 where the states are small
         layer_wide = wide or not last
         fb_s, fb_z = (grid_fb, 0.0) if layer_wide else (grid_s, grid_z)
+        k_in, x8 = (inp.shape[2], ptr(inp)) if inp16 is None else (inp16.shape[2], None)
         for d in range(dirs):
             i = layer * dirs + d
             layer_params = params[i * per_layer : (i + 1) * per_layer]
             w_ih, sum_ih, sc_ih, b_ih, w_hh, sum_hh, sc_hh, b_hh = layer_params[:PER_LAYER]
             w_hr, sum_hr, sc_hr = layer_params[PER_LAYER:] or (None, None, None)
             lib.qt_rnn_layer(
-                code, steps, batch, inp.shape[2], hidden, d, ptr(inp), in_s, in_z, ptr(w_ih),
+                code, steps, batch, k_in, hidden, d, x8, in_s, in_z, ptr(w_ih),
                 packed_depth(w_ih), ptr(sum_ih), ptr(sc_ih), ptr(b_ih), ptr(w_hh),
                 packed_depth(w_hh), ptr(sum_hh), ptr(sc_hh), ptr(b_hh), h_s, h_z, fb_s, fb_z,
                 int(layer_wide), out_q and out_q + d * width, dirs * width, y_s, y_z, ptr(h[i]),
                 None if c is None else ptr(c[i]), ptr(w_hr), proj_size, ptr(sum_hr), ptr(sc_hr),
-                out_f and out_f + 4 * d * width,
+                out_f and out_f + 4 * d * width, ptr(inp16),
             )  # fmt: skip
-        if last:
-            inp = y
-        else:
-            in_s, in_z = _grid_of(y)
-            inp = quantize(y, in_s, in_z)
-    out = inp.transpose(0, 1).contiguous() if batch_first else inp
+        if not last:  # the next layer's input: int16 on the range it took, as two byte planes
+            in_s, in_z = max(float(y.abs().max()), 1e-8) / 32767.0, 0
+            inp16 = torch.round(y / in_s).clamp_(-32767, 32767).to(torch.int16)
+    out = y
+    out = out.transpose(0, 1).contiguous() if batch_first else out
     h_n = quantize(h, hn_s, int(hn_z))
     c_n = quantize(c, cn_s, int(cn_z)) if c is not None else x.new_empty((0,))
     return out, h_n, c_n
-
-
-def _grid_of(values: Tensor) -> tuple[float, int]:
-    """int8 affine (scale, zero point) covering ``values`` and zero."""
-    low, high = torch.aminmax(values)
-    lo, hi = min(float(low), 0.0), max(float(high), 0.0)
-    scale = max(hi - lo, 1e-8) / 255.0
-    return scale, int(max(-128, min(127, round(-128 - lo / scale))))
 
 
 @torch.library.register_fake("quantree::rnn")

@@ -175,6 +175,20 @@ static std::vector<float> scales(const float* w_scale, int64_t N, float s) {
     return out;
 }
 
+// int16 rows as two uint8 planes, q = 256 * (hi - 128) + lo, zero padded from K to Kp: one
+// dual VNNI pass multiplies both (the layer input of a stacked layer, kept 16-bit).
+static void split_planes(const int16_t* x, int64_t M, int64_t K, uint8_t* hi, uint8_t* lo,
+                         int64_t Kp) {
+    for (int64_t m = 0; m < M; ++m) {
+        for (int64_t k = 0; k < K; ++k) {
+            const int32_t q = x[m * K + k];
+            hi[m * Kp + k] = static_cast<uint8_t>((q >> 8) + 128);
+            lo[m * Kp + k] = static_cast<uint8_t>(q & 255);
+        }
+        for (int64_t k = K; k < Kp; ++k) hi[m * Kp + k] = lo[m * Kp + k] = 0;
+    }
+}
+
 static void quantize_rows(const float* h, int64_t B, int64_t H, float inv, float zp,
                           uint8_t* out, int64_t ld) {
     for (int64_t b = 0; b < B; ++b)
@@ -198,11 +212,12 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
                   const float* ws_hh, const float* b_hh, float h0_s, float h0_z, float in_s,
                   float in_z, int wide, int8_t* y, int64_t y_ld, float y_s, float y_z,
                   float* h, float* c, const int8_t* w_hr, int64_t P, const int32_t* colsum_hr,
-                  const float* ws_hr, float* yf) {
+                  const float* ws_hr, float* yf, const int16_t* x16) {
     const int64_t G = kind == LSTM ? 4 : (kind == GRU ? 3 : 1), N = G * H;
     // Input projection of a chunk of time steps at once, sized to stay in L2.
     const int64_t chunk = std::max<int64_t>(1, (256 * 1024) / (B * N * 4));
     std::vector<uint8_t> xu(static_cast<size_t>(chunk * B * kp_ih));
+    std::vector<uint8_t> xlo(x16 ? xu.size() : 0);  // int16 input: low-byte plane
     std::vector<float> gx(static_cast<size_t>(chunk * B * N)), gh(static_cast<size_t>(B * N));
     const std::vector<int32_t> off_ih = offsets(colsum_ih, N, x_z);
     const std::vector<float> sc_ih = scales(ws_ih, N, x_s);
@@ -228,10 +243,13 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
     for (int64_t c0 = 0; c0 < T; c0 += chunk) {
         const int64_t n = std::min(chunk, T - c0);
         const int64_t t0 = reverse ? T - c0 - n : c0;  // first time index of this chunk
-        qt::to_u8(x + t0 * B * K, n * B, K, K, xu.data(), kp_ih);
+        if (x16)
+            split_planes(x16 + t0 * B * K, n * B, K, xu.data(), xlo.data(), kp_ih);
+        else
+            qt::to_u8(x + t0 * B * K, n * B, K, K, xu.data(), kp_ih);
         const qt::Epilogue ex{off_ih.data(), sc_ih.data(), b_ih, gx.data(), nullptr, N,
                               0, 0, 0, 0};
-        qt::gemm_u8s8(n * B, N, kp_ih, xu.data(), kp_ih, w_ih, ex);
+        qt::gemm_u8s8(n * B, N, kp_ih, xu.data(), kp_ih, w_ih, ex, x16 ? xlo.data() : nullptr);
         for (int64_t i = 0; i < n; ++i) {
             const int64_t local = reverse ? n - 1 - i : i, t = t0 + local;
             const bool first = c0 == 0 && i == 0;
