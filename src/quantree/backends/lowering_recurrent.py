@@ -8,8 +8,8 @@ and the state (clipped to [-1, 1] where the state is bounded: LSTM, tanh RNN), t
 default (36-45 dB against the reference on random models) or int16 (``hidden_bits=16``:
 55-65 dB on single layers); for the layers before the last, whose states were never
 observed, as int16 on a bound that holds for any input (``_hidden_ranges``). Outputs passed
-between stacked layers are quantized per call, as int16, on the range they took. The first step reads
-the initial state on its own int8 grid, as the reference does.
+between stacked layers are quantized per call, as int16, on the range they took. The first
+step reads the initial state on its own int8 grid, as the reference does.
 """
 
 from __future__ import annotations
