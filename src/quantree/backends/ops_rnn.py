@@ -86,8 +86,10 @@ def rnn(
                 out_f and out_f + 4 * d * width, ptr(inp16),
             )  # fmt: skip
         if not last:  # the next layer's input: int16 on the range it took, as two byte planes
-            in_s, in_z = max(float(y.abs().max()), 1e-8) / 32767.0, 0
-            inp16 = torch.round(y / in_s).clamp_(-32767, 32767).to(torch.int16)
+            low, high = torch.aminmax(y)
+            in_s, in_z = max(-float(low), float(high), 1e-8) / 32767.0, 0
+            inp16 = torch.empty(y.shape, dtype=torch.int16)
+            lib.qt_quantize16(ptr(y), y.numel(), 1.0 / in_s, ptr(inp16))
     out = y
     out = out.transpose(0, 1).contiguous() if batch_first else out
     h_n = quantize(h, hn_s, int(hn_z))

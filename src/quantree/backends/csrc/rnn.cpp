@@ -199,6 +199,12 @@ static void quantize_rows(const float* h, int64_t B, int64_t H, float inv, float
 
 extern "C" {
 
+// Symmetric int16 of a float buffer (the output of a layer another layer reads).
+void qt_quantize16(const float* __restrict x, int64_t n, float inv, int16_t* __restrict out) {
+    for (int64_t i = 0; i < n; ++i)
+        out[i] = static_cast<int16_t>(qt::quantize_value(x[i], inv, 0.0f, -32767.0f, 32767.0f));
+}
+
 // x: int8 [T*B, K] time-major (scale x_s, zero point x_z); y: int8 rows of stride y_ld
 // (or, when yf is given, float rows there instead: a layer whose output another layer reads)
 // (already offset to this direction's columns); h/c: float [B, H] initial states,
