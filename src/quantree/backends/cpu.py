@@ -20,6 +20,7 @@ from torch import nn
 
 from quantree.backend import Backend, LoweringRule, lower
 from quantree.backends.cells_native import NativeCellLoop, compile_body
+from quantree.backends.direct import call_directly
 from quantree.backends.lowering_linear import lower_conv2d, lower_linear
 from quantree.backends.lowering_qdq import (
     lower_binary,
@@ -45,7 +46,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     gm.recompile()
     lean = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
     lean.meta = dict(gm.meta)
-    return lean
+    return call_directly(lean)
 
 
 def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:

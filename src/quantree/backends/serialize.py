@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from quantree.backends import ops  # noqa: F401  (registers torch.ops.quantree.*)
+from quantree.backends.direct import call_directly
 
 
 def save(lowered: torch.nn.Module, path: str | Path, example_args: tuple[Any, ...]) -> None:
@@ -23,5 +23,6 @@ def save(lowered: torch.nn.Module, path: str | Path, example_args: tuple[Any, ..
 
 
 def load(path: str | Path) -> torch.nn.Module:
-    """The module saved by ``save``, ready to call."""
-    return torch.export.load(str(path)).module()
+    """The module saved by ``save``, ready to call (its ops called without the dispatcher)."""
+    module = torch.export.load(str(path)).module()
+    return call_directly(module) if isinstance(module, torch.fx.GraphModule) else module
