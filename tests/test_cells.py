@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import quantree as qt
-from quantree.cells import cell_bodies
-from quantree.cells_recipe import RECURRENT_OPS
+from quantree.core.graphs import nested_graphs
+from quantree.recurrent.recipe import RECURRENT_OPS
 
 from support import batches, qparams_of
 
@@ -23,7 +23,7 @@ IDS = [f"bias{b:d}-bf{f:d}-bi{d:d}-split{s:d}" for b, f, d, s in COMBOS]
 
 def decompose_only(split_gates: bool) -> qt.Quantizer:
     options = qt.CellsOptions(split_gates)
-    return qt.Quantizer([qt.Rule(RECURRENT_OPS, lambda n: qt.Annotation(cells=options))])
+    return qt.Quantizer([qt.Rule(RECURRENT_OPS, lambda n: qt.Annotation(decompose=options))])
 
 
 def _prepare(model, args, quantizer):
@@ -160,7 +160,7 @@ def test_pinned_point_parameters_reach_the_converted_graph():
     model = _lstm(True, False, False)
     data = batches((5, 3, 12), n=4)
     _, ref = _quantized(model, data, qt.Int8Quantizer(recurrent=CELLS, points=pinned))
-    bodies = cell_bodies(ref)
+    bodies = nested_graphs(ref).values()
     assert len(bodies) == 2
     dtypes = {
         qt.QDtype.INT8: torch.int8,
@@ -188,7 +188,7 @@ def test_pinned_projection_keeps_int8_weight_and_int32_bias():
     _, ref = _quantized(
         _lstm(True, False, False), data, qt.Int8Quantizer(recurrent=CELLS, points=pinned)
     )
-    for body in cell_bodies(ref):
+    for body in nested_graphs(ref).values():
         (proj,) = [n for n in body.graph.nodes if n.name == "input_proj"]
         weight, bias = proj.args[1], proj.args[2]
         assert "dequantize_per_channel" in str(weight.target)
@@ -222,7 +222,7 @@ def test_cells_run_any_batch_size(layer):
 
 
 def _node_count(gm):
-    return len(gm.graph.nodes) + sum(len(b.graph.nodes) for b in cell_bodies(gm))
+    return len(gm.graph.nodes) + sum(len(b.graph.nodes) for b in nested_graphs(gm).values())
 
 
 def test_graph_does_not_grow_with_sequence_length_and_calibrates_on_any_length():
@@ -253,7 +253,7 @@ def test_whole_and_cells_mix_in_one_model():
     quantizer = qt.Int8Quantizer(recurrent=CELLS, cells_scope="second")
     _, ref = _quantized(model, data, quantizer)
     whole = [n for n in ref.graph.nodes if n.target is torch.ops.aten.lstm.input]
-    assert len(whole) == 1 and len(cell_bodies(ref)) == 1
+    assert len(whole) == 1 and len(nested_graphs(ref).values()) == 1
     assert min(_sqnrs(model, ref, data[0])) >= 20.0
 
 

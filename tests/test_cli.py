@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.cli import EXIT_BAD_INPUT, main
-from quantree.report import PNG_SIGNATURE, embedded_pngs
+from quantree.tools.cli import EXIT_BAD_INPUT, main
+from quantree.tools.report import PNG_SIGNATURE, embedded_pngs
 
 from support import batches
 
@@ -82,7 +82,7 @@ def test_round_trip_through_a_subprocess(files: dict[str, Path]) -> None:
     before = _digest(files["model"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "quantree.cli", "quantize", str(files["model"]),
+        [sys.executable, "-m", "quantree.tools.cli", "quantize", str(files["model"]),
          "--calibration", str(files["data"]), "-o", str(out), "--quiet"],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
@@ -241,7 +241,10 @@ def test_cells_mode_calibrates_on_another_sequence_length(files: dict[str, Path]
 def test_bad_file_in_a_subprocess_has_no_traceback(files: dict[str, Path]) -> None:
     argv = _bad_inputs(files)["truncated model"]
     done = subprocess.run(
-        [sys.executable, "-m", "quantree.cli", *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "quantree.tools.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == EXIT_BAD_INPUT
     lines = [line for line in done.stderr.splitlines() if line.strip()]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.compare import RowKind
+from quantree.tools.compare import RowKind
 
 from support import batches, run
 

@@ -10,11 +10,11 @@ from typing import Any
 import matplotlib.image
 import pytest
 
-from quantree import demo, demo_report
-from quantree.cli import main
-from quantree.compare import Comparison, RowKind, TensorRow
-from quantree.measure import latencies_ms
-from quantree.report import PNG_SIGNATURE, embedded_pngs
+from quantree.tools import demo, demo_report
+from quantree.tools.cli import main
+from quantree.tools.compare import Comparison, RowKind, TensorRow
+from quantree.tools.measure import latencies_ms
+from quantree.tools.report import PNG_SIGNATURE, embedded_pngs
 
 
 def _check_pngs(page: str, tmp_path: Path) -> int:

@@ -403,7 +403,8 @@ def test_vanishing_ranges_of_every_cell_body_share_one_warning():
     zeros = [(torch.zeros(3, 2, 8),)] * 2
     quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
     (message,) = _vanishing_warnings(lstm, zeros, quantizer)
-    assert "lstm_cells.l0 group" in message and "lstm_cells.l0_reverse group" in message
+    assert "lstm_cells.loops.l0.body group" in message
+    assert "lstm_cells.loops.l0_reverse.body group" in message
 
 
 @pytest.mark.parametrize("mode", [qt.RecurrentMode.WHOLE, qt.RecurrentMode.CELLS])

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import quantree as qt
-from quantree.fold import fold_batch_norm, fold_constants, written_to
-from quantree.graphs import copy_graph_module
+from quantree.core.fold import fold_batch_norm, fold_constants, written_to
+from quantree.core.graphs import copy_graph_module
 
 from support import assert_prepared_exact, batches, calls, output_sqnrs, qd, run
 

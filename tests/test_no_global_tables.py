@@ -61,7 +61,7 @@ Scope = ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
 
 
 def module_name(path: str) -> str:
-    """``src/quantree/backends/cpu.py`` -> ``quantree.backends.cpu``."""
+    """``src/quantree/backends/cpu.py`` -> ``quantree.backends.cpu.backend``."""
     parts = Path(path).with_suffix("").parts
     parts = parts[parts.index("quantree") :] if "quantree" in parts else parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

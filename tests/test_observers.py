@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import quantree as qt
-from quantree.observers import make_observer
+from quantree.core.observers import make_observer
 
 KINDS = [qt.ObserverKind.MINMAX, qt.ObserverKind.MOVING_AVERAGE, qt.ObserverKind.HISTOGRAM]
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.sharing import compatible
-from quantree.specs import int8_activation, int8_weight
+from quantree.core.sharing import compatible
+from quantree.core.specs import int8_activation, int8_weight
 
 from support import (
     DEQUANTIZE,
@@ -171,7 +171,7 @@ def test_histogram_observer_clips_outliers_better_than_minmax():
     spec = qt.QuantSpec(observer=qt.ObserverKind.HISTOGRAM)
     hist, minmax = qt.HistogramObserver(spec, "h"), qt.MinMaxObserver(spec, "m")
     hist(x), minmax(x)
-    from quantree.qparams import fake_quantize
+    from quantree.core.qparams import fake_quantize
 
     err_h = (fake_quantize(x, hist.qparams()) - x).pow(2).mean()
     err_m = (fake_quantize(x, minmax.qparams()) - x).pow(2).mean()
@@ -306,7 +306,7 @@ def transposed_conv_rule(axis: int) -> qt.Rule:
 
 
 def test_product_of_scales_puts_a_bias_on_its_only_axis():
-    from quantree.specs import product_of_scales
+    from quantree.core.specs import product_of_scales
 
     x = qt.QParams(torch.tensor(0.5), torch.tensor(0), qt.QDtype.INT8, -128, 127)
     w = qt.QParams(torch.full((4,), 0.25), torch.zeros(4, dtype=torch.int64), qt.QDtype.INT8,

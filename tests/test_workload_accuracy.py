@@ -19,7 +19,7 @@ import torch
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.compare import compare
+from quantree.tools.compare import compare
 from quantree.workloads import batches, bits_per_char, load_charlm, load_corpus, weights_path
 
 BATCH, SEQ = 16, 128

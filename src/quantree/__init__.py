@@ -6,7 +6,11 @@ calibrate(prepared, data)
 ref = convert(prepared)
 """
 
-from quantree.backend import (
+from quantree.core.calibrate import calibrate
+from quantree.core.capture import capture
+from quantree.core.convert import convert
+from quantree.core.errors import QuantreeError, QuantreeWarning
+from quantree.core.lower import (
     REFERENCE,
     Backend,
     Dequantized,
@@ -15,24 +19,16 @@ from quantree.backend import (
     Quantized,
     lower,
 )
-from quantree.calibrate import calibrate
-from quantree.capture import capture
-from quantree.compare import Comparison, compare
-from quantree.convert import convert
-from quantree.errors import QuantreeError, QuantreeWarning
-from quantree.int8 import A16W8Quantizer, Int8Quantizer, RecurrentMode
-from quantree.metrics import sqnr
-from quantree.observers import (
+from quantree.core.observers import (
     HistogramObserver,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
     Observer,
 )
-from quantree.pipeline import quantize
-from quantree.points import CellsOptions, Point
-from quantree.prepare import NodeQuant, prepare
-from quantree.quantizer import Annotation, Quantizer, Rule
-from quantree.specs import (
+from quantree.core.points import Point
+from quantree.core.prepare import prepare
+from quantree.core.quantizer import Annotation, Quantizer, Rule
+from quantree.core.specs import (
     DerivedSpec,
     FixedSpec,
     ObserverKind,
@@ -42,7 +38,13 @@ from quantree.specs import (
     SharedSpec,
     bias_spec,
 )
-from quantree.values import Use, Value
+from quantree.core.stages import NodeQuant
+from quantree.core.values import Use, Value
+from quantree.pipeline import quantize
+from quantree.recipes import A16W8Quantizer, Int8Quantizer, RecurrentMode
+from quantree.recurrent.decompose import CellsOptions
+from quantree.tools.compare import Comparison, compare
+from quantree.tools.metrics import sqnr
 
 __all__ = [
     "REFERENCE",

@@ -8,13 +8,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from quantree.backend import REFERENCE, Backend, lower
-from quantree.calibrate import calibrate
-from quantree.capture import capture
-from quantree.convert import convert
-from quantree.int8 import Int8Quantizer
-from quantree.prepare import prepare
-from quantree.quantizer import Quantizer
+from quantree.core.calibrate import calibrate
+from quantree.core.capture import capture
+from quantree.core.convert import convert
+from quantree.core.lower import REFERENCE, Backend, lower
+from quantree.core.prepare import prepare
+from quantree.core.quantizer import Quantizer
+from quantree.recipes import Int8Quantizer
 
 
 def quantize(

@@ -19,8 +19,8 @@ from test_exact import POW2
 from torch import nn
 
 import quantree as qt
-from quantree.backend import Backend
 from quantree.backends import CPU, load, save
+from quantree.core.lower import Backend
 
 from support import batches, leaves, run
 

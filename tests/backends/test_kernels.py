@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantree.backends import ops  # noqa: F401
-from quantree.backends.packing import pack, zero_point_offset
+from quantree.backends.cpu import ops  # noqa: F401
+from quantree.backends.cpu.packing import pack, zero_point_offset
 
 quantree_ops = torch.ops.quantree
 
@@ -60,7 +60,7 @@ def test_builds_without_ninja(tmp_path, monkeypatch):
     """The direct compiler route gives a library with the same kernels."""
     import ctypes
 
-    from quantree.backends import native
+    from quantree.backends.cpu import native
 
     monkeypatch.setattr(native.cpp_extension, "get_default_build_root", lambda: str(tmp_path))
     path = native.build_without_ninja("quantree_kernels_no_ninja")

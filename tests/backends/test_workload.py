@@ -65,7 +65,7 @@ def test_loaded_model_runs_in_a_fresh_process(lowered, tmp_path):
         torch.save(lowered["low"](lowered["args"][0]), expected)  # type: ignore[operator,index]
     script = (
         "import sys, torch\n"
-        "import quantree.backends.ops  # registers torch.ops.quantree.*\n"
+        "import quantree.backends.cpu.ops  # registers torch.ops.quantree.*\n"
         f"m = torch.export.load({str(lowered['path'])!r}).module()\n"
         f"out = m(torch.load({str(tokens)!r}))\n"
         f"sys.exit(0 if torch.equal(out, torch.load({str(expected)!r})) else 1)\n"

@@ -4,7 +4,7 @@
 ``torch.export`` archive and ``load("model.pt2")`` gives back a module that runs it.
 """
 
-from quantree.backends.cpu import CPU, cpu_backend
-from quantree.backends.serialize import load, save
+from quantree.backends.cpu.backend import CPU, cpu_backend
+from quantree.backends.cpu.serialize import load, save
 
 __all__ = ["CPU", "cpu_backend", "load", "save"]

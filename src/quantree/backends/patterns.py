@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from quantree.backend import LoweringContext
-from quantree.graphs import fetch_attr
-from quantree.specs import QDtype, QParams
+from quantree.core.graphs import fetch_attr
+from quantree.core.lower import LoweringContext
+from quantree.core.specs import QDtype, QParams
 
 aten = torch.ops.aten
 RELU = (aten.relu.default, aten.relu_.default)

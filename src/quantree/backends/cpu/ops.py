@@ -1,0 +1,28 @@
+"""quantree's int8 CPU ops, registered as ``torch.ops.quantree.*`` custom ops.
+
+They take and return plain tensors (int8 activations, packed int8 weights, int32 offsets,
+float scales), have fake implementations, and so survive ``torch.export`` and
+``torch.export.save``/``load``: importing ``quantree.backends`` (or this module) registers
+them, nothing else of quantree is needed to run a loaded model.
+"""
+
+from quantree.backends.cpu.ops_elementwise import binary, dequantize, lookup, quantize, softmax
+from quantree.backends.cpu.ops_gemm import conv1d, conv2d, linear, matmul
+from quantree.backends.cpu.ops_pool import max_pool2d
+from quantree.backends.cpu.ops_rnn import PER_LAYER, RNN_KINDS, rnn
+
+__all__ = [
+    "PER_LAYER",
+    "RNN_KINDS",
+    "binary",
+    "conv1d",
+    "conv2d",
+    "dequantize",
+    "linear",
+    "lookup",
+    "matmul",
+    "max_pool2d",
+    "quantize",
+    "rnn",
+    "softmax",
+]

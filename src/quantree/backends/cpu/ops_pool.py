@@ -1,0 +1,51 @@
+"""int8 max pooling on channels-last tensors (what the native convolutions produce)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from quantree.backends.cpu.native import library, ptr
+from quantree.backends.cpu.registry import op
+
+
+def pool_shape(
+    x: Tensor, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int],
+    ceil_mode: bool,
+) -> tuple[int, int, int, int]:  # fmt: skip
+    """The NCHW output shape, by ATen's rule (a ceil-mode window must start inside the input
+    or its left padding)."""
+    n, c, h, w = x.shape
+    sizes = []
+    for size, k, s, p, d in zip((h, w), kernel, stride, padding, dilation, strict=True):
+        span = size + 2 * p - d * (k - 1) - 1
+        out = (span + (s - 1 if ceil_mode else 0)) // s + 1
+        if ceil_mode and (out - 1) * s >= size + p:
+            out -= 1
+        sizes.append(out)
+    return n, c, sizes[0], sizes[1]
+
+
+@op(
+    "max_pool2d(Tensor x, int[] kernel, int[] stride, int[] padding, int[] dilation, "
+    "bool ceil_mode) -> Tensor"
+)
+def max_pool2d(
+    x: Tensor, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int],
+    ceil_mode: bool,
+) -> Tensor:  # fmt: skip
+    """Max pooling of int8 values; the result is channels-last like the input it expects."""
+    x = x.contiguous(memory_format=torch.channels_last)
+    shape = pool_shape(x, kernel, stride, padding, dilation, ceil_mode)
+    out = torch.empty(shape, dtype=torch.int8, memory_format=torch.channels_last)
+    n, c, h, w = x.shape
+    library().qt_max_pool2d(
+        ptr(x), n, c, h, w, *kernel, *stride, *padding, *dilation, shape[2], shape[3], ptr(out)
+    )
+    return out
+
+
+@torch.library.register_fake("quantree::max_pool2d")
+def _(x, kernel, stride, padding, dilation, ceil_mode):
+    shape = pool_shape(x, kernel, stride, padding, dilation, ceil_mode)
+    return torch.empty(shape, dtype=torch.int8, memory_format=torch.channels_last)

@@ -1,0 +1,28 @@
+"""Saving a lowered model: ``torch.export`` around quantree's registered custom ops.
+
+``save`` exports the lowered GraphModule with example arguments and writes a ``.pt2``
+archive; ``load`` reads it back as a callable module. The archive holds the graph and the
+packed int8 tensors; running it needs only torch and ``import quantree.backends`` (which
+registers ``torch.ops.quantree.*``), none of quantree's passes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantree.backends.cpu.direct import call_directly
+
+
+def save(lowered: torch.nn.Module, path: str | Path, example_args: tuple[Any, ...]) -> None:
+    """Export ``lowered`` with ``example_args`` (shapes are fixed to theirs) to ``path``."""
+    program = torch.export.export(lowered, tuple(example_args), strict=False)
+    torch.export.save(program, str(path))
+
+
+def load(path: str | Path) -> torch.nn.Module:
+    """The module saved by ``save``, ready to call (its ops called without the dispatcher)."""
+    module = torch.export.load(str(path)).module()
+    return call_directly(module) if isinstance(module, torch.fx.GraphModule) else module

@@ -1,0 +1,253 @@
+"""calibrate: run a prepared model over data so its observers collect statistics.
+
+A calibration item is an argument tuple (a lone tensor stands for ``(tensor,)``) or, for a
+model captured with keyword example inputs, an ``(args, kwargs)`` pair: a tuple or list of
+the positional arguments followed by a dict of the keyword ones.
+
+Each batch is checked against the captured program before it runs (number of arguments,
+keyword names, dtypes, ranks and export's shape guard), so a batch the program cannot take
+is reported as a :class:`BadBatch` naming its index and the fix, and it never reaches an
+observer: the statistics gathered so far stay clean.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx._pytree as fx_pytree
+from torch.utils._pytree import TreeSpec
+from tqdm.auto import tqdm
+
+from quantree.core.errors import QuantreeError
+
+GUARDS_MODULE = "_guards_fn"  # the submodule torch.export's ``module()`` calls to check shapes
+_GUARD_PREFIXES = ("Guard failed: ", "Expected input at ")  # export's two guard styles
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+class BadBatch(QuantreeError):
+    """A calibration item the captured program cannot take; ``index`` says which one."""
+
+    def __init__(self, index: int, problem: str, fix: str) -> None:
+        super().__init__(f"calibration batch {index} {problem}; {fix}")
+        self.index = index
+        self.problem = problem
+        self.fix = fix
+
+
+def as_args(batch: Any) -> tuple[Any, ...]:
+    """A calibration item is an argument tuple; a lone tensor stands for ``(tensor,)``."""
+    return tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+
+
+def as_call(batch: Any, index: int) -> Call:
+    """The positional and keyword arguments of one calibration item.
+
+    A pair ``(tuple or list, dict)`` is read as ``(args, kwargs)``; anything else is the
+    argument tuple itself. A lone dict is refused rather than guessed at: which of its
+    entries were captured as positional arguments is not ours to decide.
+    """
+    if isinstance(batch, Mapping):
+        raise BadBatch(
+            index,
+            f"is a {type(batch).__name__}",
+            "give keyword arguments as an (args, kwargs) pair, e.g. ((x,), {'y': y}), with "
+            "the arguments the model was captured with positionally in args",
+        )
+    if (
+        isinstance(batch, tuple | list)
+        and len(batch) == 2
+        and isinstance(batch[0], tuple | list)
+        and isinstance(batch[1], Mapping)
+    ):
+        return tuple(batch[0]), dict(batch[1])
+    return as_args(batch), {}
+
+
+def _captured(module: torch.nn.Module) -> tuple[fx.GraphModule, TreeSpec] | None:
+    """The graph and the ``(args, kwargs)`` tree torch.export captured it with, if it was."""
+    if not isinstance(module, fx.GraphModule):
+        return None
+    info = getattr(module.graph._codegen, "pytree_info", None)
+    spec = getattr(info, "in_spec", None)
+    if not isinstance(spec, TreeSpec) or spec.num_children != 2:
+        return None
+    return module, spec
+
+
+def _arity_fix(got: int, takes: int) -> str:
+    if got > takes == 1 and got == 2:
+        return (
+            "if the items are (input, target) pairs, keep only the inputs, "
+            "e.g. [(x,) for x, _ in loader]"
+        )
+    if got > takes:
+        return f"keep only the model's arguments, e.g. [tuple(b[:{takes}]) for b in loader]"
+    return f"give all {takes} positional argument(s) of the captured call in every item"
+
+
+def _check_arity(spec: TreeSpec, call: Call, index: int) -> None:
+    args, kwargs = call
+    takes, names = spec.child(0).num_children, sorted(spec.child(1).context or [])
+    if len(args) != takes:
+        raise BadBatch(
+            index,
+            f"has {len(args)} argument(s), the program takes {takes}",
+            _arity_fix(len(args), takes),
+        )
+    if sorted(kwargs) != names:
+        raise BadBatch(
+            index,
+            f"has keyword argument(s) {sorted(kwargs) or 'none'}, the program takes "
+            f"{names or 'none'}",
+            "pass exactly the keyword arguments the model was captured with",
+        )
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return "(" + ", ".join(str(d) for d in tensor.shape) + ")"  # symbolic sizes print as s0
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{_shape(value)} {value.dtype}"
+    return type(value).__name__
+
+
+def _check_leaf(name: str, value: Any, captured: torch.Tensor, index: int) -> None:
+    """A tensor of the captured rank and dtype (int32 and int64 indices are interchangeable)."""
+    want = _describe(captured)
+    if not isinstance(value, torch.Tensor):
+        raise BadBatch(
+            index,
+            f"gives {name} as a {type(value).__name__}, the program takes a tensor {want}",
+            "pass the arguments in the order and structure the model was captured with",
+        )
+    floating = value.is_floating_point() or captured.is_floating_point()
+    if value.dtype != captured.dtype and floating:
+        raise BadBatch(
+            index,
+            f"gives {name} as {value.dtype}, the program was captured with {captured.dtype}",
+            f"convert it, e.g. {name}.to({captured.dtype})",
+        )
+    if value.dim() != captured.dim():
+        raise BadBatch(
+            index,
+            f"gives {name} with shape {_shape(value)}, the program takes {want}",
+            "give tensors of the rank the model was captured with",
+        )
+
+
+def _dynamic_example(guard: str) -> str:
+    """A ``dynamic_shapes`` value that frees the dimension the guard pinned."""
+    found = re.match(r"(\w+)\.size\(\)\[(\d+)\]", guard)
+    name, dim = (found.group(1), found.group(2)) if found else ("x", "0")
+    return f"{{'{name}': {{{dim}: torch.export.Dim('{name}_{dim}')}}}}"
+
+
+def _shape_error(index: int, guard: str, leaves: dict[str, Any]) -> BadBatch:
+    shapes = ", ".join(f"{name} {_describe(v)}" for name, v in leaves.items())
+    return BadBatch(
+        index,
+        f"fails the program's shape guard {guard} (the batch has {shapes})",
+        "torch.export fixes every dimension not declared dynamic: declare it when capturing, "
+        f"e.g. dynamic_shapes={_dynamic_example(guard)} for qt.quantize, qt.capture or "
+        "torch.export.export, or use batches of the captured shape",
+    )
+
+
+def guard_failure(error: BaseException) -> str | None:
+    """The failed condition if ``error`` is a torch.export shape guard failing, else None."""
+    if not isinstance(error, AssertionError | RuntimeError):
+        return None
+    text = str(error).strip()
+    for prefix in _GUARD_PREFIXES:
+        if text.startswith(prefix):
+            return text.removeprefix("Guard failed: ").splitlines()[0]
+    return None
+
+
+def _run_guards(module: fx.GraphModule, leaves: dict[str, Any], index: int) -> None:
+    """Export's shape guard, run before the graph so no observer sees a batch it rejects.
+
+    (In the graph the guard runs after the placeholders' observers.) prepare drops the guard
+    of a graph with cell loops, which take any sequence length; then there is none to run.
+    """
+    for node in module.graph.find_nodes(op="call_module", target=GUARDS_MODULE):
+        values = [leaves[arg.name] for arg in node.args if isinstance(arg, fx.Node)]
+        try:
+            module.get_submodule(GUARDS_MODULE)(*values)
+        except AssertionError as error:
+            guard = guard_failure(error)
+            if guard is None:
+                raise
+            raise _shape_error(index, guard, leaves) from error
+
+
+def _flatten(spec: TreeSpec, call: Call, placeholders: int, index: int) -> list[Any]:
+    """The batch's leaves in placeholder order, as the graph's own forward flattens them."""
+    try:
+        flat = list(fx_pytree.tree_flatten_spec(call, spec))
+    except Exception:  # the count check below says what is wrong
+        flat = []
+    if len(flat) != placeholders:
+        raise BadBatch(
+            index,
+            "has arguments nested differently from the captured example "
+            f"(the program takes {placeholders} leaves in the structure {spec})",
+            "pass nested arguments (e.g. an (h, c) state) with the structure of the example",
+        )
+    return flat
+
+
+def check_batch(module: torch.nn.Module, call: Call, index: int) -> None:
+    """Raise :class:`BadBatch` if a graph from torch.export cannot take ``call``.
+
+    Modules not captured by torch.export are not checked: they check their own inputs.
+    """
+    captured = _captured(module)
+    if captured is None:
+        return
+    gm, spec = captured
+    _check_arity(spec, call, index)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    flat = _flatten(spec, call, len(placeholders), index)
+    for node, value in zip(placeholders, flat, strict=True):
+        example = node.meta.get("val")
+        if isinstance(example, torch.Tensor):
+            _check_leaf(str(node.target), value, example, index)
+    _run_guards(gm, {node.name: v for node, v in zip(placeholders, flat, strict=True)}, index)
+
+
+def _run(prepared: torch.nn.Module, call: Call, index: int) -> None:
+    """One batch; a failing guard becomes a BadBatch, anything else keeps its type."""
+    args, kwargs = call
+    try:
+        prepared(*args, **kwargs)
+    except Exception as error:
+        guard = guard_failure(error)
+        if guard is not None:
+            named = {f"argument {i}": v for i, v in enumerate(args)} | kwargs
+            raise _shape_error(index, guard, named) from error
+        error.add_note(f"raised by calibration batch {index}")
+        raise
+
+
+def calibrate(prepared: torch.nn.Module, data: Iterable[Any], *, progress: bool = True) -> int:
+    """Feed every batch of ``data`` to ``prepared``; returns the number of batches.
+
+    Raises :class:`BadBatch` (a QuantreeError) for a batch the captured program cannot take.
+    """
+    count = 0
+    total = len(data) if hasattr(data, "__len__") else None  # type: ignore[arg-type]
+    with torch.no_grad():
+        for batch in tqdm(data, total=total, desc="calibrating", disable=not progress, leave=False):
+            call = as_call(batch, count)
+            check_batch(prepared, call, count)
+            _run(prepared, call, count)
+            count += 1
+    return count

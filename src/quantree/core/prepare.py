@@ -1,0 +1,152 @@
+"""prepare: annotate a captured graph and insert one observer per sharing group.
+
+Observers are called on tensor leaves only and return nothing anyone reads, so the prepared
+model computes exactly what the float model computes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.fx as fx
+
+from quantree.core.annotate import annotate, warn_float_ops
+from quantree.core.canonicalize import canonicalize
+from quantree.core.errors import QuantreeError, QuantreeWarning
+from quantree.core.fold import fold_batch_norm, own_written_state, written_to
+from quantree.core.graphs import copy_graph_module, fetch_attr, nested_graphs
+from quantree.core.groups import form_groups
+from quantree.core.observers import make_observer
+from quantree.core.quantizer import Annotation, Quantizer, idle_scopes
+from quantree.core.sharing import Group
+from quantree.core.specs import QuantSpec
+from quantree.core.stages import GROUPS_KEY, NODE_KEY, OBSERVER_KEY, PREPARED, STAGE_KEY, NodeQuant
+from quantree.core.values import Key, Path, Value, value_carriers, value_of
+
+# Ops whose ``training`` argument (at this position) makes them compute batch statistics.
+_TRAINING_ARG = {
+    torch.ops.aten.batch_norm.default: 5,
+    torch.ops.aten.native_batch_norm.default: 5,
+    torch.ops.aten._native_batch_norm_legit.default: 5,
+}
+
+
+def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
+    """A copy of ``gm`` with observers, ready to calibrate; ``gm`` itself is not changed.
+
+    Nodes whose annotation carries a ``decompose`` hook are replaced first (cells mode's
+    loops); every graph nested in the modules that adds is then observed like the main one.
+    """
+    if STAGE_KEY in gm.meta:
+        raise QuantreeError(
+            f"prepare got a {gm.meta[STAGE_KEY]} model; prepare the graph quantree.capture "
+            "returned (each prepare needs a fresh capture or the same captured graph)"
+        )
+    _check_captured(gm)
+    _check_eval_mode(gm)
+    gm = canonicalize(fold_batch_norm(own_written_state(copy_graph_module(gm))))
+    seen = list(gm.graph.nodes)  # what the rules see, nodes later decomposed included
+    observe(gm, annotate(gm, quantizer))
+    for body in nested_graphs(gm).values():
+        seen += body.graph.nodes
+        observe(body, annotate(body, quantizer))
+        body.meta[STAGE_KEY] = PREPARED
+    gm.recompile()
+    for idle in idle_scopes(quantizer.rules, seen):
+        warnings.warn(idle.message, QuantreeWarning, stacklevel=2)
+    gm.meta[STAGE_KEY] = PREPARED
+    return gm
+
+
+def _check_captured(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "call_function") and "val" not in node.meta:
+            raise QuantreeError(
+                f"node {node.name} ({node.target}) has no meta['val']: prepare needs a graph "
+                "from quantree.capture (torch.export), not from symbolic tracing"
+            )
+
+
+def _check_eval_mode(gm: fx.GraphModule) -> None:
+    """Refuse a graph captured in training mode: its batch norms use batch statistics.
+
+    Such a batch norm cannot be folded or quantized, updates its running statistics on every
+    calibration batch, and normalises each batch by itself; quantizing it would silently
+    leave a different model in float.
+    """
+    for node in gm.graph.nodes:
+        index = _TRAINING_ARG.get(node.target) if node.op == "call_function" else None
+        if index is not None and len(node.args) > index and node.args[index] is True:
+            raise QuantreeError(
+                f"node {node.name} ({node.target}) runs in training mode (training=True): the "
+                "model was captured in train mode. Call model.eval() before capturing it "
+                "(quantree.capture captures in eval mode and restores the model's mode)"
+            )
+
+
+def _check_no_written_constant(
+    gm: fx.GraphModule, group_of: dict[Key, int], carriers: dict[Value, fx.Node]
+) -> None:
+    """Refuse to quantize a buffer that an op of the graph writes in place.
+
+    Parameters and buffers are observed once and stored as integer constants, which would
+    freeze such state at its captured value and drop every update of it.
+    """
+    writers = written_to(gm.graph)
+    for key in group_of:
+        carrier = carriers[value_of(key)]
+        writer = writers.get(carrier)
+        if carrier.op != "get_attr" or writer is None:
+            continue
+        raise QuantreeError(
+            f"node {writer.name} ({writer.target}) writes {carrier.target} in place, so it is "
+            f"state that changes every call, yet {key} gives it a spec: quantree stores "
+            "quantized parameters and buffers as integer constants, which would freeze it. "
+            f"Leave it in float (annotate {writer.name} and its readers without a spec for "
+            f"{carrier.target}), or pass the state in as an input and return its update"
+        )
+
+
+def observe(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) -> None:
+    """Record ``annotations`` on ``gm`` in place and insert one observer per sharing group."""
+    groups, group_of = form_groups(annotations)
+    carriers = value_carriers(gm.graph)
+    _check_no_written_constant(gm, group_of, carriers)
+
+    outputs: dict[fx.Node, dict[Path, int]] = {}
+    inputs: dict[fx.Node, dict[Path, int]] = {}
+    for key, gid in group_of.items():
+        if isinstance(key, Value):
+            outputs.setdefault(key.node, {})[key.path] = gid
+        else:
+            inputs.setdefault(key.user, {})[key.arg_path] = gid
+    for node in {*annotations, *outputs, *inputs}:
+        annotation = annotations.get(node, Annotation())
+        node.meta[NODE_KEY] = NodeQuant(annotation, outputs.get(node, {}), inputs.get(node, {}))
+
+    observed: dict[int, set[fx.Node]] = {}
+    for key, gid in group_of.items():
+        value = value_of(key)
+        observed.setdefault(gid, set()).add(carriers[value])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for gid, nodes in observed.items():
+        group = groups[gid]
+        if not isinstance(group.spec, QuantSpec):
+            continue
+        name = f"observer_{gid}"
+        observer = make_observer(group.spec, group.label)
+        gm.add_submodule(name, observer)
+        groups[gid] = Group(gid, group.spec, group.members, observer=name)
+        for carrier in sorted(nodes):
+            if carrier.op == "get_attr":  # a constant: observe it once, now
+                observer(fetch_attr(gm, str(carrier.target)))
+                continue
+            anchor = placeholders[-1] if carrier.op == "placeholder" else carrier
+            with gm.graph.inserting_after(anchor):
+                call = gm.graph.call_module(name, (carrier,))
+            call.meta[OBSERVER_KEY] = gid
+    gm.meta[GROUPS_KEY] = groups
+    warn_float_ops(gm, annotations)
+    gm.graph.lint()
+    gm.recompile()

@@ -1,0 +1,81 @@
+"""From an observed range to (scale, zero_point): the one formula every observer shares."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from quantree.core.specs import FixedSpec, QParams, QuantSpec
+
+SCALE_FLOOR = torch.finfo(torch.float32).eps
+"""The smallest scale a calibrated range gets (a zero range would divide by zero)."""
+
+
+def qparams_from_range(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
+    """Scale and zero point that represent [min_val, max_val] (widened to hold 0 exactly)."""
+    qmin, qmax = spec.range
+    lo = torch.clamp(min_val.float(), max=0.0)
+    hi = torch.clamp(max_val.float(), min=0.0)
+    if spec.symmetric:
+        bound = torch.maximum(-lo, hi)
+        scale = bound / ((qmax - qmin) / 2)
+        scale = torch.clamp(scale, min=SCALE_FLOOR)
+        if spec.power_of_two:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        zero_point = torch.full_like(scale, (qmin + qmax + 1) // 2, dtype=torch.int64)
+    else:
+        scale = torch.clamp((hi - lo) / (qmax - qmin), min=SCALE_FLOOR)
+        if spec.power_of_two:
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        zero_point = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax).to(torch.int64)
+    return QParams(scale, zero_point, spec.dtype, qmin, qmax, spec.axis)
+
+
+def per_channel_mismatch(axis: int, channels: int | None, shape: Sequence[object]) -> str | None:
+    """Why ``channels`` parameters on ``axis`` cannot quantize a tensor of ``shape``, or None.
+
+    ``channels`` None checks the axis alone (a spec's parameters are not known before
+    calibration). Symbolic sizes are not compared: they are known only at run time.
+    """
+    if not -len(shape) <= axis < len(shape):
+        return f"axis {axis} is out of range for a {len(shape)}-D tensor of shape {list(shape)}"
+    size = shape[axis]
+    if channels is not None and isinstance(size, int) and size != channels:
+        return (
+            f"{channels} channel(s) on axis {axis} do not fit the tensor of shape {list(shape)}, "
+            f"which has {size}"
+        )
+    return None
+
+
+def at_scale_floor(p: QParams) -> bool:
+    """Whether any scale of ``p`` is the floor ``qparams_from_range`` clamps to.
+
+    That happens when the observed range is zero (all-zero data, a ReLU that never fired)
+    or narrower than the dtype can resolve: every value then rounds to the zero point.
+    """
+    return bool((p.scale <= SCALE_FLOOR).any())
+
+
+def fixed_qparams(spec: FixedSpec) -> QParams:
+    qmin, qmax = spec.range
+    return QParams(
+        torch.tensor(spec.scale, dtype=torch.float32),
+        torch.tensor(spec.zero_point, dtype=torch.int64),
+        spec.dtype,
+        qmin,
+        qmax,
+        None,
+    )
+
+
+def fake_quantize(x: torch.Tensor, p: QParams) -> torch.Tensor:
+    """dequantize(quantize(x)) in float, for measuring error during range search."""
+    scale, zp = p.scale, p.zero_point
+    if p.axis is not None:
+        shape = [1] * x.dim()
+        shape[p.axis] = -1
+        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    q = torch.clamp(torch.round(x / scale) + zp, p.quant_min, p.quant_max)
+    return (q - zp) * scale

@@ -1,0 +1,65 @@
+"""The graph-metadata contract: what each pass leaves on a graph for the passes after it.
+
+``prepare`` marks a graph ``prepared`` and records, per node, what it decided; ``convert``
+marks it ``converted`` and keeps the group table with calibrated parameters; ``lower``,
+backends and tools read those marks. Keeping the keys here, and nowhere else, means no pass
+imports another just to read what it wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch.fx as fx
+
+from quantree.core.errors import QuantreeError
+from quantree.core.quantizer import Annotation
+from quantree.core.values import Path
+
+if TYPE_CHECKING:
+    from quantree.core.sharing import Group
+
+STAGE_KEY = "quantree_stage"
+"""``gm.meta`` key: :data:`PREPARED` or :data:`CONVERTED`, so each step refuses the wrong input."""
+GROUPS_KEY = "quantree_groups"
+"""``gm.meta`` key: ``dict[int, Group]``, the sharing groups (with parameters once converted)."""
+NODE_KEY = "quantree"
+"""``node.meta`` key: the :class:`NodeQuant` of an annotated node."""
+OBSERVER_KEY = "quantree_observer"
+"""``node.meta`` key on an observer call: the id of the group it observes."""
+DEQUANTIZED_GROUP_KEY = "quantree_group"
+"""``node.meta`` key on a dequantize convert inserted: the id of the group it reads."""
+
+
+PREPARED = "prepared"
+CONVERTED = "converted"
+
+
+@dataclass(frozen=True)
+class NodeQuant:
+    """What prepare decided for one annotated node (kept in ``node.meta['quantree']``)."""
+
+    annotation: Annotation
+    output_groups: dict[Path, int] = field(default_factory=dict)
+    input_groups: dict[Path, int] = field(default_factory=dict)
+
+
+def stage_of(gm: fx.GraphModule) -> str:
+    """The stage mark of ``gm`` as text, for messages."""
+    return str(gm.meta.get(STAGE_KEY, "captured or float"))
+
+
+def require_stage(
+    gm: fx.GraphModule, stage: str, step: str, expected: str, fix: str
+) -> dict[int, Group]:
+    """The group table of ``gm``, after checking that ``gm`` is at ``stage`` for ``step``."""
+    groups: dict[int, Group] | None = gm.meta.get(GROUPS_KEY)
+    if groups is None or gm.meta.get(STAGE_KEY) != stage:
+        raise QuantreeError(f"{step} expects {expected}, got a {stage_of(gm)} model: {fix}")
+    return groups
+
+
+def node_quant(node: fx.Node) -> NodeQuant | None:
+    """What prepare decided for ``node``, if it was annotated."""
+    return node.meta.get(NODE_KEY)

@@ -1,0 +1,234 @@
+"""The default recipe: int8 activations (affine), int8 per-channel weights, int32 biases.
+
+Each rule is a small function from a node to an Annotation. Nested outputs need nothing
+special: an LSTM's annotation is a tuple of specs shaped like its output.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from quantree.core.errors import QuantreeError
+from quantree.core.quantizer import Annotation, Quantizer, Rule
+from quantree.core.specs import (
+    FixedSpec,
+    ObserverKind,
+    QDtype,
+    QuantSpec,
+    SharedSpec,
+    Spec,
+    int8_activation,
+    int8_weight,
+)
+from quantree.core.values import Use, Value, is_float_tensor, tensor_meta
+from quantree.core.weighted import weighted_annotation
+from quantree.recurrent.call import CELL_OPS, RECURRENT_OPS
+from quantree.recurrent.decompose import CellsOptions
+from quantree.recurrent.recipe import cells_rules, fixed_sigmoid, fixed_tanh
+from quantree.recurrent.whole import recurrent_cell_annotation, recurrent_whole_annotation
+
+aten = torch.ops.aten
+
+
+def _is_float_node(arg: object) -> bool:
+    return isinstance(arg, fx.Node) and is_float_tensor(tensor_meta(arg))
+
+
+def _sole_user_is(node: fx.Node, targets: tuple[object, ...]) -> bool:
+    users = list(node.users)
+    return len(users) == 1 and getattr(users[0].target, "overloadpacket", None) in targets
+
+
+class RecurrentMode(enum.Enum):
+    """WHOLE quantizes a recurrent layer at its boundary; CELLS decomposes it into cell loops
+    whose gates, cell state and hidden state are named quantization points."""
+
+    WHOLE = "whole"
+    CELLS = "cells"
+
+
+def cell_state_spec(dtype: QDtype, act: QuantSpec) -> QuantSpec:
+    """int16 cell state is symmetric with a power-of-two range (the integer-LSTM convention)."""
+    if dtype == act.dtype:
+        return act
+    return QuantSpec(dtype, symmetric=True, power_of_two=dtype == QDtype.INT16)
+
+
+class Int8Quantizer(Quantizer):
+    """int8 static quantization of the common ops; anything else stays in float.
+
+    ``activation_observer`` picks how activation ranges are calibrated; ``per_channel``
+    quantizes weights per output channel (else per tensor). ``recurrent`` chooses whole or
+    cells mode for LSTM/GRU/RNN; in cells mode ``split_gates``, ``cell_state_dtype`` (INT16
+    for the integer-LSTM convention), ``gate_dtype`` (sigmoid/tanh outputs, default the
+    activation dtype) and ``points`` (a spec per point name, see ``quantree.recurrent.cell_graph``)
+    shape the cells, and ``cells_scope`` limits cells mode to one module (the rest stays
+    whole). ``rules`` are added last and so take precedence over the recipe's own.
+    """
+
+    def __init__(
+        self,
+        *,
+        activation_observer: ObserverKind = ObserverKind.MINMAX,
+        per_channel: bool = True,
+        activation: QuantSpec | None = None,
+        weight: QuantSpec | None = None,
+        recurrent: RecurrentMode = RecurrentMode.WHOLE,
+        split_gates: bool = False,
+        cell_state_dtype: QDtype | None = None,
+        gate_dtype: QDtype | None = None,
+        points: Mapping[str, Spec] | None = None,
+        cells_scope: str | None = None,
+        rules: tuple[Rule, ...] = (),
+    ) -> None:
+        if not isinstance(recurrent, RecurrentMode):
+            raise QuantreeError(f"recurrent must be a RecurrentMode, got {recurrent!r}")
+        act = activation or int8_activation(activation_observer)
+        wgt = weight or int8_weight(0 if per_channel else None)
+        recipe = int8_rules(act, wgt)
+        if recurrent is RecurrentMode.CELLS:
+            cell_state = cell_state_spec(cell_state_dtype or act.dtype, act)
+            recipe += cells_rules(
+                act,
+                wgt,
+                cell_state,
+                gate_dtype or act.dtype,
+                CellsOptions(split_gates),
+                points or {},
+                cells_scope,
+            )
+        super().__init__((*recipe, *rules))
+
+
+class A16W8Quantizer(Int8Quantizer):
+    """16-bit symmetric activations, 8-bit per-channel weights, int32 biases (a16w8).
+
+    In cells mode the gates and the cell state are int16 too.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        options.setdefault("activation", QuantSpec(QDtype.INT16, symmetric=True))
+        options.setdefault("cell_state_dtype", QDtype.INT16)
+        options.setdefault("gate_dtype", QDtype.INT16)
+        super().__init__(**options)
+
+
+def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
+    """The rules of Int8Quantizer for the given activation and weight specs."""
+    fused_activations = (aten.relu, aten.relu_)
+
+    def weighted(node: fx.Node) -> Annotation:
+        """linear / conv: the output is left to a following relu it fuses with."""
+        fused = _sole_user_is(node, fused_activations)
+        return weighted_annotation(node, act, weight, None if fused else act)
+
+    def relu(node: fx.Node) -> Annotation:
+        producer = node.args[0]
+        fused = isinstance(producer, fx.Node) and getattr(
+            producer.target, "overloadpacket", None
+        ) in (aten.linear, aten.conv1d, aten.conv2d)
+        return Annotation(outputs=act, inputs={} if fused else {(0,): act})
+
+    def binary(node: fx.Node) -> Annotation | None:
+        inputs = {(i,): act for i, a in enumerate(node.args[:2]) if _is_float_node(a)}
+        return Annotation(outputs=act, inputs=inputs) if inputs else None
+
+    def fixed_output(spec: FixedSpec) -> Callable[[fx.Node], Annotation]:
+        return lambda node: Annotation(outputs=spec, inputs={(0,): act})
+
+    def same_as_input(node: fx.Node) -> Annotation:
+        """Every float output leaf carries exactly the input's parameters."""
+        input_use = Use.of(node, (0,))
+        outputs = _shaped_like(node, SharedSpec(input_use))
+        return Annotation(outputs=outputs, inputs={(0,): act})
+
+    def cat(node: fx.Node) -> Annotation:
+        tensors = node.args[0]
+        assert isinstance(tensors, list | tuple)
+        inputs = {(0, i): SharedSpec(Value(node)) for i in range(len(tensors))}
+        return Annotation(outputs=act, inputs=inputs)
+
+    def unary(node: fx.Node) -> Annotation:
+        """Input and output quantized separately (the op changes the range)."""
+        return Annotation(outputs=act, inputs={(0,): act})
+
+    def embedding(node: fx.Node) -> Annotation:
+        return Annotation(outputs=None, inputs={(0,): weight})
+
+    def recurrent(node: fx.Node) -> Annotation:
+        return recurrent_whole_annotation(node, act, weight)
+
+    return (
+        Rule((aten.linear, aten.conv1d, aten.conv2d), weighted),
+        Rule(fused_activations, relu),
+        Rule((aten.matmul, aten.bmm, aten.mm), binary),
+        Rule(
+            (
+                aten.add.Tensor,
+                aten.sub.Tensor,
+                aten.mul.Tensor,
+                aten.add_.Tensor,
+                aten.sub_.Tensor,
+                aten.mul_.Tensor,
+            ),
+            binary,
+        ),
+        Rule((aten.sigmoid,), fixed_output(fixed_sigmoid(act.dtype))),
+        Rule((aten.tanh,), fixed_output(fixed_tanh(act.dtype))),
+        Rule(
+            (
+                aten.max_pool2d,
+                aten.max_pool2d_with_indices,
+                aten.max_pool1d,
+                aten.hardtanh,
+                aten.hardtanh_,
+                aten.relu6,
+                aten.clamp,
+                aten.max.dim,
+                aten.chunk,
+                aten.split,
+                aten.split_with_sizes,
+                aten.unbind,
+            ),
+            same_as_input,
+        ),
+        Rule((aten.cat, aten.concat, aten.stack), cat),
+        Rule(
+            (
+                aten.layer_norm,
+                aten.avg_pool2d,
+                aten.adaptive_avg_pool2d,
+                aten.mean,
+                aten.avg_pool1d,
+                aten.adaptive_avg_pool1d,
+                aten.gelu,
+                aten.silu,
+                aten.silu_,
+                aten.hardswish,
+                aten.hardswish_,
+                aten.hardsigmoid,
+                aten.hardsigmoid_,
+                aten.elu,
+                aten.elu_,
+                aten.leaky_relu,
+                aten.leaky_relu_,
+                aten.softmax,
+                aten._softmax,
+            ),
+            unary,
+        ),
+        Rule((aten.embedding,), embedding),
+        Rule(RECURRENT_OPS, recurrent),
+        Rule(CELL_OPS, lambda node: recurrent_cell_annotation(node, act, weight)),
+    )
+
+
+def _shaped_like(node: fx.Node, spec: object) -> object:
+    """A pytree like ``node``'s output: ``spec`` on float leaves, None on the others."""
+    return tree_map(lambda leaf: spec if is_float_tensor(leaf) else None, tensor_meta(node))

@@ -1,0 +1,80 @@
+"""Cells mode: a recurrent node becomes a loop over a cell graph.
+
+The loop is a module of our own rather than unrolled time steps or PyTorch's ``scan``:
+``CellLoop`` runs its body ``GraphModule`` once per step, so the graph does not grow with the
+sequence length, the length may change between calls, and observers inside the body
+accumulate statistics over every step. ``scan`` was the alternative; its eager path runs the
+same Python loop, and a plain module keeps the body an ordinary GraphModule that prepare,
+convert and backends treat exactly like the main graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from quantree.recurrent.call import RecurrentCall
+
+
+class CellLoop(nn.Module):
+    """Runs ``body(x_t, *state) -> new state`` over time; the first state leaf is the output."""
+
+    def __init__(self, body: fx.GraphModule, reverse: bool) -> None:
+        super().__init__()
+        self.body = body
+        self.reverse = reverse
+
+    def forward(self, xs: torch.Tensor, state: tuple[torch.Tensor, ...]):
+        steps = range(xs.shape[0] - 1, -1, -1) if self.reverse else range(xs.shape[0])
+        outputs: list[torch.Tensor] = [xs] * xs.shape[0]
+        for t in steps:
+            state = tuple(self.body(xs[t], *state))
+            outputs[t] = state[0]
+        return torch.stack(outputs), state
+
+
+class RecurrentCells(nn.Module):
+    """A whole ``aten.lstm/gru/rnn_*`` call as cell loops: same inputs, same outputs."""
+
+    def __init__(
+        self, call: RecurrentCall, loops: dict[str, CellLoop], state_sizes: tuple[int, ...]
+    ) -> None:
+        super().__init__()
+        self.state_sizes = state_sizes
+        self.kind = call.kind
+        self.num_layers = call.num_layers
+        self.directions = 2 if call.bidirectional else 1
+        self.batch_first = call.batch_first
+        self.loops = nn.ModuleDict(loops)
+
+    def forward(self, x: torch.Tensor, hx: Any):
+        """``hx`` leaves that are None are zero states sized for this call's batch."""
+        states = list(hx) if isinstance(hx, list | tuple) else [hx]
+        if self.batch_first:
+            x = x.transpose(0, 1)
+        count = self.num_layers * self.directions
+        states = [
+            x.new_zeros(count, x.shape[1], size) if s is None else s
+            for s, size in zip(states, self.state_sizes, strict=True)
+        ]
+        finals: list[list[torch.Tensor]] = [[] for _ in states]
+        for layer in range(self.num_layers):
+            outs = []
+            for d in range(self.directions):
+                index = layer * self.directions + d
+                loop = self.loops[loop_name(layer, d)]
+                out, final = loop(x, tuple(s[index] for s in states))
+                outs.append(out)
+                for k, s in enumerate(final):
+                    finals[k].append(s)
+            x = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+        if self.batch_first:
+            x = x.transpose(0, 1)
+        return (x, *(torch.stack(f) for f in finals))
+
+
+def loop_name(layer: int, direction: int) -> str:
+    return f"l{layer}{'_reverse' if direction else ''}"

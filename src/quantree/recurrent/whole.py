@@ -1,0 +1,74 @@
+"""Whole mode: a recurrent layer, or one step of it, quantized at its boundary.
+
+A backend decides how it computes inside (a native int8 kernel, an NPU op); the annotation
+only fixes the grids of what crosses the boundary.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from quantree.core.quantizer import Annotation
+from quantree.core.specs import (
+    DerivedSpec,
+    QuantSpec,
+    SharedSpec,
+    Spec,
+    bias_spec,
+    product_of_scales,
+)
+from quantree.core.values import Path, Use, Value
+from quantree.recurrent.call import RecurrentCall
+
+
+def recurrent_whole_annotation(node: fx.Node, act: QuantSpec, weight: QuantSpec) -> Annotation:
+    """Quantize a recurrent layer at its boundary.
+
+    Input, initial states, weights (per channel) and every output leaf are quantized; biases
+    are int32 with scale input x weight. A layer above the first reads the previous layer's
+    output, which whole mode does not expose, so its input-side bias derives from the
+    layer's output Value, which holds the same kind of tensor. Each returned state shares
+    one scale with its initial state.
+    """
+    call = RecurrentCall.parse(node)
+    inputs: dict[Path, Spec] = {(0,): act}
+    for path in call.state_paths:
+        inputs[path] = act
+    input_use = Use.of(node, (0,))
+    output = Value(node, (0,))
+    hidden_use = Use.of(node, call.state_paths[0])
+    for p in call.layers:
+        for w in (p.w_ih, p.w_hh, p.w_hr):
+            if w is not None:
+                inputs[w] = weight
+        if p.b_ih is not None:
+            inputs[p.b_ih] = (
+                bias_spec(input_use, Use.of(node, p.w_ih))
+                if p.layer == 0
+                else DerivedSpec((output, Use.of(node, p.w_ih)), product_of_scales)
+            )
+        if p.b_hh is not None:
+            inputs[p.b_hh] = bias_spec(hidden_use, Use.of(node, p.w_hh))
+    states = tuple(SharedSpec(Use.of(node, path)) for path in call.state_paths)
+    return Annotation(outputs=(act, *states), inputs=inputs, name=call.kind)
+
+
+def recurrent_cell_annotation(node: fx.Node, act: QuantSpec, weight: QuantSpec) -> Annotation:
+    """One step (``nn.LSTMCell`` / ``GRUCell`` / ``RNNCell``) quantized at its boundary.
+
+    ``aten.lstm_cell(x, [h, c], w_ih, w_hh, b_ih, b_hh)`` and the single-state cells
+    ``(x, h, w_ih, w_hh, b_ih, b_hh)``: biases derive from x and h, each new state shares its
+    incoming state's parameters so a loop of cells keeps one scale per state.
+    """
+    hx = node.args[1]
+    state_paths: tuple[Path, ...] = (
+        tuple((1, i) for i in range(len(hx))) if isinstance(hx, list | tuple) else ((1,),)
+    )
+    inputs: dict[Path, Spec] = {(0,): act, (2,): weight, (3,): weight}
+    inputs.update(dict.fromkeys(state_paths, act))
+    if len(node.args) > 4 and isinstance(node.args[4], fx.Node):
+        inputs[(4,)] = bias_spec(Use.of(node, (0,)), Use.of(node, (2,)))
+    if len(node.args) > 5 and isinstance(node.args[5], fx.Node):
+        inputs[(5,)] = bias_spec(Use.of(node, state_paths[0]), Use.of(node, (3,)))
+    states = tuple(SharedSpec(Use.of(node, path)) for path in state_paths)
+    return Annotation(outputs=states if len(states) > 1 else states[0], inputs=inputs)

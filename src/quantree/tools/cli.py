@@ -1,0 +1,243 @@
+"""The ``quantree`` command line: demo, quantize a saved program, inspect one.
+
+Errors a user can fix (a missing, truncated or wrong-type file, an unavailable option) print
+one line on stderr and exit with status 2; a quantization error (quantree's own error type)
+prints one line and exits with status 1. Input files are only ever read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from quantree.core.calibrate import BadBatch, as_call, calibrate, check_batch
+from quantree.core.errors import QuantreeError, QuantreeWarning
+from quantree.tools.files import (
+    BadFile,
+    check_output,
+    first_line,
+    load_calibration,
+    load_program,
+    save_program,
+)
+
+EXIT_QUANTIZE_FAILED = 1
+EXIT_BAD_INPUT = 2
+REPORT_BATCHES = 8
+
+
+class UsageError(BadFile):
+    """An option that cannot be honoured in this build (cells mode, a backend)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quantree", description="Graph-mode post-training static quantization for PyTorch."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="quantize the bundled char-level LSTM and report")
+    demo.add_argument("--calibration-batches", type=int, default=50)
+    demo.add_argument(
+        "--eval-chars", type=int, default=100_000, help="validation characters for bits/char"
+    )
+    demo.add_argument("--report", default="quantree-report/report.html", help="HTML report path")
+
+    quantize = commands.add_parser("quantize", help="quantize a program saved by torch.export")
+    quantize.add_argument("model", help="MODEL.pt2 written by torch.export.save")
+    quantize.add_argument(
+        "--calibration", required=True, help="DATA.pt: torch.save'd list of argument tuples"
+    )
+    quantize.add_argument("-o", "--output", required=True, help="where to write OUT.pt2")
+    quantize.add_argument(
+        "--backend",
+        choices=("reference", "cpu"),
+        default="reference",
+        help="reference: quantize/dequantize graph (default); cpu: native int8 kernels "
+        "(to load the output elsewhere, import quantree.backends first)",
+    )
+    quantize.add_argument(
+        "--recurrent",
+        choices=("whole", "cells"),
+        default="whole",
+        help="whole: LSTM/GRU/RNN quantized at their boundary (default); cells: every gate "
+        "and the cell state a quantization point",
+    )
+    quantize.add_argument("--report", help="also write an HTML report of per-tensor SQNR")
+    quantize.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    inspect = commands.add_parser("inspect", help="show what a quantized .pt2 quantizes and how")
+    inspect.add_argument("model", help="a .pt2 program (e.g. written by quantree quantize)")
+    return parser
+
+
+def _quantizer(recurrent: str) -> Any:
+    import quantree as qt
+
+    if recurrent == "whole":
+        return qt.Int8Quantizer()
+    mode = getattr(qt, "RecurrentMode", None)
+    if mode is None:
+        raise UsageError("--recurrent cells: cells mode is not available in this build")
+    return qt.Int8Quantizer(recurrent=mode.CELLS)
+
+
+def _backend(name: str) -> Any:
+    from quantree.core.lower import REFERENCE
+
+    if name == "reference":
+        return REFERENCE
+    try:
+        from quantree.backends import CPU
+    except ImportError:
+        raise UsageError("--backend cpu: the CPU backend is not available in this build") from None
+    return CPU
+
+
+def _check_fits(module: torch.nn.Module, args: tuple[Any, ...], source: str) -> None:
+    """Batch 0 is also the example the output is exported with: it must run on the program."""
+    try:
+        check_batch(module, (args, {}), 0)
+    except BadBatch as error:
+        raise BadFile(f"{source}: {error}") from None
+    try:
+        with torch.no_grad():
+            module(*args)
+    except Exception as error:
+        raise BadFile(
+            f"{source}: calibration batch 0 does not fit the program's inputs ({first_line(error)})"
+        ) from None
+
+
+def _calibrate(prepared: fx.GraphModule, data: list[tuple[Any, ...]], args: Any) -> None:
+    """Every batch is checked before calibration starts: a bad one fails fast, in one line.
+
+    The checks run on the prepared graph, which may take more than the program did (a
+    cells-mode graph has no shape guard: its sequence length may change). A batch of a wrong
+    feature size then fails inside an op, reported the same way with the batch index that
+    calibrate notes on the error.
+    """
+    try:
+        for index, batch in enumerate(data):
+            check_batch(prepared, as_call(batch, index), index)
+        calibrate(prepared, data, progress=not args.quiet)
+    except BadBatch as error:
+        raise BadFile(f"{args.calibration}: {error}") from None
+    except QuantreeError:
+        raise
+    except Exception as error:
+        where = "; ".join(getattr(error, "__notes__", ()))
+        raise BadFile(
+            f"{args.calibration}: the program fails on the calibration data ({where}): "
+            f"{first_line(error)}"
+        ) from None
+
+
+def quantize_command(args: argparse.Namespace) -> int:
+    from quantree.core.convert import convert
+    from quantree.core.lower import lower
+    from quantree.core.prepare import prepare
+
+    inputs = (args.model, args.calibration)
+    check_output(args.output, inputs)
+    if args.report:
+        check_output(args.report, (*inputs, args.output))
+    program = load_program(args.model)
+    data = load_calibration(args.calibration)
+    quantizer = _quantizer(args.recurrent)
+    backend = _backend(args.backend)
+    module = program.module()
+    _check_fits(module, data[0], args.calibration)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepared = prepare(module, quantizer)
+        _calibrate(prepared, data, args)
+        quantized = lower(convert(prepared), backend)
+    for w in caught:
+        if issubclass(w.category, QuantreeWarning):
+            print(f"quantree: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+    written = save_program(quantized, data[0], args.output, protect=(args.model,))
+    print(f"quantized {args.model} on {len(data)} calibration batch(es) -> {written}")
+    if args.report:
+        _write_report(args, prepared, quantized, data)
+    return 0
+
+
+def _write_report(
+    args: argparse.Namespace,
+    reference: fx.GraphModule,
+    quantized: torch.nn.Module,
+    data: list[tuple[Any, ...]],
+) -> None:
+    from quantree.tools.compare import compare
+    from quantree.tools.files import atomic_write
+    from quantree.tools.inspection import summary
+    from quantree.tools.report import Report
+
+    # The prepared model computes what the float model computes and has the cells of a
+    # cells-mode layer as its own graphs, so the report shows inside them too.
+    comparison = compare(reference, quantized, data[:REPORT_BATCHES])
+    report = Report(f"quantree: {Path(args.model).name}")
+    report.paragraph(
+        f"{args.model} quantized ({args.recurrent} recurrent mode, {args.backend} backend) "
+        f"on {len(data)} calibration batch(es); SQNR measured on the first "
+        f"{comparison.batches} of them."
+    )
+    report.comparison(comparison, "per-tensor SQNR against float")
+    if isinstance(quantized, fx.GraphModule):
+        report.heading("What is quantized")
+        report.preformatted(summary(quantized, Path(args.output).name))
+    page = report.html()
+    written = atomic_write(
+        args.report,
+        lambda tmp: Path(tmp).write_text(page, encoding="utf-8"),
+        protect=(args.model, args.calibration),
+    )
+    worst = comparison.rows[0] if comparison.rows else None
+    if worst is not None:
+        print(f"worst tensor: {worst.name} at {worst.sqnr_db:.1f} dB")
+    print(f"report: {written.resolve()}")
+
+
+def inspect_command(args: argparse.Namespace) -> int:
+    from quantree.tools.inspection import summary
+
+    program = load_program(args.model)
+    print(summary(program.module(), str(args.model)))
+    return 0
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    from quantree.tools.demo_report import main as demo_main
+
+    demo_main(args.calibration_batches, args.eval_chars, args.report)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(None if argv is None else list(argv))
+    command = {"demo": demo_command, "quantize": quantize_command, "inspect": inspect_command}
+    try:
+        return command[args.command](args)
+    except BadFile as error:
+        print(f"quantree: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as error:  # an output that cannot be written (permissions, a full disk)
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"quantree: error: {where}{error.strerror or error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except QuantreeError as error:
+        message = " ".join(str(error).split())
+        print(f"quantree: error: {message[:500]}", file=sys.stderr)
+        return EXIT_QUANTIZE_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

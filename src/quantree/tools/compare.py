@@ -1,0 +1,303 @@
+"""compare: the numeric debugger, per-tensor SQNR between a float model and its quantized one.
+
+Both models run on the same batches under ``torch.fx.Interpreter``. Every Value of the float
+graph (each float leaf of each node's output, so all three leaves of an ``aten.lstm``) is
+matched by node name and leaf path in the quantized graph and read there *after* its
+quantize -> dequantize, so the error shown is the error quantization leaves at that point.
+Constant inputs (weights) are compared at the op that reads them, and the model outputs
+always are, so a lowered model whose ops became kernels still gets its output rows.
+Graphs nested in both models (the cell body of a cells-mode layer, run once per time step)
+are compared too, call by call, when the float model has them: pass the prepared model as
+the float reference (its observers are the identity and are not run). Signal and noise
+energies accumulate over every batch and call before the ratio is taken.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from quantree.core.calibrate import as_args
+from quantree.core.capture import capture
+from quantree.core.graphs import nested_graphs
+from quantree.core.values import Path, leaves_with_paths
+from quantree.tools.matching import (
+    OUTPUT,
+    VALUE,
+    WEIGHT,
+    Described,
+    Key,
+    Plan,
+    Recorder,
+    Sink,
+    describe_value,
+    float_plan,
+    is_float,
+    output_quantization,
+    quantized_plan,
+    recording_nested,
+)
+
+ROOT = ""
+
+
+class RowKind(enum.Enum):
+    """What a row measures: a node's output leaf, a constant an op reads, or a model output."""
+
+    VALUE = VALUE
+    WEIGHT = WEIGHT
+    OUTPUT = OUTPUT
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """SQNR of one tensor over every compared batch."""
+
+    name: str  # "lstm[1]", "head.weight -> linear[1]", "output", "<scope>/gates_split[0] (i_pre)"
+    node: str  # node name, prefixed by "<scope>/" inside a nested graph
+    path: Path
+    kind: RowKind
+    op: str
+    quantization: str  # "int8", "int16", "int8 per-channel", or "float" (no q/dq found)
+    shape: tuple[int, ...]
+    signal: float  # sum of squares of the float tensor
+    noise: float  # sum of squares of (float - quantized)
+    order: int  # position in the float graph
+
+    @property
+    def sqnr_db(self) -> float:
+        if self.noise == 0.0:
+            return math.inf
+        return 10.0 * math.log10(max(self.signal, 1e-30) / self.noise)
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "node": self.node,
+            "path": list(self.path),
+            "kind": self.kind.value,
+            "op": self.op,
+            "quantization": self.quantization,
+            "shape": list(self.shape),
+            "sqnr_db": self.sqnr_db,
+        }
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The rows of :func:`compare`, worst SQNR first."""
+
+    rows: tuple[TensorRow, ...]
+    batches: int
+
+    def records(self) -> list[dict[str, Any]]:
+        return [row.record() for row in self.rows]
+
+    def row(self, name: str) -> TensorRow:
+        for row in self.rows:
+            if row.name == name:
+                return row
+        raise KeyError(f"no row named {name!r}; rows: {[r.name for r in self.rows]}")
+
+    @property
+    def outputs(self) -> tuple[TensorRow, ...]:
+        return tuple(r for r in self.rows if r.kind is RowKind.OUTPUT)
+
+    def render(self, limit: int | None = None) -> str:
+        rows = self.rows[:limit] if limit is not None else self.rows
+        width = max([len("tensor"), *(len(r.name) for r in rows)])
+        opw = max([len("op"), *(len(r.op) for r in rows)])
+        lines = [
+            f"per-tensor SQNR over {self.batches} batch(es), worst first",
+            f"{'tensor':<{width}}  {'op':<{opw}}  {'quantized as':<18}  {'shape':<16}  SQNR dB",
+        ]
+        for r in rows:
+            shape = "x".join(str(s) for s in r.shape) or "scalar"
+            lines.append(
+                f"{r.name:<{width}}  {r.op:<{opw}}  {r.quantization:<18}  {shape:<16}  "
+                + (f"{r.sqnr_db:7.1f}" if math.isfinite(r.sqnr_db) else "  exact")
+            )
+        if limit is not None and len(self.rows) > limit:
+            lines.append(f"... and {len(self.rows) - limit} more")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+@dataclass
+class _Stat:
+    described: Described
+    quantization: str = "float"
+    shape: tuple[int, ...] = ()
+    signal: float = 0.0
+    noise: float = 0.0
+    seen: bool = False
+
+
+class _Session:
+    """The float reference of the current batch and the running energies, per scope."""
+
+    def __init__(self, float_gm: fx.GraphModule, quantized: torch.nn.Module) -> None:
+        self.float_gm = float_gm
+        self.quantized = quantized
+        nested_q = nested_graphs(quantized) if isinstance(quantized, fx.GraphModule) else {}
+        nested_f = nested_graphs(float_gm)
+        self.graphs = {ROOT: float_gm, **{n: g for n, g in nested_f.items() if n in nested_q}}
+        self.float_plans: dict[str, Plan] = {}
+        self.weights: dict[str, dict[Key, torch.Tensor]] = {}
+        self.stats: dict[tuple[str, Key], _Stat] = {}
+        for index, (scope, gm) in enumerate(self.graphs.items()):
+            plan, described, weights = float_plan(gm)
+            self.float_plans[scope], self.weights[scope] = plan, weights
+            for key, d in described.items():
+                self.stats[(scope, key)] = _Stat(self._scoped(scope, d, index))
+        self.reference: dict[tuple[str, int], dict[Key, torch.Tensor]] = {}
+        self.quantized_plans: dict[str, Plan] | None = None
+        self.weights_done: set[tuple[str, Key]] = set()
+
+    @staticmethod
+    def _scoped(scope: str, d: Described, index: int) -> Described:
+        if scope == ROOT:
+            return d
+        return Described(f"{scope}/{d.name}", d.op, 100_000 * index + d.order)
+
+    def keeper(self, scope: str, call: int) -> Sink:
+        store = self.reference.setdefault((scope, call), dict(self.weights[scope]))
+
+        def keep(key: Key, value: Any) -> None:
+            if is_float(value):
+                store[key] = value.detach()
+
+        return keep
+
+    def accumulator(self, scope: str, call: int) -> Sink:
+        store = self.reference.get((scope, call), {})
+
+        def accumulate(key: Key, value: Any) -> None:
+            ref = store.get(key)
+            if ref is None or not is_float(value) or value.shape != ref.shape:
+                return
+            if key[0] == WEIGHT:
+                if (scope, key) in self.weights_done:
+                    return
+                self.weights_done.add((scope, key))
+            stat = self.stats[(scope, key)]
+            r = ref.double()
+            stat.signal += float(r.pow(2).sum())
+            stat.noise += float((r - value.detach().double()).pow(2).sum())
+            stat.shape, stat.seen = tuple(ref.shape), True
+
+        return accumulate
+
+    def run_float(self, args: tuple[Any, ...]) -> None:
+        self.reference.clear()
+        nested = {s: p for s, p in self.float_plans.items() if s != ROOT}
+        with torch.no_grad(), recording_nested(self.float_gm, nested, self.keeper):
+            out = Recorder(self.float_gm, self.float_plans[ROOT], self.keeper(ROOT, 0)).run(*args)
+        keep = self.keeper(ROOT, 0)
+        for i, (path, leaf) in enumerate(leaves_with_paths(out)):
+            key = (OUTPUT, "output", path)
+            keep(key, leaf)
+            if (ROOT, key) not in self.stats:
+                name = "output" + "".join(f"[{p!r}]" for p in path)
+                self.stats[(ROOT, key)] = _Stat(Described(name, "output", 10**9 + i))
+        if self.quantized_plans is None:
+            self._plan_quantized()
+
+    def _plan_quantized(self) -> None:
+        self.quantized_plans = {}
+        for scope, gm in self.graphs.items():
+            keys = self.reference.get((scope, 0), {})
+            nodes = {n.name: (i, n) for i, n in enumerate(gm.graph.nodes)}
+            index = list(self.graphs).index(scope)
+            for key in keys:
+                if key[0] == VALUE and (scope, key) not in self.stats:
+                    described = self._scoped(scope, describe_value(nodes, key), index)
+                    self.stats[(scope, key)] = _Stat(described)
+            if not isinstance(self.quantized, fx.GraphModule):
+                continue
+            target = self.quantized if scope == ROOT else self.quantized.get_submodule(scope)
+            assert isinstance(target, fx.GraphModule)
+            plan, how = quantized_plan(target, gm, [k for s, k in self.stats if s == scope])
+            self.quantized_plans[scope] = plan
+            for key, text in how.items():
+                self.stats[(scope, key)].quantization = text
+        if isinstance(self.quantized, fx.GraphModule):
+            outputs = [k for s, k in self.stats if s == ROOT and k[0] == OUTPUT]
+            for key, how_out in zip(outputs, output_quantization(self.quantized), strict=False):
+                if how_out is not None:
+                    self.stats[(ROOT, key)].quantization = how_out
+
+    def run_quantized(self, args: tuple[Any, ...]) -> None:
+        plans = self.quantized_plans or {}
+        with torch.no_grad():
+            if isinstance(self.quantized, fx.GraphModule):
+                nested = {s: p for s, p in plans.items() if s != ROOT}
+                with recording_nested(self.quantized, nested, self.accumulator):
+                    sink = self.accumulator(ROOT, 0)
+                    out = Recorder(self.quantized, plans[ROOT], sink).run(*args)
+            else:
+                out = self.quantized(*args)
+        accumulate = self.accumulator(ROOT, 0)
+        for path, leaf in leaves_with_paths(out):
+            accumulate((OUTPUT, "output", path), leaf)
+
+    def rows(self) -> list[TensorRow]:
+        rows = []
+        for (scope, key), stat in self.stats.items():
+            if not stat.seen:
+                continue
+            d = stat.described
+            node = key[1] if scope == ROOT else f"{scope}/{key[1]}"
+            rows.append(
+                TensorRow(
+                    d.name,
+                    node,
+                    key[2],
+                    RowKind(key[0]),
+                    d.op,
+                    stat.quantization,
+                    stat.shape,
+                    stat.signal,
+                    stat.noise,
+                    d.order,
+                )
+            )
+        rows.sort(key=lambda r: (r.sqnr_db, r.order, r.name))
+        return rows
+
+
+def compare(
+    float_model: torch.nn.Module,
+    quantized_model: torch.nn.Module,
+    data: Iterable[Any],
+) -> Comparison:
+    """Per-tensor SQNR of ``quantized_model`` against ``float_model`` over ``data``.
+
+    ``float_model`` is an ``nn.Module`` (captured here on the first batch) or a captured or
+    prepared GraphModule (prepared: the cells of a cells-mode layer are compared too);
+    ``quantized_model`` is the output of ``convert`` or ``lower`` (any module works for the
+    output rows). ``data`` is an iterable of argument tuples. Neither model is changed.
+    """
+    session: _Session | None = None
+    count = 0
+    for batch in data:
+        args = as_args(batch)
+        if session is None:
+            float_gm = (
+                float_model
+                if isinstance(float_model, fx.GraphModule)
+                else capture(float_model, args)
+            )
+            session = _Session(float_gm, quantized_model)
+        session.run_float(args)
+        session.run_quantized(args)
+        count += 1
+    return Comparison(tuple(session.rows() if session else ()), count)

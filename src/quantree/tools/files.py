@@ -1,0 +1,159 @@
+"""program_io: the files the CLI reads and writes, loaded with safe loaders only.
+
+Programs are read with ``torch.export.load`` and calibration data with
+``torch.load(weights_only=True)``; anything wrong with a file (missing, truncated, of the
+wrong kind) becomes a :class:`BadFile` with a one-line message naming the file. Outputs are
+written to a temporary file next to the target and renamed into place, so a failure never
+leaves a half-written file and the input is never opened for writing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantree.core.calibrate import as_args
+from quantree.core.errors import QuantreeError
+
+
+class BadFile(QuantreeError):
+    """An input or output file the CLI cannot use; the message is one line."""
+
+
+def first_line(error: BaseException) -> str:
+    """``Type: first line of the message`` (at most 200 characters), for one-line errors."""
+    text = str(error).strip().splitlines()
+    line = text[0] if text else ""
+    line = line if len(line) <= 200 else line[:197] + "..."
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def _existing(path: str | Path, what: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise BadFile(f"{p}: no such file ({what})")
+    if not p.is_file():
+        raise BadFile(f"{p}: not a regular file ({what})")
+    return p
+
+
+def register_backend_ops() -> None:
+    """Import the built-in backends so programs using their custom ops can be loaded."""
+    with contextlib.suppress(ImportError):
+        importlib.import_module("quantree.backends")
+
+
+@contextlib.contextmanager
+def _quiet_logging() -> Iterator[None]:
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+def load_program(path: str | Path) -> torch.export.ExportedProgram:
+    """A program saved with ``torch.export.save``."""
+    p = _existing(path, "expected a program saved with torch.export.save")
+    register_backend_ops()
+    try:
+        with _quiet_logging():  # torch logs a traceback for a broken archive before raising
+            program = torch.export.load(str(p))
+    except Exception as error:
+        raise BadFile(
+            f"{p}: not a readable torch.export program (truncated, or saved some other way): "
+            f"{first_line(error)}"
+        ) from None
+    if not isinstance(program, torch.export.ExportedProgram):
+        raise BadFile(f"{p}: holds a {type(program).__name__}, not an ExportedProgram")
+    return program
+
+
+def load_calibration(path: str | Path) -> list[tuple[Any, ...]]:
+    """A non-empty list of argument tuples saved with ``torch.save`` (a lone tensor = 1-tuple)."""
+    p = _existing(path, "expected calibration data saved with torch.save")
+    try:
+        data = torch.load(str(p), weights_only=True, map_location="cpu")
+    except Exception as error:
+        raise BadFile(
+            f"{p}: not readable as calibration data with torch.load(weights_only=True): "
+            f"{first_line(error)}"
+        ) from None
+    if not isinstance(data, list | tuple):
+        raise BadFile(
+            f"{p}: holds a {type(data).__name__}; expected a list of argument tuples, "
+            "e.g. torch.save([(x1,), (x2,)], path)"
+        )
+    if not data:
+        raise BadFile(f"{p}: the calibration list is empty")
+    batches = []
+    for i, item in enumerate(data):
+        if not isinstance(item, torch.Tensor | list | tuple):
+            raise BadFile(
+                f"{p}: item {i} is a {type(item).__name__}; each item must be a tuple of "
+                "the model's positional arguments"
+            )
+        batches.append(as_args(item))
+    return batches
+
+
+def check_output(path: str | Path, protect: tuple[str | Path, ...] = ()) -> Path:
+    """``path`` as a Path if it may be written: not a directory, not one of the inputs."""
+    target = Path(path)
+    for other in protect:
+        if target.exists() and Path(other).exists() and os.path.samefile(target, other):
+            raise BadFile(f"{target}: refusing to overwrite the input file {other}")
+    if target.exists() and not target.is_file():
+        raise BadFile(f"{target}: exists and is not a regular file")
+    ancestor = target.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise BadFile(f"{target}: cannot be created, {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK):
+        raise BadFile(f"{target}: cannot be created, {ancestor} is not writable")
+    return target
+
+
+def atomic_write(path: str | Path, write: Any, *, protect: tuple[str | Path, ...] = ()) -> Path:
+    """Call ``write(tmp_path)`` and rename the result to ``path``; never onto ``protect``."""
+    target = check_output(path, protect)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=target.suffix, dir=target.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def save_program(
+    module: torch.nn.Module,
+    example_args: tuple[Any, ...],
+    path: str | Path,
+    *,
+    protect: tuple[str | Path, ...] = (),
+) -> Path:
+    """Export ``module`` with ``example_args`` and write it with ``torch.export.save``."""
+    try:
+        program = torch.export.export(module, tuple(example_args), strict=False)
+    except Exception as error:
+        raise QuantreeError(
+            f"torch.export could not re-export the quantized model: {first_line(error)}"
+        ) from error
+    return atomic_write(path, lambda tmp: torch.export.save(program, tmp), protect=protect)

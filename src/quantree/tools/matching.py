@@ -1,0 +1,257 @@
+"""matching: find the same tensors in a float graph and its quantized graph, and record them.
+
+A float graph and the graph ``convert`` made from it share node names (convert only inserts
+quantize/dequantize nodes), so a Value ``(node, path)`` of the float graph is found in the
+quantized graph by name: its leaf carrier (the ``getitem`` chain), then the dequantize of the
+quantize that follows it, which is the value quantization leaves behind. When a pass replaced
+the node (cells decomposition, a lowered kernel), its ``getitem`` leaves often survive under
+their own names and are used instead. ``Recorder`` runs a GraphModule and hands the chosen
+tensors to a sink; observers are skipped, so recording a prepared model changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from quantree.core.graphs import fetch_attr
+from quantree.core.observers import Observer
+from quantree.core.qdq import DEQUANTIZE_OPS, PER_CHANNEL_OPS, QUANTIZE_OPS
+from quantree.core.stages import OBSERVER_KEY
+from quantree.core.values import Path, arg_at, get_at, is_getitem, leaves_with_paths
+
+VALUE, WEIGHT, OUTPUT = "value", "weight", "output"
+Key = tuple[str, str, Path]  # (kind, node name, leaf path or argument path)
+Watch = dict[fx.Node, list[tuple[Key, Path | None]]]  # None: every leaf of the output
+Sink = Callable[[Key, Any], None]
+
+
+@dataclass(frozen=True)
+class Described:
+    """How a row is shown: its name, the op that made it, its position in the graph."""
+
+    name: str
+    op: str
+    order: int
+
+
+@dataclass
+class Plan:
+    """What to record while one graph runs: node outputs, and node inputs (constants)."""
+
+    outputs: Watch
+    inputs: Watch
+
+
+def describe_quantization(node: fx.Node) -> str:
+    """``int8`` / ``int16 per-channel`` for a quantize or dequantize node."""
+    name = str(node.args[-1]).replace("torch.", "")
+    return f"{name} per-channel" if node.target in PER_CHANNEL_OPS else name
+
+
+def op_name(node: fx.Node) -> str:
+    if node.op == "call_function":
+        name = str(getattr(node.target, "__name__", node.target))
+        return f"aten.{name}" if hasattr(node.target, "_schema") else name
+    if node.op == "call_module":
+        return f"module {node.target}"
+    return str(node.op)
+
+
+def is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _is_observer(node: fx.Node) -> bool:
+    return node.op == "call_module" and OBSERVER_KEY in node.meta
+
+
+def _is_recorded(node: fx.Node) -> bool:
+    if node.op not in ("placeholder", "call_function", "call_module") or is_getitem(node):
+        return False
+    return not _is_observer(node) and node.target not in QUANTIZE_OPS + DEQUANTIZE_OPS
+
+
+def carrier(node: fx.Node, path: Path) -> tuple[fx.Node, Path]:
+    """The getitem node holding leaf ``path`` of ``node`` and what remains of the path."""
+    for i, part in enumerate(path):
+        nxt = next((u for u in node.users if is_getitem(u) and u.args[1] == part), None)
+        if nxt is None:
+            return node, path[i:]
+        node = nxt
+    return node, ()
+
+
+def _dequantized_after(node: fx.Node) -> tuple[fx.Node, str] | None:
+    for q in node.users:
+        if q.target in QUANTIZE_OPS:
+            for dq in q.users:
+                if dq.target in DEQUANTIZE_OPS:
+                    return dq, describe_quantization(q)
+    return None
+
+
+def float_plan(gm: fx.GraphModule) -> tuple[Plan, dict[Key, Described], dict[Key, torch.Tensor]]:
+    """Record every float node's output leaves; describe and fetch the float constants."""
+    watch: Watch = {}
+    described: dict[Key, Described] = {}
+    weights: dict[Key, torch.Tensor] = {}
+    for order, node in enumerate(gm.graph.nodes):
+        if _is_recorded(node):
+            watch[node] = [((VALUE, node.name, ()), None)]
+        if node.op != "call_function" or is_getitem(node):
+            continue
+        for head, root in [*enumerate(node.args), *node.kwargs.items()]:
+            for path, leaf in leaves_with_paths(root):
+                if not isinstance(leaf, fx.Node) or leaf.op != "get_attr":
+                    continue
+                try:
+                    value = fetch_attr(gm, str(leaf.target))
+                except (AttributeError, AssertionError):
+                    continue
+                if value.is_floating_point():
+                    arg_path: Path = (head, *path)  # type: ignore[assignment]
+                    key = (WEIGHT, node.name, arg_path)
+                    label = f"{leaf.target} -> {node.name}{list(arg_path)}"
+                    described[key] = Described(label, op_name(node), order)
+                    weights[key] = value
+    return Plan(watch, {}), described, weights
+
+
+def describe_value(nodes: dict[str, tuple[int, fx.Node]], key: Key) -> Described:
+    """``lstm[1]``, or ``gates_split[0] (i_pre)`` when the leaf's getitem has its own name.
+
+    ``nodes`` maps node names to (position, node): ``{n.name: (i, n) for i, n in ...}``.
+    """
+    order, node = nodes[key[1]]
+    suffix = "".join(f"[{p!r}]" for p in key[2])
+    leaf, rest = carrier(node, key[2])
+    named = leaf is not node and not rest and not leaf.name.startswith("getitem")
+    name = f"{node.name}{suffix}" + (f" ({leaf.name})" if named else "")
+    return Described(name, op_name(node), order)
+
+
+def quantized_plan(
+    gm: fx.GraphModule, float_gm: fx.GraphModule, keys: Iterable[Key]
+) -> tuple[Plan, dict[Key, str]]:
+    """Where each float key is read in the quantized graph, and how it is quantized there."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    float_by_name = {n.name: n for n in float_gm.graph.nodes}
+    plan, how = Plan({}, {}), {}
+    for key in keys:
+        kind, name, path = key
+        if kind == WEIGHT:
+            user = by_name.get(name)
+            if user is None or is_getitem(user):
+                continue
+            plan.inputs.setdefault(user, []).append((key, path))
+            try:
+                source = arg_at(user, path)
+            except (IndexError, KeyError, TypeError):
+                continue
+            if isinstance(source, fx.Node) and source.target in DEQUANTIZE_OPS:
+                how[key] = describe_quantization(source)
+            continue
+        if kind != VALUE:
+            continue
+        node = by_name.get(name)
+        if node is None or is_getitem(node):
+            f_carrier, rest = carrier(float_by_name[name], path)
+            node = by_name.get(f_carrier.name) if f_carrier is not float_by_name[name] else None
+            if node is None:
+                continue
+            leaf, rest = carrier(node, rest)
+        else:
+            leaf, rest = carrier(node, path)
+        found = _dequantized_after(leaf) if not rest else None
+        if found is not None:
+            plan.outputs.setdefault(found[0], []).append((key, ()))
+            how[key] = found[1]
+        else:
+            plan.outputs.setdefault(leaf, []).append((key, rest))
+    return plan, how
+
+
+def output_quantization(gm: fx.GraphModule) -> list[str | None]:
+    """For each flat output of ``gm``: how it is quantized, if it comes from a dequantize."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return [
+        describe_quantization(leaf)
+        if isinstance(leaf, fx.Node) and leaf.target in DEQUANTIZE_OPS
+        else None
+        for _, leaf in leaves_with_paths(output.args[0])
+    ]
+
+
+class Recorder(fx.Interpreter):
+    """Runs a GraphModule, handing the tensors ``plan`` names to ``sink``; skips observers."""
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan, sink: Sink) -> None:
+        super().__init__(gm)
+        self.plan, self.sink = plan, sink
+
+    def run_node(self, n: fx.Node) -> Any:
+        if _is_observer(n) or (
+            n.op == "call_module" and isinstance(self.fetch_attr(str(n.target)), Observer)
+        ):
+            return None  # observers return nothing anyone reads; do not update them
+        for key, arg_path in self.plan.inputs.get(n, ()):
+            arg = arg_at(n, arg_path if arg_path is not None else key[2])
+            if isinstance(arg, fx.Node) and arg in self.env:
+                self.sink(key, self.env[arg])
+        out = super().run_node(n)
+        for key, path in self.plan.outputs.get(n, ()):
+            if path is None:
+                for leaf_path, leaf in leaves_with_paths(out):
+                    self.sink((key[0], key[1], leaf_path), leaf)
+            else:
+                self.sink(key, get_at(out, path))
+        return out
+
+
+class _Recording(torch.nn.Module):
+    """Stands in for a nested GraphModule: runs it under a Recorder, counting calls."""
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan, sink_for: Callable[[int], Sink]) -> None:
+        super().__init__()
+        self.gm, self.plan, self.sink_for, self.calls = gm, plan, sink_for, 0
+
+    def forward(self, *args: Any) -> Any:
+        sink = self.sink_for(self.calls)
+        self.calls += 1
+        return Recorder(self.gm, self.plan, sink).run(*args)
+
+
+@contextmanager
+def recording_nested(
+    model: torch.nn.Module,
+    plans: dict[str, Plan],
+    sink_for: Callable[[str, int], Sink],
+) -> Iterator[None]:
+    """Record inside the nested graphs named in ``plans`` while the block runs ``model``.
+
+    Each call of a nested graph gets its own sink (``sink_for(name, call_index)``); the
+    original submodules are put back afterwards.
+    """
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+    try:
+        for name, plan in plans.items():
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            original = getattr(parent, attr)
+            assert isinstance(original, fx.GraphModule)
+            setattr(parent, attr, _Recording(original, plan, _bind(sink_for, name)))
+            swapped.append((parent, attr, original))
+        yield
+    finally:
+        for parent, attr, original in reversed(swapped):
+            setattr(parent, attr, original)
+
+
+def _bind(sink_for: Callable[[str, int], Sink], name: str) -> Callable[[int], Sink]:
+    return lambda call: sink_for(name, call)
