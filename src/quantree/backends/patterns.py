@@ -6,7 +6,7 @@ integer tensor (a graph node or a folded constant) with its parameters, or None.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,9 +121,14 @@ def constant(ctx: LoweringContext, prefix: str, value: torch.Tensor, before: fx.
     return node
 
 
-def replace(ctx: LoweringContext, old: fx.Node, new: fx.Node, chain: Iterable[fx.Node]) -> None:
-    """Route ``old``'s users to ``new``, then erase the now dead ``chain`` (users first)."""
-    new.meta["nn_module_stack"] = old.meta.get("nn_module_stack", {})
+def replace(ctx: LoweringContext, old: fx.Node, new: fx.Node, chain: Sequence[fx.Node]) -> None:
+    """Route ``old``'s users to ``new``, then erase the now dead ``chain`` (users first).
+
+    ``new`` takes the module scope of the first of ``old`` and ``chain`` that has one (the
+    quantize nodes convert inserts have none), so reports still place the kernel.
+    """
+    scopes = (n.meta.get("nn_module_stack") for n in (old, *chain))
+    new.meta["nn_module_stack"] = next((s for s in scopes if s), {})
     old.replace_all_uses_with(new)
     for node in chain:
         if not node.users:

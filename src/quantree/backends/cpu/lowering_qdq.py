@@ -25,6 +25,7 @@ from quantree.backends.patterns import (
     Activation,
     activation,
     is_int8_per_tensor,
+    replace,
     writes_shared_input,
 )
 from quantree.core.lower import LoweringContext, Quantized
@@ -58,10 +59,7 @@ def lower_max_pool(ctx: LoweringContext, node: fx.Node) -> bool:
             torch.ops.quantree.max_pool2d.default,
             (x.node, kernel, stride, padding, dilation, bool(args[5])),
         )
-    pooled.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-    q.node.replace_all_uses_with(pooled)
-    ctx.gm.graph.erase_node(q.node)
-    ctx.gm.graph.erase_node(node)
+    replace(ctx, q.node, pooled, (q.node, node))
     return True
 
 
@@ -90,10 +88,7 @@ def lower_movement(ctx: LoweringContext, node: fx.Node) -> bool:
     target = aten.reshape.default if node.target == aten.view.default else node.target
     with graph.inserting_before(node):
         moved = graph.call_function(target, (x.node, *node.args[1:]), dict(node.kwargs))
-    moved.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-    q.node.replace_all_uses_with(moved)
-    graph.erase_node(q.node)
-    graph.erase_node(node)
+    replace(ctx, q.node, moved, (q.node, node))
     return True
 
 
@@ -140,10 +135,7 @@ def lower_pointwise(ctx: LoweringContext, node: fx.Node) -> bool:
     graph = ctx.gm.graph
     with graph.inserting_before(node):
         new = graph.call_function(torch.ops.quantree.lookup.default, (x.node, table_node))
-    new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-    q.node.replace_all_uses_with(new)
-    graph.erase_node(q.node)
-    graph.erase_node(node)
+    replace(ctx, q.node, new, (q.node, node))
     return True
 
 
@@ -187,10 +179,7 @@ def lower_binary(ctx: LoweringContext, node: fx.Node) -> bool:
                 int(q.params.zero_point),
             ),
         )
-    new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-    q.node.replace_all_uses_with(new)
-    graph.erase_node(q.node)
-    graph.erase_node(node)
+    replace(ctx, q.node, new, (q.node, node))
     return True
 
 
@@ -220,10 +209,7 @@ def lower_softmax(ctx: LoweringContext, node: fx.Node) -> bool:
             torch.ops.quantree.softmax.default,
             (x.node, table, float(q.params.scale), int(q.params.zero_point)),
         )
-    new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-    q.node.replace_all_uses_with(new)
-    graph.erase_node(q.node)
-    graph.erase_node(node)
+    replace(ctx, q.node, new, (q.node, node))
     return True
 
 
@@ -247,10 +233,7 @@ def lower_matmul(ctx: LoweringContext, node: fx.Node) -> bool:
             (a.node, b.node, a.scale, a.zero_point, b.scale, b.zero_point,
              float(q.params.scale), int(q.params.zero_point)),
         )  # fmt: skip
-    new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-    q.node.replace_all_uses_with(new)
-    graph.erase_node(q.node)
-    graph.erase_node(node)
+    replace(ctx, q.node, new, (q.node, node))
     return True
 
 
