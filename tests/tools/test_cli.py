@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import re
 import subprocess
@@ -219,8 +218,6 @@ def test_a_bad_batch_is_named_with_its_file_index_and_problem(files: dict[str, P
 
 def test_cells_mode_calibrates_on_another_sequence_length(files: dict[str, Path], capsys):
     """Cells-mode graphs have no shape guard: a longer batch is data, not a bad file."""
-    if not hasattr(qt, "RecurrentMode"):
-        pytest.skip("cells mode not in this build")
     argv = _bad_inputs(files)["shape in batch 3"]
     out = files["root"] / "cells_longer.pt2"
     assert main([*argv[:-1], str(out), "--recurrent", "cells", "--quiet"]) == 0
@@ -253,8 +250,6 @@ def test_bad_file_in_a_subprocess_has_no_traceback(files: dict[str, Path]) -> No
 
 
 def test_cells_mode_round_trip(files: dict[str, Path]) -> None:
-    if not hasattr(qt, "RecurrentMode"):
-        pytest.skip("cells mode not in this build")
     out, report = files["root"] / "cells.pt2", files["root"] / "cells.html"
     code = main(["quantize", str(files["model"]), "--calibration", str(files["data"]),
                  "-o", str(out), "--recurrent", "cells", "--quiet",
@@ -267,9 +262,6 @@ def test_cells_mode_round_trip(files: dict[str, Path]) -> None:
         assert torch.equal(loaded(*data[0]), expected(*data[0]))
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("quantree.backends") is None, reason="no CPU backend in this build"
-)
 def test_cpu_backend_round_trip(files: dict[str, Path], capsys) -> None:
     from quantree.backends import CPU
 

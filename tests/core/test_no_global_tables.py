@@ -15,7 +15,7 @@ import ast
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 MUTATORS = frozenset(
     {
