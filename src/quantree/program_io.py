@@ -27,6 +27,7 @@ import os
 import pickle
 import re
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -273,12 +274,22 @@ def _check_payload_config(
             raise BadFile(f"{path}: member {member}: {where} is missing from the archive")
 
 
+@contextlib.contextmanager
+def _no_protocol_warning() -> Iterator[None]:
+    """torch warns (two lines on stderr) about a pickle protocol its restricted unpickler may
+    not support; the load is refused or succeeds anyway, so the warning only adds noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        yield
+
+
 def _check_sample_inputs(path: Path, member: str, data: bytes) -> None:
     """torch tries ``weights_only=True`` and falls back to full unpickling: only the first."""
     if not data:
         return
     try:
-        loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        with _no_protocol_warning():
+            loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception:
         raise _refuse(
             path, member, "example inputs that do not load with torch.load(weights_only=True)"
@@ -413,7 +424,8 @@ def load_calibration(path: str | Path) -> list[tuple[Any, ...]]:
     """A non-empty list of argument tuples saved with ``torch.save`` (a lone tensor = 1-tuple)."""
     p = _existing(path, "expected calibration data saved with torch.save")
     try:
-        data = torch.load(str(p), weights_only=True, map_location="cpu")
+        with _no_protocol_warning():
+            data = torch.load(str(p), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError:
         raise BadFile(
             f"{p}: refused, it holds more than tensors and plain containers and {NEVER_UNPICKLED}; "
