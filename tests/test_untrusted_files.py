@@ -85,10 +85,10 @@ def _keep(name: str, data: bytes) -> bytes:
 
 def _config_with(entry: dict, name: str) -> Callable[[str, bytes], bytes]:
     def change(member: str, data: bytes) -> bytes:
-        if member == f"data/constants/model_constants_config.json":
+        if member == "data/constants/model_constants_config.json":
             config = json.loads(data)
-            config["config"]["evil"] = {"path_name": name, "is_param": False,
-                                        "use_pickle": True, "tensor_meta": None, **entry}  # fmt: skip
+            meta = {"is_param": False, "use_pickle": True, "tensor_meta": None, **entry}
+            config["config"]["evil"] = {"path_name": name, **meta}
             return json.dumps(config).encode()
         return data
 
@@ -121,19 +121,25 @@ def crafted(legit: dict[str, Path], marker: Path) -> dict[str, Path]:
             lambda m, d: bomb if m == "data/sample_inputs/model.pt" else d,
         ),
         "pickled tensor constant": rewrite(
-            model, root / "constant.pt2", _config_with({}, "tensor_0"),
+            model,
+            root / "constant.pt2",
+            _config_with({}, "tensor_0"),
             add=[("data/constants/tensor_0", bomb)],
-        ),  # fmt: skip
+        ),
         "pickled object constant": rewrite(
-            model, root / "opaque.pt2", _config_with({}, "opaque_obj_0"),
+            model,
+            root / "opaque.pt2",
+            _config_with({}, "opaque_obj_0"),
             add=[("data/constants/opaque_obj_0", bomb)],
-        ),  # fmt: skip
+        ),
         "pickled weight": rewrite(
             model,
             root / "weight.pt2",
-            lambda m, d: d.replace(b'"use_pickle": false', b'"use_pickle": true', 1)
-            if m.endswith("weights_config.json")
-            else (bomb if m == "data/weights/weight_0" else d),
+            lambda m, d: (
+                d.replace(b'"use_pickle": false', b'"use_pickle": true', 1)
+                if m.endswith("weights_config.json")
+                else (bomb if m == "data/weights/weight_0" else d)
+            ),
         ),
         "legacy weights file": rewrite(
             model, root / "legacy.pt2", _keep, add=[("data/weights/model.pt", bomb)]
@@ -149,7 +155,9 @@ def crafted(legit: dict[str, Path], marker: Path) -> dict[str, Path]:
             model, root / "sympy.pt2", _model_json(lambda p: _sym_value(p, opener))
         ),
         "corrupted member": rewrite(
-            model, root / "corrupt.pt2", lambda m, d: b"{not json" if m == "models/model.json" else d
+            model,
+            root / "corrupt.pt2",
+            lambda m, d: b"{not json" if m == "models/model.json" else d,
         ),
     }
 

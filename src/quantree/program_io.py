@@ -96,12 +96,55 @@ _REFUSED_PREFIXES = {
 # eval); input guards are Python expressions torch exec's when the module is built. Both
 # must be plain arithmetic on these names.
 _SYMPY_CALLS = frozenset(
-    "Symbol Integer Float Rational Max Min Eq Ne Lt Le Gt Ge StrictLessThan "
-    "StrictGreaterThan LessThan GreaterThan And Or Not Abs Mod floor ceiling sqrt "
-    "Piecewise ExprCondPair FloorDiv ModularIndexing Where PythonMod CleanDiv CeilToInt "
-    "FloorToInt CeilDiv LShift RShift PowByNatural FloatPow FloatTrueDiv IntTrueDiv "
-    "IsNonOverlappingAndDenseIndicator TruncToFloat TruncToInt RoundToInt RoundDecimal "
-    "ToFloat Identity".split()
+    {
+        "Symbol",
+        "Integer",
+        "Float",
+        "Rational",
+        "Max",
+        "Min",
+        "Eq",
+        "Ne",
+        "Lt",
+        "Le",
+        "Gt",
+        "Ge",
+        "StrictLessThan",
+        "StrictGreaterThan",
+        "LessThan",
+        "GreaterThan",
+        "And",
+        "Or",
+        "Not",
+        "Abs",
+        "Mod",
+        "floor",
+        "ceiling",
+        "sqrt",
+        "Piecewise",
+        "ExprCondPair",
+        "FloorDiv",
+        "ModularIndexing",
+        "Where",
+        "PythonMod",
+        "CleanDiv",
+        "CeilToInt",
+        "FloorToInt",
+        "CeilDiv",
+        "LShift",
+        "RShift",
+        "PowByNatural",
+        "FloatPow",
+        "FloatTrueDiv",
+        "IntTrueDiv",
+        "IsNonOverlappingAndDenseIndicator",
+        "TruncToFloat",
+        "TruncToInt",
+        "RoundToInt",
+        "RoundDecimal",
+        "ToFloat",
+        "Identity",
+    }
 )
 _SYMPY_NAMES = frozenset({"oo", "zoo", "nan", "int_oo", "pi", "E", "true", "false"})
 _SYMBOL = re.compile(r"[a-z]+\d+")
@@ -179,7 +222,7 @@ def _guard_ok(text: str) -> bool:
     except (SyntaxError, ValueError):
         return False
     for node in ast.walk(tree):
-        if isinstance(node, _ARITHMETIC) or isinstance(node, ast.Subscript):
+        if isinstance(node, (*_ARITHMETIC, ast.Subscript)):
             continue
         if isinstance(node, ast.Constant):
             if not _constant_ok(node):
@@ -235,7 +278,9 @@ def _check_model_json(path: Path, member: str, data: bytes) -> None:
         raise BadFile(f"{path}: member {member} is not a serialized ExportedProgram")
     for guard in program.get("guards_code") or ():
         if not (isinstance(guard, str) and _guard_ok(guard)):
-            raise _refuse(path, member, f"an input guard that is not plain shape arithmetic: {guard!r:.80}")
+            raise _refuse(
+                path, member, f"an input guard that is not plain shape arithmetic: {guard!r:.80}"
+            )
 
     def walk(value: Any) -> None:
         if isinstance(value, dict):
@@ -262,7 +307,9 @@ def _check_payload_config(
         config = json.loads(data)["config"]
         entries = list(config.items())
     except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise BadFile(f"{path}: member {member} is not a payload config ({first_line(error)})") from None
+        raise BadFile(
+            f"{path}: member {member} is not a payload config ({first_line(error)})"
+        ) from None
     for fqn, meta in entries:
         name = meta.get("path_name") if isinstance(meta, dict) else None
         if not isinstance(name, str):
