@@ -3,7 +3,9 @@
 ``save`` exports the lowered GraphModule with example arguments and writes a ``.pt2``
 archive; ``load`` reads it back as a callable module. The archive holds the graph and the
 packed int8 tensors; running it needs only torch and ``import quantree.backends`` (which
-registers ``torch.ops.quantree.*``), none of quantree's passes.
+registers ``torch.ops.quantree.*``), none of quantree's passes. ``load`` reads through
+``quantree.program_io.load_program``, which refuses any archive that would make torch
+unpickle something or run code (a :class:`~quantree.program_io.BadFile`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def save(lowered: torch.nn.Module, path: str | Path, example_args: tuple[Any, ..
 
 
 def load(path: str | Path) -> torch.nn.Module:
-    """The module saved by ``save``, ready to call (its ops called without the dispatcher)."""
-    module = torch.export.load(str(path)).module()
+    """The module saved by ``save``, ready to call (its ops called without the dispatcher).
+
+    Raises ``BadFile`` for a file that is missing, broken or would run code when loaded.
+    """
+    from quantree.program_io import load_program  # the one safe way a .pt2 is read
+
+    module = load_program(path).module()
     return call_directly(module) if isinstance(module, torch.fx.GraphModule) else module
