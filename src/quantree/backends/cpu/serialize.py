@@ -4,8 +4,8 @@
 archive; ``load`` reads it back as a callable module. The archive holds the graph and the
 packed int8 tensors; running it needs only torch and ``import quantree.backends`` (which
 registers ``torch.ops.quantree.*``), none of quantree's passes. ``load`` reads through
-``quantree.program_io.load_program``, which refuses any archive that would make torch
-unpickle something or run code (a :class:`~quantree.program_io.BadFile`).
+``quantree.tools.files.load_program``, which refuses any archive that would make torch
+unpickle something or run code (a :class:`~quantree.tools.files.BadFile`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def load(path: str | Path) -> torch.nn.Module:
 
     Raises ``BadFile`` for a file that is missing, broken or would run code when loaded.
     """
-    from quantree.program_io import load_program  # the one safe way a .pt2 is read
+    from quantree.tools.files import load_program  # the one safe way a .pt2 is read
 
     module = load_program(path).module()
     return call_directly(module) if isinstance(module, torch.fx.GraphModule) else module

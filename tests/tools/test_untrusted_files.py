@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.cli import EXIT_BAD_INPUT, main
-from quantree.program_io import BadFile, load_program
+from quantree.tools.cli import EXIT_BAD_INPUT, main
+from quantree.tools.files import BadFile, load_program
 
 from support import batches
 
@@ -224,7 +224,7 @@ def test_crafted_file_in_a_subprocess_prints_one_line(legit, tmp_path) -> None:
     marker = tmp_path / "ran"
     path = crafted(legit, marker)["example inputs"]
     done = subprocess.run(
-        [sys.executable, "-m", "quantree.cli", "inspect", str(path)],
+        [sys.executable, "-m", "quantree.tools.cli", "inspect", str(path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == EXIT_BAD_INPUT
@@ -248,7 +248,10 @@ def test_pickled_calibration_file_is_refused(legit, tmp_path, capsys, protocol) 
     assert "weights_only=False" not in captured.err + captured.out
     assert not marker.exists()
     done = subprocess.run(
-        [sys.executable, "-m", "quantree.cli", *argv], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "quantree.tools.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == EXIT_BAD_INPUT
     lines = [line for line in done.stderr.splitlines() if line.strip()]
