@@ -213,25 +213,26 @@ def build(name: str) -> Case:
     if name == "seq2seq":
         return Case(
             Seq2Seq(),
-            lambda g: (torch.randint(0, 1000, (1, 32), generator=g),)
-            + (torch.randint(0, 1000, (1, 16), generator=g),),
+            lambda g: tuple(torch.randint(0, 1000, (1, n), generator=g) for n in (32, 16)),
             recurrent=True,
         )
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
 MODELS = (
-    "resnet18 mobilenet_v2 squeezenet efficientnet_b0 bert gpt2 transformer_encoder deepspeech "
-    "wavernn wav2letter tacotron2 tacotron2_unpacked rnnt rnnt_predictor seq2seq"
-).split()
+    *("resnet18", "mobilenet_v2", "squeezenet", "efficientnet_b0", "bert", "gpt2"),
+    *("transformer_encoder", "deepspeech", "wavernn", "wav2letter", "tacotron2"),
+    *("tacotron2_unpacked", "rnnt", "rnnt_predictor", "seq2seq"),
+)
 
 # aten ops that only move or view data: not counted as "left in float"
-SHAPE_OPS = set(
-    "view reshape permute transpose t expand expand_as unsqueeze squeeze flatten unflatten "
-    "contiguous clone slice select alias _unsafe_view detach dropout dropout_ copy_ "
-    "lift_fresh_copy split split_with_sizes chunk unbind getitem detach_ to _to_copy zeros ones "
-    "full arange new_zeros new_ones scalar_tensor".split()
-)
+SHAPE_OPS = {
+    *("view", "reshape", "permute", "transpose", "t", "expand", "expand_as", "unsqueeze"),
+    *("squeeze", "flatten", "unflatten", "contiguous", "clone", "slice", "select", "alias"),
+    *("_unsafe_view", "detach", "detach_", "dropout", "dropout_", "copy_", "lift_fresh_copy"),
+    *("split", "split_with_sizes", "chunk", "unbind", "to", "_to_copy", "zeros", "ones", "full"),
+    *("arange", "new_zeros", "new_ones", "scalar_tensor"),
+}
 
 
 def warm_batch_norm(model: nn.Module, case: Case, gen: torch.Generator) -> None:
@@ -298,10 +299,13 @@ def unshare_activation_partitions(gm: torch.fx.GraphModule) -> None:
     its own source name so every call is its own partition."""
     for node in gm.graph.nodes:
         stack = node.meta.get("source_fn_stack")
-        if stack and isinstance(stack[-1][1], type) and stack[-1][1].__module__.endswith(
-            "activation"
+        if (
+            stack
+            and isinstance(stack[-1][1], type)
+            and stack[-1][1].__module__.endswith("activation")
         ):
-            node.meta["source_fn_stack"] = [*stack[:-1], (f"{stack[-1][0]}@{node.name}", stack[-1][1])]
+            name, fn = stack[-1]
+            node.meta["source_fn_stack"] = [*stack[:-1], (f"{name}@{node.name}", fn)]
 
 
 def torchao_variant(case: Case, calib: list[tuple]):
@@ -333,8 +337,11 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
     held = [case.sample(gen) for _ in range(8)]
     with torch.no_grad():
         ref = [flat(case.model(*a)) for a in held]
-    variants: dict[str, Callable] = {"quantree whole" if case.recurrent else "quantree": (
-        lambda: quantree_variant(case, calib, qt.RecurrentMode.WHOLE))}
+    variants: dict[str, Callable] = {
+        "quantree whole" if case.recurrent else "quantree": (
+            lambda: quantree_variant(case, calib, qt.RecurrentMode.WHOLE)
+        )
+    }
     if case.recurrent:
         variants["quantree cells"] = lambda: quantree_variant(case, calib, qt.RecurrentMode.CELLS)
     if args.anchor == "all" or (args.anchor == "auto" and not case.recurrent):
@@ -362,7 +369,7 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
 
 def render(rows: list[dict]) -> str:
     lines = [
-        "| model | variant | ratio to float (ms) | input-dep. SQNR | float ops left in lowered graph |",
+        "| model | variant | ratio to float (ms) | input-dep. SQNR | ops left in float (lowered) |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
