@@ -298,14 +298,11 @@ def unshare_activation_partitions(gm: torch.fx.GraphModule) -> None:
     (resnet's shared relu: "Input partition has more than one output node"); give each call
     its own source name so every call is its own partition."""
     for node in gm.graph.nodes:
-        stack = node.meta.get("source_fn_stack")
-        if (
-            stack
-            and isinstance(stack[-1][1], type)
-            and stack[-1][1].__module__.endswith("activation")
-        ):
-            name, fn = stack[-1]
-            node.meta["source_fn_stack"] = [*stack[:-1], (f"{name}@{node.name}", fn)]
+        stack = node.meta.get("nn_module_stack")
+        if node.op == "call_function" and stack:
+            key, (fqn, cls) = list(stack.items())[-1]
+            if "activation" in str(cls):
+                stack[key] = (f"{fqn}@{node.name}", cls)
 
 
 def torchao_variant(case: Case, calib: list[tuple]):
