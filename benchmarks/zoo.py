@@ -44,8 +44,7 @@ def import_model_libraries() -> None:
         import_model_libraries.keep = lib  # type: ignore[attr-defined]
     if "torchaudio" not in sys.modules:
         ext = types.ModuleType("torchaudio._extension")
-        ext._IS_TORCHAUDIO_EXT_AVAILABLE = False  # type: ignore[attr-defined]
-        ext._IS_ALIGN_AVAILABLE = False  # type: ignore[attr-defined]
+        ext._IS_TORCHAUDIO_EXT_AVAILABLE = ext._IS_ALIGN_AVAILABLE = False  # type: ignore
         ext.fail_if_no_align = lambda fn: fn  # type: ignore[attr-defined]
         sys.modules["torchaudio._extension"] = ext
 
@@ -98,7 +97,6 @@ def tokens(vocab: int, *shape: int) -> Callable[[torch.Generator], tuple]:
 
 def tacotron2(packed: bool) -> Case:
     from torchaudio.models import Tacotron2
-    from torchaudio.models.tacotron2 import _Encoder
 
     model = Tacotron2(n_mels=80, decoder_early_stopping=False)
     if not packed:  # one full-length sequence: packing is the identity, removed
@@ -109,7 +107,6 @@ def tacotron2(packed: bool) -> Case:
             return self.lstm(x.transpose(1, 2))[0]
 
         model.encoder.forward = types.MethodType(forward, model.encoder)
-        assert isinstance(model.encoder, _Encoder)
     n_tok, n_frames = 24, 16
 
     def sample(g):
@@ -334,11 +331,8 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
     held = [case.sample(gen) for _ in range(8)]
     with torch.no_grad():
         ref = [flat(case.model(*a)) for a in held]
-    variants: dict[str, Callable] = {
-        "quantree whole" if case.recurrent else "quantree": (
-            lambda: quantree_variant(case, calib, qt.RecurrentMode.WHOLE)
-        )
-    }
+    whole = "quantree whole" if case.recurrent else "quantree"
+    variants = {whole: lambda: quantree_variant(case, calib, qt.RecurrentMode.WHOLE)}
     if case.recurrent:
         variants["quantree cells"] = lambda: quantree_variant(case, calib, qt.RecurrentMode.CELLS)
     if args.anchor == "all" or (args.anchor == "auto" and not case.recurrent):
@@ -374,12 +368,9 @@ def render(rows: list[dict]) -> str:
             lines.append(f"| {r['model']} | {r['variant']} | fails: {r['error']} | | |")
             continue
         ratio = f"{r['ms'] / r['float_ms']:.2f}x ({r['ms']:.1f} / {r['float_ms']:.1f})"
-        left = r.get("left")
-        ops = (
-            "n/a" if left is None
-            else f"{sum(left.values())}: " + ", ".join(f"{k} {v}" for k, v in left.most_common())
-            if left else "0"
-        )  # fmt: skip
+        left = r.get("left") or {}
+        ops = ", ".join(f"{k} {v}" for k, v in left.most_common()) if left else "none"
+        ops = "n/a" if r.get("left") is None else f"{sum(left.values())}: {ops}"
         lines.append(f"| {r['model']} | {r['variant']} | {ratio} | {r['sqnr']:.1f} dB | {ops} |")
     return "\n".join(lines)
 
