@@ -10,8 +10,7 @@ random weights most of an output does not depend on the input), latency ratio to
 thread (interleaved rounds, medians), and the aten ops the lowered graph still computes in
 float. Recurrent models run in whole and cells mode; non-recurrent ones also through torchao's
 X86InductorQuantizer + prepare_pt2e/convert_pt2e + torch.compile (the anchor).
-Install the model libraries without pulling another torch: see benchmarks/README.md.
-"""
+Install the model libraries without pulling another torch: see benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -275,8 +274,7 @@ def float_ops(gm: nn.Module) -> collections.Counter:
 
 
 def one_line(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}".strip().splitlines()[0]
-    return text if len(text) < 160 else text[:157] + "..."
+    return f"{type(err).__name__}: {err}".strip().splitlines()[0][:160]
 
 
 def quantree_variant(case: Case, calib: list[tuple], mode: qt.RecurrentMode):
