@@ -1,0 +1,399 @@
+"""Model zoo: quantree on models nobody here wrote, against float and torchao + Inductor.
+
+    python benchmarks/zoo.py                      # every model
+    python benchmarks/zoo.py --models bert,gpt2 --runs 30 --anchor none
+
+Random weights, nothing downloaded. Per model: batch norm statistics warmed on data, 16
+calibration batches, 8 held-out inputs. Columns: input-dependent SQNR of the outputs against
+float (the per-position mean over the held-out inputs is removed from the signal first: with
+random weights most of an output does not depend on the input), latency ratio to float on one
+thread (interleaved rounds, medians), and the aten ops the lowered graph still computes in
+float. Recurrent models run in whole and cells mode; non-recurrent ones also through torchao's
+X86InductorQuantizer + prepare_pt2e/convert_pt2e + torch.compile (the anchor).
+Install the model libraries without pulling another torch: see benchmarks/README.md."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from common import interleaved_medians, load_note, one_thread
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+import quantree as qt
+from quantree.backends import CPU
+
+
+def import_model_libraries() -> None:
+    """torchvision/torchaudio wheels are CUDA builds whose C++ extensions do not load with
+    the CPU torch; their model code is pure Python. torchvision registers fake kernels for
+    nms/qnms unconditionally (so define the two schemas first); torchaudio loads its
+    extension from ``torchaudio._extension`` (so put a stub saying "not available" there)."""
+    if not hasattr(import_model_libraries, "keep"):
+        lib = torch.library.Library("torchvision", "DEF")
+        lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        import_model_libraries.keep = lib  # type: ignore[attr-defined]
+    if "torchaudio" not in sys.modules:
+        ext = types.ModuleType("torchaudio._extension")
+        ext._IS_TORCHAUDIO_EXT_AVAILABLE = ext._IS_ALIGN_AVAILABLE = False  # type: ignore
+        ext.fail_if_no_align = lambda fn: fn  # type: ignore[attr-defined]
+        sys.modules["torchaudio._extension"] = ext
+
+
+@dataclass
+class Case:
+    model: nn.Module
+    sample: Callable[[torch.Generator], tuple]  # one argument tuple
+    recurrent: bool = False
+
+
+class First(nn.Module):
+    """A model whose output is a dataclass or tuple, reduced to its first tensor."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        out = self.inner(*args)
+        return out[0] if isinstance(out, tuple | list) else out.last_hidden_state
+
+
+class Seq2Seq(nn.Module):
+    """The textbook LSTM encoder-decoder, decoder teacher-forced one step at a time."""
+
+    def __init__(self, vocab: int = 1000, emb: int = 128, hidden: int = 256) -> None:
+        super().__init__()
+        self.src_emb, self.tgt_emb = nn.Embedding(vocab, emb), nn.Embedding(vocab, emb)
+        self.encoder = nn.LSTM(emb, hidden, batch_first=True)
+        self.decoder = nn.LSTM(emb, hidden, batch_first=True)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        _, state = self.encoder(self.src_emb(src))
+        outs = []
+        for t in range(tgt.shape[1]):
+            y, state = self.decoder(self.tgt_emb(tgt[:, t : t + 1]), state)
+            outs.append(self.out(y))
+        return torch.cat(outs, 1)
+
+
+def randn(*shape: int) -> Callable[[torch.Generator], tuple]:
+    return lambda g: (torch.randn(*shape, generator=g),)
+
+
+def tokens(vocab: int, *shape: int) -> Callable[[torch.Generator], tuple]:
+    return lambda g: (torch.randint(0, vocab, shape, generator=g),)
+
+
+def tacotron2(packed: bool) -> Case:
+    from torchaudio.models import Tacotron2
+
+    model = Tacotron2(n_mels=80, decoder_early_stopping=False)
+    if not packed:  # one full-length sequence: packing is the identity, removed
+
+        def forward(self, x, input_lengths):
+            for conv in self.convolutions:
+                x = torch.relu(conv(x))
+            return self.lstm(x.transpose(1, 2))[0]
+
+        model.encoder.forward = types.MethodType(forward, model.encoder)
+    n_tok, n_frames = 24, 16
+
+    def sample(g):
+        return (
+            torch.randint(1, 148, (1, n_tok), generator=g),
+            torch.tensor([n_tok]),
+            torch.randn(1, 80, n_frames, generator=g),
+            torch.tensor([n_frames]),
+        )
+
+    return Case(First(model), sample, recurrent=True)
+
+
+def rnnt(predictor_only: bool) -> Case:
+    from torchaudio.models import emformer_rnnt_model
+
+    model = emformer_rnnt_model(
+        input_dim=80, encoding_dim=256, num_symbols=128, segment_length=16,
+        right_context_length=4, time_reduction_input_dim=128, time_reduction_stride=4,
+        transformer_num_heads=4, transformer_ffn_dim=512, transformer_num_layers=2,
+        transformer_dropout=0.0, transformer_activation="gelu",
+        transformer_left_context_length=30, transformer_max_memory_size=0,
+        transformer_weight_init_scale_strategy="depthwise", transformer_tanh_on_mem=True,
+        symbol_embedding_dim=256, num_lstm_layers=2, lstm_layer_norm=True,
+        lstm_layer_norm_epsilon=1e-5, lstm_dropout=0.0,
+    )  # fmt: skip
+    if predictor_only:
+        return Case(
+            First(model.predictor),
+            lambda g: (torch.randint(0, 128, (1, 16), generator=g), torch.tensor([16])),
+            recurrent=True,
+        )
+
+    def sample(g):
+        return (
+            torch.randn(1, 64 + 4 * 4, 80, generator=g),
+            torch.tensor([64 + 4 * 4]),
+            torch.randint(0, 128, (1, 8), generator=g),
+            torch.tensor([8]),
+        )
+
+    return Case(First(model), sample, recurrent=True)
+
+
+def build(name: str) -> Case:
+    import_model_libraries()
+    if name in ("resnet18", "mobilenet_v2", "squeezenet"):
+        import torchvision
+
+        ctor = {"squeezenet": torchvision.models.squeezenet1_1}.get(name)
+        return Case((ctor or getattr(torchvision.models, name))(), randn(1, 3, 224, 224))
+    if name == "efficientnet_b0":
+        import timm
+
+        return Case(timm.create_model(name, pretrained=False), randn(1, 3, 224, 224))
+    if name == "bert":
+        from transformers import BertConfig, BertModel
+
+        cfg = BertConfig(
+            hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=512, attn_implementation="eager",
+        )  # fmt: skip
+        return Case(First(BertModel(cfg)), tokens(cfg.vocab_size, 1, 128))
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2Model
+
+        cfg = GPT2Config(n_embd=128, n_layer=2, n_head=2, attn_implementation="eager")
+        return Case(First(GPT2Model(cfg)), tokens(cfg.vocab_size, 1, 128))
+    if name == "transformer_encoder":
+        layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
+        return Case(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), randn(1, 64, 128))
+    if name == "deepspeech":
+        from torchaudio.models import DeepSpeech
+
+        return Case(DeepSpeech(n_feature=40, n_hidden=512), randn(1, 1, 100, 40), recurrent=True)
+    if name == "wavernn":
+        from torchaudio.models import WaveRNN
+
+        model = WaveRNN([5, 5, 8], n_classes=256, hop_length=200, n_rnn=256, n_fc=256)
+        n_time = 10
+        return Case(
+            model,
+            lambda g: (
+                torch.randn(1, 1, (n_time - 4) * 200, generator=g),
+                torch.randn(1, 1, 128, n_time, generator=g),
+            ),
+            recurrent=True,
+        )
+    if name == "wav2letter":
+        from torchaudio.models import Wav2Letter
+
+        return Case(Wav2Letter(40, "mfcc", 40), randn(1, 40, 200))
+    if name == "tacotron2":
+        return tacotron2(packed=True)
+    if name == "tacotron2_unpacked":
+        return tacotron2(packed=False)
+    if name == "rnnt":
+        return rnnt(predictor_only=False)
+    if name == "rnnt_predictor":
+        return rnnt(predictor_only=True)
+    if name == "seq2seq":
+        return Case(
+            Seq2Seq(),
+            lambda g: tuple(torch.randint(0, 1000, (1, n), generator=g) for n in (32, 16)),
+            recurrent=True,
+        )
+    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+MODELS = (
+    *("resnet18", "mobilenet_v2", "squeezenet", "efficientnet_b0", "bert", "gpt2"),
+    *("transformer_encoder", "deepspeech", "wavernn", "wav2letter", "tacotron2"),
+    *("tacotron2_unpacked", "rnnt", "rnnt_predictor", "seq2seq"),
+)
+
+# aten ops that only move or view data: not counted as "left in float"
+SHAPE_OPS = {
+    *("view", "reshape", "permute", "transpose", "t", "expand", "expand_as", "unsqueeze"),
+    *("squeeze", "flatten", "unflatten", "contiguous", "clone", "slice", "select", "alias"),
+    *("_unsafe_view", "detach", "detach_", "dropout", "dropout_", "copy_", "lift_fresh_copy"),
+    *("split", "split_with_sizes", "chunk", "unbind", "to", "_to_copy", "zeros", "ones", "full"),
+    *("arange", "new_zeros", "new_ones", "scalar_tensor"),
+}
+
+
+def warm_batch_norm(model: nn.Module, case: Case, gen: torch.Generator) -> None:
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not bns:
+        return
+    for bn in bns:
+        bn.reset_running_stats()
+        bn.momentum = None  # cumulative average
+    model.train()
+    with torch.no_grad():
+        for _ in range(8):
+            model(*case.sample(gen))
+    model.eval()
+
+
+def flat(out: object) -> torch.Tensor:
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return torch.cat([t.detach().reshape(-1).float() for t in leaves])
+
+
+def input_dependent_sqnr(ref: list[torch.Tensor], got: list[torch.Tensor]) -> float:
+    r, q = torch.stack(ref), torch.stack(got)
+    signal = (r - r.mean(0, keepdim=True)).pow(2).sum()
+    noise = (r - q).pow(2).sum().clamp_min(1e-30)
+    return float(10 * torch.log10(signal / noise))
+
+
+def float_ops(gm: nn.Module) -> collections.Counter:
+    """aten ops of a lowered graph (and its submodules) whose output is a float tensor."""
+    found: collections.Counter = collections.Counter()
+    for mod in gm.modules():
+        graph = getattr(mod, "graph", None)
+        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+            target = node.target
+            if node.op != "call_function" or getattr(target, "namespace", "") != "aten":
+                continue
+            name = target.__name__.split(".")[0]
+            val = node.meta.get("val")
+            if name not in SHAPE_OPS and isinstance(val, torch.Tensor) and val.is_floating_point():
+                found[name] += 1
+    return found
+
+
+def one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}".strip().splitlines()[0][:160]
+
+
+def quantree_variant(case: Case, calib: list[tuple], mode: qt.RecurrentMode):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", qt.QuantreeWarning)
+        lowered = qt.quantize(
+            case.model, calib[0], calib, quantizer=qt.Int8Quantizer(recurrent=mode),
+            backend=CPU, progress=False,
+        )  # fmt: skip
+    notes = [str(w.message) for w in caught if issubclass(w.category, qt.QuantreeWarning)]
+    return lowered, float_ops(lowered), notes
+
+
+def unshare_activation_partitions(gm: torch.fx.GraphModule) -> None:
+    """torchao 0.18's X86InductorQuantizer refuses one activation module called twice
+    (resnet's shared relu: "Input partition has more than one output node"); give each call
+    its own source name so every call is its own partition."""
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if node.op == "call_function" and stack:
+            key, (fqn, cls) = list(stack.items())[-1]
+            if "activation" in str(cls):
+                stack[key] = (f"{fqn}@{node.name}", cls)
+
+
+def torchao_variant(case: Case, calib: list[tuple]):
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    quantizer = xiq.X86InductorQuantizer().set_global(
+        xiq.get_default_x86_inductor_quantization_config()
+    )
+    gm = torch.export.export(case.model, calib[0]).module()
+    unshare_activation_partitions(gm)
+    prepared = prepare_pt2e(gm, quantizer)
+    with torch.no_grad():
+        for args in calib:
+            prepared(*args)
+    return torch.compile(convert_pt2e(prepared)), None, []
+
+
+def run_model(name: str, args: argparse.Namespace) -> list[dict]:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        case = build(name)
+    except Exception as err:  # a model the installed library cannot construct
+        return [{"model": name, "variant": "-", "error": one_line(err)}]
+    case.model.eval()
+    warm_batch_norm(case.model, case, gen)
+    calib = [case.sample(gen) for _ in range(16)]
+    held = [case.sample(gen) for _ in range(8)]
+    with torch.no_grad():
+        ref = [flat(case.model(*a)) for a in held]
+    whole = "quantree whole" if case.recurrent else "quantree"
+    variants = {whole: lambda: quantree_variant(case, calib, qt.RecurrentMode.WHOLE)}
+    if case.recurrent:
+        variants["quantree cells"] = lambda: quantree_variant(case, calib, qt.RecurrentMode.CELLS)
+    if args.anchor == "all" or (args.anchor == "auto" and not case.recurrent):
+        variants["torchao+inductor"] = lambda: torchao_variant(case, calib)
+    rows, timed = [], {"float": lambda: case.model(*held[0])}
+    for variant, make in variants.items():
+        row: dict = {"model": name, "variant": variant}
+        rows.append(row)
+        try:
+            qmodel, left, notes = make()
+            with torch.no_grad():
+                row["sqnr"] = input_dependent_sqnr(ref, [flat(qmodel(*a)) for a in held])
+        except Exception as err:
+            row["error"] = one_line(err)
+            continue
+        row["left"], row["notes"] = left, notes
+        timed[variant] = lambda q=qmodel: q(*held[0])
+    if len(timed) > 1:
+        ms = interleaved_medians(timed, args.runs, warmup=3)
+        for row in rows:
+            if row["variant"] in ms:
+                row["float_ms"], row["ms"] = ms["float"], ms[row["variant"]]
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    lines = [
+        "| model | variant | ratio to float (ms) | input-dep. SQNR | ops left in float (lowered) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['variant']} | fails: {r['error']} | | |")
+            continue
+        ratio = f"{r['ms'] / r['float_ms']:.2f}x ({r['ms']:.1f} / {r['float_ms']:.1f})"
+        left = r.get("left") or {}
+        ops = ", ".join(f"{k} {v}" for k, v in left.most_common()) if left else "none"
+        ops = "n/a" if r.get("left") is None else f"{sum(left.values())}: {ops}"
+        lines.append(f"| {r['model']} | {r['variant']} | {ratio} | {r['sqnr']:.1f} dB | {ops} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated")
+    parser.add_argument("--runs", type=int, default=20, help="timed interleaved rounds")
+    parser.add_argument("--anchor", choices=("auto", "all", "none"), default="auto")
+    parser.add_argument("--warnings", action="store_true", help="print QuantreeWarnings")
+    args = parser.parse_args()
+    one_thread()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    rows = []
+    for name in args.models.split(","):
+        print(f"# {name}", file=sys.stderr, flush=True)
+        model_rows = run_model(name.strip(), args)
+        rows += model_rows
+        for r in model_rows:
+            for note in r.get("notes", []) if args.warnings else []:
+                print(f"  {r['variant']}: {note}", file=sys.stderr)
+        print("\n".join(render(model_rows).splitlines()[2:]), file=sys.stderr, flush=True)
+    print(f"\n{load_note()}, torch {torch.__version__}, one thread\n")
+    print(render(rows))
+
+
+if __name__ == "__main__":
+    main()
