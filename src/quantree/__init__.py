@@ -6,6 +6,7 @@ calibrate(prepared, data)
 ref = convert(prepared)
 """
 
+from quantree.activation_points import ActivationPoints
 from quantree.core.calibrate import calibrate
 from quantree.core.capture import capture
 from quantree.core.convert import convert
@@ -47,6 +48,7 @@ from quantree.tools.compare import Comparison, compare
 from quantree.tools.metrics import sqnr
 
 __all__ = [
+    "ActivationPoints",
     "REFERENCE",
     "A16W8Quantizer",
     "CellsOptions",

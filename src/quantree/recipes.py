@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from quantree.activation_points import ActivationPoints, weighted_inputs_rules
 from quantree.core.errors import QuantreeError
 from quantree.core.quantizer import Annotation, Quantizer, Rule
 from quantree.core.specs import (
@@ -69,7 +70,9 @@ class Int8Quantizer(Quantizer):
     for the integer-LSTM convention), ``gate_dtype`` (sigmoid/tanh outputs, default the
     activation dtype) and ``points`` (a spec per point name, see ``quantree.recurrent.cell_graph``)
     shape the cells, and ``cells_scope`` limits cells mode to one module (the rest stays
-    whole). ``rules`` are added last and so take precedence over the recipe's own.
+    whole). ``activations`` says which activations are quantized (``ActivationPoints``: by
+    default every op's, except in graphs with layer norm or attention, where only what
+    linear/conv/matmul read). ``rules`` are added last and so take precedence.
     """
 
     def __init__(
@@ -85,13 +88,16 @@ class Int8Quantizer(Quantizer):
         gate_dtype: QDtype | None = None,
         points: Mapping[str, Spec] | None = None,
         cells_scope: str | None = None,
+        activations: ActivationPoints = ActivationPoints.AUTO,
         rules: tuple[Rule, ...] = (),
     ) -> None:
         if not isinstance(recurrent, RecurrentMode):
             raise QuantreeError(f"recurrent must be a RecurrentMode, got {recurrent!r}")
+        if not isinstance(activations, ActivationPoints):
+            raise QuantreeError(f"activations must be an ActivationPoints, got {activations!r}")
         act = activation or int8_activation(activation_observer)
         wgt = weight or int8_weight(0 if per_channel else None)
-        recipe = int8_rules(act, wgt)
+        recipe = int8_rules(act, wgt) + weighted_inputs_rules(act, wgt, activations)
         if recurrent is RecurrentMode.CELLS:
             cell_state = cell_state_spec(cell_state_dtype or act.dtype, act)
             recipe += cells_rules(

@@ -269,7 +269,8 @@ SOFTMAX_CPU = CPU  # softmax is one of its rules
 
 
 def test_softmax_last_dim():
-    ref, low, data = lowered(Attention(), (2, 9, 32), backend=SOFTMAX_CPU)
+    every_op = qt.Int8Quantizer(activations=qt.ActivationPoints.EVERY_OP)
+    ref, low, data = lowered(Attention(), (2, 9, 32), every_op, backend=SOFTMAX_CPU)
     softmaxes = [n for n in low.graph.nodes if n.target == aten.softmax.int]
     assert [n.args[1] for n in softmaxes] == [1]  # the last-dim one is native
     assert native.softmax.default in targets(low)

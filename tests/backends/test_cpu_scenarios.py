@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_nested_models import (
+from core.test_sharing import ChainedCats, LinearSigmoid, UsesCell
+from end_to_end.test_nested_models import (
     CellLoops,
     ChunkSplitMaxPool,
     HelperOnState,
@@ -16,8 +17,7 @@ from test_nested_models import (
     ReturnsNested,
     StackedTuple,
 )
-from test_ops import ConvNet
-from test_specs_sharing import ChainedCats, LinearSigmoid, UsesCell
+from test_recipes import ConvNet
 from torch import nn
 
 import quantree as qt

@@ -17,6 +17,7 @@ from quantree.backends import CPU
 from support import batches, qd, qparams_of, run
 
 POW2 = qt.Int8Quantizer(
+    activations=qt.ActivationPoints.EVERY_OP,  # int8 end to end: the path tested exactly
     activation=qt.QuantSpec(qt.QDtype.INT8, power_of_two=True),
     weight=qt.QuantSpec(
         qt.QDtype.INT8, symmetric=True, axis=0, quant_min=-127, quant_max=127, power_of_two=True

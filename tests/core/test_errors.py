@@ -255,7 +255,7 @@ def test_per_channel_group_of_tensors_with_different_channel_counts_is_refused_a
 
 def test_derived_bias_with_channels_of_another_axis_names_the_bias_at_convert():
     """Axis 0 of a transposed conv's weight is its input channels: 8 scales for 4 biases."""
-    from test_specs_sharing import UpConv, transposed_conv_rule
+    from core.test_sharing import UpConv, transposed_conv_rule
 
     data = batches((2, 8, 4, 4), n=2)
     prepared = qt.prepare(

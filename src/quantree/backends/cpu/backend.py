@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from quantree.backends.cpu.cells_native import NativeCellLoop, compile_body
 from quantree.backends.cpu.direct import call_directly
+from quantree.backends.cpu.lowering_embedding import lower_embedding
 from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.lowering_qdq import (
     lower_binary,
@@ -93,6 +94,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
     rules: tuple[LoweringRule, ...] = (
         recurrent_rule(hidden_bits),
         lower_linear,
+        lower_embedding,
         lower_conv2d,
         lower_movement,
         lower_max_pool,

@@ -217,23 +217,29 @@ MATMUL = (aten.matmul.default, aten.bmm.default, aten.mm.default)
 
 
 def lower_matmul(ctx: LoweringContext, node: fx.Node) -> bool:
-    """``dq(a) @ dq(b) -> q`` on two int8 activations (at least 2-d each)."""
+    """``dq(a) @ dq(b)`` on two int8 activations (at least 2-d each), int8 out through the
+    following ``q`` or float out where nothing quantizes the product (attention scores a
+    float softmax reads)."""
     if node.target not in MATMUL:
         return False
     a, b = activation(ctx, node.args[0]), activation(ctx, node.args[1])
     q = ctx.quantized_output(node)
-    if a is None or b is None or q is None or not is_int8_per_tensor(q.params):
+    if a is None or b is None or (q is not None and not is_int8_per_tensor(q.params)):
         return False
-    if min(_rank(node.args[0]), _rank(node.args[1])) < 2:
+    if min(_rank(node.args[0]), _rank(node.args[1])) < 2 or _dtype(node) != torch.float32:
         return False
+    out_scale, out_zp = (float(q.params.scale), int(q.params.zero_point)) if q else (0.0, 0)
     graph = ctx.gm.graph
     with graph.inserting_before(node):
         new = graph.call_function(
             torch.ops.quantree.matmul.default,
-            (a.node, b.node, a.scale, a.zero_point, b.scale, b.zero_point,
-             float(q.params.scale), int(q.params.zero_point)),
-        )  # fmt: skip
-    replace(ctx, q.node, new, (q.node, node))
+            (a.node, b.node, a.scale, a.zero_point, b.scale, b.zero_point, out_scale, out_zp),
+        )
+    if q is None:
+        new.meta["val"] = node.meta.get("val")
+        replace(ctx, node, new, (node,))
+    else:
+        replace(ctx, q.node, new, (q.node, node))
     return True
 
 

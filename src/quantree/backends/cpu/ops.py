@@ -7,6 +7,7 @@ them, nothing else of quantree is needed to run a loaded model.
 """
 
 from quantree.backends.cpu.ops_elementwise import binary, dequantize, lookup, quantize, softmax
+from quantree.backends.cpu.ops_embedding import embedding_rows
 from quantree.backends.cpu.ops_gemm import conv1d, conv2d, linear, matmul
 from quantree.backends.cpu.ops_pool import max_pool2d
 from quantree.backends.cpu.ops_rnn import PER_LAYER, RNN_KINDS, rnn
@@ -18,6 +19,7 @@ __all__ = [
     "conv1d",
     "conv2d",
     "dequantize",
+    "embedding_rows",
     "linear",
     "lookup",
     "matmul",

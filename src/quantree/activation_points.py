@@ -1,0 +1,151 @@
+"""Which activations the built-in recipe quantizes: every op's, or only what weights meet.
+
+Quantizing every activation keeps int8 end to end between kernels, which is what CNNs and
+recurrent models want. Transformers are different: their residual stream and layer-norm
+inputs carry outliers an 8-bit grid cannot hold, and elementwise chains (GPT-2's tanh GELU,
+softmax, the residual add) lose 10-17 dB when each step is rounded, for no speed (the
+backend runs them in float anyway). There the recipe quantizes what linear, conv and
+matmul read, as torchao's X86 recipe does, and leaves the rest float.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+from quantree.core.quantizer import Annotation, Rule
+from quantree.core.specs import QuantSpec
+from quantree.core.values import is_float_tensor, tensor_meta
+from quantree.core.weighted import weighted_annotation
+
+aten = torch.ops.aten
+
+
+class ActivationPoints(enum.Enum):
+    """EVERY_OP: inputs and outputs of every op the recipe knows. WEIGHTED_INPUTS: only the
+    inputs of linear/conv/matmul (with their weights and biases), embeddings and recurrent
+    layers. AUTO: WEIGHTED_INPUTS in a graph with layer norm, group norm or attention,
+    EVERY_OP elsewhere."""
+
+    EVERY_OP = "every_op"
+    WEIGHTED_INPUTS = "weighted_inputs"
+    AUTO = "auto"
+
+
+_NORMS = (aten.layer_norm, aten.native_layer_norm, aten.group_norm, aten.native_group_norm)
+_ATTENTION = (aten.scaled_dot_product_attention,)
+_SOFTMAX = (aten.softmax, aten._softmax)
+_MATMULS = (aten.matmul, aten.bmm, aten.mm, aten.baddbmm)
+_WEIGHTED = (aten.linear, aten.conv1d, aten.conv2d)
+FLOAT_UNDER_WEIGHTED_INPUTS = (
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.add_.Tensor,
+    aten.sub_.Tensor,
+    aten.mul_.Tensor,
+    aten.relu,
+    aten.relu_,
+    aten.sigmoid,
+    aten.tanh,
+    aten.max_pool2d,
+    aten.max_pool2d_with_indices,
+    aten.max_pool1d,
+    aten.hardtanh,
+    aten.hardtanh_,
+    aten.relu6,
+    aten.clamp,
+    aten.max.dim,
+    aten.chunk,
+    aten.split,
+    aten.split_with_sizes,
+    aten.unbind,
+    aten.cat,
+    aten.concat,
+    aten.stack,
+    aten.layer_norm,
+    aten.avg_pool2d,
+    aten.adaptive_avg_pool2d,
+    aten.mean,
+    aten.avg_pool1d,
+    aten.adaptive_avg_pool1d,
+    aten.gelu,
+    aten.silu,
+    aten.silu_,
+    aten.hardswish,
+    aten.hardswish_,
+    aten.hardsigmoid,
+    aten.hardsigmoid_,
+    aten.elu,
+    aten.elu_,
+    aten.leaky_relu,
+    aten.leaky_relu_,
+    aten.softmax,
+    aten._softmax,
+)
+"""Ops the recipe quantizes under EVERY_OP and leaves float under WEIGHTED_INPUTS."""
+
+_VERDICT_KEY = "quantree_transformer_like"
+
+
+def _packet(node: fx.Node) -> object:
+    return getattr(node.target, "overloadpacket", None)
+
+
+def transformer_like(graph: fx.Graph) -> bool:
+    """Whether ``graph`` normalises features (layer/group norm) or computes attention (SDPA,
+    or a softmax a matmul reads): the graphs whose residual streams carry outliers."""
+    owner = graph.owning_module
+    if owner is not None and _VERDICT_KEY in owner.meta:
+        return bool(owner.meta[_VERDICT_KEY])
+    verdict = False
+    for node in graph.nodes:
+        packet = _packet(node)
+        if (
+            packet in _NORMS
+            or packet in _ATTENTION
+            or (packet in _SOFTMAX and any(_packet(u) in _MATMULS for u in node.users))
+        ):
+            verdict = True
+        if verdict:
+            break
+    if owner is not None:  # asked once per node: remember the answer on the graph's module
+        owner.meta[_VERDICT_KEY] = verdict
+    return verdict
+
+
+def weighted_inputs_rules(
+    act: QuantSpec, weight: QuantSpec, points: ActivationPoints
+) -> tuple[Rule, ...]:
+    """Rules that, where ``points`` says so, replace the EVERY_OP annotations of the recipe.
+
+    Placed after the recipe's own rules; where they return None the recipe's rule applies.
+    """
+    if points is ActivationPoints.EVERY_OP:
+        return ()
+
+    def applies(node: fx.Node) -> bool:
+        return points is ActivationPoints.WEIGHTED_INPUTS or transformer_like(node.graph)
+
+    def when_applies(fn: Callable[[fx.Node], Annotation]) -> Callable[[fx.Node], Annotation | None]:
+        return lambda node: fn(node) if applies(node) else None
+
+    def weighted(node: fx.Node) -> Annotation:
+        return weighted_annotation(node, act, weight, None)
+
+    def matmul(node: fx.Node) -> Annotation:
+        inputs = {
+            (i,): act
+            for i, a in enumerate(node.args[:2])
+            if isinstance(a, fx.Node) and is_float_tensor(tensor_meta(a))
+        }
+        return Annotation(inputs=inputs)
+
+    return (
+        Rule(_WEIGHTED, when_applies(weighted)),
+        Rule((aten.matmul, aten.bmm, aten.mm), when_applies(matmul)),
+        Rule(FLOAT_UNDER_WEIGHTED_INPUTS, when_applies(lambda node: Annotation())),
+    )
