@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import quantree as qt
+import quantree.backends.ops  # noqa: F401
 from quantree.backends import CPU, cpu_isa
-from quantree.backends import ops  # noqa: F401
 from quantree.backends.native import ISA_NAMES, isa_cap, library
 from quantree.backends.packing import pack, zero_point_offset
 

@@ -58,6 +58,8 @@ ISA_NAMES = ("portable", "avx2", "avxvnni", "avx512vnni")
 """The kernel paths, by the number ``qt_select_isa`` takes and returns (``qt::Isa``)."""
 ISA_CAP = {"x86-64": 0, "x86-64-v2": 0, "x86-64-v3": 1, "x86-64-v4": 1}
 """``QUANTREE_NATIVE_MARCH`` values that cap the path (v4 has no VNNI); others do not."""
+SELECTED = ["portable"]
+"""The path ``library()`` selected when it loaded the kernels."""
 
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SIGNATURES: dict[str, list[type]] = {
@@ -116,14 +118,15 @@ def library() -> ctypes.CDLL:
         fn.restype = None
     lib.qt_select_isa.argtypes = [_int]
     lib.qt_select_isa.restype = _int
-    lib.quantree_isa = ISA_NAMES[lib.qt_select_isa(isa_cap())]
+    SELECTED[0] = ISA_NAMES[lib.qt_select_isa(isa_cap())]
     return lib
 
 
 def cpu_isa() -> str:
     """The kernel path this process runs: ``avx512vnni``, ``avxvnni``, ``avx2`` or
     ``portable`` (the best the CPU reports, capped by ``QUANTREE_NATIVE_MARCH``)."""
-    return str(library().quantree_isa)
+    library()
+    return SELECTED[0]
 
 
 def library_name() -> str:
@@ -197,7 +200,7 @@ def build(name: str) -> Path:
 
 def compile_library(compiler: str, out: Path) -> Path:
     """Compile every source (each ISA file with its own flags, two at a time) and link."""
-    jobs = [(s, (f"-march={MARCH}",)) for s in SOURCES]
+    jobs: list[tuple[str, tuple[str, ...]]] = [(s, (f"-march={MARCH}",)) for s in SOURCES]
     jobs += list(ISA_SOURCES.items())
     objects, running = [], []
     for source, flags in jobs:
