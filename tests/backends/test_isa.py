@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import quantree as qt
-import quantree.backends.ops  # noqa: F401
+import quantree.backends.ops
 from quantree.backends import CPU, cpu_isa
 from quantree.backends.native import ISA_NAMES, isa_cap, library
 from quantree.backends.packing import pack, zero_point_offset

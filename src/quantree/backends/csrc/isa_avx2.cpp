@@ -9,6 +9,7 @@
 // activations repeated, giving two partial sums per column, folded once at the end.
 #include <immintrin.h>
 
+#include <cstdlib>
 #include <cstring>
 
 #include "qt_kernels.h"
@@ -20,11 +21,31 @@ using x86_256::epilogue8;
 
 namespace {
 
-// The 4 activations a[0..3] as int16, repeated 4 times.
-inline __m256i widen4(const uint8_t* a) {
-    int32_t four;
-    std::memcpy(&four, a, 4);
-    return _mm256_cvtepu8_epi16(_mm_set1_epi32(four));
+// The 4 activations a[0..3], already int16, repeated 4 times: a load-port broadcast (the
+// shuffle port is busy widening B).
+inline __m256i bcast4(const int16_t* a) {
+    int64_t four;
+    std::memcpy(&four, a, 8);
+    return _mm256_set1_epi64x(four);
+}
+
+// Rows of uint8 (stride lda) -> int16 (stride Kp), once per GEMM call.
+void widen_rows(const uint8_t* A, int64_t M, int64_t Kp, int64_t lda, int16_t* out) {
+    for (int64_t r = 0; r < M; ++r) {
+        int64_t k = 0;
+        for (; k + 16 <= Kp; k += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * Kp + k),
+                                _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                    reinterpret_cast<const __m128i*>(A + r * lda + k))));
+        for (; k < Kp; ++k) out[r * Kp + k] = A[r * lda + k];
+    }
+}
+
+// acc += madd(a, b). Inline asm keeps each accumulator in its register: with intrinsics,
+// GCC 12 moves most of them through the stack every iteration.
+inline void madd_acc(__m256i& acc, __m256i a, __m256i b) {
+    __m256i t;
+    asm("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(a), "x"(b));
 }
 
 // Two partial sums per column for columns 0-3 (p) and 4-7 (q) -> the 8 column sums in order.
@@ -35,7 +56,7 @@ inline __m256i fold(__m256i p, __m256i q) {
 // MR rows x NR blocks of 16 columns; DUAL also multiplies the rows of the low-byte plane A2
 // (see gemm_u8s8 in qt_kernels.h).
 template <int MR, int NR, bool DUAL>
-void micro(const uint8_t* A, const uint8_t* A2, int64_t lda, const int8_t* B, int64_t kq,
+void micro(const int16_t* A, const int16_t* A2, int64_t lda, const int8_t* B, int64_t kq,
            int64_t row0, int64_t nb0, int64_t N, const Epilogue& ep) {
     __m256i acc[MR][NR][4], acc2[DUAL ? MR : 1][DUAL ? NR : 1][4];
     for (int i = 0; i < MR; ++i)
@@ -47,24 +68,21 @@ void micro(const uint8_t* A, const uint8_t* A2, int64_t lda, const int8_t* B, in
                 for (int q = 0; q < 4; ++q) acc2[i][j][q] = _mm256_setzero_si256();
     }
     const int8_t* b = B + nb0 * kq * 64;
-    const uint8_t* a0 = A + row0 * lda;
-    const uint8_t* a2 = DUAL ? A2 + row0 * lda : nullptr;
+    const int16_t* a0 = A + row0 * lda;
+    const int16_t* a2 = DUAL ? A2 + row0 * lda : nullptr;
     for (int64_t k = 0; k < kq; ++k) {
-        __m256i av[MR], cv[DUAL ? MR : 1];
-        for (int i = 0; i < MR; ++i) {
-            av[i] = widen4(a0 + i * lda + 4 * k);
-            if constexpr (DUAL) cv[i] = widen4(a2 + i * lda + 4 * k);
-        }
+#pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) {
             const int8_t* bk = b + (j * kq + k) * 64;
+#pragma GCC unroll 4
             for (int q = 0; q < 4; ++q) {
                 const __m256i bw = _mm256_cvtepi8_epi16(
                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(bk + 16 * q)));
+#pragma GCC unroll 4
                 for (int i = 0; i < MR; ++i) {
-                    acc[i][j][q] = _mm256_add_epi32(acc[i][j][q], _mm256_madd_epi16(av[i], bw));
-                    if constexpr (DUAL)
-                        acc2[i][j][q] =
-                            _mm256_add_epi32(acc2[i][j][q], _mm256_madd_epi16(cv[i], bw));
+                    const __m256i av = bcast4(a0 + i * lda + 4 * k);
+                    madd_acc(acc[i][j][q], av, bw);
+                    if constexpr (DUAL) madd_acc(acc2[i][j][q], bcast4(a2 + i * lda + 4 * k), bw);
                 }
             }
         }
@@ -85,32 +103,39 @@ void micro(const uint8_t* A, const uint8_t* A2, int64_t lda, const int8_t* B, in
 
 }  // namespace
 
-void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
-               const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
-    const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
-    if (A_lo) {  // the int16 operand of a wide recurrent step or a stacked layer's input
+void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t lda_u8,
+               const int8_t* B, const Epilogue& ep, const uint8_t* A_lo_u8) {
+    const int64_t nblocks = (N + 15) / 16, kq = Kp / 4, lda = Kp;
+    const size_t plane = static_cast<size_t>(M * Kp);
+    int16_t* A = static_cast<int16_t*>(std::malloc(plane * (A_lo_u8 ? 4 : 2)));
+    if (!A) std::abort();  // as operator new would, without its exception
+    widen_rows(A_u8, M, Kp, lda_u8, A);
+    const int16_t* A_lo = nullptr;
+    if (A_lo_u8) {
+        widen_rows(A_lo_u8, M, Kp, lda_u8, A + plane);
+        A_lo = A + plane;
+        // the int16 operand of a wide recurrent step or a stacked layer's input
         for (int64_t r = 0; r < M; ++r)
             for (int64_t nb = 0; nb < nblocks; ++nb)
                 micro<1, 1, true>(A, A_lo, lda, B, kq, r, nb, N, ep);
-        return;
-    }
-    if (M < 2) {  // GEMV: two blocks (8 accumulator chains) per pass over the row
+    } else if (M < 2) {  // GEMV: two blocks (8 accumulator chains) per pass over a row
         for (int64_t r = 0; r < M; ++r) {
             int64_t nb = 0;
             for (; nb + 2 <= nblocks; nb += 2) micro<1, 2, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
             if (nb < nblocks) micro<1, 1, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
         }
-        return;
-    }
-    const int64_t panel = 64;  // rows sharing one block of B while it is in L1
-    for (int64_t r0 = 0; r0 < M; r0 += panel) {
-        const int64_t r1 = r0 + panel < M ? r0 + panel : M;
-        for (int64_t nb = 0; nb < nblocks; ++nb) {
-            int64_t r = r0;
-            for (; r + 2 <= r1; r += 2) micro<2, 1, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
-            if (r < r1) micro<1, 1, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
+    } else {
+        const int64_t panel = 96;  // rows sharing one block of B while it is in L1
+        for (int64_t r0 = 0; r0 < M; r0 += panel) {
+            const int64_t r1 = r0 + panel < M ? r0 + panel : M;
+            for (int64_t nb = 0; nb < nblocks; ++nb) {
+                int64_t r = r0;
+                for (; r + 2 <= r1; r += 2) micro<2, 1, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
+                for (; r < r1; ++r) micro<1, 1, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
+            }
         }
     }
+    std::free(A);
 }
 
 using x86_256::load8;
