@@ -32,13 +32,19 @@ from quantree.backends.lowering_qdq import (
     native_quantize_dequantize,
 )
 from quantree.backends.lowering_recurrent import recurrent_rule
+from quantree.backends.native import library
 from quantree.cells import CellLoop
 from quantree.errors import QuantreeWarning
 from quantree.prepare import GROUPS_KEY
 
 
 def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
-    """Lower nested graphs, native q/dq for what is left, keep only the tensors read."""
+    """Lower nested graphs, native q/dq for what is left, keep only the tensors read.
+
+    Loads the native kernels first, so that a machine which cannot build or load them
+    gets a ``QuantreeError`` saying why at lowering, not a raw error at the first inference.
+    """
+    library()
     if nested is not None:
         lower_nested(gm, nested)
     native_quantize_dequantize(gm)
