@@ -58,8 +58,6 @@ ISA_NAMES = ("portable", "avx2", "avxvnni", "avx512vnni")
 """The kernel paths, by the number ``qt_select_isa`` takes and returns (``qt::Isa``)."""
 ISA_CAP = {"x86-64": 0, "x86-64-v2": 0, "x86-64-v3": 1, "x86-64-v4": 1}
 """``QUANTREE_NATIVE_MARCH`` values that cap the path (v4 has no VNNI); others do not."""
-SELECTED = ["portable"]
-"""The path ``library()`` selected when it loaded the kernels."""
 
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SIGNATURES: dict[str, list[type]] = {
@@ -118,15 +116,15 @@ def library() -> ctypes.CDLL:
         fn.restype = None
     lib.qt_select_isa.argtypes = [_int]
     lib.qt_select_isa.restype = _int
-    SELECTED[0] = ISA_NAMES[lib.qt_select_isa(isa_cap())]
+    lib.qt_current_isa.restype = _int
+    lib.qt_select_isa(isa_cap())
     return lib
 
 
 def cpu_isa() -> str:
     """The kernel path this process runs: ``avx512vnni``, ``avxvnni``, ``avx2`` or
     ``portable`` (the best the CPU reports, capped by ``QUANTREE_NATIVE_MARCH``)."""
-    library()
-    return SELECTED[0]
+    return ISA_NAMES[library().qt_current_isa()]
 
 
 def library_name() -> str:

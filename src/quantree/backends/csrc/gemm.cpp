@@ -47,7 +47,12 @@ Kernels kernels{gemm_portable, cell_portable, activation_portable};
 
 }  // namespace qt
 
+static int active_isa = qt::PORTABLE;
+
 extern "C" {
+
+// The path qt_select_isa chose last (a qt::Isa).
+int qt_current_isa() { return active_isa; }
 
 // Chooses the path of every kernel: the best the CPU supports, at most `cap` (a qt::Isa).
 // Returns the path taken. On an AVX-512 VNNI CPU without AVX-VNNI, the AVX-VNNI path runs
@@ -76,6 +81,7 @@ int qt_select_isa(int cap) {
 #else
     (void)cap;
 #endif
+    active_isa = isa;
     return isa;
 }
 
