@@ -56,14 +56,16 @@ def test_fake_implementations_give_shapes():
         assert conv.shape == (2, 5, 5, 6) and conv.dtype == torch.float32
 
 
-def test_builds_without_ninja(tmp_path, monkeypatch):
-    """The direct compiler route gives a library with the same kernels."""
+def test_builds_a_fresh_cache(tmp_path, monkeypatch):
+    """A direct compiler build into an empty cache gives a library with the same kernels,
+    and a sidecar that marks it whole."""
     import ctypes
 
     from quantree.backends.cpu import native
 
-    monkeypatch.setattr(native.cpp_extension, "get_default_build_root", lambda: str(tmp_path))
-    path = native.build_without_ninja("quantree_kernels_no_ninja")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    path = native.build("quantree_kernels_fresh")
+    assert path.parent.parent == tmp_path and native.intact(path)
     dequantize = ctypes.CDLL(str(path)).qt_dequantize
     dequantize.argtypes = native.SIGNATURES["qt_dequantize"]
     x = torch.tensor([-3, 0, 5, 127], dtype=torch.int8)

@@ -30,6 +30,7 @@ from quantree.backends.cpu.lowering_qdq import (
     native_quantize_dequantize,
 )
 from quantree.backends.cpu.lowering_recurrent import recurrent_rule
+from quantree.backends.cpu.native import library
 from quantree.core.errors import QuantreeWarning
 from quantree.core.graphs import nested_graphs, replace_submodule
 from quantree.core.lower import Backend, LoweringRule, lower
@@ -38,7 +39,12 @@ from quantree.recurrent.loop import CellLoop
 
 
 def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
-    """Lower nested graphs, native q/dq for what is left, keep only the tensors read."""
+    """Lower nested graphs, native q/dq for what is left, keep only the tensors read.
+
+    Loads the native kernels first, so that a machine which cannot build or load them
+    gets a ``QuantreeError`` saying why at lowering, not a raw error at the first inference.
+    """
+    library()
     if nested is not None:
         lower_nested(gm, nested)
     native_quantize_dequantize(gm)

@@ -86,7 +86,7 @@ def rnn(
                 out_f and out_f + 4 * d * width, ptr(inp16),
             )  # fmt: skip
         if not last:  # the next layer's input: int16 on the range it took, as two byte planes
-            low, high = torch.aminmax(y)
+            low, high = torch.aminmax(y) if y.numel() else (y.new_zeros(()), y.new_zeros(()))
             in_s, in_z = max(-float(low), float(high), 1e-8) / 32767.0, 0
             inp16 = torch.empty(y.shape, dtype=torch.int16)
             lib.qt_quantize16(ptr(y), y.numel(), 1.0 / in_s, ptr(inp16))

@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "qt_kernels.h"
-#include "qt_vmath.h"
 
 namespace {
 
@@ -84,16 +83,10 @@ void float_binary_row(int64_t kind, const float* a, const float* b, float* out, 
 }
 
 void float_unary_row(int64_t kind, const float* a, float* out, int64_t n) {
-#if defined(__AVX512F__)
     if (kind < 2) {
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
-            const __m512 x = _mm512_maskz_loadu_ps(m, a + j);
-            _mm512_mask_storeu_ps(out + j, m, kind == 0 ? qt::vsig(x) : qt::vtanh(x));
-        }
+        qt::kernels.activation(static_cast<int>(kind), a, out, n);
         return;
     }
-#endif
     if (kind == 0) {
         for (int64_t j = 0; j < n; ++j) out[j] = 1.0f / (1.0f + std::exp(-a[j]));
     } else if (kind == 1) {

@@ -1,5 +1,10 @@
 // Shared declarations of quantree's int8 CPU kernels (plain C ABI, no torch headers).
 //
+// The hot loops exist once per instruction set (isa_*.cpp, each compiled with its own target
+// flags into the same library) and are reached through `qt::kernels`, a table filled once at
+// load by qt_select_isa from what the CPU reports: the build machine's -march never decides.
+// Every path reads the one packed weight layout below and gives the same bits.
+//
 // Weights are packed ahead of time into VNNI blocks: [ceil(N/16)][Kp/4][16][4] int8, with
 // Kp = K rounded up to 4 and zero padding. Activations are int8 with a zero point; kernels
 // flip them to uint8 (x + 128) so that one `vpdpbusd` multiplies 4 u8 x s8 pairs per lane.
@@ -32,15 +37,96 @@ struct Epilogue {
 // C[M, N] = epilogue(A_u8[M, Kp] x packed B); lda is A's row stride (>= Kp). With A_lo
 // (a second plane, same layout), the accumulator is 256 * (A.B + off) + A_lo.B: a 16-bit
 // operand split into its high and low bytes, in one pass over B.
-void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
-               const int8_t* B, const Epilogue& ep, const uint8_t* A_lo = nullptr);
+// (Defined below, through the path chosen at load; empty products write nothing.)
+inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+                      const int8_t* B, const Epilogue& ep, const uint8_t* A_lo = nullptr);
 
 // rows of int8 x (stride ldx) -> uint8 (x + 128), zero padded from K to Kp.
 void to_u8(const int8_t* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out, int64_t Kp);
 
-inline float quantize_value(float y, float inv, float zp, float lo, float hi) {
+// static: the ISA files include this header too, and an out-of-line copy compiled with
+// AVX-512 flags must never be what the portable code links against.
+static inline float quantize_value(float y, float inv, float zp, float lo, float hi) {
     float q = __builtin_nearbyintf(y * inv) + zp;
     return q < lo ? lo : (q > hi ? hi : q);
+}
+
+// The epilogue of one output element, as every path computes it (the vector paths use it
+// for column tails): acc and acc2 are the int32 dot products of the high and low planes.
+static inline void epilogue_one(const Epilogue& ep, int64_t r, int64_t n, int32_t acc,
+                                int32_t acc2, bool dual) {
+    if (ep.row_off) acc += ep.row_off[r];
+    float v = static_cast<float>(acc + ep.off[n]);
+    if (dual) v = v * 256.0f + static_cast<float>(acc2);
+    if (ep.mult) {
+        float q = __builtin_nearbyintf(v * ep.mult[n] + ep.add[n]) + ep.zero_point;
+        q = q < ep.qmin ? ep.qmin : (q > ep.qmax ? ep.qmax : q);
+        ep.out_q[r * ep.ldc + n] = static_cast<int8_t>(q);
+        return;
+    }
+    float y = v * ep.scale[n];
+    if (ep.bias) y += ep.bias[n];
+    if (ep.out_f) {
+        ep.out_f[r * ep.ldc + n] = ep.accumulate ? ep.out_f[r * ep.ldc + n] + y : y;
+    } else {
+        ep.out_q[r * ep.ldc + n] =
+            static_cast<int8_t>(quantize_value(y, ep.inv_scale, ep.zero_point, ep.qmin, ep.qmax));
+    }
+}
+
+enum RnnKind { LSTM = 0, GRU = 1, RNN_TANH = 2, RNN_RELU = 3 };
+
+// One step of a recurrent layer's gate math (see rnn.cpp).
+struct RnnStep {
+    int kind;  // an RnnKind
+    int64_t H;
+    float h_inv, h_zp, y_inv, y_zp;
+    int64_t lo_offset;  // wide: distance from a row's hi plane to its lo plane, else 0
+};
+
+// Kernel paths, in increasing order of preference.
+enum Isa { PORTABLE = 0, AVX2 = 1, AVXVNNI = 2, AVX512VNNI = 3 };
+
+using GemmFn = void (*)(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+                        const int8_t* B, const Epilogue& ep, const uint8_t* A_lo);
+// Gate math of one batch row: gx/gh hold the G*H pre-activations, h/c the float states.
+using CellFn = void (*)(const RnnStep& s, const float* gx, const float* gh, float* h, float* c,
+                        uint8_t* hu8, int8_t* y, float* yf, float* raw);
+// kind 0: sigmoid, 1: tanh, of n floats.
+using ActivationFn = void (*)(int kind, const float* a, float* out, int64_t n);
+
+struct Kernels {
+    GemmFn gemm;
+    CellFn cell;
+    ActivationFn activation;
+};
+extern Kernels kernels;  // set by qt_select_isa (the portable path until then)
+
+void gemm_portable(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+                   const Epilogue&, const uint8_t*);
+void cell_portable(const RnnStep&, const float*, const float*, float*, float*, uint8_t*,
+                   int8_t*, float*, float*);
+void activation_portable(int, const float*, float*, int64_t);
+#if defined(__x86_64__)
+void gemm_avx512vnni(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+                     const Epilogue&, const uint8_t*);
+void gemm_vnni256_evex(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+                       const Epilogue&, const uint8_t*);
+void cell_avx512(const RnnStep&, const float*, const float*, float*, float*, uint8_t*, int8_t*,
+                 float*, float*);
+void activation_avx512(int, const float*, float*, int64_t);
+void gemm_avxvnni(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+                  const Epilogue&, const uint8_t*);
+void gemm_avx2(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+               const Epilogue&, const uint8_t*);
+void cell_avx2(const RnnStep&, const float*, const float*, float*, float*, uint8_t*, int8_t*,
+               float*, float*);
+void activation_avx2(int, const float*, float*, int64_t);
+#endif
+
+inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+                      const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
+    if (M > 0 && N > 0) kernels.gemm(M, N, Kp, A, lda, B, ep, A_lo);
 }
 
 }  // namespace qt

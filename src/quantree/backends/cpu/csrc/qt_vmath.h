@@ -8,7 +8,7 @@
 
 namespace qt {
 
-inline __m512 vexp(__m512 x) {
+static inline __m512 vexp(__m512 x) {
     x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -23,11 +23,11 @@ inline __m512 vexp(__m512 x) {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
 }
-inline __m512 vsig(__m512 x) {
+static inline __m512 vsig(__m512 x) {
     const __m512 one = _mm512_set1_ps(1.0f);
     return _mm512_div_ps(one, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
-inline __m512 vtanh(__m512 x) {
+static inline __m512 vtanh(__m512 x) {
     const __m512 s = vsig(_mm512_add_ps(x, x));
     return _mm512_sub_ps(_mm512_add_ps(s, s), _mm512_set1_ps(1.0f));
 }

@@ -10,95 +10,13 @@
 #include <vector>
 
 #include "qt_kernels.h"
-#include "qt_vmath.h"
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
-namespace {
+namespace qt {
 
-enum Kind { LSTM = 0, GRU = 1, RNN_TANH = 2, RNN_RELU = 3 };
+static inline float sig(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-struct Step {
-    int kind;
-    int64_t H;
-    float h_inv, h_zp, y_inv, y_zp;
-    int64_t lo_offset;  // wide: distance from a row's hi plane to its lo plane, else 0
-};
-
-#if defined(__AVX512F__)
-using qt::vsig;
-using qt::vtanh;
-
-inline __m512i vquant(__m512 h, float inv, float zp) {
-    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(h, _mm512_set1_ps(inv)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    q = _mm512_add_ps(q, _mm512_set1_ps(zp));
-    q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-128.0f)), _mm512_set1_ps(127.0f));
-    return _mm512_cvtps_epi32(q);
-}
-
-// Gate math of one batch row; gx/gh hold the G*H pre-activations, h/c the float states.
-// With a projection (raw != null) the LSTM's o * tanh(c) goes to raw, and emit() writes
-// the projected hidden state once W_hr has been applied to every row.
-void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, uint8_t* hu8,
-          int8_t* y, float* yf, float* raw) {
-    const int64_t H = s.H;
-    for (int64_t j = 0; j < H; j += 16) {
-        const __mmask16 m = H - j >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                        : static_cast<__mmask16>((1u << (H - j)) - 1u);
-        auto pre = [&](int64_t g) {
-            return _mm512_add_ps(_mm512_maskz_loadu_ps(m, gx + g * H + j),
-                                 _mm512_maskz_loadu_ps(m, gh + g * H + j));
-        };
-        __m512 hv;
-        if (s.kind == LSTM) {
-            const __m512 i = vsig(pre(0)), f = vsig(pre(1)), g = vtanh(pre(2)), o = vsig(pre(3));
-            const __m512 cv = _mm512_fmadd_ps(f, _mm512_maskz_loadu_ps(m, c + j),
-                                              _mm512_mul_ps(i, g));
-            _mm512_mask_storeu_ps(c + j, m, cv);
-            hv = _mm512_mul_ps(o, vtanh(cv));
-            if (raw) {
-                _mm512_mask_storeu_ps(raw + j, m, hv);
-                continue;
-            }
-        } else if (s.kind == GRU) {
-            const __m512 r = vsig(pre(0)), z = vsig(pre(1));
-            const __m512 n = vtanh(_mm512_fmadd_ps(r, _mm512_maskz_loadu_ps(m, gh + 2 * H + j),
-                                                   _mm512_maskz_loadu_ps(m, gx + 2 * H + j)));
-            const __m512 prev = _mm512_maskz_loadu_ps(m, h + j);
-            hv = _mm512_fmadd_ps(z, _mm512_sub_ps(prev, n), n);
-        } else if (s.kind == RNN_TANH) {
-            hv = vtanh(pre(0));
-        } else {
-            hv = _mm512_max_ps(pre(0), _mm512_setzero_ps());
-        }
-        _mm512_mask_storeu_ps(h + j, m, hv);
-        if (s.lo_offset) {
-            __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(hv, _mm512_set1_ps(s.h_inv)),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-32768.0f)),
-                              _mm512_set1_ps(32767.0f));
-            const __m512i qi = _mm512_cvtps_epi32(q);
-            const __m512i hi = _mm512_add_epi32(_mm512_srai_epi32(qi, 8), _mm512_set1_epi32(128));
-            const __m512i lo = _mm512_and_si512(qi, _mm512_set1_epi32(255));
-            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hi);
-            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + s.lo_offset + j, m, lo);
-        } else {
-            const __m512i hq =
-                _mm512_add_epi32(vquant(hv, s.h_inv, s.h_zp), _mm512_set1_epi32(128));
-            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hq);
-        }
-        if (yf)
-            _mm512_mask_storeu_ps(yf + j, m, hv);
-        else
-            _mm512_mask_cvtsepi32_storeu_epi8(y + j, m, vquant(hv, s.y_inv, s.y_zp));
-    }
-}
-#else
-inline float sig(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-
-void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, uint8_t* hu8,
+// Gate math of one batch row (qt::CellFn), one element at a time.
+void cell_portable(const RnnStep& s, const float* gx, const float* gh, float* h, float* c, uint8_t* hu8,
           int8_t* y, float* yf, float* raw) {
     const int64_t H = s.H;
     for (int64_t j = 0; j < H; ++j) {
@@ -123,23 +41,30 @@ void cell(const Step& s, const float* gx, const float* gh, float* h, float* c, u
         h[j] = hv;
         if (s.lo_offset) {
             const int32_t q = static_cast<int32_t>(
-                qt::quantize_value(hv, s.h_inv, 0.0f, -32768.0f, 32767.0f));
+                quantize_value(hv, s.h_inv, 0.0f, -32768.0f, 32767.0f));
             hu8[j] = static_cast<uint8_t>((q >> 8) + 128);
             hu8[s.lo_offset + j] = static_cast<uint8_t>(q & 255);
         } else {
             hu8[j] = static_cast<uint8_t>(
-                qt::quantize_value(hv, s.h_inv, s.h_zp, -128.0f, 127.0f) + 128.0f);
+                quantize_value(hv, s.h_inv, s.h_zp, -128.0f, 127.0f) + 128.0f);
         }
         if (yf)
             yf[j] = hv;
         else
-            y[j] = static_cast<int8_t>(qt::quantize_value(hv, s.y_inv, s.y_zp, -128.0f, 127.0f));
+            y[j] = static_cast<int8_t>(quantize_value(hv, s.y_inv, s.y_zp, -128.0f, 127.0f));
     }
 }
-#endif
+
+}  // namespace qt
+
+namespace {
+
+using qt::RnnStep;
+
+
 
 // A projected hidden row: the float state, the feedback operand and the output.
-void emit(const Step& s, const float* hv, int64_t P, float* h, uint8_t* hu8, int8_t* y,
+void emit(const RnnStep& s, const float* hv, int64_t P, float* h, uint8_t* hu8, int8_t* y,
           float* yf) {
     for (int64_t j = 0; j < P; ++j) {
         h[j] = hv[j];
@@ -219,7 +144,8 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
                   float in_z, int wide, int8_t* y, int64_t y_ld, float y_s, float y_z,
                   float* h, float* c, const int8_t* w_hr, int64_t P, const int32_t* colsum_hr,
                   const float* ws_hr, float* yf, const int16_t* x16) {
-    const int64_t G = kind == LSTM ? 4 : (kind == GRU ? 3 : 1), N = G * H;
+    if (T <= 0 || B <= 0) return;  // nothing to compute (and no chunk size to derive)
+    const int64_t G = kind == 0 ? 4 : (kind == 1 ? 3 : 1), N = G * H;
     // Input projection of a chunk of time steps at once, sized to stay in L2.
     const int64_t chunk = std::max<int64_t>(1, (256 * 1024) / (B * N * 4));
     std::vector<uint8_t> xu(static_cast<size_t>(chunk * B * kp_ih));
@@ -245,7 +171,7 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
 
     std::vector<uint8_t> hu8(static_cast<size_t>(2 * B * kp_hh), 0);
     quantize_rows(h, B, HS, 1.0f / h0_s, h0_z, hu8.data(), kp_hh);
-    const Step s{kind, H, 1.0f / in_s, in_z, 1.0f / y_s, y_z, wide ? B * kp_hh : 0};
+    const RnnStep s{kind, H, 1.0f / in_s, in_z, 1.0f / y_s, y_z, wide ? B * kp_hh : 0};
     for (int64_t c0 = 0; c0 < T; c0 += chunk) {
         const int64_t n = std::min(chunk, T - c0);
         const int64_t t0 = reverse ? T - c0 - n : c0;  // first time index of this chunk
@@ -265,7 +191,7 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
             const uint8_t* lo = wide && !first ? hu8.data() + B * kp_hh : nullptr;
             qt::gemm_u8s8(B, N, kp_hh, hu8.data(), kp_hh, w_hh, eh, lo);
             for (int64_t b = 0; b < B; ++b) {
-                cell(s, gx.data() + (local * B + b) * N, gh.data() + b * N, h + b * HS,
+                qt::kernels.cell(s, gx.data() + (local * B + b) * N, gh.data() + b * N, h + b * HS,
                      c ? c + b * H : nullptr, hu8.data() + b * kp_hh,
                      yf ? nullptr : y + (t * B + b) * y_ld, yf ? yf + (t * B + b) * y_ld : nullptr,
                      w_hr ? raw.data() + b * H : nullptr);

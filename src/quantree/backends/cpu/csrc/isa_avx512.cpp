@@ -1,0 +1,232 @@
+// AVX-512 VNNI path: the GEMM micro-kernels (one `vpdpbusd` multiplies 64 u8 x s8 pairs),
+// the recurrent gate math and the float activations, 16 lanes wide. Compiled with
+// -march=x86-64-v4 -mavx512vnni whatever the rest of the library's flags; only reached
+// through qt::kernels when the CPU reports these extensions. No standard library templates
+// here: a copy instantiated with AVX-512 flags could be the one the portable code links to.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "qt_kernels.h"
+#include "qt_vmath.h"
+
+namespace qt {
+
+static inline void store_block(const Epilogue& ep, int64_t row, int64_t n0, int64_t N,
+                               __m512i acc, const __m512i* lo) {
+    const int64_t rem = N - n0;
+    const __mmask16 m = rem >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                  : static_cast<__mmask16>((1u << rem) - 1u);
+    if (ep.row_off) acc = _mm512_add_epi32(acc, _mm512_set1_epi32(ep.row_off[row]));
+    __m512 v = _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_maskz_loadu_epi32(m, ep.off + n0)));
+    if (lo) v = _mm512_fmadd_ps(v, _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(*lo));
+    if (ep.mult) {
+        // mul then add (not an FMA): with power-of-two scales this rounds exactly like
+        // the reference's (acc * scale + bias) / out_scale
+        __m512 q = _mm512_add_ps(_mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, ep.mult + n0)),
+                                 _mm512_maskz_loadu_ps(m, ep.add + n0));
+        q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_add_ps(q, _mm512_set1_ps(ep.zero_point));  // after rounding: ties to even
+        q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(ep.qmin)), _mm512_set1_ps(ep.qmax));
+        _mm512_mask_cvtsepi32_storeu_epi8(ep.out_q + row * ep.ldc + n0, m,
+                                          _mm512_cvtps_epi32(q));
+        return;
+    }
+    __m512 y = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, ep.scale + n0));
+    if (ep.bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, ep.bias + n0));
+    if (ep.out_f) {
+        float* dst = ep.out_f + row * ep.ldc + n0;
+        if (ep.accumulate) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, dst));
+        _mm512_mask_storeu_ps(dst, m, y);
+        return;
+    }
+    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(ep.inv_scale)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_add_ps(q, _mm512_set1_ps(ep.zero_point));
+    q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(ep.qmin)), _mm512_set1_ps(ep.qmax));
+    _mm512_mask_cvtsepi32_storeu_epi8(ep.out_q + row * ep.ldc + n0, m, _mm512_cvtps_epi32(q));
+}
+
+static inline __m512i broadcast4(const uint8_t* p) {
+    int32_t four;
+    std::memcpy(&four, p, 4);
+    return _mm512_set1_epi32(four);
+}
+
+// acc += a . b (u8 x s8, 4 products per lane). Inline asm keeps each accumulator in one
+// register: with the intrinsic, GCC 12 copies every accumulator each iteration.
+static inline void dpbusd(__m512i& acc, __m512i a, __m512i b) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+// MR rows x NR blocks of 16 columns; DUAL also multiplies the rows of a second (low byte)
+// plane A2 and combines 256 * (acc + off) + acc2.
+template <int MR, int NR, bool DUAL>
+static void micro(const uint8_t* A, const uint8_t* A2, int64_t lda, const int8_t* B,
+                  int64_t kq, int64_t row0, int64_t nb0, int64_t N, const Epilogue& ep) {
+    __m512i acc[MR * NR], acc2[DUAL ? MR * NR : 1];
+#pragma GCC unroll 32
+    for (int i = 0; i < MR * NR; ++i) acc[i] = _mm512_setzero_si512();
+    if constexpr (DUAL) {
+#pragma GCC unroll 32
+        for (int i = 0; i < MR * NR; ++i) acc2[i] = _mm512_setzero_si512();
+    }
+    const int8_t* b = B + nb0 * kq * 64;
+    const uint8_t* a0 = A + row0 * lda;
+    const uint8_t* a2 = DUAL ? A2 + row0 * lda : nullptr;
+    for (int64_t k = 0; k < kq; ++k) {
+        __m512i bv[NR];
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j) bv[j] = _mm512_loadu_si512(b + (j * kq + k) * 64);
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i) {
+            const __m512i a = broadcast4(a0 + i * lda + 4 * k);
+#pragma GCC unroll 8
+            for (int j = 0; j < NR; ++j) dpbusd(acc[i * NR + j], a, bv[j]);
+            if constexpr (DUAL) {
+                const __m512i c = broadcast4(a2 + i * lda + 4 * k);
+#pragma GCC unroll 8
+                for (int j = 0; j < NR; ++j) dpbusd(acc2[i * NR + j], c, bv[j]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j) {
+            store_block(ep, row0 + i, (nb0 + j) * 16, N, acc[i * NR + j],
+                        DUAL ? &acc2[DUAL ? i * NR + j : 0] : nullptr);
+        }
+    }
+}
+
+using Micro = void (*)(const uint8_t*, const uint8_t*, int64_t, const int8_t*, int64_t,
+                       int64_t, int64_t, int64_t, const Epilogue&);
+
+static Micro pick(int mr, int nr, bool dual) {
+    static const Micro single[4][4] = {
+        {micro<1, 1, false>, micro<1, 2, false>, micro<1, 3, false>, micro<1, 4, false>},
+        {micro<2, 1, false>, micro<2, 2, false>, micro<2, 3, false>, micro<2, 4, false>},
+        {micro<3, 1, false>, micro<3, 2, false>, micro<3, 3, false>, micro<3, 4, false>},
+        {micro<4, 1, false>, micro<4, 2, false>, micro<4, 3, false>, micro<4, 4, false>},
+    };
+    static const Micro two[2][4] = {
+        {micro<1, 1, true>, micro<1, 2, true>, micro<1, 3, true>, micro<1, 4, true>},
+        {micro<2, 1, true>, micro<2, 2, true>, micro<2, 3, true>, micro<2, 4, true>},
+    };
+    return dual ? two[mr - 1][nr - 1] : single[mr - 1][nr - 1];
+}
+
+void gemm_avx512vnni(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+               const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
+    const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
+    const bool dual = A_lo != nullptr;
+    const int mr_max = dual ? 2 : 4;
+    if (M < mr_max) {  // GEMV-like: eight independent accumulator chains per row
+        for (int64_t r = 0; r < M; ++r) {
+            int64_t nb = 0;
+            for (; nb + 8 <= nblocks; nb += 8) {
+                if (dual) micro<1, 8, true>(A, A_lo, lda, B, kq, r, nb, N, ep);
+                else micro<1, 8, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
+            }
+            for (; nb < nblocks; nb += 4) {
+                const int nr = static_cast<int>(nblocks - nb < 4 ? nblocks - nb : 4);
+                pick(1, nr, dual)(A, A_lo, lda, B, kq, r, nb, N, ep);
+            }
+        }
+        return;
+    }
+    // Row panels sized for L1/L2, then column blocks, then rows within the panel.
+    const int64_t panel = 64;
+    for (int64_t r0 = 0; r0 < M; r0 += panel) {
+        const int64_t r1 = r0 + panel < M ? r0 + panel : M;
+        for (int64_t nb = 0; nb < nblocks; nb += 4) {
+            const int nr = static_cast<int>(nblocks - nb < 4 ? nblocks - nb : 4);
+            int64_t r = r0;
+            for (; r + mr_max <= r1; r += mr_max) pick(mr_max, nr, dual)(A, A_lo, lda, B, kq, r, nb, N, ep);
+            for (; r < r1; ++r) pick(1, nr, dual)(A, A_lo, lda, B, kq, r, nb, N, ep);
+        }
+    }
+}
+
+
+
+static inline __m512i vquant(__m512 h, float inv, float zp) {
+    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(h, _mm512_set1_ps(inv)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_add_ps(q, _mm512_set1_ps(zp));
+    q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-128.0f)), _mm512_set1_ps(127.0f));
+    return _mm512_cvtps_epi32(q);
+}
+
+// Gate math of one batch row (qt::CellFn). With a projection (raw != null) the LSTM's
+// o * tanh(c) goes to raw, and emit() in rnn.cpp writes
+// the projected hidden state once W_hr has been applied to every row.
+void cell_avx512(const RnnStep& s, const float* gx, const float* gh, float* h, float* c, uint8_t* hu8,
+          int8_t* y, float* yf, float* raw) {
+    const int64_t H = s.H;
+    for (int64_t j = 0; j < H; j += 16) {
+        const __mmask16 m = H - j >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                        : static_cast<__mmask16>((1u << (H - j)) - 1u);
+        auto pre = [&](int64_t g) {
+            return _mm512_add_ps(_mm512_maskz_loadu_ps(m, gx + g * H + j),
+                                 _mm512_maskz_loadu_ps(m, gh + g * H + j));
+        };
+        __m512 hv;
+        if (s.kind == LSTM) {
+            const __m512 i = vsig(pre(0)), f = vsig(pre(1)), g = vtanh(pre(2)), o = vsig(pre(3));
+            const __m512 cv = _mm512_fmadd_ps(f, _mm512_maskz_loadu_ps(m, c + j),
+                                              _mm512_mul_ps(i, g));
+            _mm512_mask_storeu_ps(c + j, m, cv);
+            hv = _mm512_mul_ps(o, vtanh(cv));
+            if (raw) {
+                _mm512_mask_storeu_ps(raw + j, m, hv);
+                continue;
+            }
+        } else if (s.kind == GRU) {
+            const __m512 r = vsig(pre(0)), z = vsig(pre(1));
+            const __m512 n = vtanh(_mm512_fmadd_ps(r, _mm512_maskz_loadu_ps(m, gh + 2 * H + j),
+                                                   _mm512_maskz_loadu_ps(m, gx + 2 * H + j)));
+            const __m512 prev = _mm512_maskz_loadu_ps(m, h + j);
+            hv = _mm512_fmadd_ps(z, _mm512_sub_ps(prev, n), n);
+        } else if (s.kind == RNN_TANH) {
+            hv = vtanh(pre(0));
+        } else {
+            hv = _mm512_max_ps(pre(0), _mm512_setzero_ps());
+        }
+        _mm512_mask_storeu_ps(h + j, m, hv);
+        if (s.lo_offset) {
+            __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(hv, _mm512_set1_ps(s.h_inv)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-32768.0f)),
+                              _mm512_set1_ps(32767.0f));
+            const __m512i qi = _mm512_cvtps_epi32(q);
+            const __m512i hi = _mm512_add_epi32(_mm512_srai_epi32(qi, 8), _mm512_set1_epi32(128));
+            const __m512i lo = _mm512_and_si512(qi, _mm512_set1_epi32(255));
+            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hi);
+            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + s.lo_offset + j, m, lo);
+        } else {
+            const __m512i hq =
+                _mm512_add_epi32(vquant(hv, s.h_inv, s.h_zp), _mm512_set1_epi32(128));
+            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hq);
+        }
+        if (yf)
+            _mm512_mask_storeu_ps(yf + j, m, hv);
+        else
+            _mm512_mask_cvtsepi32_storeu_epi8(y + j, m, vquant(hv, s.y_inv, s.y_zp));
+    }
+}
+
+void activation_avx512(int kind, const float* a, float* out, int64_t n) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(m, a + j);
+        _mm512_mask_storeu_ps(out + j, m, kind == 0 ? vsig(x) : vtanh(x));
+    }
+}
+
+}  // namespace qt
+
+// The AVX-VNNI GEMM, EVEX-encoded: what the AVX-VNNI path runs on an AVX-512 VNNI CPU.
+#define QT_VNNI256_NAME gemm_vnni256_evex
+#include "gemm_vnni256.h"

@@ -1,0 +1,117 @@
+// 256-bit helpers shared by the AVX2 and AVX-VNNI paths (and the EVEX twin of the latter):
+// the GEMM epilogue of 8 columns and the float exp / sigmoid / tanh of 8 lanes. Every
+// function is static: each ISA file gets its own copy, compiled with its own flags.
+//
+// The arithmetic is step for step that of the AVX-512 path (qt_vmath.h, isa_avx512.cpp)
+// and of qt::epilogue_one, so all paths give the same bits.
+#pragma once
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "qt_kernels.h"
+
+namespace qt {
+namespace x86_256 {
+
+static inline __m256i lane_mask(int64_t cnt) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cnt)), idx);
+}
+static inline __m256 load8(const float* p, int64_t cnt) {
+    return cnt >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(cnt));
+}
+static inline void store8(float* p, __m256 v, int64_t cnt) {
+    if (cnt >= 8)
+        _mm256_storeu_ps(p, v);
+    else
+        _mm256_maskstore_ps(p, lane_mask(cnt), v);
+}
+// 8 int32 lanes already in [0, 255] (unsigned) or [-128, 127] (signed) -> bytes.
+static inline void store8_bytes(void* p, __m256i v, int64_t cnt, bool is_signed) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    const __m128i w = is_signed ? _mm_packs_epi32(lo, hi) : _mm_packus_epi32(lo, hi);
+    const __m128i b = is_signed ? _mm_packs_epi16(w, w) : _mm_packus_epi16(w, w);
+    if (cnt >= 8) {
+        _mm_storel_epi64(static_cast<__m128i*>(p), b);
+    } else {
+        alignas(16) uint8_t tmp[16];
+        _mm_store_si128(reinterpret_cast<__m128i*>(tmp), b);
+        std::memcpy(p, tmp, static_cast<size_t>(cnt));
+    }
+}
+static inline __m256 round8(__m256 v) {
+    return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline __m256 clamp8(__m256 v, float lo, float hi) {
+    return _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+}
+
+// Columns n0 .. n0 + cnt - 1 of one row: acc (and acc2, the low plane, when lo is set) are
+// the int32 dot products. A partial group of columns goes through the scalar epilogue.
+static inline void epilogue8(const Epilogue& ep, int64_t row, int64_t n0, int64_t cnt,
+                             __m256i acc, const __m256i* lo) {
+    if (cnt < 8) {
+        alignas(32) int32_t a[8], b[8] = {};
+        _mm256_store_si256(reinterpret_cast<__m256i*>(a), acc);
+        if (lo) _mm256_store_si256(reinterpret_cast<__m256i*>(b), *lo);
+        for (int64_t i = 0; i < cnt; ++i) epilogue_one(ep, row, n0 + i, a[i], b[i], lo != nullptr);
+        return;
+    }
+    if (ep.row_off) acc = _mm256_add_epi32(acc, _mm256_set1_epi32(ep.row_off[row]));
+    __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(
+        acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ep.off + n0))));
+    if (lo) v = _mm256_fmadd_ps(v, _mm256_set1_ps(256.0f), _mm256_cvtepi32_ps(*lo));
+    if (ep.mult) {  // mul then add, as the reference rounds
+        __m256 q = _mm256_add_ps(_mm256_mul_ps(v, _mm256_loadu_ps(ep.mult + n0)),
+                                 _mm256_loadu_ps(ep.add + n0));
+        q = _mm256_add_ps(round8(q), _mm256_set1_ps(ep.zero_point));
+        q = clamp8(q, ep.qmin, ep.qmax);
+        store8_bytes(ep.out_q + row * ep.ldc + n0, _mm256_cvtps_epi32(q), 8, true);
+        return;
+    }
+    __m256 y = _mm256_mul_ps(v, _mm256_loadu_ps(ep.scale + n0));
+    if (ep.bias) y = _mm256_add_ps(y, _mm256_loadu_ps(ep.bias + n0));
+    if (ep.out_f) {
+        float* dst = ep.out_f + row * ep.ldc + n0;
+        if (ep.accumulate) y = _mm256_add_ps(y, _mm256_loadu_ps(dst));
+        _mm256_storeu_ps(dst, y);
+        return;
+    }
+    __m256 q = round8(_mm256_mul_ps(y, _mm256_set1_ps(ep.inv_scale)));
+    q = clamp8(_mm256_add_ps(q, _mm256_set1_ps(ep.zero_point)), ep.qmin, ep.qmax);
+    store8_bytes(ep.out_q + row * ep.ldc + n0, _mm256_cvtps_epi32(q), 8, true);
+}
+
+// exp as in qt_vmath.h. scalef(p, n) is p * 2^n rounded once; two exact power-of-two
+// factors give the same bits, and 2^(n/2) stays a normal float for every n in [-127, 127].
+static inline __m256 vexp(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-88.0f));
+    const __m256 n = round8(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+static inline __m256 vsig(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, vexp(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+static inline __m256 vtanh(__m256 x) {
+    const __m256 s = vsig(_mm256_add_ps(x, x));
+    return _mm256_sub_ps(_mm256_add_ps(s, s), _mm256_set1_ps(1.0f));
+}
+
+}  // namespace x86_256
+}  // namespace qt
