@@ -6,8 +6,8 @@ calibrate(prepared, data)
 ref = convert(prepared)
 """
 
+from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
-from quantree.core.capture import capture
 from quantree.core.convert import convert
 from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.core.lower import (

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
-from quantree.core.capture import capture
 from quantree.core.convert import convert
 from quantree.core.lower import REFERENCE, Backend, lower
 from quantree.core.prepare import prepare

@@ -10,6 +10,7 @@ from quantree.backends.cpu.ops_elementwise import binary, dequantize, lookup, qu
 from quantree.backends.cpu.ops_gemm import conv1d, conv2d, linear, matmul
 from quantree.backends.cpu.ops_pool import max_pool2d
 from quantree.backends.cpu.ops_rnn import PER_LAYER, RNN_KINDS, rnn
+from quantree.backends.cpu.ops_rnn_packed import rnn_packed_sequence
 
 __all__ = [
     "PER_LAYER",
@@ -24,5 +25,6 @@ __all__ = [
     "max_pool2d",
     "quantize",
     "rnn",
+    "rnn_packed_sequence",
     "softmax",
 ]
