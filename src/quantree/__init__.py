@@ -8,7 +8,7 @@ ref = convert(prepared)
 
 from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
-from quantree.core.convert import convert
+from quantree.core.convert import Unobserved, convert
 from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.core.lower import (
     REFERENCE,
@@ -76,6 +76,7 @@ __all__ = [
     "Quantizer",
     "Rule",
     "SharedSpec",
+    "Unobserved",
     "Use",
     "Value",
     "bias_spec",
