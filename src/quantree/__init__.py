@@ -7,9 +7,9 @@ ref = convert(prepared)
 """
 
 from quantree.activation_points import ActivationPoints
+from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
-from quantree.core.capture import capture
-from quantree.core.convert import convert
+from quantree.core.convert import Unobserved, convert
 from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.core.lower import (
     REFERENCE,
@@ -78,6 +78,7 @@ __all__ = [
     "Quantizer",
     "Rule",
     "SharedSpec",
+    "Unobserved",
     "Use",
     "Value",
     "bias_spec",

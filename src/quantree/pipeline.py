@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
-from quantree.core.capture import capture
-from quantree.core.convert import convert
+from quantree.core.convert import Unobserved, convert
 from quantree.core.lower import REFERENCE, Backend, lower
 from quantree.core.prepare import prepare
 from quantree.core.quantizer import Quantizer
@@ -27,6 +27,7 @@ def quantize(
     quantizer: Quantizer | None = None,
     backend: Backend = REFERENCE,
     progress: bool = True,
+    unobserved: Unobserved = Unobserved.ERROR,
 ) -> fx.GraphModule:
     """Quantize ``model`` in one call.
 
@@ -34,9 +35,10 @@ def quantize(
     ``torch.export``): without ``dynamic_shapes`` every dimension is fixed to the example's,
     and calibration batches of another batch size are refused. ``calibration`` is any
     iterable of argument tuples, or of ``(args, kwargs)`` pairs for a model captured with
-    ``example_kwargs``.
+    ``example_kwargs``. ``unobserved`` says what becomes of tensors calibration never saw
+    (an error naming them, or float with one warning).
     """
     captured = capture(model, example_args, example_kwargs, dynamic_shapes=dynamic_shapes)
     prepared = prepare(captured, quantizer or Int8Quantizer())
     calibrate(prepared, calibration, progress=progress)
-    return lower(convert(prepared), backend)
+    return lower(convert(prepared, unobserved=unobserved), backend)

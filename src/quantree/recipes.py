@@ -201,6 +201,9 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
                 aten.split,
                 aten.split_with_sizes,
                 aten.unbind,
+                aten.index_select,  # packing's sort by length
+                aten._pack_padded_sequence,  # the float rows move; batch sizes stay int64
+                aten._pad_packed_sequence,  # padding is 0.0, exact on any affine grid
             ),
             same_as_input,
         ),

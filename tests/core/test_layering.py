@@ -9,7 +9,7 @@ import pytest
 
 CORE = Path(__file__).resolve().parents[2] / "src" / "quantree" / "core"
 WINGS = ("quantree.recurrent", "quantree.backends", "quantree.tools", "quantree.workloads")
-OUTSIDE_CORE = (*WINGS, "quantree.recipes", "quantree.pipeline")
+OUTSIDE_CORE = (*WINGS, "quantree.recipes", "quantree.pipeline", "quantree.capturing")
 
 
 def _imports(path: Path) -> list[str]:

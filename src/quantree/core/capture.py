@@ -48,6 +48,8 @@ def capture(
             program = torch.export.export(
                 model, example_args, dict(example_kwargs or {}), dynamic_shapes=dynamic_shapes
             )
+    except QuantreeError:
+        raise  # raised by a capture-time hook inside the model: already says what to do
     except Exception as error:
         raise QuantreeError(
             f"torch.export could not capture {type(model).__name__}: {error}. quantree needs a "

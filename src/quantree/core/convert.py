@@ -9,6 +9,7 @@ by a dequantize, so the model's weights take a quarter of their float bytes.
 
 from __future__ import annotations
 
+import enum
 import warnings
 from typing import Any
 
@@ -25,7 +26,14 @@ from quantree.core.graphs import (
     register_constant,
     replace_submodule,
 )
-from quantree.core.group_params import check_calibrated, resolve_params, vanishing_groups
+from quantree.core.group_params import (
+    check_calibrated,
+    describe_unobserved,
+    resolve_params,
+    unobserved_groups,
+    vanishing_groups,
+    with_dependents,
+)
 from quantree.core.qdq import (
     DEQUANTIZE_PER_CHANNEL,
     DEQUANTIZE_PER_TENSOR,
@@ -48,6 +56,17 @@ from quantree.core.stages import (
     require_stage,
 )
 from quantree.core.values import Path, Use, Value, arg_at, input_uses, value_carriers
+
+
+class Unobserved(enum.Enum):
+    """What convert does with tensors calibration ran past but never observed.
+
+    ERROR raises a QuantreeError naming them (the default: feed data that reaches them);
+    FLOAT leaves them, and what derives from them (a bias), in float with one warning.
+    """
+
+    ERROR = "error"
+    FLOAT = "float"
 
 
 class _Rewriter:
@@ -132,14 +151,25 @@ def _set_at(obj: Any, path: Path, new: Any) -> Any:
     return type(obj)(items) if isinstance(obj, tuple) else items
 
 
-def convert(prepared: fx.GraphModule) -> fx.GraphModule:
+def convert(
+    prepared: fx.GraphModule, *, unobserved: Unobserved = Unobserved.ERROR
+) -> fx.GraphModule:
     """The reference q/dq graph for a calibrated prepared model (``prepared`` is kept).
 
     Groups whose calibrated range vanished are named in one QuantreeWarning: their tensors
     convert to a constant, which calibration data that never exercised them is the likely
     cause of.
     """
-    gm, vanishing = _convert(prepared)
+    if not isinstance(unobserved, Unobserved):
+        raise QuantreeError(f"unobserved must be a quantree.Unobserved, got {unobserved!r}")
+    floated: list[str] = []
+    gm, vanishing = _convert(prepared, floated if unobserved is Unobserved.FLOAT else None)
+    if floated:
+        warnings.warn(
+            f"quantree left in float what calibration never observed: {'; '.join(floated)}",
+            QuantreeWarning,
+            stacklevel=2,
+        )
     if vanishing:
         shown = "; ".join(vanishing[:10])
         more = f"; and {len(vanishing) - 10} more" if len(vanishing) > 10 else ""
@@ -155,8 +185,13 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _convert(prepared: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
-    """convert, and the labels of the groups whose calibrated scale is at the floor."""
+def _convert(
+    prepared: fx.GraphModule, floated: list[str] | None = None
+) -> tuple[fx.GraphModule, list[str]]:
+    """convert, and the labels of the groups whose calibrated scale is at the floor.
+
+    With ``floated`` (a list), unobserved groups stay float and are described in it.
+    """
     groups = require_stage(
         prepared,
         PREPARED,
@@ -164,24 +199,33 @@ def _convert(prepared: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
         "the output of quantree.prepare",
         "prepare and calibrate the captured graph, then convert that",
     )
-    check_calibrated(prepared, groups)
+    drop: set[int] = set()
+    missing = unobserved_groups(prepared, groups) if floated is not None else []
+    if floated is not None and missing:
+        drop = with_dependents({g.id for g in missing}, groups)
+        floated.append(describe_unobserved(prepared, missing))
+    else:
+        check_calibrated(prepared, groups)
     gm = own_written_state(copy_graph_module(prepared))
-    vanishing = _convert_nested(gm)
+    vanishing = _convert_nested(gm, floated)
+    observers = [g.observer for g in groups.values() if g.observer is not None]
+    groups = {gid: g for gid, g in groups.items() if gid not in drop}
     params = resolve_params(groups, gm)
     graph = gm.graph
     vanishing += vanishing_groups(graph, groups, params)
     for node in list(graph.nodes):
         if OBSERVER_KEY in node.meta:
             graph.erase_node(node)
-    for group in groups.values():
-        if group.observer is not None:
-            delattr(gm, group.observer)
+    for observer in observers:
+        delattr(gm, observer)
 
     value_group: dict[Value, int] = {}
     for node in graph.nodes:
         info = node_quant(node)
         if info is not None:
-            value_group.update({Value(node, p): g for p, g in info.output_groups.items()})
+            value_group.update(
+                {Value(node, p): g for p, g in info.output_groups.items() if g not in drop}
+            )
     rewriter = _Rewriter(gm, params, groups)
     for node in list(graph.nodes):
         info = node_quant(node)
@@ -206,12 +250,12 @@ def _convert(prepared: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     return gm, vanishing
 
 
-def _convert_nested(gm: fx.GraphModule) -> list[str]:
+def _convert_nested(gm: fx.GraphModule, floated: list[str] | None) -> list[str]:
     """Convert each prepared graph nested in ``gm``'s modules, on a private path to it."""
     vanishing: list[str] = []
     for name, body in nested_graphs(gm).items():
         if body.meta.get(STAGE_KEY) == PREPARED:
-            converted, inner = _convert(body)
+            converted, inner = _convert(body, floated)
             replace_submodule(gm, name, converted)
             vanishing += [f"{name} {label}" for label in inner]
     return vanishing
@@ -230,6 +274,7 @@ def _rewire(
         return  # already reads a dequantize this pass inserted
     vg = value_group.get(use.value)
     ug = info.input_groups.get(use.arg_path) if info is not None else None
+    ug = ug if ug in rewriter.params else None  # a group left in float
     if vg is None and ug is None:
         return
     new = source if vg is None else rewriter.dequantized(source, vg)

@@ -7,6 +7,8 @@ checked, and groups that were never observed or whose range vanished are named.
 
 from __future__ import annotations
 
+import re
+
 import torch.fx as fx
 
 from quantree.core.errors import QuantreeError
@@ -62,15 +64,59 @@ def derived(group: Group, derivation: Derivation, sources: list[QParams]) -> QPa
 
 
 def check_calibrated(gm: fx.GraphModule, groups: dict[int, Group]) -> None:
-    for group in groups.values():
-        if group.observer is None:
-            continue
-        if not gm.get_submodule(group.observer).calibrated:  # type: ignore[operator]
-            raise QuantreeError(
-                f"{group.label} was never observed: convert needs calibration first. Run the "
-                "prepared model on representative inputs (or use quantree.calibrate) before "
-                "calling convert"
-            )
+    """Every observer saw data; else say which nodes, where, and why.
+
+    When no observer saw anything, calibration did not run. When only some did, calibration
+    ran but never reached those tensors: every batch gave them an empty tensor (a zero-length
+    memory or context), or no batch ran the code holding them (a graph nested in a module
+    that only some inputs call).
+    """
+    missing = [g for g in groups.values() if g.observer is not None and not _observer(gm, g)[0]]
+    if not missing:
+        return
+    if len(missing) == sum(g.observer is not None for g in groups.values()):
+        raise QuantreeError(
+            f"{missing[0].label} was never observed: convert needs calibration first. Run the "
+            "prepared model on representative inputs (or use quantree.calibrate) before "
+            "calling convert"
+        )
+    raise QuantreeError(
+        f"calibration ran but never observed {describe_unobserved(gm, missing)}. Feed "
+        "calibration inputs that give these tensors data (e.g. a non-zero context or memory "
+        "length, inputs that take the branch holding them), or convert with "
+        "unobserved=quantree.Unobserved.FLOAT to leave them in float"
+    )
+
+
+def unobserved_groups(gm: fx.GraphModule, groups: dict[int, Group]) -> list[Group]:
+    return [g for g in groups.values() if g.observer is not None and not _observer(gm, g)[0]]
+
+
+def describe_unobserved(gm: fx.GraphModule, missing: list[Group]) -> str:
+    """Each group's label, module scope and why it is empty, for messages."""
+    parts = []
+    for group in missing[:10]:
+        _, empty = _observer(gm, group)
+        why = f"received only empty tensors ({empty} calls)" if empty else "never ran"
+        parts.append(f"{group.label} in module {_scope(gm, group) or '<top>'}: {why}")
+    more = f"; and {len(missing) - 10} more" if len(missing) > 10 else ""
+    return "; ".join(parts) + more
+
+
+def _observer(gm: fx.GraphModule, group: Group) -> tuple[bool, int]:
+    observer = gm.get_submodule(str(group.observer))
+    return bool(observer.calibrated), int(getattr(observer, "empty_batches", 0))
+
+
+def _scope(gm: fx.GraphModule, group: Group) -> str:
+    """The innermost module (from export's ``nn_module_stack``) of the group's nodes."""
+    names = set(re.findall(r"[A-Za-z_]\w*", str(group.label)))
+    for node in gm.graph.nodes:
+        if node.name in names:
+            stack = node.meta.get("nn_module_stack") or {}
+            if stack:
+                return str(list(stack.values())[-1][0])
+    return ""
 
 
 def vanishing_groups(
@@ -82,4 +128,21 @@ def vanishing_groups(
     weight is quantized exactly.
     """
     observed = {n.meta[OBSERVER_KEY] for n in graph.nodes if OBSERVER_KEY in n.meta}
-    return [groups[gid].label for gid in sorted(observed) if at_scale_floor(params[gid])]
+    return [
+        groups[gid].label
+        for gid in sorted(observed)
+        if gid in params and at_scale_floor(params[gid])
+    ]
+
+
+def with_dependents(gids: set[int], groups: dict[int, Group]) -> set[int]:
+    """``gids`` and every group derived from them (a bias scale needs its input's)."""
+    result = set(gids)
+    grew = True
+    while grew:
+        grew = False
+        for group in groups.values():
+            if group.id not in result and set(group.derived_from) & result:
+                result.add(group.id)
+                grew = True
+    return result

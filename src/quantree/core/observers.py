@@ -32,6 +32,8 @@ class Observer(nn.Module):
         self.register_buffer("min_val", torch.empty(0))
         self.register_buffer("max_val", torch.empty(0))
         self.register_buffer("num_batches", torch.zeros((), dtype=torch.int64))
+        # only to explain an observer that never calibrated (not state: no buffer)
+        self.empty_batches = 0
 
     @property
     def calibrated(self) -> bool:
@@ -45,7 +47,9 @@ class Observer(nn.Module):
                 f"observer of {self.label} received {type(x).__name__} "
                 f"{getattr(x, 'dtype', '')}; observers only take float tensors"
             )
-        if x.numel():
+        if not x.numel():
+            self.empty_batches += 1
+        else:
             with torch.no_grad():
                 x32 = x.float()
                 lo, hi = self._reduce(x32)

@@ -50,7 +50,10 @@ def build_cells(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> Rec
     call = RecurrentCall.parse(node)
     x_meta = tensor_meta(node.args[0])  # type: ignore[arg-type]
     states = [tensor_meta(arg_at(node, p)) for p in call.state_paths]
-    batch = _example_size(x_meta.shape[0] if call.batch_first else x_meta.shape[1])
+    if call.packed:  # the packed rows say nothing of the batch; the states do
+        batch = _example_size(states[0].shape[1])
+    else:
+        batch = _example_size(x_meta.shape[0] if call.batch_first else x_meta.shape[1])
 
     def param(path: Any) -> torch.Tensor:
         return fetch_attr(gm, str(arg_at(node, path).target))
@@ -85,13 +88,17 @@ def decompose(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> fx.No
     cells = build_cells(gm, node, options)
     name = f"{node.name}_cells"
     gm.add_submodule(name, cells)
-    states: Any = node.args[1]  # export's default zeros pin the captured batch: drop them
+    call = RecurrentCall.parse(node)
+    states: Any = arg_at(node, call.state_paths[0][:1])  # export's default zeros pin the batch
     if isinstance(states, list | tuple):
         states = [None if _is_zeros(s) else s for s in states]
     elif _is_zeros(states):
         states = None
     with gm.graph.inserting_before(node):
-        replacement = gm.graph.call_module(name, (node.args[0], states))
+        args: tuple[Any, ...] = (node.args[0], states)
+        if call.batch_sizes_path is not None:
+            args += (arg_at(node, call.batch_sizes_path),)
+        replacement = gm.graph.call_module(name, args)
     replacement.meta = copy.copy(node.meta)
     node.replace_all_uses_with(replacement)
     gm.graph.erase_node(node)

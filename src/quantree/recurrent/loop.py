@@ -20,20 +20,47 @@ from quantree.recurrent.call import RecurrentCall
 
 
 class CellLoop(nn.Module):
-    """Runs ``body(x_t, *state) -> new state`` over time; the first state leaf is the output."""
+    """Runs ``body(x_t, *state) -> new state`` over time; the first state leaf is the output.
+
+    On a packed sequence (``batch_sizes`` given, ``xs`` the packed rows) step ``t`` runs the
+    body on the first ``batch_sizes[t]`` sequences only: packing sorts them longest first, so
+    the ones still running are a prefix, and the states of the others stay as they were
+    (their final state, or in reverse their initial state until they start). That is
+    PyTorch's packed semantics, and observers see only real steps, never padding.
+    """
 
     def __init__(self, body: fx.GraphModule, reverse: bool) -> None:
         super().__init__()
         self.body = body
         self.reverse = reverse
 
-    def forward(self, xs: torch.Tensor, state: tuple[torch.Tensor, ...]):
+    def forward(
+        self,
+        xs: torch.Tensor,
+        state: tuple[torch.Tensor, ...],
+        batch_sizes: list[int] | None = None,
+    ):
+        if batch_sizes is not None:
+            return self._packed(xs, state, batch_sizes)
         steps = range(xs.shape[0] - 1, -1, -1) if self.reverse else range(xs.shape[0])
         outputs: list[torch.Tensor] = [xs] * xs.shape[0]
         for t in steps:
             state = tuple(self.body(xs[t], *state))
             outputs[t] = state[0]
         return torch.stack(outputs), state
+
+    def _packed(self, xs: torch.Tensor, state: tuple[torch.Tensor, ...], batch_sizes: list[int]):
+        starts = [0]
+        for size in batch_sizes:
+            starts.append(starts[-1] + size)
+        steps = range(len(batch_sizes))
+        outputs: list[torch.Tensor] = [xs] * len(batch_sizes)
+        for t in reversed(steps) if self.reverse else steps:
+            n = batch_sizes[t]
+            new = tuple(self.body(xs[starts[t] : starts[t + 1]], *(s[:n] for s in state)))
+            state = tuple(torch.cat((a, s[n:])) for a, s in zip(new, state, strict=True))
+            outputs[t] = new[0]
+        return torch.cat(outputs), state
 
 
 class RecurrentCells(nn.Module):
@@ -50,14 +77,20 @@ class RecurrentCells(nn.Module):
         self.batch_first = call.batch_first
         self.loops = nn.ModuleDict(loops)
 
-    def forward(self, x: torch.Tensor, hx: Any):
-        """``hx`` leaves that are None are zero states sized for this call's batch."""
+    def forward(self, x: torch.Tensor, hx: Any, batch_sizes: torch.Tensor | None = None):
+        """``hx`` leaves that are None are zero states sized for this call's batch.
+
+        With ``batch_sizes`` (an ``aten.*.data`` call) ``x`` holds a packed sequence's rows and
+        the output is packed the same way.
+        """
         states = list(hx) if isinstance(hx, list | tuple) else [hx]
-        if self.batch_first:
+        sizes = None if batch_sizes is None else [int(n) for n in batch_sizes.tolist()]
+        if self.batch_first and sizes is None:
             x = x.transpose(0, 1)
         count = self.num_layers * self.directions
+        batch = x.shape[1] if sizes is None else sizes[0]
         states = [
-            x.new_zeros(count, x.shape[1], size) if s is None else s
+            x.new_zeros(count, batch, size) if s is None else s
             for s, size in zip(states, self.state_sizes, strict=True)
         ]
         finals: list[list[torch.Tensor]] = [[] for _ in states]
@@ -66,12 +99,12 @@ class RecurrentCells(nn.Module):
             for d in range(self.directions):
                 index = layer * self.directions + d
                 loop = self.loops[loop_name(layer, d)]
-                out, final = loop(x, tuple(s[index] for s in states))
+                out, final = loop(x, tuple(s[index] for s in states), sizes)
                 outs.append(out)
                 for k, s in enumerate(final):
                     finals[k].append(s)
             x = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
-        if self.batch_first:
+        if self.batch_first and sizes is None:
             x = x.transpose(0, 1)
         return (x, *(torch.stack(f) for f in finals))
 

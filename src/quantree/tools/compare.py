@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from quantree.capturing import capture
 from quantree.core.calibrate import as_args
-from quantree.core.capture import capture
 from quantree.core.graphs import nested_graphs
 from quantree.core.values import Path, leaves_with_paths
 from quantree.tools.matching import (

@@ -20,8 +20,8 @@ import torch
 from tqdm.auto import tqdm
 
 import quantree as qt
+from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
-from quantree.core.capture import capture
 from quantree.core.convert import convert
 from quantree.core.lower import REFERENCE, Backend, lower
 from quantree.core.prepare import prepare

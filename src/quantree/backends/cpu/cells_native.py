@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from quantree.backends.cpu.native import library, ptr
+from quantree.backends.cpu.ops_rnn_packed import by_length
 from quantree.backends.cpu.packing import packed_depth
 from quantree.backends.cpu.registry import op
 
@@ -223,12 +224,22 @@ class NativeCellLoop(nn.Module):
         self.register_buffer("slots", torch.tensor(program.slots, dtype=torch.int64))
         self.register_buffer("outs", torch.tensor(program.outs, dtype=torch.int64))
 
-    def forward(self, xs: Tensor, state: tuple[Tensor, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
+    def forward(
+        self, xs: Tensor, state: tuple[Tensor, ...], batch_sizes: list[int] | None = None
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """``batch_sizes``: ``xs`` are a packed sequence's rows (one native loop per length)."""
         consts = [getattr(self, f"const{i}") for i in range(self.n_consts)]
-        ys, *final = quantree_ops.cell_loop(
-            xs, list(state), consts, self.code, self.fcode, self.slots, self.outs,
-            self.reverse,
-        )  # fmt: skip
+
+        def run(xs: Tensor, state: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+            ys, *final = quantree_ops.cell_loop(
+                xs, state, consts, self.code, self.fcode, self.slots, self.outs, self.reverse
+            )
+            return ys, final
+
+        if batch_sizes is None:
+            ys, final = run(xs, list(state))
+        else:
+            ys, final = by_length(xs, batch_sizes, list(state), 0, run)
         return ys, tuple(final)
 
 

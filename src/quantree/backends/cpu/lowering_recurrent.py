@@ -197,11 +197,20 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     hx = [s.node for s in states if s is not None]
     graph = ctx.gm.graph
     with graph.inserting_before(node):
-        new = graph.call_function(
-            torch.ops.quantree.rnn.default,
-            (call.kind, x.node, hx, params, hidden, call.num_layers, call.bidirectional,
-             call.batch_first, [float(v) for v in qparams], hidden_bits, proj_size),
-        )  # fmt: skip
+        shape: tuple = (hidden, call.num_layers, call.bidirectional)
+        rest = ([float(v) for v in qparams], hidden_bits, proj_size)
+        if call.batch_sizes_path is None:
+            op, args = (
+                torch.ops.quantree.rnn.default,
+                (x.node, hx, params, *shape, call.batch_first),
+            )
+        else:  # a packed sequence: one native call per distinct sequence length
+            batch_sizes = arg_at(node, call.batch_sizes_path)
+            op, args = (
+                torch.ops.quantree.rnn_packed_sequence.default,
+                (x.node, batch_sizes, hx, params, *shape),
+            )
+        new = graph.call_function(op, (call.kind, *args, *rest))
         new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     for index, q in outputs.items():
         with graph.inserting_before(q.node):
