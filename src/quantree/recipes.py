@@ -164,6 +164,11 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
         """Input and output quantized separately (the op changes the range)."""
         return Annotation(outputs=act, inputs={(0,): act})
 
+    def input_only(node: fx.Node) -> Annotation:
+        """The input on the int8 grid, the output left float (log-probabilities keep their
+        precision; an int8 grid over [-30, 0] would round them to 0.12)."""
+        return Annotation(inputs={(0,): act})
+
     def embedding(node: fx.Node) -> Annotation:
         return Annotation(outputs=None, inputs={(0,): weight})
 
@@ -232,6 +237,7 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
             ),
             unary,
         ),
+        Rule((aten.log_softmax, aten._log_softmax), input_only),
         Rule((aten.embedding,), embedding),
         Rule(RECURRENT_OPS, recurrent),
         Rule(CELL_OPS, lambda node: recurrent_cell_annotation(node, act, weight)),

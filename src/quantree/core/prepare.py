@@ -12,12 +12,11 @@ import torch
 import torch.fx as fx
 
 from quantree.core.annotate import annotate, warn_float_ops
-from quantree.core.canonicalize import canonicalize
 from quantree.core.errors import QuantreeError, QuantreeWarning
-from quantree.core.fold import fold_batch_norm, own_written_state, written_to
-from quantree.core.graphs import copy_graph_module, fetch_attr, nested_graphs
+from quantree.core.fold import written_to
+from quantree.core.graphs import fetch_attr, nested_graphs
 from quantree.core.groups import form_groups
-from quantree.core.linear_forms import linear_forms
+from quantree.core.normalize import normalize
 from quantree.core.observers import make_observer
 from quantree.core.quantizer import Annotation, Quantizer, idle_scopes
 from quantree.core.sharing import Group
@@ -46,8 +45,7 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
         )
     _check_captured(gm)
     _check_eval_mode(gm)
-    gm = copy_graph_module(gm)
-    gm = canonicalize(fold_batch_norm(linear_forms(own_written_state(gm))))
+    gm = normalize(gm)
     seen = list(gm.graph.nodes)  # what the rules see, nodes later decomposed included
     observe(gm, annotate(gm, quantizer))
     for body in nested_graphs(gm).values():

@@ -26,6 +26,8 @@ import torch.fx as fx
 from quantree.capturing import capture
 from quantree.core.calibrate import as_args
 from quantree.core.graphs import nested_graphs
+from quantree.core.normalize import normalize
+from quantree.core.stages import STAGE_KEY
 from quantree.core.values import Path, leaves_with_paths
 from quantree.tools.matching import (
     OUTPUT,
@@ -296,6 +298,8 @@ def compare(
                 if isinstance(float_model, fx.GraphModule)
                 else capture(float_model, args)
             )
+            if STAGE_KEY not in float_gm.meta:  # captured: compare with what prepare sees
+                float_gm = normalize(float_gm)
             session = _Session(float_gm, quantized_model)
         session.run_float(args)
         session.run_quantized(args)
