@@ -74,3 +74,20 @@ def test_cpu_lowered_model_has_a_row_per_kernel(speech) -> None:
     for row in comparison.rows:
         if row.name in kernels and row.name in reference:
             assert abs(row.sqnr_db - reference[row.name]) < 3.0, row
+
+
+@pytest.mark.parametrize("mode", list(qt.RecurrentMode))
+def test_recurrent_outputs_get_an_sqnr_per_time_step(mode: qt.RecurrentMode) -> None:
+    torch.manual_seed(0)
+    model = nn.LSTM(12, 16, batch_first=False).eval()
+    data = [(torch.randn(30, 3, 12),) for _ in range(6)]
+    quantizer = qt.Int8Quantizer(recurrent=mode)
+    ref = qt.quantize(model, data[0], data, quantizer=quantizer, progress=False)
+    comparison = qt.compare(model, ref, data[:2])
+    row = comparison.row("lstm[0]")
+    assert len(row.steps) == 30  # time is axis 0 here
+    overall = row.sqnr_db
+    assert min(row.steps) <= overall + 1e-9 <= max(row.steps) + 1e-9  # the mean lies within
+    assert min(row.steps) >= 20.0  # int8, one layer: measured 28-40 dB per step
+    assert "per-step SQNR" in comparison.render()
+    assert not comparison.row("lstm[1]").steps  # a state is one step, not a sequence
