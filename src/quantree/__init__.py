@@ -6,6 +6,9 @@ calibrate(prepared, data)
 ref = convert(prepared)
 """
 
+# Registers torch.ops.quantree.*, so that a plain torch.export.load of a CPU-lowered program
+# works once quantree is imported (the kernels themselves load at first use).
+import quantree.backends.cpu.ops  # noqa: F401
 from quantree.activation_points import ActivationPoints
 from quantree.capturing import capture
 from quantree.core.calibrate import calibrate

@@ -31,6 +31,7 @@ from quantree.backends.cpu.lowering_qdq import (
 )
 from quantree.backends.cpu.lowering_recurrent import recurrent_rule
 from quantree.backends.cpu.native import library
+from quantree.backends.cpu.simulated import warn_simulated
 from quantree.core.errors import QuantreeWarning
 from quantree.core.graphs import nested_graphs, replace_submodule
 from quantree.core.lower import Backend, LoweringRule, lower
@@ -48,6 +49,8 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     if nested is not None:
         lower_nested(gm, nested)
     native_quantize_dequantize(gm)
+    if nested is not None:  # the top-level graph: one warning for the model
+        warn_simulated(gm, "cpu")
     gm.graph.lint()
     gm.recompile()
     lean = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
