@@ -11,11 +11,12 @@ import base64
 import html
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from quantree.tools.compare import Comparison, RowKind
 
@@ -30,7 +31,8 @@ th, td { border: 1px solid #ccc; padding: 0.3em 0.7em; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
 th { background: #f0f0f0; }
 pre { background: #f7f7f7; padding: 1em; overflow-x: auto; }
-img { max-width: 100%; }
+img { max-width: 100%; display: block; margin: 0.5em 0; }
+summary { cursor: pointer; margin: 0.5em 0; font-weight: 600; }
 """
 
 
@@ -66,19 +68,75 @@ def sqnr_chart(comparison: Comparison, title: str = "per-tensor SQNR", limit: in
 
 
 def bar_chart(
-    labels: Sequence[str], values: Sequence[float], title: str, xlabel: str, fmt: str = "{:.1f}"
+    labels: Sequence[str],
+    values: Sequence[float],
+    title: str,
+    xlabel: str,
+    fmt: str = "{:.1f}",
+    *,
+    colors: Sequence[str] | None = None,
+    legend: Mapping[str, str] | None = None,
+    log: bool = False,
+    reference: float | None = None,
 ) -> bytes:
-    """Horizontal bars, one per label (latency per variant, model size, ...)."""
-    fig = Figure(figsize=(8.0, 0.8 + 0.4 * max(len(labels), 1)))
+    """Horizontal bars, one per label (latency per variant, model size, ...).
+
+    ``log`` draws the axis logarithmically (values a hundred times apart stay readable);
+    ``reference`` draws a dashed vertical line (the float model's value); ``legend`` maps a
+    label to a colour for the key.
+    """
+    fig = Figure(figsize=(8.0, 1.2 + 0.4 * max(len(labels), 1)))
     ax = fig.add_subplot()
     positions = list(range(len(labels)))
-    ax.barh(positions, list(values), color="#4c72b0")
+    ax.barh(positions, list(values), color=list(colors) if colors else "#4c72b0")
     ax.set_yticks(positions, list(labels), fontsize=9)
     ax.invert_yaxis()
+    positive = [v for v in values if v > 0]
     top = max(values, default=1.0)
     for y, v in zip(positions, values, strict=True):
         ax.text(v, y, " " + fmt.format(v), va="center", fontsize=8)
-    ax.set_xlim(0, top * 1.2 if top > 0 else 1.0)
+    if log and positive:
+        ax.set_xscale("log")
+        ax.set_xlim(min(positive) / 2.0, max(positive) * 4.0)
+    else:
+        ax.set_xlim(0, top * 1.25 if top > 0 else 1.0)
+    if reference is not None:
+        ax.axvline(reference, color="#555555", linestyle="--", linewidth=1)
+    if legend:
+        handles = [Patch(color=c, label=k) for k, c in legend.items()]
+        ax.legend(handles=handles, loc="lower right", fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    return _png(fig)
+
+
+def delta_chart(
+    labels: Sequence[str],
+    values: Sequence[float],
+    title: str,
+    xlabel: str,
+    fmt: str = "{:+.2f}",
+    *,
+    colors: Sequence[str] | None = None,
+    legend: Mapping[str, str] | None = None,
+) -> bytes:
+    """Horizontal bars of a change against a baseline, drawn from zero in both directions
+    (the change in bits per character against float), so small differences are visible."""
+    fig = Figure(figsize=(8.0, 1.2 + 0.4 * max(len(labels), 1)))
+    ax = fig.add_subplot()
+    positions = list(range(len(labels)))
+    ax.barh(positions, list(values), color=list(colors) if colors else "#4c72b0")
+    ax.set_yticks(positions, list(labels), fontsize=9)
+    ax.invert_yaxis()
+    ax.axvline(0.0, color="#333333", linewidth=1)
+    span = max((abs(v) for v in values), default=0.0) or 1.0
+    ax.set_xlim(-span * 1.5, span * 1.5)
+    for y, v in zip(positions, values, strict=True):
+        ax.text(v, y, f" {fmt.format(v)} " , va="center", ha="left" if v >= 0 else "right",
+                fontsize=8)  # fmt: skip
+    if legend:
+        handles = [Patch(color=c, label=k) for k, c in legend.items()]
+        ax.legend(handles=handles, loc="lower right", fontsize=8)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
     return _png(fig)
@@ -99,6 +157,13 @@ class Report:
 
     def preformatted(self, text: str) -> None:
         self.parts.append(f"<pre>{html.escape(text)}</pre>")
+
+    def details(self, summary: str, text: str) -> None:
+        """Preformatted text folded under a one-line summary (a long inspection)."""
+        self.parts.append(
+            f"<details><summary>{html.escape(summary)}</summary>"
+            f"<pre>{html.escape(text)}</pre></details>"
+        )
 
     def table(self, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
         head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
