@@ -278,7 +278,8 @@ def run_demo(
             row = DemoRow(variant.name, bpc, db, ms, size, cal_s, quant_s, kind=variant.kind)
             result.rows.append(row)
             log(
-                f"{variant.name} [{variant.kind}]: calibrated {calibration_batches} batches in {cal_s:.1f} s, "
+                f"{variant.name} [{variant.kind}]: calibrated {calibration_batches} batches "
+                f"in {cal_s:.1f} s, "
                 f"{bpc:.4f} bits/char, logits {db:.1f} dB"
             )
         log(f"timing {len(timed)} models, one forward of {BATCH}x{SEQ} chars at a time ...")

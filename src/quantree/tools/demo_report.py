@@ -107,7 +107,7 @@ def write_report(result: DemoResult, path: str | Path) -> Path:
             "change in validation bits/char against float (%)",
             "{:+.2f}%",
             colors=[KIND_COLORS.get(r.kind, "#4c72b0") for r in quantized],
-            legend=legend,
+            legend={k: c for k, c in legend.items() if k != FLOAT},
         ),
         "change in bits per character against float per variant",
     )

@@ -13,10 +13,12 @@ import io
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from quantree.tools.compare import Comparison, RowKind
 
@@ -27,8 +29,8 @@ _KIND_COLORS = {RowKind.VALUE: "#4c72b0", RowKind.WEIGHT: "#dd8452", RowKind.OUT
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 70em; color: #222; }
 table { border-collapse: collapse; margin: 1em 0; }
-th, td { border: 1px solid #ccc; padding: 0.3em 0.7em; text-align: right; }
-th:first-child, td:first-child { text-align: left; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.7em; text-align: left; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 th { background: #f0f0f0; }
 pre { background: #f7f7f7; padding: 1em; overflow-x: auto; }
 img { max-width: 100%; display: block; margin: 0.5em 0; }
@@ -67,6 +69,19 @@ def sqnr_chart(comparison: Comparison, title: str = "per-tensor SQNR", limit: in
     return _png(fig)
 
 
+def _legend_below(ax: Any, legend: Mapping[str, str]) -> None:
+    """The colour key in one row under the axis, where it covers no bar or value."""
+    handles = [Patch(color=c, label=k) for k, c in legend.items()]
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22),
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+    )
+
+
 def bar_chart(
     labels: Sequence[str],
     values: Sequence[float],
@@ -98,13 +113,14 @@ def bar_chart(
     if log and positive:
         ax.set_xscale("log")
         ax.set_xlim(min(positive) / 2.0, max(positive) * 4.0)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
     else:
         ax.set_xlim(0, top * 1.25 if top > 0 else 1.0)
     if reference is not None:
         ax.axvline(reference, color="#555555", linestyle="--", linewidth=1)
     if legend:
-        handles = [Patch(color=c, label=k) for k, c in legend.items()]
-        ax.legend(handles=handles, loc="lower right", fontsize=8)
+        _legend_below(ax, legend)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
     return _png(fig)
@@ -135,11 +151,23 @@ def delta_chart(
         ax.text(v, y, f" {fmt.format(v)} " , va="center", ha="left" if v >= 0 else "right",
                 fontsize=8)  # fmt: skip
     if legend:
-        handles = [Patch(color=c, label=k) for k, c in legend.items()]
-        ax.legend(handles=handles, loc="lower right", fontsize=8)
+        _legend_below(ax, legend)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
     return _png(fig)
+
+
+def _is_number(cell: object) -> bool:
+    if isinstance(cell, int | float):
+        return True
+    text = str(cell)
+    if text in ("exact", "-", "inf", "nan"):
+        return True
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class Report:
@@ -166,9 +194,18 @@ class Report:
         )
 
     def table(self, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-        head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+        """Text columns left-aligned, number columns (every cell a number) right-aligned."""
+        numeric = [
+            bool(rows) and all(_is_number(row[i]) for row in rows) for i in range(len(headers))
+        ]
+        cls = [' class="num"' if n else "" for n in numeric]
+        head = "".join(
+            f"<th{c}>{html.escape(str(h))}</th>" for h, c in zip(headers, cls, strict=True)
+        )
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+            "<tr>"
+            + "".join(f"<td{c}>{html.escape(str(v))}</td>" for v, c in zip(row, cls, strict=True))
+            + "</tr>"
             for row in rows
         )
         self.parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
