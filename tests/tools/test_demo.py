@@ -123,6 +123,7 @@ def test_every_variant_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         calibration_batches=2,
         eval_chars=2_048,  # one evaluation batch of 16 x 128
         compare_batches=1,
+        variants=demo.VARIANTS,  # what --all runs
         progress=False,
         log=lambda _: None,
     )

@@ -94,6 +94,9 @@ def write_report(result: DemoResult, path: str | Path) -> Path:
             legend=legend,
             log=True,
             reference=base.latency_ms,
+            texts=[
+                f"{r.latency_ms:.1f} ms ({r.latency_ms / base.latency_ms:.2f}x float)" for r in rows
+            ],
         ),
         "latency per variant",
     )
@@ -124,7 +127,8 @@ def write_report(result: DemoResult, path: str | Path) -> Path:
         "model size per variant",
     )
     for name, text in result.summaries.items():
-        report.details(f"What is quantized: {name}", text)
+        native = next((line for line in text.splitlines() if line.startswith("run natively")), "")
+        report.details(f"What is quantized: {name} ({native.split(' (')[0]})", text)
     for name, comparison in result.comparisons.items():
         report.comparison(comparison, f"{name}: per-tensor SQNR against float")
     return report.write(path)

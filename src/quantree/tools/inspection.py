@@ -286,7 +286,10 @@ def _counts(gm: fx.GraphModule, node: fx.Node) -> tuple[int, int, list[fx.Node],
 def _same_params_movement(node: fx.Node, carriers: list[fx.Node]) -> bool:
     """Data movement read through a dequantize and written through a quantize with the same
     parameters: the integers only move."""
-    dqs = [a for a in _tensor_inputs(node) if _is_dequantize(a)]
+    data = [leaf for _, leaf in leaves_with_paths(node.args[0]) if isinstance(leaf, fx.Node)]
+    if not data or not all(_is_dequantize(a) for a in data):
+        return False
+    dqs = data
     qs = [u for c in carriers for u in c.users if _is_quantize(u)]
     if not dqs or not qs:
         return False
@@ -329,7 +332,8 @@ def op_statuses(gm: fx.GraphModule) -> list[OpStatus]:
             in_f -= 1  # the edge inside a fused pair is not a float tensor
         elif partner is not None:
             out_f -= 1
-        integer_in = any(_is_integer(a) for a in _tensor_inputs(n) if a.op != "get_attr")
+        data = [leaf for _, leaf in leaves_with_paths(n.args[0]) if isinstance(leaf, fx.Node)]
+        integer_in = bool(data) and all(_is_integer(a) for a in data)  # not indices
         if lowered:
             status, native = INT8_KERNEL, True
         elif (
