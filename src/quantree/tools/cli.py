@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         "--eval-chars", type=int, default=100_000, help="validation characters for bits/char"
     )
     demo.add_argument("--report", default="quantree-report/report.html", help="HTML report path")
+    demo.add_argument("--all", action="store_true", help="also the cells-mode and a16w8 recipes")
 
     quantize = commands.add_parser("quantize", help="quantize a program saved by torch.export")
     quantize.add_argument("model", help="MODEL.pt2 written by torch.export.save")
@@ -217,7 +218,7 @@ def inspect_command(args: argparse.Namespace) -> int:
 def demo_command(args: argparse.Namespace) -> int:
     from quantree.tools.demo_report import main as demo_main
 
-    demo_main(args.calibration_batches, args.eval_chars, args.report)
+    demo_main(args.calibration_batches, args.eval_chars, args.report, all_variants=args.all)
     return 0
 
 
