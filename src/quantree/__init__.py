@@ -7,6 +7,7 @@ ref = convert(prepared)
 """
 
 from quantree.activation_points import ActivationPoints
+from quantree.backends.onnx import export_onnx
 from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
 from quantree.core.convert import Unobserved, convert
@@ -86,6 +87,7 @@ __all__ = [
     "capture",
     "compare",
     "convert",
+    "export_onnx",
     "lower",
     "prepare",
     "quantize",
