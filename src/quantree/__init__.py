@@ -29,6 +29,7 @@ from quantree.core.observers import (
 )
 from quantree.core.points import Point
 from quantree.core.prepare import prepare
+from quantree.core.pt2e import from_pt2e
 from quantree.core.quantizer import Annotation, Quantizer, Rule
 from quantree.core.specs import (
     DerivedSpec,
@@ -44,6 +45,7 @@ from quantree.core.stages import NodeQuant
 from quantree.core.values import Use, Value
 from quantree.pipeline import quantize
 from quantree.recipes import A16W8Quantizer, Int8Quantizer, RecurrentMode
+from quantree.interop import recurrent_rules
 from quantree.recurrent.decompose import CellsOptions
 from quantree.tools.compare import Comparison, compare
 from quantree.tools.metrics import sqnr
@@ -88,6 +90,8 @@ __all__ = [
     "compare",
     "convert",
     "export_onnx",
+    "from_pt2e",
+    "recurrent_rules",
     "lower",
     "prepare",
     "quantize",
