@@ -43,9 +43,9 @@ from quantree.core.specs import (
 )
 from quantree.core.stages import NodeQuant
 from quantree.core.values import Use, Value
+from quantree.interop import recurrent_rules
 from quantree.pipeline import quantize
 from quantree.recipes import A16W8Quantizer, Int8Quantizer, RecurrentMode
-from quantree.interop import recurrent_rules
 from quantree.recurrent.decompose import CellsOptions
 from quantree.tools.compare import Comparison, compare
 from quantree.tools.metrics import sqnr

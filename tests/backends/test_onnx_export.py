@@ -25,12 +25,13 @@ pytest.importorskip(
     "onnxscript", reason="ONNX export tests need onnxscript (pip install 'quantree[onnx]')"
 )
 
-import onnx  # noqa: E402
-from support import batches  # noqa: E402
+import onnx
 
-import quantree as qt  # noqa: E402
-from quantree.backends.onnx import run_onnx  # noqa: E402
-from quantree.core.qdq import DEQUANTIZE_OPS, params_of  # noqa: E402
+import quantree as qt
+from quantree.backends.onnx import run_onnx
+from quantree.core.qdq import DEQUANTIZE_OPS, params_of
+
+from support import batches
 
 SQNR_BAND_DB = 1.0
 WARN = "ignore::quantree.QuantreeWarning"
@@ -214,9 +215,11 @@ def test_recurrent_whole_is_one_onnx_op_per_layer(kind, options, tmp_path):
         if node.op_type == onnx_op:  # W and R come from DequantizeLinear (through a Concat)
             for name in node.input[1:3]:
                 producer = producers[name]
-                inputs = [producer] if producer.op_type != "Concat" else [
-                    producers[i] for i in producer.input
-                ]
+                inputs = (
+                    [producer]
+                    if producer.op_type != "Concat"
+                    else [producers[i] for i in producer.input]
+                )
                 assert all(p.op_type == "DequantizeLinear" for p in inputs)
     ref_db, onnx_db = _sqnr_band(layer, ref, path, data[1])
     assert onnx_db >= ref_db - SQNR_BAND_DB, (ref_db, onnx_db)
@@ -231,13 +234,11 @@ def corpus():
     if not weights_path("lstm").is_file():
         pytest.skip("no bundled char-LM weights")
     train = load_corpus("train", max_chars=200_000)
-    return lm_batches(train, batch_size=8, seq_len=64, n_batches=6, seed=0)
+    return lm_batches(train, batch_size=4, seq_len=16, n_batches=6, seed=0)
 
 
 @pytest.mark.filterwarnings(WARN)
-@pytest.mark.parametrize(
-    ("rnn", "mode"), [("lstm", "whole"), ("lstm", "cells"), ("gru", "whole")]
-)
+@pytest.mark.parametrize(("rnn", "mode"), [("lstm", "whole"), ("lstm", "cells"), ("gru", "whole")])
 def test_charlm_in_onnx_runtime(corpus, rnn, mode, tmp_path):
     from quantree.workloads import load_charlm
 
@@ -301,9 +302,20 @@ def test_cli_format_onnx(tmp_path):
     torch.save(data, tmp_path / "data.pt")
     out = tmp_path / "mlp.onnx"
     result = subprocess.run(
-        [sys.executable, "-m", "quantree.tools.cli", "quantize", str(tmp_path / "mlp.pt2"),
-         "--calibration", str(tmp_path / "data.pt"), "-o", str(out), "--format", "onnx",
-         "--quiet"],
+        [
+            sys.executable,
+            "-m",
+            "quantree.tools.cli",
+            "quantize",
+            str(tmp_path / "mlp.pt2"),
+            "--calibration",
+            str(tmp_path / "data.pt"),
+            "-o",
+            str(out),
+            "--format",
+            "onnx",
+            "--quiet",
+        ],
         capture_output=True,
         text=True,
         check=False,

@@ -1,4 +1,4 @@
-"""pt2e quantizers (torchao's) drive qt.prepare; where pt2e stops (tuple outputs), quantree goes on."""
+"""torchao's pt2e quantizers drive qt.prepare; where pt2e stops (tuples), quantree goes on."""
 
 from __future__ import annotations
 
@@ -8,22 +8,23 @@ from torch import nn
 
 pytest.importorskip("torchao", reason="pt2e quantizer tests need torchao (pip install torchao)")
 
-from support import batches  # noqa: E402
-from torchao.quantization.pt2e import MinMaxObserver, PerChannelMinMaxObserver  # noqa: E402
-from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e  # noqa: E402
-from torchao.quantization.pt2e.quantizer import (  # noqa: E402
+from torchao.quantization.pt2e import MinMaxObserver, PerChannelMinMaxObserver
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+from torchao.quantization.pt2e.quantizer import (
     QuantizationAnnotation,
     QuantizationSpec,
     Quantizer,
     SharedQuantizationSpec,
 )
-from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (  # noqa: E402
+from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
     X86InductorQuantizer,
     get_default_x86_inductor_quantization_config,
 )
 
-import quantree as qt  # noqa: E402
-from quantree.core.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, params_of  # noqa: E402
+import quantree as qt
+from quantree.core.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, params_of
+
+from support import batches
 
 aten = torch.ops.aten
 WARN = "ignore::quantree.QuantreeWarning"
@@ -68,7 +69,7 @@ class ConvLstm(nn.Module):
 
 
 def placement(gm: torch.fx.GraphModule) -> list[tuple[str, tuple[str, ...], bool]]:
-    """Per compute op in order: its target, what each tensor input reads, whether it is quantized."""
+    """Per compute op in order: target, what each tensor input reads, whether it is quantized."""
     rows = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target in QUANTIZE_OPS + DEQUANTIZE_OPS:
@@ -140,9 +141,7 @@ class ExecuTorchStyleRecurrentQuantizer(Quantizer):
     """Annotates aten.lstm / aten.gru the way ExecuTorch backends write annotations, with one
     output spec per leaf (pt2e's own prepare would only observe a single-tensor output)."""
 
-    act = QuantizationSpec(
-        torch.int8, MinMaxObserver, -128, 127, torch.per_tensor_affine
-    )
+    act = QuantizationSpec(torch.int8, MinMaxObserver, -128, 127, torch.per_tensor_affine)
     weight = QuantizationSpec(
         torch.int8, PerChannelMinMaxObserver, -127, 127, torch.per_channel_symmetric, ch_axis=0
     )
@@ -179,8 +178,10 @@ class TwoRecurrent(nn.Module):
 
 def _quantized_leaves(ref: torch.fx.GraphModule, target) -> list[bool]:
     node = next(n for n in ref.graph.nodes if n.target == target)
-    leaves = sorted((u for u in node.users if u.target is __import__("operator").getitem),
-                    key=lambda u: u.args[1])
+    leaves = sorted(
+        (u for u in node.users if u.target is __import__("operator").getitem),
+        key=lambda u: u.args[1],
+    )
     return [any(v.target in QUANTIZE_OPS for v in leaf.users) for leaf in leaves]
 
 
@@ -193,9 +194,9 @@ def test_per_leaf_output_specs_quantize_every_leaf():
     assert _quantized_leaves(ref, aten.lstm.input) == [True, True, True]
     assert _quantized_leaves(ref, aten.gru.input) == [True, True]
     dq_weights = [
-        n for n in ref.graph.nodes
-        if n.target in DEQUANTIZE_OPS and n.args[0].op == "get_attr"
-        and params_of(n, ref).axis == 0
+        n
+        for n in ref.graph.nodes
+        if n.target in DEQUANTIZE_OPS and n.args[0].op == "get_attr" and params_of(n, ref).axis == 0
     ]
     assert len(dq_weights) == 4  # w_ih, w_hh of each layer
     with torch.no_grad():

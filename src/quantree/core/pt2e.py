@@ -6,9 +6,9 @@ reads the ``quantization_annotation`` each node then carries and translates it:
 
 | pt2e | quantree |
 | --- | --- |
-| ``QuantizationSpec`` | ``QuantSpec`` (dtype, range, per-tensor/per-channel, symmetric, observer kind) |
+| ``QuantizationSpec`` | ``QuantSpec`` (dtype, range, per tensor or channel, symmetric, observer) |
 | ``SharedQuantizationSpec(node or (producer, user))`` | ``SharedSpec(Value or Use)`` |
-| ``DerivedQuantizationSpec`` | ``DerivedSpec`` (its ``derive_qparams_fn`` called on the sources) |
+| ``DerivedQuantizationSpec`` | ``DerivedSpec`` (calling its ``derive_qparams_fn``) |
 | ``FixedQParamsQuantizationSpec`` | ``FixedSpec`` |
 | ``input_qspec_map[node]`` | a spec on every argument path that reads that node |
 | ``allow_implicit_sharing`` | ``Annotation.share_with_producers`` |
@@ -78,9 +78,7 @@ class Pt2eQuantizer(Quantizer):
 
     __slots__ = ("after", "before", "pt2e")
 
-    def __init__(
-        self, pt2e: Any, before: Sequence[Rule] = (), after: Sequence[Rule] = ()
-    ) -> None:
+    def __init__(self, pt2e: Any, before: Sequence[Rule] = (), after: Sequence[Rule] = ()) -> None:
         if not is_pt2e_quantizer(pt2e):
             raise QuantreeError(
                 f"from_pt2e needs a pt2e Quantizer (torchao.quantization.pt2e.quantizer."
@@ -113,7 +111,9 @@ class Pt2eQuantizer(Quantizer):
         except QuantreeError:
             raise
         except Exception as error:
-            raise QuantreeError(f"the pt2e quantizer {name} failed on the graph: {error}") from error
+            raise QuantreeError(
+                f"the pt2e quantizer {name} failed on the graph: {error}"
+            ) from error
         annotations = translate_annotations(gm)
         if not annotations:
             return gm, Quantizer((*self.before, *self.after))

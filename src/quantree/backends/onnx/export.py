@@ -176,7 +176,11 @@ def _output_names(program: torch.export.ExportedProgram) -> list[str]:
     names = []
     for key_path, _ in flat:
         parts = [str(getattr(k, "idx", getattr(k, "key", getattr(k, "name", k)))) for k in key_path]
-        names.append("output" if not parts or parts == ["0"] and len(flat) == 1 else "output_" + "_".join(parts))
+        names.append(
+            "output"
+            if not parts or (parts == ["0"] and len(flat) == 1)
+            else "output_" + "_".join(parts)
+        )
     return names
 
 

@@ -15,6 +15,8 @@ Outputs: ``Y [seq, dirs, batch, H]``, ``Y_h [dirs, batch, H]`` (and ``Y_c`` for 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # Block permutations between PyTorch's and ONNX's gate orders, in units of the hidden size.
@@ -177,14 +179,17 @@ def onnx_rnn(X, W, R, B, initial_h, hidden_size: int, activation: str):  # type:
     )
 
 
-def onnx_quantize_per_tensor(input, scale: float, zero_point: int, quant_min: int, quant_max: int, dtype: int):  # type: ignore[no-untyped-def]  # noqa: E501
+def onnx_quantize_per_tensor(
+    input, scale: float, zero_point: int, quant_min: int, quant_max: int, dtype: int
+):  # type: ignore[no-untyped-def]
     """``QuantizeLinear`` with the zero point in the output type, clipped to a narrower range.
 
     onnxscript's own translation drops ``quant_min``/``quant_max``; ONNX saturates to the
     type's full range, so a range narrower than the type (``[-127, 127]``) needs a ``Clip``.
     """
-    from onnxscript import ir
-    from onnxscript import opset18 as op
+    from onnxscript import ir, opset18
+
+    op: Any = opset18
 
     tdtype = dtype if isinstance(dtype, torch.dtype) else _TORCH_DTYPES[dtype]
     info = torch.iinfo(tdtype)

@@ -22,8 +22,8 @@ import torch.fx as fx
 from quantree.backends.onnx import ops
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import fetch_attr, register_constant
-from quantree.core.values import arg_at
 from quantree.core.qdq import DEQUANTIZE_PER_CHANNEL, DEQUANTIZE_PER_TENSOR, is_dequantize
+from quantree.core.values import arg_at
 from quantree.recurrent.call import PACKED_OPS, PADDED_OPS, RecurrentCall
 
 aten = torch.ops.aten
@@ -92,9 +92,7 @@ class _Layer:
                 for k, f in enumerate(layer_finals):
                     finals[k].append(f)
                 seq_first = self._call(aten.permute.default, y, [0, 2, 1, 3])
-                x = self._call(
-                    aten.flatten.using_ints, seq_first, 2, 3
-                )  # [seq, batch, dirs * H]
+                x = self._call(aten.flatten.using_ints, seq_first, 2, 3)  # [seq, batch, dirs * H]
             if call.batch_first:
                 x = self._call(aten.transpose.int, x, 0, 1)
             results = [x] + [
@@ -102,7 +100,7 @@ class _Layer:
             ]
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(results[int(user.args[1])])  # type: ignore[call-overload]
+                user.replace_all_uses_with(results[int(user.args[1])])  # type: ignore[arg-type]
                 self.graph.erase_node(user)
             else:
                 raise QuantreeError(
@@ -112,9 +110,7 @@ class _Layer:
                 )
         self.graph.erase_node(node)
 
-    def _layer(
-        self, layer: int, x: fx.Node, states: list[Any]
-    ) -> tuple[fx.Node, list[fx.Node]]:
+    def _layer(self, layer: int, x: fx.Node, states: list[Any]) -> tuple[fx.Node, list[fx.Node]]:
         dirs, hidden = self.dirs, self.hidden
         params = [p for p in self.call.layers if p.layer == layer]
         W = self._stack([self._weight(p.w_ih) for p in params], 0)
@@ -124,7 +120,9 @@ class _Layer:
             if p.b_ih is None or p.b_hh is None:
                 gates = _GATES[self.kind] * hidden
                 zeros = torch.zeros(1, 2 * gates)
-                biases.append(self.graph.get_attr(register_constant(self.gm, "_onnx_zero_b_", zeros)))
+                biases.append(
+                    self.graph.get_attr(register_constant(self.gm, "_onnx_zero_b_", zeros))
+                )
             else:
                 b = [self._weight(p.b_ih), self._weight(p.b_hh)]
                 biases.append(self._call(aten.cat.default, b, 1))
@@ -169,9 +167,7 @@ class _Layer:
         picked = self._call(aten.index_select.default, arg, 0, idx)
         return self._call(aten.unsqueeze.default, picked, 0)
 
-    def _dequantized_reordered(
-        self, dq: fx.Node, source: fx.Node, index: torch.Tensor
-    ) -> fx.Node:
+    def _dequantized_reordered(self, dq: fx.Node, source: fx.Node, index: torch.Tensor) -> fx.Node:
         stored = fetch_attr(self.gm, str(source.target)).index_select(0, index).unsqueeze(0)
         q = self.graph.get_attr(register_constant(self.gm, "_onnx_quantized_", stored))
         kwargs = dict(dq.kwargs)
