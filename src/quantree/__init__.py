@@ -18,7 +18,6 @@ from quantree.core.lower import (
     LoweringContext,
     LoweringRule,
     Quantized,
-    lower,
 )
 from quantree.core.observers import (
     HistogramObserver,
@@ -41,7 +40,7 @@ from quantree.core.specs import (
 )
 from quantree.core.stages import NodeQuant
 from quantree.core.values import Use, Value
-from quantree.pipeline import quantize
+from quantree.pipeline import lower, quantize
 from quantree.recipes import A16W8Quantizer, Int8Quantizer, RecurrentMode
 from quantree.recurrent.decompose import CellsOptions
 from quantree.tools.compare import Comparison, compare

@@ -9,12 +9,38 @@ import torch
 import torch.fx as fx
 
 from quantree.capturing import capture
-from quantree.core.calibrate import calibrate
+import quantree.core.lower as core_lower
+from quantree.core.calibrate import calibrate, check_calibration_data
 from quantree.core.convert import Unobserved, convert
-from quantree.core.lower import REFERENCE, Backend, lower
+from quantree.core.errors import QuantreeError
+from quantree.core.lower import REFERENCE, Backend
 from quantree.core.prepare import prepare
 from quantree.core.quantizer import Quantizer
 from quantree.recipes import Int8Quantizer
+
+BACKEND_NAMES = ("reference", "cpu")
+
+
+def resolve_backend(backend: Backend | str) -> Backend:
+    """A Backend, or one named as the command line names them ('reference', 'cpu')."""
+    if isinstance(backend, Backend):
+        return backend
+    if backend == "reference":
+        return REFERENCE
+    if backend == "cpu":
+        from quantree.backends import CPU
+
+        return CPU
+    shown = repr(backend)[:60] if isinstance(backend, str) else "object"
+    raise QuantreeError(
+        f"backend must be a Backend (quantree.REFERENCE, quantree.backends.CPU) or one of the "
+        f"names {', '.join(map(repr, BACKEND_NAMES))}, got {type(backend).__name__} {shown}"
+    )
+
+
+def lower(ref: fx.GraphModule, backend: Backend | str = REFERENCE) -> fx.GraphModule:
+    """``quantree.core.lower.lower`` with a backend given as a Backend or by name."""
+    return core_lower.lower(ref, resolve_backend(backend))
 
 
 def quantize(
@@ -25,7 +51,7 @@ def quantize(
     example_kwargs: Mapping[str, Any] | None = None,
     dynamic_shapes: Any = None,
     quantizer: Quantizer | None = None,
-    backend: Backend = REFERENCE,
+    backend: Backend | str = REFERENCE,
     progress: bool = True,
     unobserved: Unobserved = Unobserved.ERROR,
 ) -> fx.GraphModule:
@@ -35,10 +61,23 @@ def quantize(
     ``torch.export``): without ``dynamic_shapes`` every dimension is fixed to the example's,
     and calibration batches of another batch size are refused. ``calibration`` is any
     iterable of argument tuples, or of ``(args, kwargs)`` pairs for a model captured with
-    ``example_kwargs``. ``unobserved`` says what becomes of tensors calibration never saw
-    (an error naming them, or float with one warning).
+    ``example_kwargs``. ``backend`` is a Backend or its name, ``'reference'`` or ``'cpu'``.
+    ``unobserved`` says what becomes of tensors calibration never saw (an error naming them,
+    or float with one warning). Every argument is checked before the model is captured.
     """
+    resolved = resolve_backend(backend)
+    check_calibration_data(calibration)
+    if quantizer is not None and not isinstance(quantizer, Quantizer):
+        raise QuantreeError(
+            f"quantizer must be a Quantizer (e.g. quantree.Int8Quantizer()), got "
+            f"{type(quantizer).__name__}"
+        )
+    if not isinstance(unobserved, Unobserved):
+        raise QuantreeError(f"unobserved must be a quantree.Unobserved, got {unobserved!r}")
     captured = capture(model, example_args, example_kwargs, dynamic_shapes=dynamic_shapes)
     prepared = prepare(captured, quantizer or Int8Quantizer())
     calibrate(prepared, calibration, progress=progress)
-    return lower(convert(prepared, unobserved=unobserved), backend)
+    return core_lower.lower(convert(prepared, unobserved=unobserved), resolved)
+
+
+__all__ = ["BACKEND_NAMES", "lower", "quantize", "resolve_backend"]

@@ -104,7 +104,9 @@ class Int8Quantizer(Quantizer):
             raise QuantreeError(
                 f"share_recurrent_state must be True or False, got {share_recurrent_state!r}"
             )
-        recipe = int8_rules(act, wgt, share_recurrent_state) + weighted_inputs_rules(act, wgt, activations)
+        recipe = int8_rules(act, wgt, share_recurrent_state) + weighted_inputs_rules(
+            act, wgt, activations
+        )
         if recurrent is RecurrentMode.CELLS:
             cell_state = cell_state_spec(cell_state_dtype or act.dtype, act)
             recipe += cells_rules(
