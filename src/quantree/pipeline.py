@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from quantree.capturing import capture
 import quantree.core.lower as core_lower
+from quantree.capturing import capture
 from quantree.core.calibrate import calibrate, check_calibration_data
 from quantree.core.convert import Unobserved, convert
 from quantree.core.errors import QuantreeError

@@ -72,9 +72,10 @@ class Int8Quantizer(Quantizer):
     shape the cells, and ``cells_scope`` limits cells mode to one module (the rest stays
     whole). In whole mode each state a layer returns (``h_n``, ``c_n``) has its own grid;
     ``share_recurrent_state=True`` puts it on its initial state's grid (stateful streaming,
-    where it is fed back as the next call's initial state). ``activations`` says which activations are quantized (``ActivationPoints``: by
-    default every op's, except in graphs with layer norm or attention, where only what
-    linear/conv/matmul read). ``rules`` are added last and so take precedence.
+    where it is fed back as the next call's initial state). ``activations`` says which
+    activations are quantized (``ActivationPoints``: by default every op's, except in graphs
+    with layer norm or attention, where only what linear/conv/matmul read). ``rules`` are
+    added last and so take precedence.
     """
 
     def __init__(

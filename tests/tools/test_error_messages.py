@@ -71,7 +71,7 @@ def test_backends_by_name_as_on_the_command_line(name):
 
 
 def test_lower_of_a_float_module_or_with_a_wrong_backend_says_what_it_takes():
-    with pytest.raises(qt.QuantreeError, match="GraphModule quantree.convert returns"):
+    with pytest.raises(qt.QuantreeError, match=r"GraphModule quantree\.convert returns"):
         qt.lower(_small())  # type: ignore[arg-type]
     ref = qt.quantize(_small(), X, DATA, progress=False)
     with pytest.raises(qt.QuantreeError, match="backend must be a Backend"):
