@@ -1,7 +1,10 @@
 """prepare: annotate a captured graph and insert one observer per sharing group.
 
 Observers are called on tensor leaves only and return nothing anyone reads, so the prepared
-model computes exactly what the float model computes.
+model computes exactly what the float model computes, except where prepare rewrites the
+arithmetic first: batch norm folded into conv/linear weights is within
+``fold.FOLD_TOLERANCE`` of float (relative to each output's largest magnitude), a cells-mode
+decomposition within 1e-6.
 """
 
 from __future__ import annotations
