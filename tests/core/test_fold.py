@@ -186,4 +186,4 @@ def test_folded_batch_norm_is_within_the_stated_tolerance(seed):
         for want, got in zip(model(x), prepared(x), strict=True):
             assert (want - got).abs().max() <= FOLD_TOLERANCE * want.abs().max()
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert "1e-5 × max|output|" in readme
+    assert "1e-5 \u00d7 max|output|" in readme
