@@ -22,7 +22,6 @@ from quantree.core.lower import (
     LoweringContext,
     LoweringRule,
     Quantized,
-    lower,
 )
 from quantree.core.observers import (
     HistogramObserver,
@@ -47,7 +46,7 @@ from quantree.core.specs import (
 from quantree.core.stages import NodeQuant
 from quantree.core.values import Use, Value
 from quantree.interop import recurrent_rules
-from quantree.pipeline import quantize
+from quantree.pipeline import lower, quantize
 from quantree.recipes import A16W8Quantizer, Int8Quantizer, RecurrentMode
 from quantree.recurrent.decompose import CellsOptions
 from quantree.tools.compare import Comparison, compare

@@ -8,13 +8,40 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+import quantree.core.lower as core_lower
 from quantree.capturing import capture
-from quantree.core.calibrate import calibrate
+from quantree.core.calibrate import calibrate, check_calibration_data
 from quantree.core.convert import Unobserved, convert
-from quantree.core.lower import REFERENCE, Backend, lower
+from quantree.core.errors import QuantreeError
+from quantree.core.lower import REFERENCE, Backend
 from quantree.core.prepare import prepare
+from quantree.core.pt2e import is_pt2e_quantizer
 from quantree.core.quantizer import Quantizer
 from quantree.recipes import Int8Quantizer
+
+BACKEND_NAMES = ("reference", "cpu")
+
+
+def resolve_backend(backend: Backend | str) -> Backend:
+    """A Backend, or one named as the command line names them ('reference', 'cpu')."""
+    if isinstance(backend, Backend):
+        return backend
+    if backend == "reference":
+        return REFERENCE
+    if backend == "cpu":
+        from quantree.backends import CPU
+
+        return CPU
+    shown = repr(backend)[:60] if isinstance(backend, str) else "object"
+    raise QuantreeError(
+        f"backend must be a Backend (quantree.REFERENCE, quantree.backends.CPU) or one of the "
+        f"names {', '.join(map(repr, BACKEND_NAMES))}, got {type(backend).__name__} {shown}"
+    )
+
+
+def lower(ref: fx.GraphModule, backend: Backend | str = REFERENCE) -> fx.GraphModule:
+    """``quantree.core.lower.lower`` with a backend given as a Backend or by name."""
+    return core_lower.lower(ref, resolve_backend(backend))
 
 
 def quantize(
@@ -26,7 +53,7 @@ def quantize(
     dynamic_shapes: Any = None,
     dynamic_batch: bool = True,
     quantizer: Quantizer | None = None,
-    backend: Backend = REFERENCE,
+    backend: Backend | str = REFERENCE,
     progress: bool = True,
     unobserved: Unobserved = Unobserved.ERROR,
 ) -> fx.GraphModule:
@@ -36,9 +63,22 @@ def quantize(
     ``torch.export``): without ``dynamic_shapes`` the first dimension of each input varies
     where the model allows it (``dynamic_batch=False`` fixes every dimension).
     ``calibration`` is any iterable of argument tuples, or of ``(args, kwargs)`` pairs for
-    a model captured with ``example_kwargs``. ``unobserved`` says what becomes of tensors
-    calibration never saw (an error naming them, or float with one warning).
+    a model captured with ``example_kwargs``. ``backend`` is a Backend or its name,
+    ``'reference'`` or ``'cpu'``. ``unobserved`` says what becomes of tensors calibration
+    never saw (an error naming them, or float with one warning). Every argument is checked
+    before the model is captured.
     """
+    resolved = resolve_backend(backend)
+    check_calibration_data(calibration)
+    if quantizer is not None and not (
+        isinstance(quantizer, Quantizer) or is_pt2e_quantizer(quantizer)
+    ):
+        raise QuantreeError(
+            f"quantizer must be a Quantizer (e.g. quantree.Int8Quantizer()) or a pt2e "
+            f"Quantizer, got {type(quantizer).__name__}"
+        )
+    if not isinstance(unobserved, Unobserved):
+        raise QuantreeError(f"unobserved must be a quantree.Unobserved, got {unobserved!r}")
     captured = capture(
         model,
         example_args,
@@ -48,4 +88,7 @@ def quantize(
     )
     prepared = prepare(captured, quantizer or Int8Quantizer())
     calibrate(prepared, calibration, progress=progress)
-    return lower(convert(prepared, unobserved=unobserved), backend)
+    return core_lower.lower(convert(prepared, unobserved=unobserved), resolved)
+
+
+__all__ = ["BACKEND_NAMES", "lower", "quantize", "resolve_backend"]

@@ -70,9 +70,12 @@ class Int8Quantizer(Quantizer):
     for the integer-LSTM convention), ``gate_dtype`` (sigmoid/tanh outputs, default the
     activation dtype) and ``points`` (a spec per point name, see ``quantree.recurrent.cell_graph``)
     shape the cells, and ``cells_scope`` limits cells mode to one module (the rest stays
-    whole). ``activations`` says which activations are quantized (``ActivationPoints``: by
-    default every op's, except in graphs with layer norm or attention, where only what
-    linear/conv/matmul read). ``rules`` are added last and so take precedence.
+    whole). In whole mode each state a layer returns (``h_n``, ``c_n``) has its own grid;
+    ``share_recurrent_state=True`` puts it on its initial state's grid (stateful streaming,
+    where it is fed back as the next call's initial state). ``activations`` says which
+    activations are quantized (``ActivationPoints``: by default every op's, except in graphs
+    with layer norm or attention, where only what linear/conv/matmul read). ``rules`` are
+    added last and so take precedence.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class Int8Quantizer(Quantizer):
         gate_dtype: QDtype | None = None,
         points: Mapping[str, Spec] | None = None,
         cells_scope: str | None = None,
+        share_recurrent_state: bool = False,
         activations: ActivationPoints = ActivationPoints.AUTO,
         rules: tuple[Rule, ...] = (),
     ) -> None:
@@ -97,7 +101,13 @@ class Int8Quantizer(Quantizer):
             raise QuantreeError(f"activations must be an ActivationPoints, got {activations!r}")
         act = activation or int8_activation(activation_observer)
         wgt = weight or int8_weight(0 if per_channel else None)
-        recipe = int8_rules(act, wgt) + weighted_inputs_rules(act, wgt, activations)
+        if not isinstance(share_recurrent_state, bool):
+            raise QuantreeError(
+                f"share_recurrent_state must be True or False, got {share_recurrent_state!r}"
+            )
+        recipe = int8_rules(act, wgt, share_recurrent_state) + weighted_inputs_rules(
+            act, wgt, activations
+        )
         if recurrent is RecurrentMode.CELLS:
             cell_state = cell_state_spec(cell_state_dtype or act.dtype, act)
             recipe += cells_rules(
@@ -125,7 +135,9 @@ class A16W8Quantizer(Int8Quantizer):
         super().__init__(**options)
 
 
-def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
+def int8_rules(
+    act: QuantSpec, weight: QuantSpec, share_recurrent_state: bool = False
+) -> tuple[Rule, ...]:
     """The rules of Int8Quantizer for the given activation and weight specs."""
     fused_activations = (aten.relu, aten.relu_)
 
@@ -173,7 +185,7 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
         return Annotation(outputs=None, inputs={(0,): weight})
 
     def recurrent(node: fx.Node) -> Annotation:
-        return recurrent_whole_annotation(node, act, weight)
+        return recurrent_whole_annotation(node, act, weight, share_recurrent_state)
 
     return (
         Rule((aten.linear, aten.conv1d, aten.conv2d), weighted),

@@ -11,6 +11,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
+from quantree.core.calibrate import BadBatch
 
 from support import batches, output_sqnrs, run
 
@@ -62,13 +63,14 @@ def test_convert_before_calibration():
         qt.convert(prepared)
 
 
-def test_calibration_with_nan_names_the_node():
+def test_calibration_with_nan_names_the_batch_and_argument():
     gm = qt.capture(LstmHead().eval(), (torch.randn(3, 2, 8),))
     prepared = qt.prepare(gm, qt.Int8Quantizer())
     x = torch.randn(3, 2, 8)
     x[0, 0, 0] = float("nan")
-    with pytest.raises(qt.QuantreeError, match=r"NaN.*(x|lstm).*remove non-finite"):
-        qt.calibrate(prepared, [(x,)], progress=False)
+    clean = (torch.randn(3, 2, 8),)
+    with pytest.raises(BadBatch, match=r"batch 1 holds NaN or infinity in argument 0"):
+        qt.calibrate(prepared, [clean, (x,)], progress=False)
 
 
 def test_convert_needs_a_prepared_model():
@@ -197,15 +199,28 @@ def test_a_refused_batch_never_reaches_an_observer():
     )
 
 
-def test_other_errors_keep_their_type_and_gain_the_batch_index():
-    """Cells mode drops export's guard, so a wrong feature size fails inside an op."""
+def test_a_wrong_feature_size_in_cells_mode_names_the_batch_and_dimension():
+    """Cells mode drops export's guard, so a wrong feature size fails inside an op: the
+    error names the batch and the dimension that differs from the captured example."""
     gm = qt.capture(LstmHead().eval(), (torch.randn(3, 2, 8),))
     prepared = qt.prepare(gm, qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS))
     qt.calibrate(prepared, [(torch.randn(5, 4, 8),)], progress=False)  # any length and batch
-    with pytest.raises(RuntimeError) as caught:
+    with pytest.raises(BadBatch, match=r"batch 1 .*dimension 2 is 6, captured as 8") as caught:
         qt.calibrate(prepared, [(torch.randn(3, 2, 8),), (torch.randn(3, 2, 6),)], progress=False)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_other_errors_keep_their_type_and_gain_the_batch_index():
+    class Fails(nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.linear(x, torch.ones(4, 8)) if x.shape[0] < 9 else x
+
+    prepared = qt.prepare(qt.capture(Fails(), (torch.randn(3, 8),)), qt.Int8Quantizer())
+    with pytest.raises(RuntimeError) as caught:
+        prepared.forward = lambda x: (_ for _ in ()).throw(RuntimeError("boom"))  # type: ignore
+        qt.calibrate(prepared, [(torch.randn(3, 8),)], progress=False)
     assert not isinstance(caught.value, qt.QuantreeError)
-    assert "raised by calibration batch 1" in caught.value.__notes__
+    assert "raised by calibration batch 0" in caught.value.__notes__
 
 
 aten = torch.ops.aten

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -147,3 +150,40 @@ def test_written_to_maps_a_buffer_and_its_views_to_the_in_place_writer():
     (add_,) = calls(gm, aten.add_.Tensor)
     assert written["acc"] == add_.name and len(set(written.values())) == 1
     assert set(written) == {"acc", add_.args[0].name}
+
+
+class ConvBnStack(nn.Module):
+    """Two folded pairs with running statistics far from 0 and 1, and a linear + bn head."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, bias=seed % 2 == 0), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc, self.b3 = nn.Linear(8 * 6 * 6, 10, bias=False), nn.BatchNorm1d(10)
+        with torch.no_grad():
+            for bn in (self.b1, self.b2, self.b3):
+                bn.running_mean.normal_(0, 3)
+                bn.running_var.uniform_(1e-3, 10)
+                bn.weight.normal_(0, 2)
+                bn.bias.normal_()
+
+    def forward(self, x):
+        y = torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
+        return self.b3(self.fc(y.flatten(1))), y
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_folded_batch_norm_is_within_the_stated_tolerance(seed):
+    """Folding is not bit-equal: the README and FOLD_TOLERANCE say how close it is."""
+    from quantree.core.fold import FOLD_TOLERANCE
+
+    model = ConvBnStack(seed).eval()
+    x = torch.randn(4, 3, 8, 8) * 5
+    prepared = qt.prepare(qt.capture(model, (x,)), qt.Int8Quantizer())
+    assert not calls(prepared, aten.batch_norm.default)
+    with torch.no_grad():
+        for want, got in zip(model(x), prepared(x), strict=True):
+            assert (want - got).abs().max() <= FOLD_TOLERANCE * want.abs().max()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "1e-5 \u00d7 max|output|" in readme

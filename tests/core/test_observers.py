@@ -79,3 +79,43 @@ def test_non_finite_calibration_values_are_refused(bad):
     x[3] = bad
     with pytest.raises(qt.QuantreeError, match="linear_1"):
         observer(x)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.value for k in KINDS])
+def test_all_zero_tensors_calibrate_but_never_move_real_statistics(kind):
+    """A zero initial state observed first, or between batches, leaves the range alone."""
+    observer = make_observer(qt.QuantSpec(qt.QDtype.INT8, observer=kind), "h")
+    observer(torch.zeros(4, 8))
+    assert observer.calibrated and float(observer.qparams().scale) <= 1e-6  # zeros only
+    x = torch.linspace(-2.0, 3.0, 64)
+    for _ in range(3):
+        observer(torch.zeros(4, 8))
+        observer(x)
+    fresh = make_observer(qt.QuantSpec(qt.QDtype.INT8, observer=kind), "h")
+    for _ in range(3):
+        fresh(x)
+    assert torch.equal(observer.min_val, fresh.min_val)
+    assert torch.equal(observer.max_val, fresh.max_val)
+    assert torch.equal(observer.qparams().scale, fresh.qparams().scale)
+
+
+def test_moving_average_starts_at_the_first_batch_and_means_a_short_calibration():
+    observer = make_observer(qt.QuantSpec(qt.QDtype.INT8, observer=KINDS[1]), "x")
+    observer(torch.tensor([-1.0, 1.0]))
+    assert float(observer.max_val) == 1.0  # the first observation initialises
+    observer(torch.tensor([-3.0, 3.0]))
+    assert float(observer.max_val) == pytest.approx(2.0)  # mean of two, not 1% towards 3
+
+
+def test_moving_average_counts_a_loop_batch_once():
+    """Inside per_call (a cell loop's steps) the steps' extremes are one observation."""
+    from quantree.core.observers import per_call
+
+    observer = make_observer(qt.QuantSpec(qt.QDtype.INT8, observer=KINDS[1]), "h")
+    holder = torch.nn.Sequential(observer)
+    for scale in (1.0, 3.0):
+        with per_call(holder):
+            for step in range(10):
+                holder(torch.tensor([-scale, scale * (step + 1) / 10]))
+    assert int(observer.num_averaged) == 2
+    assert float(observer.max_val) == pytest.approx(2.0)

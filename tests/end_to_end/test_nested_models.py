@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+import quantree as qt
+
 from support import (
     DEQUANTIZE,
     QUANTIZE,
@@ -211,15 +213,16 @@ def test_recurrent_whole_mode(layer):
         assert [u.target for u in leaf.users] == [qd.quantize_per_tensor.default]
 
 
-def test_initial_and_returned_state_share_one_scale():
+@pytest.mark.parametrize("share", [False, True])
+def test_returned_state_has_its_own_scale_unless_shared(share):
     model = nn.GRU(8, 8).eval()
-    data = [(torch.randn(5, 2, 8), torch.randn(1, 2, 8)) for _ in range(5)]
-    _, ref = run(model, data)
+    data = [(torch.randn(5, 2, 8), torch.randn(1, 2, 8) * 3) for _ in range(5)]
+    _, ref = run(model, data, qt.Int8Quantizer(share_recurrent_state=share))
     (gru,) = calls(ref, torch.ops.aten.gru.input)
     h0_dq = gru.args[1]
     (h_n,) = [u for u in gru.users if u.args[1] == 1]
     (q_out,) = h_n.users
-    assert qparams_of(h0_dq) == qparams_of(q_out)
+    assert (qparams_of(h0_dq) == qparams_of(q_out)) is share
     assert h0_dq.target in DEQUANTIZE
 
 

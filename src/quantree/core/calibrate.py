@@ -23,6 +23,7 @@ from torch.utils._pytree import TreeSpec
 from tqdm.auto import tqdm
 
 from quantree.core.errors import QuantreeError
+from quantree.core.observers import NonFiniteValues
 
 GUARDS_MODULE = "_guards_fn"  # the submodule torch.export's ``module()`` calls to check shapes
 _GUARD_PREFIXES = ("Guard failed: ", "Expected input at ")  # export's two guard styles
@@ -204,11 +205,28 @@ def _flatten(spec: TreeSpec, call: Call, placeholders: int, index: int) -> list[
     return flat
 
 
+def _check_finite(index: int, leaves: dict[str, Any]) -> None:
+    for name, value in leaves.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            bad = ~torch.isfinite(value)
+            if bool(bad.any()):
+                where = tuple(int(i) for i in bad.nonzero()[0])
+                raise BadBatch(
+                    index,
+                    f"holds NaN or infinity in {name} {_describe(value)} "
+                    f"({int(bad.sum())} value(s), the first at {where})",
+                    "remove the batch or clean it (e.g. torch.nan_to_num) before calibrating: "
+                    "ranges are calibrated on finite data only",
+                )
+
+
 def check_batch(module: torch.nn.Module, call: Call, index: int) -> None:
     """Raise :class:`BadBatch` if a graph from torch.export cannot take ``call``.
 
     Modules not captured by torch.export are not checked: they check their own inputs.
     """
+    args, kwargs = call
+    _check_finite(index, {f"argument {i}": v for i, v in enumerate(args)} | kwargs)
     captured = _captured(module)
     if captured is None:
         return
@@ -223,25 +241,105 @@ def check_batch(module: torch.nn.Module, call: Call, index: int) -> None:
     _run_guards(gm, {node.name: v for node, v in zip(placeholders, flat, strict=True)}, index)
 
 
+def _non_finite_constants(module: torch.nn.Module) -> list[str]:
+    """Names of the float parameters and buffers of ``module`` holding NaN or infinity."""
+    return [
+        name
+        for name, t in (*module.named_parameters(), *module.named_buffers())
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+
+
+def _size_differences(module: torch.nn.Module, call: Call) -> list[str]:
+    """Where the batch's tensors differ in size from the captured example's, as text."""
+    captured = _captured(module)
+    if captured is None:
+        return []
+    gm, spec = captured
+    try:
+        flat = list(fx_pytree.tree_flatten_spec(call, spec))
+    except Exception:
+        return []
+    found = []
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), flat, strict=False):
+        example = node.meta.get("val")
+        if not isinstance(example, torch.Tensor) or not isinstance(value, torch.Tensor):
+            continue
+        for dim, (want, got) in enumerate(zip(example.shape, value.shape, strict=False)):
+            if isinstance(want, int) and want != got:
+                found.append(f"{node.target} dimension {dim} is {got}, captured as {want}")
+    return found
+
+
 def _run(prepared: torch.nn.Module, call: Call, index: int) -> None:
-    """One batch; a failing guard becomes a BadBatch, anything else keeps its type."""
+    """One batch; errors name the batch, and say what to fix where we can tell."""
     args, kwargs = call
     try:
         prepared(*args, **kwargs)
+    except NonFiniteValues as error:
+        bad = _non_finite_constants(prepared)
+        cause = (
+            f"the model's parameters or buffers {', '.join(bad[:5])} hold NaN or infinity"
+            if bad
+            else "an op overflowed or divided by zero"
+        )
+        raise QuantreeError(
+            f"calibration batch {index} is finite, but the model computed NaN or infinity at "
+            f"{error.label}: {cause}. Fix the model (finite weights, a numerically stable "
+            "op) before quantizing it"
+        ) from error
+    except BadBatch:
+        raise
+    except QuantreeError as error:
+        if error.args and isinstance(error.args[0], str):
+            error.args = (f"calibration batch {index}: {error.args[0]}", *error.args[1:])
+        raise
     except Exception as error:
         guard = guard_failure(error)
         if guard is not None:
             named = {f"argument {i}": v for i, v in enumerate(args)} | kwargs
             raise _shape_error(index, guard, named) from error
+        differences = _size_differences(prepared, call)
+        if differences:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise BadBatch(
+                index,
+                f"fails inside the program ({type(error).__name__}: {first}) and differs from "
+                f"the captured example: {'; '.join(differences)}",
+                "give tensors of the captured sizes (only dimensions declared dynamic at "
+                "capture, and a cells-mode sequence length, may change)",
+            ) from error
         error.add_note(f"raised by calibration batch {index}")
         raise
+
+
+def check_calibration_data(data: Any) -> None:
+    """Refuse calibration data that cannot be iterated, or a collection with no batches."""
+    if data is None or isinstance(data, torch.Tensor | str | bytes | Mapping):
+        what = "None" if data is None else type(data).__name__
+        raise QuantreeError(
+            f"calibration data must be an iterable of argument tuples (a list, a DataLoader), "
+            f"got {what}; e.g. [(x1,), (x2,)]"
+        )
+    if not isinstance(data, Iterable):
+        raise QuantreeError(
+            f"calibration data must be an iterable of argument tuples (a list, a DataLoader), "
+            f"got {type(data).__name__}"
+        )
+    if hasattr(data, "__len__") and len(data) == 0:  # type: ignore[arg-type]
+        raise QuantreeError(
+            "calibration data has 0 batches: give at least one argument tuple of "
+            "representative inputs, e.g. [(x1,), (x2,)]"
+        )
 
 
 def calibrate(prepared: torch.nn.Module, data: Iterable[Any], *, progress: bool = True) -> int:
     """Feed every batch of ``data`` to ``prepared``; returns the number of batches.
 
-    Raises :class:`BadBatch` (a QuantreeError) for a batch the captured program cannot take.
+    Raises :class:`BadBatch` (a QuantreeError) for a batch the captured program cannot take,
+    and QuantreeError for data that is not an iterable of batches or gave none.
     """
+    check_calibration_data(data)
     count = 0
     total = len(data) if hasattr(data, "__len__") else None  # type: ignore[arg-type]
     with torch.no_grad():
@@ -250,4 +348,9 @@ def calibrate(prepared: torch.nn.Module, data: Iterable[Any], *, progress: bool 
             check_batch(prepared, call, count)
             _run(prepared, call, count)
             count += 1
+    if not count:
+        raise QuantreeError(
+            "calibration data gave 0 batches (an exhausted iterator or an empty loader?): "
+            "give at least one argument tuple of representative inputs"
+        )
     return count

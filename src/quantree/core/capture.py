@@ -47,8 +47,13 @@ def capture(
             f"example_kwargs must be a dict of keyword arguments, got "
             f"{type(example_kwargs).__name__}; write {{'y': y}}"
         )
+    if not isinstance(model, torch.nn.Module):
+        raise QuantreeError(
+            f"capture takes a torch.nn.Module, got {type(model).__name__}; for a saved program "
+            "pass torch.export.load(path).module()"
+        )
     was_training = model.training
-    model.eval()
+    _set_training(model, False)
     try:
         with warnings.catch_warnings():
             # nn.RNNBase keeps a list of its weights that export reports as reassigned.
@@ -64,7 +69,7 @@ def capture(
             "model torch.export accepts; see the torch.export documentation for the fix"
         ) from error
     finally:
-        model.train(was_training)
+        _set_training(model, was_training)
     return program.module()
 
 
@@ -107,3 +112,16 @@ def _export(
         raise
     except Exception:  # the model's code does not allow it: capture the example's shapes
         return torch.export.export(model, args, kwargs)
+
+
+def _set_training(model: torch.nn.Module, mode: bool) -> None:
+    """``model.train(mode)``; a module from ``ExportedProgram.module()`` refuses both modes.
+
+    Such a module was captured by torch.export already (in the mode it was exported in,
+    which its graph fixes), so it is captured again as it is.
+    """
+    try:
+        model.train(mode)
+    except NotImplementedError:
+        if not isinstance(model, fx.GraphModule):
+            raise

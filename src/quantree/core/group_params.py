@@ -125,14 +125,30 @@ def vanishing_groups(
     """Groups observed on run-time tensors whose scale is at the floor.
 
     Constants (weights) are left out: their range is exact, and an all-zero row of a pruned
-    weight is quantized exactly.
+    weight is quantized exactly; so are groups that only hold tensors the graph creates as
+    zeros (a recurrent layer's default initial state): 0 is exact on every grid.
     """
-    observed = {n.meta[OBSERVER_KEY] for n in graph.nodes if OBSERVER_KEY in n.meta}
+    carriers: dict[int, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if OBSERVER_KEY in n.meta:
+            carriers.setdefault(n.meta[OBSERVER_KEY], []).append(n.args[0])
     return [
         groups[gid].label
-        for gid in sorted(observed)
-        if gid in params and at_scale_floor(params[gid])
+        for gid in sorted(carriers)
+        if gid in params
+        and at_scale_floor(params[gid])
+        and not all(_creates_zeros(c) for c in carriers[gid])
     ]
+
+
+_ZERO_FACTORIES = {"zeros", "zeros_like", "new_zeros"}
+
+
+def _creates_zeros(node: object) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) in _ZERO_FACTORIES
 
 
 def with_dependents(gids: set[int], groups: dict[int, Group]) -> set[int]:

@@ -191,6 +191,12 @@ def lower(ref: fx.GraphModule, backend: Backend = REFERENCE) -> fx.GraphModule:
         raise QuantreeError(
             f"lower expects the GraphModule quantree.convert returns, got a {type(ref).__name__}"
         )
+    if not isinstance(backend, Backend):
+        raise QuantreeError(
+            f"lower's backend must be a Backend (quantree.REFERENCE, quantree.backends.CPU), got "
+            f"{type(backend).__name__}; quantree.lower and quantree.quantize "
+            "also take the names 'reference' and 'cpu'"
+        )
     require_stage(
         ref, CONVERTED, "lower", "the output of quantree.convert", "calibrate and convert it first"
     )

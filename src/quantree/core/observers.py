@@ -3,11 +3,19 @@
 Observers never see tuples: prepare places them on tensor leaves. Each belongs to one
 sharing group and carries that group's label so a bad batch names the nodes involved.
 Statistics are buffers, so ``state_dict``/``load_state_dict`` save and restore them.
+
+An all-zero tensor carries no range information (every grid holds 0 exactly): it calibrates
+an observer that has seen nothing else, but never moves statistics gathered from real
+values, and the first tensor that is not all zero initialises them. So a default (zero)
+initial state sharing an observer with the state a recurrent layer returns, or the zero
+state at the first step of a cell loop, does not drag the range towards 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +24,21 @@ from torch import nn
 from quantree.core.errors import QuantreeError
 from quantree.core.qparams import qparams_from_range
 from quantree.core.specs import ObserverKind, QParams, QuantSpec
+
+
+class NonFiniteValues(QuantreeError):
+    """An observer saw NaN or infinity; ``label`` names its sharing group.
+
+    The caller knows where the tensor came from (a parameter at prepare, a calibration
+    batch) and raises a message that says which and what to do.
+    """
+
+    def __init__(self, label: str) -> None:
+        super().__init__(
+            f"NaN or infinite values reached the observer of {label}: a calibration input, a "
+            "parameter or buffer of the model, or an op that overflowed produced them"
+        )
+        self.label = label
 
 
 class Observer(nn.Module):
@@ -60,13 +83,26 @@ class Observer(nn.Module):
                     else bool(torch.isfinite(lo + hi).all())
                 )
                 if not finite:
-                    raise QuantreeError(
-                        f"calibration data produced NaN or infinite values at {self.label}; "
-                        "remove non-finite inputs from the calibration set"
-                    )
-                self.observe(x32, lo, hi)
+                    raise NonFiniteValues(self.label)
+                if not self.calibrated:
+                    self.min_val, self.max_val = lo, hi  # all zeros too: a [0, 0] range
+                    if not self.only_zeros:
+                        self.observe(x32, lo, hi)
+                elif not _all_zero(lo, hi):
+                    self.observe(x32, lo, hi)
                 self.num_batches.add_(1)
         return x
+
+    @property
+    def only_zeros(self) -> bool:
+        """Calibrated, but every tensor seen so far was all zeros."""
+        return self.calibrated and _all_zero(self.min_val, self.max_val)
+
+    def begin_call(self) -> None:
+        """A loop is about to call this observer once per step of one calibration batch."""
+
+    def end_call(self) -> None:
+        """The loop's batch is over (see ``per_call``)."""
 
     def _reduce(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         axis = self.spec.axis
@@ -75,11 +111,14 @@ class Observer(nn.Module):
         return torch.aminmax(x.transpose(0, axis).reshape(x.shape[axis], -1), dim=1)
 
     def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        if not self.calibrated:
-            self.min_val, self.max_val = lo, hi
-        else:
-            torch.minimum(self.min_val, lo, out=self.min_val)
-            torch.maximum(self.max_val, hi, out=self.max_val)
+        """Fold one tensor's extremes ``lo``/``hi`` into the statistics.
+
+        Called with the statistics already holding something (the first tensor's extremes,
+        or a [0, 0] range while ``only_zeros``); never called with an all-zero tensor once
+        the observer is calibrated.
+        """
+        torch.minimum(self.min_val, lo, out=self.min_val)
+        torch.maximum(self.max_val, hi, out=self.max_val)
 
     def qparams(self) -> QParams:
         if not self.calibrated:
@@ -106,19 +145,61 @@ class MinMaxObserver(Observer):
 
 
 class MovingAverageMinMaxObserver(Observer):
-    """Extremes smoothed over batches, less sensitive to one outlier batch."""
+    """Extremes averaged over batches, less sensitive to one outlier batch.
+
+    The first tensor that is not all zeros initialises the average; the ``n``-th moves it
+    by ``max(averaging_constant, 1 / n)``: a plain mean of the per-batch extremes over the
+    first ``1 / averaging_constant`` batches (so a short calibration is not dominated by
+    where it started), an exponential average after. Inside a cell loop
+    (``begin_call``/``end_call``) the extremes of every step of one batch count as one
+    observation, so the weight is per batch, not per time step.
+    """
+
+    num_averaged: torch.Tensor
 
     def __init__(self, spec: QuantSpec, label: str, averaging_constant: float = 0.01) -> None:
         super().__init__(spec, label)
         self.averaging_constant = averaging_constant
+        self.register_buffer("num_averaged", torch.zeros((), dtype=torch.int64))
+        self._window: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._depth = 0
 
     def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        if not self.calibrated:
-            self.min_val, self.max_val = lo, hi
-        else:
-            c = self.averaging_constant
-            self.min_val.add_(c * (lo - self.min_val))
-            self.max_val.add_(c * (hi - self.max_val))
+        if self._depth:
+            window = self._window
+            self._window = (
+                (lo, hi)
+                if window is None
+                else (torch.minimum(window[0], lo), torch.maximum(window[1], hi))
+            )
+            return
+        self._average(lo, hi)
+
+    def _average(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        if self.only_zeros or not int(self.num_averaged):
+            self.min_val, self.max_val = lo.clone(), hi.clone()
+            self.num_averaged.fill_(1)
+            return
+        self.num_averaged.add_(1)
+        c = max(self.averaging_constant, 1.0 / int(self.num_averaged))
+        self.min_val.add_(c * (lo - self.min_val))
+        self.max_val.add_(c * (hi - self.max_val))
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # statistics saved before num_averaged existed: every batch counted
+        if prefix + "num_batches" in state_dict:
+            state_dict.setdefault(prefix + "num_averaged", state_dict[prefix + "num_batches"])
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def begin_call(self) -> None:
+        self._depth += 1
+
+    def end_call(self) -> None:
+        self._depth -= 1
+        if not self._depth and self._window is not None:
+            lo, hi = self._window
+            self._window = None
+            self._average(lo, hi)
 
 
 class HistogramObserver(Observer):
@@ -139,7 +220,7 @@ class HistogramObserver(Observer):
         self.register_buffer("histogram", torch.zeros(bins))
 
     def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        if not self.calibrated:
+        if self.only_zeros or not bool(self.histogram.any()):
             self.min_val, self.max_val = lo, hi
             self.histogram = torch.histc(x, self.bins, float(lo), float(hi))
             return
@@ -189,6 +270,23 @@ _OBSERVERS: dict[ObserverKind, type[Observer]] = {
     ObserverKind.MOVING_AVERAGE: MovingAverageMinMaxObserver,
     ObserverKind.HISTOGRAM: HistogramObserver,
 }
+
+
+def _all_zero(lo: torch.Tensor, hi: torch.Tensor) -> bool:
+    return not bool(lo.any()) and not bool(hi.any())
+
+
+@contextlib.contextmanager
+def per_call(module: nn.Module) -> Iterator[None]:
+    """Observers in ``module`` see one calibration batch while this runs (a loop's steps)."""
+    observers = [m for m in module.modules() if isinstance(m, Observer)]
+    for observer in observers:
+        observer.begin_call()
+    try:
+        yield
+    finally:
+        for observer in observers:
+            observer.end_call()
 
 
 def make_observer(spec: QuantSpec, label: str) -> Observer:

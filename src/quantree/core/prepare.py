@@ -1,7 +1,10 @@
 """prepare: annotate a captured graph and insert one observer per sharing group.
 
 Observers are called on tensor leaves only and return nothing anyone reads, so the prepared
-model computes exactly what the float model computes.
+model computes exactly what the float model computes, except where prepare rewrites the
+arithmetic first: batch norm folded into conv/linear weights is within
+``fold.FOLD_TOLERANCE`` of float (relative to each output's largest magnitude), a cells-mode
+decomposition within 1e-6.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from quantree.core.fold import written_to
 from quantree.core.graphs import fetch_attr, nested_graphs
 from quantree.core.groups import form_groups
 from quantree.core.normalize import normalize
-from quantree.core.observers import make_observer
+from quantree.core.observers import NonFiniteValues, make_observer
 from quantree.core.pt2e import bind_quantizer
 from quantree.core.quantizer import Annotation, Quantizer, idle_scopes
 from quantree.core.sharing import Group
@@ -50,6 +53,7 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
         )
     _check_captured(gm)
     _check_eval_mode(gm)
+    _check_no_nan_constants(gm)
     gm = normalize(gm)
     gm, quantizer = bind_quantizer(gm, quantizer)
     seen = list(gm.graph.nodes)  # what the rules see, nodes later decomposed included
@@ -114,6 +118,44 @@ def _check_no_written_constant(
         )
 
 
+def _observe_constant(observer: torch.nn.Module, gm: fx.GraphModule, carrier: fx.Node) -> None:
+    """Observe a parameter or buffer now; one holding NaN or infinity is the model's fault."""
+    try:
+        observer(fetch_attr(gm, str(carrier.target)))
+    except NonFiniteValues:
+        readers = ", ".join(f"{u.name} ({u.target})" for u in carrier.users)
+        raise QuantreeError(
+            f"the model's parameter or buffer {carrier.target} (read by {readers}) holds NaN or "
+            "infinity, so it cannot be quantized: the model itself is broken, not the "
+            "calibration data. Load finite weights (check torch.isfinite(t).all() for each "
+            "tensor of model.state_dict()) and capture the model again"
+        ) from None
+
+
+def _check_no_nan_constants(gm: fx.GraphModule) -> None:
+    """Refuse a model whose parameters hold NaN or infinity, or buffers NaN, before calibrating.
+
+    (Infinity in a buffer can be meant, as in an attention mask; it is refused where it is
+    quantized.)
+    """
+    bad = [
+        name
+        for name, t in gm.named_parameters()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ] + [
+        name
+        for name, t in gm.named_buffers()
+        if t.is_floating_point() and bool(torch.isnan(t).any())
+    ]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise QuantreeError(
+            f"the model's parameter(s) or buffer(s) {shown} hold NaN or infinity: the model "
+            "itself is broken, not the calibration data. Load finite weights (check "
+            "torch.isfinite(t).all() for each tensor of model.state_dict()) and capture it again"
+        )
+
+
 def observe(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) -> None:
     """Record ``annotations`` on ``gm`` in place and insert one observer per sharing group."""
     groups, group_of = form_groups(annotations)
@@ -146,7 +188,7 @@ def observe(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) -> None:
         groups[gid] = Group(gid, group.spec, group.members, observer=name)
         for carrier in sorted(nodes):
             if carrier.op == "get_attr":  # a constant: observe it once, now
-                observer(fetch_attr(gm, str(carrier.target)))
+                _observe_constant(observer, gm, carrier)
                 continue
             anchor = placeholders[-1] if carrier.op == "placeholder" else carrier
             with gm.graph.inserting_after(anchor):

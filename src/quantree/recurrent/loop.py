@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from quantree.core.observers import Observer, per_call
 from quantree.recurrent.call import RecurrentCall
 
 
@@ -39,6 +40,15 @@ class CellLoop(nn.Module):
         xs: torch.Tensor,
         state: tuple[torch.Tensor, ...],
         batch_sizes: list[int] | None = None,
+    ):
+        if any(isinstance(m, Observer) for m in self.body.modules()):
+            # calibrating: the steps of one batch are one observation
+            with per_call(self.body):
+                return self._run(xs, state, batch_sizes)
+        return self._run(xs, state, batch_sizes)
+
+    def _run(
+        self, xs: torch.Tensor, state: tuple[torch.Tensor, ...], batch_sizes: list[int] | None
     ):
         if batch_sizes is not None:
             return self._packed(xs, state, batch_sizes)

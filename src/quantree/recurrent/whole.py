@@ -21,14 +21,21 @@ from quantree.core.values import Path, Use, Value
 from quantree.recurrent.call import RecurrentCall
 
 
-def recurrent_whole_annotation(node: fx.Node, act: QuantSpec, weight: QuantSpec) -> Annotation:
+def recurrent_whole_annotation(
+    node: fx.Node, act: QuantSpec, weight: QuantSpec, share_state: bool = False
+) -> Annotation:
     """Quantize a recurrent layer at its boundary.
 
     Input, initial states, weights (per channel) and every output leaf are quantized; biases
     are int32 with scale input x weight. A layer above the first reads the previous layer's
     output, which whole mode does not expose, so its input-side bias derives from the
-    layer's output Value, which holds the same kind of tensor. Each returned state shares
-    one scale with its initial state.
+    layer's output Value, which holds the same kind of tensor.
+
+    Each returned state has its own grid, observed on what the layer returns (an initial
+    state drawn wider than the state's own range would otherwise coarsen it), and the
+    initial state is requantized at the boundary. ``share_state`` puts each returned state
+    on its initial state's grid instead, for stateful streaming, where the returned state is
+    the next call's initial state and one grid avoids a requantization per call.
     """
     call = RecurrentCall.parse(node)
     inputs: dict[Path, Spec] = {(0,): act}
@@ -49,7 +56,9 @@ def recurrent_whole_annotation(node: fx.Node, act: QuantSpec, weight: QuantSpec)
             )
         if p.b_hh is not None:
             inputs[p.b_hh] = bias_spec(hidden_use, Use.of(node, p.w_hh))
-    states = tuple(SharedSpec(Use.of(node, path)) for path in call.state_paths)
+    states = tuple(
+        SharedSpec(Use.of(node, path)) if share_state else act for path in call.state_paths
+    )
     return Annotation(outputs=(act, *states), inputs=inputs, name=call.kind)
 
 

@@ -319,6 +319,90 @@ def _check_sample_inputs(path: Path, member: str, data: bytes) -> None:
         raise BadFile(f"{path}: member {member} holds a {type(loaded).__name__}, not inputs")
 
 
+EXPORT_HOWTO = (
+    "export it: torch.export.save(torch.export.export(model.eval(), example_args), 'model.pt2')"
+)
+
+
+def _pickle_globals(data: bytes) -> tuple[str, list[str]]:
+    """The first container opcode of a pickle and the globals it names, without running it.
+
+    ``pickletools.genops`` only parses opcodes: nothing is imported or called.
+    """
+    import pickletools
+
+    first, names, strings = "", [], []
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if not first and opcode.name in ("EMPTY_LIST", "EMPTY_TUPLE", "EMPTY_DICT", "MARK"):
+                first = opcode.name
+            if opcode.name == "GLOBAL" and isinstance(arg, str):
+                names.append(arg.replace(" ", "."))
+                first = first or "GLOBAL"
+            elif opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+                strings.append(str(arg))
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+                first = first or "GLOBAL"
+    except Exception:  # a damaged pickle: say what we could tell
+        pass
+    return first, names
+
+
+def is_export_archive(path: str | Path) -> bool:
+    """Whether ``path`` is a zip archive holding a ``models/*.json`` (torch.export's layout)."""
+    try:
+        records = torch._C.PyTorchFileReader(str(path)).get_all_records()
+    except Exception:
+        return False
+    return any(_MODEL.fullmatch(r) for r in records)
+
+
+def identify(path: str | Path) -> str | None:
+    """What a file that is not a torch.export program is, and how to get the right one.
+
+    None when it looks like an export archive (or cannot be read at all). Reads the zip's
+    member names and parses (never runs) a ``torch.save`` pickle's opcodes.
+    """
+    try:
+        reader = torch._C.PyTorchFileReader(str(path))
+        records = set(reader.get_all_records())
+    except Exception:
+        return None
+    if any(_MODEL.fullmatch(r) for r in records):
+        return None
+    if "constants.pkl" in records or any(r.startswith("code/") for r in records):
+        return (
+            "a TorchScript file (torch.jit.save), not a torch.export program; build the "
+            f"model in Python (TorchScript cannot be exported) and {EXPORT_HOWTO}"
+        )
+    if "data.pkl" not in records:
+        return None
+    first, names = _pickle_globals(reader.get_record("data.pkl"))
+    tensor_only = all(
+        n.startswith(("torch._utils.", "torch.", "collections.OrderedDict", "builtins."))
+        and not n.startswith("torch.nn.")
+        for n in names
+    )
+    if names and not tensor_only:
+        return (
+            f"a pickled object (torch.save of a {names[0]}), not a torch.export program, and "
+            f"{NEVER_UNPICKLED}; build the model in Python and {EXPORT_HOWTO}"
+        )
+    if first in ("EMPTY_LIST", "EMPTY_TUPLE", "MARK"):
+        return (
+            "a torch.save'd list of tensors (calibration data?), not a torch.export program; "
+            "the model comes first: quantree quantize MODEL.pt2 --calibration DATA.pt -o OUT.pt2"
+        )
+    if first == "EMPTY_DICT" or names[:1] == ["collections.OrderedDict"]:
+        return (
+            "a torch.save'd dict of tensors (a state_dict?), not a torch.export program; build "
+            "the model, model.load_state_dict(torch.load(path, weights_only=True)), then "
+            + EXPORT_HOWTO
+        )
+    return f"a torch.save file, not a torch.export program; {EXPORT_HOWTO}"
+
+
 def check_archive(path: str | Path) -> None:
     """Raise :class:`BadFile` unless ``torch.export.load`` of ``path`` could never run code.
 
@@ -334,6 +418,10 @@ def check_archive(path: str | Path) -> None:
             f"{p}: not a readable torch.export program (truncated, or saved some other way): "
             f"{first_line(error)}"
         ) from None
+    if not any(_MODEL.fullmatch(r) for r in records):
+        what = identify(p)
+        if what is not None:
+            raise BadFile(f"{p}: {what}")
     models = set()
     for member in sorted(records):
         if member in _FIXED_MEMBERS or _EXTRA.fullmatch(member):

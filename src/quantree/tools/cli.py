@@ -154,9 +154,14 @@ def quantize_command(args: argparse.Namespace) -> int:
     from quantree.core.prepare import prepare
 
     inputs = (args.model, args.calibration)
-    check_output(args.output, inputs)
+    check_output(args.output, inputs, create_dirs=False)
     if args.report:
-        check_output(args.report, (*inputs, args.output))
+        if Path(args.report).resolve() == Path(args.output).resolve():
+            raise UsageError(
+                f"{args.report}: --report and -o name the same file; give the report its own "
+                f"path, e.g. --report {Path(args.output).with_suffix('.html')}"
+            )
+        check_output(args.report, inputs)  # a report may go to a new directory, as the demo's
     program = load_program(args.model)
     data = load_calibration(args.calibration)
     quantizer = _quantizer(args.recurrent)

@@ -35,6 +35,7 @@ from quantree.tools.archive import (
     BadFile,
     check_archive,
     first_line,
+    is_export_archive,
     no_protocol_warning,
     weights_only_everywhere,
 )
@@ -83,6 +84,11 @@ def load_program(path: str | Path) -> torch.export.ExportedProgram:
 def load_calibration(path: str | Path) -> list[tuple[Any, ...]]:
     """A non-empty list of argument tuples saved with ``torch.save`` (a lone tensor = 1-tuple)."""
     p = _existing(path, "expected calibration data saved with torch.save")
+    if is_export_archive(p):
+        raise BadFile(
+            f"{p}: is a torch.export program, not calibration data; the model comes first: "
+            "quantree quantize MODEL.pt2 --calibration DATA.pt -o OUT.pt2"
+        )
     try:
         with no_protocol_warning():
             data = torch.load(str(p), weights_only=True, map_location="cpu")
@@ -114,9 +120,20 @@ def load_calibration(path: str | Path) -> list[tuple[Any, ...]]:
     return batches
 
 
-def check_output(path: str | Path, protect: tuple[str | Path, ...] = ()) -> Path:
-    """``path`` as a Path if it may be written: not a directory, not one of the inputs."""
+def check_output(
+    path: str | Path, protect: tuple[str | Path, ...] = (), *, create_dirs: bool = True
+) -> Path:
+    """``path`` as a Path if it may be written: not a directory, not one of the inputs.
+
+    With ``create_dirs`` False its directory must exist (the CLI's outputs: a typo in a
+    directory name should not silently create a tree).
+    """
     target = Path(path)
+    if not create_dirs and not target.parent.is_dir():
+        raise BadFile(
+            f"{target}: the directory {target.parent} does not exist; create it first "
+            f"(mkdir -p {target.parent}) or write somewhere that exists"
+        )
     for other in protect:
         if target.exists() and Path(other).exists() and os.path.samefile(target, other):
             raise BadFile(f"{target}: refusing to overwrite the input file {other}")

@@ -57,6 +57,7 @@ def _hidden_ranges(
     call: RecurrentCall,
     output: tuple[float, int],
     initial: tuple[float, int],
+    returned: tuple[float, int] | None = None,
 ) -> list[tuple[float, float]]:
     """Ranges the grid of the layers before the last must cover: all their hidden states.
 
@@ -67,7 +68,7 @@ def _hidden_ranges(
     projected LSTM (|o * tanh(c)| < 1). A stacked ReLU RNN has no such bound and is not
     lowered.
     """
-    ranges = _observed_ranges(call, output, initial)
+    ranges = _observed_ranges(call, output, initial, returned)
     if call.num_layers == 1:
         return ranges
     projected = any(p.w_hr is not None for p in call.layers)
@@ -81,10 +82,16 @@ def _hidden_ranges(
 
 
 def _observed_ranges(
-    call: RecurrentCall, output: tuple[float, int], initial: tuple[float, int]
+    call: RecurrentCall,
+    output: tuple[float, int],
+    initial: tuple[float, int],
+    returned: tuple[float, int] | None = None,
 ) -> list[tuple[float, float]]:
-    """The last layer's hidden states: its observed output and the initial state."""
+    """The last layer's hidden states: its observed output, the initial state and, when it
+    has a grid of its own, the returned state (every layer's final state)."""
     ranges = [_range(*output), _range(*initial)]
+    if returned is not None:
+        ranges.append(_range(*returned))
     projected = any(p.w_hr is not None for p in call.layers)
     if call.kind in BOUNDED and not projected:  # a wide initial state must not widen the grid
         ranges = [(max(lo, -1.0), min(hi, 1.0)) for lo, hi in ranges]
@@ -177,8 +184,10 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     if params is None:
         return False
     initial = (h0.scale, h0.zero_point)
-    inner = inner_params(_hidden_ranges(ctx, node, call, (y_s, y_z), initial))
-    last = inner_params(_observed_ranges(call, (y_s, y_z), initial))
+    h_n = outputs.get(1)
+    returned = None if h_n is None else (float(h_n.params.scale), int(h_n.params.zero_point))
+    inner = inner_params(_hidden_ranges(ctx, node, call, (y_s, y_z), initial, returned))
+    last = inner_params(_observed_ranges(call, (y_s, y_z), initial, returned))
     first = call.layers[0]
     w_hh = weight(ctx, arg_at(node, first.w_hh))
     assert w_hh is not None
