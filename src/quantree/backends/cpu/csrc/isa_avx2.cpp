@@ -101,41 +101,229 @@ void micro(const int16_t* A, const int16_t* A2, int64_t lda, const int8_t* B, in
     }
 }
 
+// ---- the sign trick: `vpmaddubsw` without saturation ----------------------------------
+//
+// `vpmaddubsw` multiplies u8 x s8 and adds pairs into int16 with saturation; with the
+// activation x + 128 in [0, 255] a pair reaches 2 * 255 * 128 > 32767. Instead the signed
+// activation x in [-128, 127] is split into |x| (u8, at most 128) and its sign, moved onto
+// the weight: x * w = |x| * (sign(x) w), one `vpsignb`. With w in [-127, 127] (every
+// symmetric weight spec) a pair is at most 2 * 128 * 127 = 32512: never saturates, so the
+// int16 pair sums are exact, and `vpmaddwd` by ones adds them into int32 lanes, one per
+// output column (a packed block is two registers of 8 columns x 4 k). The result is
+// sum (x + 128) w - 128 sum w: the kernel adds 128 * sum w back, computed from the packed
+// block once per tile. A tile whose weights hold a -128 (sign(x) * -128 does not fit int8)
+// is recomputed by the int16 kernel above, which is exact for every input.
+
+// acc += madd(maddubs(ax, sign(b, sx)), ones): 64 products of one row and 8 columns.
+inline void sdot(__m256i& acc, __m256i ax, __m256i sx, __m256i b, __m256i ones) {
+    __m256i t;
+    asm("vpsignb %3, %4, %1\n\t"
+        "vpmaddubsw %1, %2, %1\n\t"
+        "vpmaddwd %5, %1, %1\n\t"
+        "vpaddd %1, %0, %0"
+        : "+x"(acc), "=&x"(t)
+        : "x"(ax), "x"(sx), "x"(b), "x"(ones));
+}
+
+inline __m256i bcast4u(const uint8_t* p) {
+    int32_t four;
+    std::memcpy(&four, p, 4);
+    return _mm256_set1_epi32(four);
+}
+
+// Rows of uint8 activations (x + 128) -> |x| and x (int8), each plane of stride Kp.
+void split_sign(const uint8_t* A, int64_t M, int64_t Kp, int64_t lda, uint8_t* ax, int8_t* sx) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int64_t r = 0; r < M; ++r) {
+        int64_t k = 0;
+        for (; k + 32 <= Kp; k += 32) {
+            const __m256i x = _mm256_xor_si256(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A + r * lda + k)), flip);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(sx + r * Kp + k), x);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ax + r * Kp + k), _mm256_abs_epi8(x));
+        }
+        for (; k < Kp; ++k) {
+            const int8_t x = static_cast<int8_t>(A[r * lda + k] ^ 0x80);
+            sx[r * Kp + k] = x;
+            ax[r * Kp + k] = static_cast<uint8_t>(x < 0 ? -x : x);
+        }
+    }
+}
+
+// 128 * sum_k w for the 16 columns of one packed block (two registers of 8), and whether
+// the block holds a -128.
+inline bool block_sums(const int8_t* b, int64_t kq, __m256i sum[2]) {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, lo = s0;
+    for (int64_t k = 0; k < kq; ++k) {
+        const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k));
+        const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k + 32));
+        lo = _mm256_min_epi8(lo, _mm256_min_epi8(b0, b1));
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, b0), ones));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, b1), ones));
+    }
+    sum[0] = _mm256_slli_epi32(s0, 7);
+    sum[1] = _mm256_slli_epi32(s1, 7);
+    const __m256i bad = _mm256_cmpeq_epi8(lo, _mm256_set1_epi8(-128));
+    return !_mm256_testz_si256(bad, bad);
+}
+
+// MR rows x NR blocks of 16 columns, the sign trick. DUAL: rows of the low-byte plane too
+// (its bytes are unsigned without offset: split as (lo - 128) + 128, the same way). Up to 8
+// accumulators, in named variables: held in an array, GCC 12 keeps them on the stack.
+// Tiles: 4x1, 2x1, 1x1, 1x2 (GEMV), DUAL 2x1 and 1x1.
+template <int MR, int NR, bool DUAL>
+void micro_sign(const uint8_t* ax, const int8_t* sx, const uint8_t* ax2, const int8_t* sx2,
+                int64_t lda, const int8_t* B, int64_t kq, int64_t row0, int64_t nb0, int64_t N,
+                const __m256i (*sums)[2], const Epilogue& ep) {
+    static_assert(MR * NR * (DUAL ? 2 : 1) <= 4 && (NR == 1 || MR == 1), "tile too large");
+    // slot of (row i, block j): i * NR + j; DUAL: the low plane of row i is slot 2 + i
+    __m256i c0 = sums[0][0], c1 = sums[0][1];
+    __m256i c2 = NR == 2 ? sums[1][0] : sums[0][0], c3 = NR == 2 ? sums[1][1] : sums[0][1];
+    __m256i c4 = sums[0][0], c5 = sums[0][1], c6 = sums[0][0], c7 = sums[0][1];
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* b = B + nb0 * kq * 64;
+    const uint8_t* pa = ax + row0 * lda;
+    const uint8_t* ps = reinterpret_cast<const uint8_t*>(sx + row0 * lda);
+    const uint8_t* pa2 = DUAL ? ax2 + row0 * lda : nullptr;
+    const uint8_t* ps2 = DUAL ? reinterpret_cast<const uint8_t*>(sx2 + row0 * lda) : nullptr;
+    for (int64_t k = 0; k < kq; ++k) {
+        const int8_t* bk = b + k * 64;
+        const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bk));
+        const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bk + 32));
+        {
+            const __m256i a = bcast4u(pa + 4 * k), s = bcast4u(ps + 4 * k);
+            sdot(c0, a, s, b0, ones);
+            sdot(c1, a, s, b1, ones);
+            if constexpr (NR == 2) {
+                const int8_t* bj = bk + kq * 64;
+                const __m256i b2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bj));
+                const __m256i b3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bj + 32));
+                sdot(c2, a, s, b2, ones);
+                sdot(c3, a, s, b3, ones);
+            }
+        }
+        if constexpr (DUAL) {
+            const __m256i a = bcast4u(pa2 + 4 * k), s = bcast4u(ps2 + 4 * k);
+            sdot(c4, a, s, b0, ones);
+            sdot(c5, a, s, b1, ones);
+        }
+        if constexpr (MR >= 2) {
+            const __m256i a = bcast4u(pa + lda + 4 * k), s = bcast4u(ps + lda + 4 * k);
+            sdot(c2, a, s, b0, ones);
+            sdot(c3, a, s, b1, ones);
+            if constexpr (DUAL) {
+                const __m256i a2 = bcast4u(pa2 + lda + 4 * k), s2 = bcast4u(ps2 + lda + 4 * k);
+                sdot(c6, a2, s2, b0, ones);
+                sdot(c7, a2, s2, b1, ones);
+            }
+        }
+        if constexpr (MR == 4) {
+            const __m256i a = bcast4u(pa + 2 * lda + 4 * k), s = bcast4u(ps + 2 * lda + 4 * k);
+            sdot(c4, a, s, b0, ones);
+            sdot(c5, a, s, b1, ones);
+            const __m256i a3 = bcast4u(pa + 3 * lda + 4 * k), s3 = bcast4u(ps + 3 * lda + 4 * k);
+            sdot(c6, a3, s3, b0, ones);
+            sdot(c7, a3, s3, b1, ones);
+        }
+    }
+    const __m256i acc[8] = {c0, c1, c2, c3, c4, c5, c6, c7};
+    for (int i = 0; i < MR; ++i) {
+        for (int j = 0; j < NR; ++j) {
+            const int slot = i * NR + j;
+            for (int h = 0; h < 2; ++h) {
+                const int64_t n0 = (nb0 + j) * 16 + 8 * h;
+                if (n0 >= N) continue;
+                const int64_t cnt = N - n0 < 8 ? N - n0 : 8;
+                const __m256i* lo = DUAL ? &acc[2 * (2 + i) + h] : nullptr;
+                epilogue8(ep, row0 + i, n0, cnt, acc[2 * slot + h], lo);
+            }
+        }
+    }
+}
+
+// Rows r0 .. r1 - 1 against blocks nb .. nb + NR - 1 (all free of -128), the sign trick.
+template <int NR, bool DUAL>
+void rows_sign(const uint8_t* ax, const int8_t* sx, const uint8_t* ax2, const int8_t* sx2,
+               int64_t lda, const int8_t* B, int64_t kq, int64_t r0, int64_t r1, int64_t nb,
+               int64_t N, const __m256i (*sums)[2], const Epilogue& ep) {
+    constexpr int MR = DUAL ? 2 : (NR == 1 ? 4 : 1);
+    int64_t r = r0;
+    for (; r + MR <= r1; r += MR)
+        micro_sign<MR, NR, DUAL>(ax, sx, ax2, sx2, lda, B, kq, r, nb, N, sums, ep);
+    if constexpr (MR == 4) {
+        if (r + 2 <= r1) {  // then at most one row
+            micro_sign<2, NR, DUAL>(ax, sx, ax2, sx2, lda, B, kq, r, nb, N, sums, ep);
+            r += 2;
+        }
+    }
+    for (; r < r1; ++r) micro_sign<1, NR, DUAL>(ax, sx, ax2, sx2, lda, B, kq, r, nb, N, sums, ep);
+}
+
+// The int16 kernel over rows r0 .. r1 - 1 and block nb (a block holding a -128).
+void rows_int16(const int16_t* A, const int16_t* A2, int64_t lda, const int8_t* B, int64_t kq,
+                int64_t r0, int64_t r1, int64_t nb, int64_t N, const Epilogue& ep) {
+    for (int64_t r = r0; r < r1; ++r) {
+        if (A2)
+            micro<1, 1, true>(A, A2, lda, B, kq, r, nb, N, ep);
+        else
+            micro<1, 1, false>(A, A2, lda, B, kq, r, nb, N, ep);
+    }
+}
+
 }  // namespace
 
 void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t lda_u8,
                const int8_t* B, const Epilogue& ep, const uint8_t* A_lo_u8) {
-    const int64_t nblocks = (N + 15) / 16, kq = Kp / 4, lda = Kp;
+    const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
+    const bool dual = A_lo_u8 != nullptr;
     const size_t plane = static_cast<size_t>(M * Kp);
-    int16_t* A = static_cast<int16_t*>(std::malloc(plane * (A_lo_u8 ? 4 : 2)));
-    if (!A) std::abort();  // as operator new would, without its exception
-    widen_rows(A_u8, M, Kp, lda_u8, A);
-    const int16_t* A_lo = nullptr;
-    if (A_lo_u8) {
-        widen_rows(A_lo_u8, M, Kp, lda_u8, A + plane);
-        A_lo = A + plane;
-        // the int16 operand of a wide recurrent step or a stacked layer's input
-        for (int64_t r = 0; r < M; ++r)
-            for (int64_t nb = 0; nb < nblocks; ++nb)
-                micro<1, 1, true>(A, A_lo, lda, B, kq, r, nb, N, ep);
-    } else if (M < 2) {  // GEMV: two blocks (8 accumulator chains) per pass over a row
-        for (int64_t r = 0; r < M; ++r) {
-            int64_t nb = 0;
-            for (; nb + 2 <= nblocks; nb += 2) micro<1, 2, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
-            if (nb < nblocks) micro<1, 1, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
+    // |x| and x of each plane, then (only when a block needs it) the int16 rows
+    uint8_t* buf = static_cast<uint8_t*>(std::malloc(plane * (dual ? 4 : 2)));
+    if (!buf) std::abort();  // as operator new would, without its exception
+    uint8_t* ax = buf;
+    int8_t* sx = reinterpret_cast<int8_t*>(buf + plane);
+    uint8_t* ax2 = dual ? buf + 2 * plane : nullptr;
+    int8_t* sx2 = dual ? reinterpret_cast<int8_t*>(buf + 3 * plane) : nullptr;
+    split_sign(A_u8, M, Kp, lda_u8, ax, sx);
+    if (dual) split_sign(A_lo_u8, M, Kp, lda_u8, ax2, sx2);
+    int16_t* wide = nullptr;  // the int16 rows, made on first need
+    auto int16_rows = [&]() {
+        if (!wide) {
+            wide = static_cast<int16_t*>(std::malloc(plane * (dual ? 4 : 2)));
+            if (!wide) std::abort();
+            widen_rows(A_u8, M, Kp, lda_u8, wide);
+            if (dual) widen_rows(A_lo_u8, M, Kp, lda_u8, wide + plane);
         }
-    } else {
-        const int64_t panel = 96;  // rows sharing one block of B while it is in L1
+        return wide;
+    };
+    // Blocks are taken in pairs for a GEMV (more accumulators per pass over the row),
+    // singly with 4 rows per tile otherwise; a panel of rows shares a block while in L1.
+    const int64_t NR = (M < 2 && !dual) ? 2 : 1;
+    const int64_t panel = 128;
+    __m256i sums[2][2];
+    for (int64_t nb = 0; nb < nblocks; nb += NR) {
+        const int64_t nr = nb + NR <= nblocks ? NR : 1;
+        bool bad = false;
+        for (int64_t j = 0; j < nr; ++j) bad |= block_sums(B + (nb + j) * kq * 64, kq, sums[j]);
+        if (bad) {
+            const int16_t* w = int16_rows();
+            for (int64_t j = 0; j < nr; ++j)
+                rows_int16(w, dual ? w + plane : nullptr, Kp, B, kq, 0, M, nb + j, N, ep);
+            continue;
+        }
         for (int64_t r0 = 0; r0 < M; r0 += panel) {
             const int64_t r1 = r0 + panel < M ? r0 + panel : M;
-            for (int64_t nb = 0; nb < nblocks; ++nb) {
-                int64_t r = r0;
-                for (; r + 2 <= r1; r += 2) micro<2, 1, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
-                for (; r < r1; ++r) micro<1, 1, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
-            }
+            if (dual)
+                rows_sign<1, true>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sums, ep);
+            else if (nr == 2)
+                rows_sign<2, false>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sums, ep);
+            else
+                rows_sign<1, false>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sums, ep);
         }
     }
-    std::free(A);
+    std::free(wide);
+    std::free(buf);
 }
 
 using x86_256::load8;
