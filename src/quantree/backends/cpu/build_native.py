@@ -56,14 +56,16 @@ def sources_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def compile_library(
+def compile_objects(
     compiler: str,
-    out: Path,
+    outdir: Path,
     march: str,
     isa_sources: dict[str, tuple[str, ...]] | None = None,
     extra: tuple[str, ...] = (),
-) -> Path:
-    """Compile every source (each ISA file with its own flags, two at a time) and link.
+    more: tuple[Path, ...] = (),
+) -> list[str]:
+    """Compile every source (each ISA file with its own flags, two at a time) into
+    ``outdir``; ``more`` are further sources compiled like the portable ones (tests).
 
     ``march`` is the ``-march`` of the portable sources (empty: the compiler's default).
     Raises ``BuildError`` on the first failing command.
@@ -71,22 +73,42 @@ def compile_library(
     isa = ISA_SOURCES if isa_sources is None else isa_sources
     digest = f'-DQT_SOURCE_DIGEST="{sources_digest()}"'
     base = (f"-march={march}",) if march else ()
-    jobs: list[tuple[str, tuple[str, ...]]] = [(s, base) for s in SOURCES]
-    jobs += list(isa.items())
+    jobs: list[tuple[Path, tuple[str, ...]]] = [(CSRC / s, base) for s in SOURCES]
+    jobs += [(CSRC / s, flags) for s, flags in isa.items()]
+    jobs += [(path, base) for path in more]
     objects: list[str] = []
     running: list[tuple[list[str], subprocess.Popen[str]]] = []
     for source, flags in jobs:
-        obj = out.parent / (Path(source).stem + ".o")
-        cmd = [compiler, *FLAGS, *extra, digest, *flags, "-c", str(CSRC / source), "-o", str(obj)]
+        obj = outdir / (source.stem + ".o")
+        cmd = [compiler, *FLAGS, *extra, digest, *flags, "-c", str(source), "-o", str(obj)]
         running.append((cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
         objects.append(str(obj))
         if len(running) >= max(2, os.cpu_count() or 1):
             wait_all(running)
     wait_all(running)
+    return objects
+
+
+def compile_library(
+    compiler: str,
+    out: Path,
+    march: str,
+    isa_sources: dict[str, tuple[str, ...]] | None = None,
+    extra: tuple[str, ...] = (),
+) -> Path:
+    """Compile every source and link them into the shared library ``out``."""
+    objects = compile_objects(compiler, out.parent, march, isa_sources, extra)
     link = [compiler, "-shared", *extra, *objects, "-o", str(out)]
     wait_all([(link, subprocess.Popen(link, stderr=subprocess.PIPE, text=True))])
     for obj in objects:
         Path(obj).unlink(missing_ok=True)
+    return out
+
+
+def link_program(compiler: str, objects: list[str], out: Path, extra: tuple[str, ...] = ()) -> Path:
+    """Link objects into an executable (the C-level kernel check)."""
+    cmd = [compiler, *extra, *objects, "-o", str(out)]
+    wait_all([(cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))])
     return out
 
 
