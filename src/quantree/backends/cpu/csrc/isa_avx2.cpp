@@ -9,6 +9,7 @@
 // activations repeated, giving two partial sums per column, folded once at the end.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -242,6 +243,111 @@ void micro_sign(const uint8_t* ax, const int8_t* sx, const uint8_t* ax2, const i
     }
 }
 
+// ---- int16 tiles of 3 rows, the combined 16-bit operand ---------------------------------
+//
+// One `vpmaddwd` multiplies 16 int16 pairs: per 32 products it costs 2 multiplies against
+// the sign trick's 3 (`vpsignb`, `vpmaddubsw`, `vpmaddwd`), with the widening of B (a shuffle)
+// shared by the rows of a tile. For a 16-bit operand split in two planes (hi, lo) the planes
+// are joined back into h = 256 (hi - 128) + lo, one pass instead of two: the exact int32 sum
+// S = sum h w is then handed to the epilogue as (S >> 8, S & 255), whose float result
+// round(S) is what the two planes give whenever both of their sums are exact floats
+// (Kp <= 512, see gemm_avx2); |S| < 2^31 needs w > -128 (blocks with -128 go elsewhere).
+
+// Rows of the two planes -> h = 256 * (hi - 128) + lo (int16), stride Kp.
+void join_rows(const uint8_t* hi, const uint8_t* lo, int64_t M, int64_t Kp, int64_t lda,
+               int16_t* out) {
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t k = 0; k < Kp; ++k)
+            out[r * Kp + k] = static_cast<int16_t>(
+                (static_cast<int32_t>(hi[r * lda + k]) - 128) * 256 + lo[r * lda + k]);
+}
+
+inline void madd2(__m256i& acc, __m256i a, __m256i b) {
+    __m256i t;
+    asm("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(a), "x"(b));
+}
+
+// The epilogue of 8 columns from an int32 sum: plain, or (w128, 128 sum_k w of these
+// columns, given) the joined operand: 256 (S >> 8 + 128 sum w) + (S & 255) is
+// 256 sum hi w + sum lo w, the two planes' total, split so that both parts are exact floats.
+inline void finish16(const Epilogue& ep, int64_t row, int64_t n0, int64_t N, __m256i sum,
+                     const __m256i* w128) {
+    if (n0 >= N) return;
+    const int64_t cnt = N - n0 < 8 ? N - n0 : 8;
+    if (!w128) {
+        epilogue8(ep, row, n0, cnt, sum, nullptr);
+        return;
+    }
+    const __m256i lo = _mm256_and_si256(sum, _mm256_set1_epi32(255));
+    epilogue8(ep, row, n0, cnt, _mm256_add_epi32(_mm256_srai_epi32(sum, 8), *w128), &lo);
+}
+
+// MR (1..3) rows x one block of 16 columns, int16 activations (stride lda).
+template <int MR>
+void micro16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t row0,
+             int64_t nb, int64_t N, const Epilogue& ep, const __m256i* w128) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;  // row 0, columns by 4
+    __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;                      // row 1
+    __m256i c0 = a0, c1 = a0, c2 = a0, c3 = a0;                      // row 2
+    const int8_t* b = B + nb * kq * 64;
+    const int16_t* r0 = A + row0 * lda;
+    for (int64_t k = 0; k < kq; ++k) {
+        const int8_t* bk = b + k * 64;
+#define QT_W16(q) \
+    _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bk + 16 * (q))))
+#define QT_ROWS(q, x, y, z)                                          \
+    {                                                                \
+        const __m256i w = QT_W16(q);                                 \
+        madd2(x, bcast4(r0 + 4 * k), w);                             \
+        if constexpr (MR >= 2) madd2(y, bcast4(r0 + lda + 4 * k), w); \
+        if constexpr (MR >= 3) madd2(z, bcast4(r0 + 2 * lda + 4 * k), w); \
+    }
+        QT_ROWS(0, a0, b0, c0)
+        QT_ROWS(1, a1, b1, c1)
+        QT_ROWS(2, a2, b2, c2)
+        QT_ROWS(3, a3, b3, c3)
+#undef QT_ROWS
+#undef QT_W16
+    }
+    const int64_t n0 = nb * 16;
+    const __m256i* u = w128 ? w128 + 1 : nullptr;
+    finish16(ep, row0, n0, N, fold(a0, a1), w128);
+    finish16(ep, row0, n0 + 8, N, fold(a2, a3), u);
+    if constexpr (MR >= 2) {
+        finish16(ep, row0 + 1, n0, N, fold(b0, b1), w128);
+        finish16(ep, row0 + 1, n0 + 8, N, fold(b2, b3), u);
+    }
+    if constexpr (MR >= 3) {
+        finish16(ep, row0 + 2, n0, N, fold(c0, c1), w128);
+        finish16(ep, row0 + 2, n0 + 8, N, fold(c2, c3), u);
+    }
+}
+
+void rows16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t r0, int64_t r1,
+            int64_t nb, int64_t N, const Epilogue& ep, const __m256i* w128) {
+    int64_t r = r0;
+    for (; r + 3 <= r1; r += 3) micro16<3>(A, lda, B, kq, r, nb, N, ep, w128);
+    if (r + 2 <= r1) micro16<2>(A, lda, B, kq, r, nb, N, ep, w128);
+    else if (r < r1) micro16<1>(A, lda, B, kq, r, nb, N, ep, w128);
+}
+
+// Largest sum_k |w| over the columns of a block (bounds the joined operand's sums).
+inline int32_t block_abs(const int8_t* b, int64_t kq) {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+    for (int64_t k = 0; k < kq; ++k) {
+        const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k));
+        const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k + 32));
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(b0), ones8), ones));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(b1), ones8), ones));
+    }
+    alignas(32) int32_t v[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v), _mm256_max_epi32(s0, s1));
+    int32_t m = 0;
+    for (int32_t x : v) m = x > m ? x : m;
+    return m;
+}
+
 // Rows r0 .. r1 - 1 against blocks nb .. nb + NR - 1 (all free of -128), the sign trick.
 template <int NR, bool DUAL>
 void rows_sign(const uint8_t* ax, const int8_t* sx, const uint8_t* ax2, const int8_t* sx2,
@@ -278,29 +384,60 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
     const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
     const bool dual = A_lo_u8 != nullptr;
     const size_t plane = static_cast<size_t>(M * Kp);
-    // |x| and x of each plane, then (only when a block needs it) the int16 rows
-    uint8_t* buf = static_cast<uint8_t*>(std::malloc(plane * (dual ? 4 : 2)));
-    if (!buf) std::abort();  // as operator new would, without its exception
-    uint8_t* ax = buf;
-    int8_t* sx = reinterpret_cast<int8_t*>(buf + plane);
-    uint8_t* ax2 = dual ? buf + 2 * plane : nullptr;
-    int8_t* sx2 = dual ? reinterpret_cast<int8_t*>(buf + 3 * plane) : nullptr;
-    split_sign(A_u8, M, Kp, lda_u8, ax, sx);
-    if (dual) split_sign(A_lo_u8, M, Kp, lda_u8, ax2, sx2);
-    int16_t* wide = nullptr;  // the int16 rows, made on first need
+    static const int mode = getenv("QT_AVX2_MODE") ? atoi(getenv("QT_AVX2_MODE")) : 0;
+    // The path of each block: int16 tiles (joined planes, or plain rows when many rows
+    // share each widened weight) or the sign trick (|x|, x planes); int16 single rows for
+    // a block holding -128. Every buffer is made on first need.
+    // joined: |256 sum |w| + off + row_off| stays below 2^24 - 2^17, so both splits of the
+    // total (the planes' and the joined one, at most 128 Kp + 1 apart) are exact floats
+    bool joined = dual && Kp <= 512 && mode != 2;
+    int64_t slack = 0;
+    if (joined) {
+        int64_t big = 0;
+        for (int64_t n = 0; n < N; ++n) big = std::max<int64_t>(big, std::llabs(ep.off[n]));
+        if (ep.row_off) {
+            int64_t rbig = 0;
+            for (int64_t r = 0; r < M; ++r) rbig = std::max<int64_t>(rbig, std::llabs(ep.row_off[r]));
+            big += rbig;
+        }
+        slack = (int64_t{1} << 24) - (int64_t{1} << 17) - big;
+        joined = slack > 0;
+    }
+    const bool plain16 = !dual && mode == 1;  // measured: slower than the sign trick
+    uint8_t* signs = nullptr;
+    int16_t *wide = nullptr, *joint = nullptr;
+    auto sign_planes = [&]() {
+        if (!signs) {
+            signs = static_cast<uint8_t*>(std::malloc(plane * (dual ? 4 : 2) + 32));
+            if (!signs) std::abort();  // as operator new would, without its exception
+            split_sign(A_u8, M, Kp, lda_u8, signs, reinterpret_cast<int8_t*>(signs + plane));
+            if (dual)
+                split_sign(A_lo_u8, M, Kp, lda_u8, signs + 2 * plane,
+                           reinterpret_cast<int8_t*>(signs + 3 * plane));
+        }
+        return signs;
+    };
     auto int16_rows = [&]() {
         if (!wide) {
-            wide = static_cast<int16_t*>(std::malloc(plane * (dual ? 4 : 2)));
+            wide = static_cast<int16_t*>(std::malloc(plane * (dual ? 4 : 2) + 32));
             if (!wide) std::abort();
             widen_rows(A_u8, M, Kp, lda_u8, wide);
             if (dual) widen_rows(A_lo_u8, M, Kp, lda_u8, wide + plane);
         }
         return wide;
     };
-    // Blocks are taken in pairs for a GEMV (more accumulators per pass over the row),
-    // singly with 4 rows per tile otherwise; a panel of rows shares a block while in L1.
-    const int64_t NR = (M < 2 && !dual) ? 2 : 1;
-    const int64_t panel = 128;
+    auto joint_rows = [&]() {
+        if (!joint) {
+            joint = static_cast<int16_t*>(std::malloc(plane * 2 + 32));
+            if (!joint) std::abort();
+            join_rows(A_u8, A_lo_u8, M, Kp, lda_u8, joint);
+        }
+        return joint;
+    };
+    // Blocks are taken in pairs for a sign-trick GEMV (more accumulators per pass over the
+    // row); a panel of rows shares a block while it is in L1.
+    const int64_t NR = (M < 2 && !dual && !plain16) ? 2 : 1;
+    const int64_t panel = 120;
     __m256i sums[2][2];
     for (int64_t nb = 0; nb < nblocks; nb += NR) {
         const int64_t nr = nb + NR <= nblocks ? NR : 1;
@@ -312,6 +449,18 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
                 rows_int16(w, dual ? w + plane : nullptr, Kp, B, kq, 0, M, nb + j, N, ep);
             continue;
         }
+        const bool join = joined && 256 * int64_t{block_abs(B + nb * kq * 64, kq)} < slack;
+        if (join || plain16) {
+            const int16_t* a = join ? joint_rows() : int16_rows();
+            for (int64_t r0 = 0; r0 < M; r0 += panel)
+                rows16(a, Kp, B, kq, r0, r0 + panel < M ? r0 + panel : M, nb, N, ep,
+                       join ? sums[0] : nullptr);
+            continue;
+        }
+        const uint8_t* ax = sign_planes();
+        const int8_t* sx = reinterpret_cast<const int8_t*>(ax + plane);
+        const uint8_t* ax2 = dual ? ax + 2 * plane : nullptr;
+        const int8_t* sx2 = dual ? reinterpret_cast<const int8_t*>(ax + 3 * plane) : nullptr;
         for (int64_t r0 = 0; r0 < M; r0 += panel) {
             const int64_t r1 = r0 + panel < M ? r0 + panel : M;
             if (dual)
@@ -322,8 +471,9 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
                 rows_sign<1, false>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sums, ep);
         }
     }
+    std::free(joint);
     std::free(wide);
-    std::free(buf);
+    std::free(signs);
 }
 
 using x86_256::load8;

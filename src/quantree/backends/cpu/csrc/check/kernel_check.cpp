@@ -124,6 +124,7 @@ int main(int argc, char** argv) {
         const int64_t M = std::atoll(argv[3]), N = std::atoll(argv[4]), K = std::atoll(argv[5]);
         Case c = make(true, M, N, K);
         c.kind = 0;
+        c.dual = std::getenv("QT_BENCH_DUAL") != nullptr;
         for (int isa = 0; isa < 4; ++isa) {
             if (qt_select_isa(isa) != isa) continue;
             double best = 1e30;
