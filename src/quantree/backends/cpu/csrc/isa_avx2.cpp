@@ -434,43 +434,55 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
         }
         return joint;
     };
-    // Blocks are taken in pairs for a sign-trick GEMV (more accumulators per pass over the
-    // row); a panel of rows shares a block while it is in L1.
-    const int64_t NR = (M < 2 && !dual && !plain16) ? 2 : 1;
-    const int64_t panel = 120;
-    __m256i sums[2][2];
-    for (int64_t nb = 0; nb < nblocks; nb += NR) {
-        const int64_t nr = nb + NR <= nblocks ? NR : 1;
-        bool bad = false;
-        for (int64_t j = 0; j < nr; ++j) bad |= block_sums(B + (nb + j) * kq * 64, kq, sums[j]);
-        if (bad) {
-            const int16_t* w = int16_rows();
-            for (int64_t j = 0; j < nr; ++j)
-                rows_int16(w, dual ? w + plane : nullptr, Kp, B, kq, 0, M, nb + j, N, ep);
-            continue;
-        }
-        const bool join = joined && 256 * int64_t{block_abs(B + nb * kq * 64, kq)} < slack;
-        if (join || plain16) {
-            const int16_t* a = join ? joint_rows() : int16_rows();
-            for (int64_t r0 = 0; r0 < M; r0 += panel)
-                rows16(a, Kp, B, kq, r0, r0 + panel < M ? r0 + panel : M, nb, N, ep,
-                       join ? sums[0] : nullptr);
-            continue;
-        }
-        const uint8_t* ax = sign_planes();
-        const int8_t* sx = reinterpret_cast<const int8_t*>(ax + plane);
-        const uint8_t* ax2 = dual ? ax + 2 * plane : nullptr;
-        const int8_t* sx2 = dual ? reinterpret_cast<const int8_t*>(ax + 3 * plane) : nullptr;
-        for (int64_t r0 = 0; r0 < M; r0 += panel) {
-            const int64_t r1 = r0 + panel < M ? r0 + panel : M;
-            if (dual)
-                rows_sign<1, true>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sums, ep);
-            else if (nr == 2)
-                rows_sign<2, false>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sums, ep);
-            else
-                rows_sign<1, false>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sums, ep);
+    // Per block: 128 sum w, whether it holds -128, whether the joined operand may be used.
+    __m256i* sums = static_cast<__m256i*>(std::aligned_alloc(32, 64 * (nblocks + 1)));
+    uint8_t* kind = static_cast<uint8_t*>(std::malloc(nblocks + 1));  // 0 sign, 1 -128, 2 join
+    if (!sums || !kind) std::abort();
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+        const int8_t* b = B + nb * kq * 64;
+        kind[nb] = block_sums(b, kq, sums + 2 * nb) ? 1 : 0;
+        if (!kind[nb] && joined && 256 * int64_t{block_abs(b, kq)} < slack) kind[nb] = 2;
+    }
+    // Panels of rows whose operands stay in L1 (16 KB) while every block passes over them;
+    // a multiple of the tiles' 3 and 4 rows. A sign-trick GEMV takes blocks in pairs.
+    const int64_t panel = std::max<int64_t>(12, 16384 / (2 * Kp) / 12 * 12);
+    for (int64_t r0 = 0; r0 < M; r0 += panel) {
+        const int64_t r1 = r0 + panel < M ? r0 + panel : M;
+        for (int64_t nb = 0; nb < nblocks;) {
+            const __m256i(*sj)[2] = reinterpret_cast<const __m256i(*)[2]>(sums + 2 * nb);
+            if (kind[nb] == 1) {
+                const int16_t* w = int16_rows();
+                if (dual)
+                    rows_int16(w, w + plane, Kp, B, kq, r0, r1, nb, N, ep);
+                else
+                    rows16(w, Kp, B, kq, r0, r1, nb, N, ep, nullptr);
+                ++nb;
+                continue;
+            }
+            if (kind[nb] == 2 || plain16) {
+                const int16_t* a = kind[nb] == 2 ? joint_rows() : int16_rows();
+                rows16(a, Kp, B, kq, r0, r1, nb, N, ep, kind[nb] == 2 ? sums + 2 * nb : nullptr);
+                ++nb;
+                continue;
+            }
+            const uint8_t* ax = sign_planes();
+            const int8_t* sx = reinterpret_cast<const int8_t*>(ax + plane);
+            const uint8_t* ax2 = dual ? ax + 2 * plane : nullptr;
+            const int8_t* sx2 = dual ? reinterpret_cast<const int8_t*>(ax + 3 * plane) : nullptr;
+            if (dual) {
+                rows_sign<1, true>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sj, ep);
+                ++nb;
+            } else if (M < 2 && nb + 1 < nblocks && kind[nb + 1] == 0) {
+                rows_sign<2, false>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sj, ep);
+                nb += 2;
+            } else {
+                rows_sign<1, false>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sj, ep);
+                ++nb;
+            }
         }
     }
+    std::free(kind);
+    std::free(sums);
     std::free(joint);
     std::free(wide);
     std::free(signs);
