@@ -282,25 +282,30 @@ inline void finish16(const Epilogue& ep, int64_t row, int64_t n0, int64_t N, __m
     epilogue8(ep, row, n0, cnt, _mm256_add_epi32(_mm256_srai_epi32(sum, 8), *w128), &lo);
 }
 
-// MR (1..3) rows x one block of 16 columns, int16 activations (stride lda).
-template <int MR>
+// MR (1..3) rows x one block of 16 columns, int16 activations (stride lda). With SUMS
+// (the joined operand of at most 2 rows, no pass over B beforehand), 128 sum_k w is
+// accumulated here from the widened weights instead of read from w128.
+template <int MR, bool SUMS = false>
 void micro16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t row0,
              int64_t nb, int64_t N, const Epilogue& ep, const __m256i* w128) {
+    static_assert(!SUMS || MR <= 2, "too many accumulators");
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;  // row 0, columns by 4
     __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;                      // row 1
-    __m256i c0 = a0, c1 = a0, c2 = a0, c3 = a0;                      // row 2
+    __m256i c0 = a0, c1 = a0, c2 = a0, c3 = a0;                      // row 2, or the sums
+    const __m256i ones = _mm256_set1_epi16(1);
     const int8_t* b = B + nb * kq * 64;
     const int16_t* r0 = A + row0 * lda;
     for (int64_t k = 0; k < kq; ++k) {
         const int8_t* bk = b + k * 64;
 #define QT_W16(q) \
     _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bk + 16 * (q))))
-#define QT_ROWS(q, x, y, z)                                          \
-    {                                                                \
-        const __m256i w = QT_W16(q);                                 \
-        madd2(x, bcast4(r0 + 4 * k), w);                             \
-        if constexpr (MR >= 2) madd2(y, bcast4(r0 + lda + 4 * k), w); \
-        if constexpr (MR >= 3) madd2(z, bcast4(r0 + 2 * lda + 4 * k), w); \
+#define QT_ROWS(q, x, y, z)                                                  \
+    {                                                                        \
+        const __m256i w = QT_W16(q);                                         \
+        madd2(x, bcast4(r0 + 4 * k), w);                                     \
+        if constexpr (MR >= 2) madd2(y, bcast4(r0 + lda + 4 * k), w);        \
+        if constexpr (MR >= 3) madd2(z, bcast4(r0 + 2 * lda + 4 * k), w);    \
+        if constexpr (SUMS) madd2(z, ones, w);                               \
     }
         QT_ROWS(0, a0, b0, c0)
         QT_ROWS(1, a1, b1, c1)
@@ -308,6 +313,12 @@ void micro16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t
         QT_ROWS(3, a3, b3, c3)
 #undef QT_ROWS
 #undef QT_W16
+    }
+    __m256i own[2];
+    if constexpr (SUMS) {
+        own[0] = _mm256_slli_epi32(fold(c0, c1), 7);
+        own[1] = _mm256_slli_epi32(fold(c2, c3), 7);
+        w128 = own;
     }
     const int64_t n0 = nb * 16;
     const __m256i* u = w128 ? w128 + 1 : nullptr;
@@ -317,7 +328,7 @@ void micro16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t
         finish16(ep, row0 + 1, n0, N, fold(b0, b1), w128);
         finish16(ep, row0 + 1, n0 + 8, N, fold(b2, b3), u);
     }
-    if constexpr (MR >= 3) {
+    if constexpr (MR >= 3 && !SUMS) {
         finish16(ep, row0 + 2, n0, N, fold(c0, c1), w128);
         finish16(ep, row0 + 2, n0 + 8, N, fold(c2, c3), u);
     }
@@ -384,13 +395,12 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
     const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
     const bool dual = A_lo_u8 != nullptr;
     const size_t plane = static_cast<size_t>(M * Kp);
-    static const int mode = getenv("QT_AVX2_MODE") ? atoi(getenv("QT_AVX2_MODE")) : 0;
-    // The path of each block: int16 tiles (joined planes, or plain rows when many rows
-    // share each widened weight) or the sign trick (|x|, x planes); int16 single rows for
-    // a block holding -128. Every buffer is made on first need.
+    // The path of each block: the sign trick (|x|, x planes), int16 tiles of the joined
+    // planes, or int16 tiles of plain rows (a block holding -128; and any product of at most
+    // 2 rows, which then needs no pass over B first). Every buffer is made on first need.
     // joined: |256 sum |w| + off + row_off| stays below 2^24 - 2^17, so both splits of the
     // total (the planes' and the joined one, at most 128 Kp + 1 apart) are exact floats
-    bool joined = dual && Kp <= 512 && mode != 2;
+    bool joined = dual && Kp <= 512;
     int64_t slack = 0;
     if (joined) {
         int64_t big = 0;
@@ -403,7 +413,6 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
         slack = (int64_t{1} << 24) - (int64_t{1} << 17) - big;
         joined = slack > 0;
     }
-    const bool plain16 = !dual && mode == 1;  // measured: slower than the sign trick
     uint8_t* signs = nullptr;
     int16_t *wide = nullptr, *joint = nullptr;
     auto sign_planes = [&]() {
@@ -434,6 +443,26 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
         }
         return joint;
     };
+    // At most 2 rows: int16 tiles straight away, no pass over B first (it would cost as much
+    // as the product). Plain rows are exact for any weight; the joined operand is, with
+    // Kp <= 256, whatever the weights (256 * 128 * Kp stays within the slack).
+    if (M <= 2 && (!dual || (joined && 256 * 128 * Kp < slack))) {
+        if (!dual) {
+            const int16_t* a = int16_rows();
+            for (int64_t nb = 0; nb < nblocks; ++nb) rows16(a, Kp, B, kq, 0, M, nb, N, ep, nullptr);
+        } else {
+            const int16_t* a = joint_rows();
+            for (int64_t nb = 0; nb < nblocks; ++nb) {
+                if (M == 2)
+                    micro16<2, true>(a, Kp, B, kq, 0, nb, N, ep, nullptr);
+                else
+                    micro16<1, true>(a, Kp, B, kq, 0, nb, N, ep, nullptr);
+            }
+        }
+        std::free(joint);
+        std::free(wide);
+        return;
+    }
     // Per block: 128 sum w, whether it holds -128, whether the joined operand may be used.
     __m256i* sums = static_cast<__m256i*>(std::aligned_alloc(32, 64 * (nblocks + 1)));
     uint8_t* kind = static_cast<uint8_t*>(std::malloc(nblocks + 1));  // 0 sign, 1 -128, 2 join
@@ -459,9 +488,8 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
                 ++nb;
                 continue;
             }
-            if (kind[nb] == 2 || plain16) {
-                const int16_t* a = kind[nb] == 2 ? joint_rows() : int16_rows();
-                rows16(a, Kp, B, kq, r0, r1, nb, N, ep, kind[nb] == 2 ? sums + 2 * nb : nullptr);
+            if (kind[nb] == 2) {
+                rows16(joint_rows(), Kp, B, kq, r0, r1, nb, N, ep, sums + 2 * nb);
                 ++nb;
                 continue;
             }
