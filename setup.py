@@ -42,10 +42,13 @@ class BuildKernels(build_ext):
         try:
             if shutil.which(compiler) is None:
                 raise native.BuildError(f"no C++ compiler {compiler!r} on PATH")
+            stem = ext.name.rsplit(".", 1)[-1]
+            variants = {
+                PREFIX + suffix: march for march, suffix in native.PREBUILT_VARIANTS.items()
+            }
+            march = variants.get(stem, native.PORTABLE_MARCH)
             with tempfile.TemporaryDirectory() as tmp:
-                built = native.compile_library(
-                    compiler, Path(tmp) / out.name, native.PORTABLE_MARCH
-                )
+                built = native.compile_library(compiler, Path(tmp) / out.name, march)
                 shutil.copyfile(built, out)
         except (native.BuildError, OSError) as error:
             if os.environ.get("QUANTREE_REQUIRE_KERNELS") == "1":
@@ -56,7 +59,14 @@ class BuildKernels(build_ext):
             )
 
 
+PREFIX = "_kernels"
+# the baseline library, and variants whose code outside the ISA files targets a newer -march
+# (the loader takes the best one the CPU has)
+NAMES = [PREFIX] + [PREFIX + suffix for suffix in build_native_module().PREBUILT_VARIANTS.values()]
+
 setup(
-    ext_modules=[Extension("quantree.backends.cpu._kernels", sources=[], optional=True)],
+    ext_modules=[
+        Extension(f"quantree.backends.cpu.{name}", sources=[], optional=True) for name in NAMES
+    ],
     cmdclass={"build_ext": BuildKernels},
 )

@@ -56,9 +56,7 @@ def cached_library(cache: Path) -> Path:
 def test_no_compiler_fails_at_lowering(tmp_path):
     bare = tmp_path / "bin"
     bare.mkdir()
-    out = run_lowering(
-        tmp_path / "cache", PATH=str(bare), CXX="c++", QUANTREE_NATIVE_PREBUILT="0"
-    )
+    out = run_lowering(tmp_path / "cache", PATH=str(bare), CXX="c++", QUANTREE_NATIVE_PREBUILT="0")
     assert out.returncode == 3, out.stderr
     assert "QuantreeError" in out.stdout and "compiler" in out.stdout and "c++" in out.stdout
 

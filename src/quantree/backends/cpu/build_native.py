@@ -41,6 +41,12 @@ ISA_SOURCES = X86_ISA_SOURCES if X86 else (ARM64_ISA_SOURCES if ARM64 else {})
 FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fPIC", f"-I{CSRC}")
 PORTABLE_MARCH = "x86-64" if X86 else ("armv8-a" if ARM64 else "")
 """``-march`` of the portable code in a prebuilt (redistributable) library."""
+PREBUILT_VARIANTS: dict[str, str] = (
+    {"x86-64-v3": "_x86_64_v3", "x86-64-v4": "_x86_64_v4"} if X86 else {}
+)
+"""Further prebuilt libraries, by the ``-march`` of their code outside the ISA files (what the
+compiler vectorizes on its own: im2col, quantize, tables, ...): file stem suffix. The loader
+takes the best one the CPU (and ``QUANTREE_NATIVE_MARCH``) allows, else the baseline one."""
 
 
 class BuildError(RuntimeError):

@@ -181,24 +181,50 @@ def portable_warning(features: int, arm: bool | None = None) -> str:
 
 
 def prebuilt_path() -> Path | None:
-    """The library built with the package (``setup.py``), if there is one."""
+    """The baseline library built with the package (``setup.py``), if there is one."""
+    return prebuilt_file("")
+
+
+def prebuilt_file(variant: str) -> Path | None:
     here = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"{PREBUILT_STEM}{suffix}"
+        path = here / f"{PREBUILT_STEM}{variant}{suffix}"
         if path.is_file():
             return path
     return None
 
 
-def prebuilt_library() -> ctypes.CDLL | None:
-    """The prebuilt library when it may serve this process (see the module docstring)."""
-    path = prebuilt_path()
+@functools.cache
+def prebuilt_choice() -> tuple[Path, ctypes.CDLL] | None:
+    """The prebuilt library for this process (see the module docstring): the baseline one,
+    or the best variant (``build_native.PREBUILT_VARIANTS``) the CPU has and the march
+    allows."""
+    base = prebuilt_path()
     if (
-        path is None
+        base is None
         or os.environ.get("QUANTREE_NATIVE_PREBUILT", "1") == "0"
         or not (MARCH == "native" or MARCH in ISA_CAP)
     ):
         return None
+    lib = load_prebuilt(base)
+    if lib is None:
+        return None
+    lib.qt_cpu_features.restype = _int
+    features = lib.qt_cpu_features()
+    order = ["x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4"]  # the keys of ISA_CAP
+    ceiling = len(order) if MARCH == "native" else order.index(MARCH)
+    bits = {"x86-64-v3": 512, "x86-64-v4": 1024}  # qt_cpu_features
+    for march, suffix in reversed(build_native.PREBUILT_VARIANTS.items()):
+        if order.index(march) <= ceiling and features & bits[march]:
+            path = prebuilt_file(suffix)
+            better = load_prebuilt(path) if path is not None else None
+            if path is not None and better is not None:
+                return path, better
+    return base, lib
+
+
+def load_prebuilt(path: Path) -> ctypes.CDLL | None:
+    """A prebuilt library, if it loads and was built from the sources beside it."""
     try:
         lib = ctypes.CDLL(str(path))
         lib.qt_source_digest.restype = ctypes.c_char_p
@@ -208,13 +234,17 @@ def prebuilt_library() -> ctypes.CDLL | None:
     return lib if built_from == build_native.sources_digest() else None
 
 
+def prebuilt_library() -> ctypes.CDLL | None:
+    """The prebuilt library when one may serve this process."""
+    choice = prebuilt_choice()
+    return None if choice is None else choice[1]
+
+
 def library_path() -> Path:
     """Where the library this process uses lives (the prebuilt one, or the built one)."""
     library()
-    path = prebuilt_path()
-    if path is not None and prebuilt_library() is not None:
-        return path
-    return build(library_name())
+    choice = prebuilt_choice()
+    return choice[0] if choice is not None else build(library_name())
 
 
 def cpu_isa() -> str:

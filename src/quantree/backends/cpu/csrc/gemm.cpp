@@ -66,7 +66,8 @@ extern "C" {
 const char* qt_source_digest() { return QT_SOURCE_DIGEST; }
 
 // What the CPU reports, as bits: 1 AVX2, 2 FMA, 4 AVX-VNNI, 8 AVX-512 F, 16 AVX-512 BW,
-// 32 AVX-512 VL, 64 AVX-512 VNNI, 128 ASIMD (NEON), 256 the dot product (sdot/udot).
+// 32 AVX-512 VL, 64 AVX-512 VNNI, 128 ASIMD (NEON), 256 the dot product (sdot/udot),
+// 512 all of x86-64-v3, 1024 all of x86-64-v4 (the prebuilt library's variants).
 int qt_cpu_features() {
     int bits = 0;
 #if defined(__x86_64__)
@@ -78,6 +79,8 @@ int qt_cpu_features() {
     bits |= __builtin_cpu_supports("avx512bw") ? 16 : 0;
     bits |= __builtin_cpu_supports("avx512vl") ? 32 : 0;
     bits |= __builtin_cpu_supports("avx512vnni") ? 64 : 0;
+    bits |= __builtin_cpu_supports("x86-64-v3") ? 512 : 0;
+    bits |= __builtin_cpu_supports("x86-64-v4") ? 1024 : 0;
 #elif defined(__aarch64__)
     bits |= 128;
 #if defined(__linux__)
