@@ -19,7 +19,8 @@ and the fix; lowering for the CPU backend calls ``library()``, so it fails there
 first inference.
 
 A library built when the package was built or installed (``setup.py``; the extension module
-``quantree.backends.cpu._kernels`` beside this file) is used first, with no compiler: it is
+``quantree.backends.cpu._kernels`` beside this file, and its ``_x86_64_v3`` / ``_x86_64_v4``
+variants, of which the best the CPU has is taken) is used first, with no compiler: it is
 taken when it was built from the sources beside it (it reports their digest), the march is
 ``native`` or one of ``ISA_CAP`` (the path is chosen at load either way), and
 ``QUANTREE_NATIVE_PREBUILT`` is not ``0``. Otherwise the library is compiled here.
