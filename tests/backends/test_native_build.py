@@ -56,7 +56,7 @@ def cached_library(cache: Path) -> Path:
 def test_no_compiler_fails_at_lowering(tmp_path):
     bare = tmp_path / "bin"
     bare.mkdir()
-    out = run_lowering(tmp_path / "cache", PATH=str(bare), CXX="c++")
+    out = run_lowering(tmp_path / "cache", PATH=str(bare), CXX="c++", QUANTREE_NATIVE_PREBUILT="0")
     assert out.returncode == 3, out.stderr
     assert "QuantreeError" in out.stdout and "compiler" in out.stdout and "c++" in out.stdout
 
@@ -68,7 +68,7 @@ def test_truncated_cached_library_is_rebuilt(tmp_path):
     shutil.copyfile(native.build(native.library_name()), target)
     with target.open("r+b") as f:
         f.truncate(target.stat().st_size // 3)
-    out = run_lowering(tmp_path)
+    out = run_lowering(tmp_path, QUANTREE_NATIVE_PREBUILT="0")  # the runtime build's cache
     assert out.returncode == 0, out.stdout + out.stderr
     assert native.intact(target)
 

@@ -17,6 +17,13 @@ with SIGBUS inside ``dlopen``. A damaged or unwritable cache means a rebuild int
 temporary directory. Any failure to build or load raises ``QuantreeError`` naming the cause
 and the fix; lowering for the CPU backend calls ``library()``, so it fails there, not at the
 first inference.
+
+A library built when the package was built or installed (``setup.py``; the extension module
+``quantree.backends.cpu._kernels`` beside this file, and its ``_x86_64_v3`` / ``_x86_64_v4``
+variants, of which the best the CPU has is taken) is used first, with no compiler: it is
+taken when it was built from the sources beside it (it reports their digest), the march is
+``native`` or one of ``ISA_CAP`` (the path is chosen at load either way), and
+``QUANTREE_NATIVE_PREBUILT`` is not ``0``. Otherwise the library is compiled here.
 """
 
 from __future__ import annotations
@@ -24,40 +31,35 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.machinery
 import os
-import platform
 import shutil
-import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 from torch.utils import cpp_extension
 
+from quantree.backends.cpu import build_native
 from quantree.core.errors import QuantreeError
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp", "cells.cpp", "pool.cpp")
-HEADERS = ("qt_kernels.h", "qt_vmath.h", "qt_x86_256.h", "gemm_vnni256.h")
-X86 = platform.machine().lower() in ("x86_64", "amd64")
-ISA_SOURCES: dict[str, tuple[str, ...]] = (
-    {
-        "isa_avx512.cpp": ("-march=x86-64-v4", "-mavx512vnni"),
-        "isa_avxvnni.cpp": ("-march=x86-64-v3", "-mavxvnni"),
-        "isa_avx2.cpp": ("-march=x86-64-v3",),
-    }
-    if X86
-    else {}
-)
+CSRC = build_native.CSRC
+SOURCES = build_native.SOURCES
+HEADERS = build_native.HEADERS
+X86 = build_native.X86
+ISA_SOURCES = build_native.ISA_SOURCES
 """Per instruction set: its file and the flags it alone is compiled with."""
 CHANNELS_LAST = torch.channels_last
 MARCH = os.environ.get("QUANTREE_NATIVE_MARCH", "native")
 """``-march`` of the portable code, and a cap on the path: see ``ISA_CAP``."""
-FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fPIC", f"-I{CSRC}")
-ISA_NAMES = ("portable", "avx2", "avxvnni", "avx512vnni")
+FLAGS = build_native.FLAGS
+ISA_NAMES = ("portable", "avx2", "avxvnni", "avx512vnni", "neon", "neondot")
 """The kernel paths, by the number ``qt_select_isa`` takes and returns (``qt::Isa``)."""
 ISA_CAP = {"x86-64": 0, "x86-64-v2": 0, "x86-64-v3": 1, "x86-64-v4": 1}
 """``QUANTREE_NATIVE_MARCH`` values that cap the path (v4 has no VNNI); others do not."""
+PREBUILT_STEM = "_kernels"
+"""The extension module ``setup.py`` builds beside this file."""
 
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SIGNATURES: dict[str, list[type]] = {
@@ -102,14 +104,16 @@ def library() -> ctypes.CDLL:
     Raises ``QuantreeError`` (cause and fix in the message) when they cannot be built or
     loaded.
     """
-    path = build(library_name())
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as error:
-        raise QuantreeError(
-            f"quantree's CPU kernels at {path} do not load: {error}. Delete that directory "
-            "(it is rebuilt on the next use), or point TORCH_EXTENSIONS_DIR elsewhere."
-        ) from error
+    lib = prebuilt_library()
+    if lib is None:
+        path = build(library_name())
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as error:
+            raise QuantreeError(
+                f"quantree's CPU kernels at {path} do not load: {error}. Delete that directory "
+                "(it is rebuilt on the next use), or point TORCH_EXTENSIONS_DIR elsewhere."
+            ) from error
     for symbol, argtypes in SIGNATURES.items():
         fn = getattr(lib, symbol)
         fn.argtypes = argtypes
@@ -117,8 +121,131 @@ def library() -> ctypes.CDLL:
     lib.qt_select_isa.argtypes = [_int]
     lib.qt_select_isa.restype = _int
     lib.qt_current_isa.restype = _int
-    lib.qt_select_isa(isa_cap())
+    lib.qt_cpu_features.restype = _int
+    if ISA_NAMES[lib.qt_select_isa(isa_cap())] == "portable":
+        warnings.warn(portable_warning(lib.qt_cpu_features()), RuntimeWarning, stacklevel=2)
     return lib
+
+
+FEATURES = {
+    "AVX2": 1,
+    "FMA": 2,
+    "AVX-VNNI": 4,
+    "AVX-512F": 8,
+    "AVX-512BW": 16,
+    "AVX-512VL": 32,
+    "AVX-512 VNNI": 64,
+    "ASIMD (NEON)": 128,
+    "the dot-product extension (sdot)": 256,
+}
+"""The bits of ``qt_cpu_features()``."""
+
+
+def portable_warning(features: int, arm: bool | None = None) -> str:
+    """What lowering says once when the kernels take the portable (scalar) path: what the
+    CPU lacks for each vector path, or which variable keeps it from using them."""
+    arm = build_native.ARM64 if arm is None else arm
+    needs = (
+        {"neon": ("ASIMD (NEON)",)}
+        if arm
+        else {
+            "avx2": ("AVX2", "FMA"),
+            "avxvnni": ("AVX2", "FMA", "AVX-VNNI"),
+            "avx512vnni": ("AVX-512F", "AVX-512BW", "AVX-512VL", "AVX-512 VNNI"),
+        }
+    )
+    if not arm and not X86:
+        why = f"quantree has no vector kernels for {build_native.MACHINE or 'this CPU'}"
+    else:
+        lacking = {
+            path: [name for name in names if not features & FEATURES[name]]
+            for path, names in needs.items()
+        }
+        if all(lacking.values()):
+            why = "the CPU lacks " + "; ".join(
+                f"{', '.join(missing)} (the {path} path)" for path, missing in lacking.items()
+            )
+        else:
+            chosen = os.environ.get("QUANTREE_CPU_ISA", "").strip()
+            forced = f"QUANTREE_CPU_ISA={chosen}" if chosen else f"QUANTREE_NATIVE_MARCH={MARCH}"
+            has = [path for path, missing in lacking.items() if not missing]
+            why = (
+                f"{forced} restricts it, although the CPU has what the {', '.join(has)} "
+                "path needs; a CPU with none of them lacks "
+                + "; ".join(f"{', '.join(names)} ({path})" for path, names in needs.items())
+            )
+    return (
+        "quantree's CPU backend runs its portable scalar kernels on this machine, several "
+        f"times slower than its vector paths and than float PyTorch: {why}. Deploy to a CPU "
+        "with AVX2 (x86-64-v3) or aarch64 NEON for fast int8 inference."
+    )
+
+
+def prebuilt_path() -> Path | None:
+    """The baseline library built with the package (``setup.py``), if there is one."""
+    return prebuilt_file("")
+
+
+def prebuilt_file(variant: str) -> Path | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{PREBUILT_STEM}{variant}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+@functools.cache
+def prebuilt_choice() -> tuple[Path, ctypes.CDLL] | None:
+    """The prebuilt library for this process (see the module docstring): the baseline one,
+    or the best variant (``build_native.PREBUILT_VARIANTS``) the CPU has and the march
+    allows."""
+    base = prebuilt_path()
+    if (
+        base is None
+        or os.environ.get("QUANTREE_NATIVE_PREBUILT", "1") == "0"
+        or not (MARCH == "native" or MARCH in ISA_CAP)
+    ):
+        return None
+    lib = load_prebuilt(base)
+    if lib is None:
+        return None
+    lib.qt_cpu_features.restype = _int
+    features = lib.qt_cpu_features()
+    order = ["x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4"]  # the keys of ISA_CAP
+    ceiling = len(order) if MARCH == "native" else order.index(MARCH)
+    bits = {"x86-64-v3": 512, "x86-64-v4": 1024}  # qt_cpu_features
+    for march, suffix in reversed(build_native.PREBUILT_VARIANTS.items()):
+        if order.index(march) <= ceiling and features & bits[march]:
+            path = prebuilt_file(suffix)
+            better = load_prebuilt(path) if path is not None else None
+            if path is not None and better is not None:
+                return path, better
+    return base, lib
+
+
+def load_prebuilt(path: Path) -> ctypes.CDLL | None:
+    """A prebuilt library, if it loads and was built from the sources beside it."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.qt_source_digest.restype = ctypes.c_char_p
+        built_from = lib.qt_source_digest().decode()
+    except (OSError, AttributeError):
+        return None  # damaged or foreign: the runtime build takes over
+    return lib if built_from == build_native.sources_digest() else None
+
+
+def prebuilt_library() -> ctypes.CDLL | None:
+    """The prebuilt library when one may serve this process."""
+    choice = prebuilt_choice()
+    return None if choice is None else choice[1]
+
+
+def library_path() -> Path:
+    """Where the library this process uses lives (the prebuilt one, or the built one)."""
+    library()
+    choice = prebuilt_choice()
+    return choice[0] if choice is not None else build(library_name())
 
 
 def cpu_isa() -> str:
@@ -136,8 +263,7 @@ def library_name() -> str:
 def source_digest(compiler: str) -> str:
     """A hash of everything the build reads: sources, headers, flags and the compiler."""
     digest = hashlib.sha256(repr((FLAGS, MARCH, ISA_SOURCES, compiler)).encode())
-    for source in (*SOURCES, *ISA_SOURCES, *HEADERS):
-        digest.update((CSRC / source).read_bytes())
+    digest.update(build_native.sources_digest().encode())
     return digest.hexdigest()[:16]
 
 
@@ -198,36 +324,13 @@ def build(name: str) -> Path:
 
 def compile_library(compiler: str, out: Path) -> Path:
     """Compile every source (each ISA file with its own flags, two at a time) and link."""
-    jobs: list[tuple[str, tuple[str, ...]]] = [(s, (f"-march={MARCH}",)) for s in SOURCES]
-    jobs += list(ISA_SOURCES.items())
-    objects, running = [], []
-    for source, flags in jobs:
-        obj = out.parent / (Path(source).stem + ".o")
-        cmd = [compiler, *FLAGS, *flags, "-c", str(CSRC / source), "-o", str(obj)]
-        running.append((cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
-        objects.append(str(obj))
-        if len(running) >= max(2, os.cpu_count() or 1):
-            wait_all(running)
-    wait_all(running)
-    link = [compiler, "-shared", *objects, "-o", str(out)]
-    wait_all([(link, subprocess.Popen(link, stderr=subprocess.PIPE, text=True))])
-    return out
-
-
-def wait_all(running: list[tuple[list[str], subprocess.Popen[str]]]) -> None:
-    """Wait for compiler processes; the first failure becomes a ``QuantreeError``."""
-    failed = None
-    for cmd, proc in running:
-        _, err = proc.communicate()
-        if proc.returncode != 0 and failed is None:
-            failed = (cmd, err)
-    running.clear()
-    if failed is not None:
-        cmd, err = failed
+    try:
+        return build_native.compile_library(compiler, out, MARCH)
+    except build_native.BuildError as error:
         raise QuantreeError(
-            f"building quantree's CPU kernels failed ({' '.join(cmd)}):\n{err[-4000:]}\n"
+            f"building quantree's CPU kernels failed ({error})\n"
             "Check the compiler (CXX), or set QUANTREE_NATIVE_MARCH to a -march it supports."
-        )
+        ) from error
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

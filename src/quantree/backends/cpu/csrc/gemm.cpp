@@ -5,6 +5,17 @@
 
 #include "qt_kernels.h"
 
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#endif
+
+#ifndef QT_SOURCE_DIGEST
+#define QT_SOURCE_DIGEST "unknown"
+#endif
+
 namespace qt {
 
 void to_u8(const int8_t* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out, int64_t Kp) {
@@ -51,6 +62,36 @@ static int active_isa = qt::PORTABLE;
 
 extern "C" {
 
+// The digest of the sources this library was built from (build_native.sources_digest).
+const char* qt_source_digest() { return QT_SOURCE_DIGEST; }
+
+// What the CPU reports, as bits: 1 AVX2, 2 FMA, 4 AVX-VNNI, 8 AVX-512 F, 16 AVX-512 BW,
+// 32 AVX-512 VL, 64 AVX-512 VNNI, 128 ASIMD (NEON), 256 the dot product (sdot/udot),
+// 512 all of x86-64-v3, 1024 all of x86-64-v4 (the prebuilt library's variants).
+int qt_cpu_features() {
+    int bits = 0;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    bits |= __builtin_cpu_supports("avx2") ? 1 : 0;
+    bits |= __builtin_cpu_supports("fma") ? 2 : 0;
+    bits |= __builtin_cpu_supports("avxvnni") ? 4 : 0;
+    bits |= __builtin_cpu_supports("avx512f") ? 8 : 0;
+    bits |= __builtin_cpu_supports("avx512bw") ? 16 : 0;
+    bits |= __builtin_cpu_supports("avx512vl") ? 32 : 0;
+    bits |= __builtin_cpu_supports("avx512vnni") ? 64 : 0;
+    bits |= __builtin_cpu_supports("x86-64-v3") ? 512 : 0;
+    bits |= __builtin_cpu_supports("x86-64-v4") ? 1024 : 0;
+#elif defined(__aarch64__)
+    bits |= 128;
+#if defined(__linux__)
+    bits |= (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) ? 256 : 0;
+#elif defined(__APPLE__)
+    bits |= 256;
+#endif
+#endif
+    return bits;
+}
+
 // The path qt_select_isa chose last (a qt::Isa).
 int qt_current_isa() { return active_isa; }
 
@@ -77,6 +118,22 @@ int qt_select_isa(int cap) {
     } else if (cap >= AVX2 && avx2) {
         kernels = Kernels{gemm_avx2, cell_avx2, activation_avx2};
         isa = AVX2;
+    }
+#elif defined(__aarch64__)
+    // ASIMD is part of every aarch64 CPU; the dot product (sdot) is optional (ARMv8.2+)
+#if defined(__linux__)
+    const bool dot = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif defined(__APPLE__)
+    const bool dot = true;  // every Apple aarch64 CPU has it
+#else
+    const bool dot = false;
+#endif
+    if (cap >= NEONDOT && dot) {
+        kernels.gemm = gemm_neondot;
+        isa = NEONDOT;
+    } else if (cap >= NEON) {
+        kernels.gemm = gemm_neon;
+        isa = NEON;
     }
 #else
     (void)cap;

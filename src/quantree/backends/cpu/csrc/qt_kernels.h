@@ -85,7 +85,7 @@ struct RnnStep {
 };
 
 // Kernel paths, in increasing order of preference.
-enum Isa { PORTABLE = 0, AVX2 = 1, AVXVNNI = 2, AVX512VNNI = 3 };
+enum Isa { PORTABLE = 0, AVX2 = 1, AVXVNNI = 2, AVX512VNNI = 3, NEON = 4, NEONDOT = 5 };
 
 using GemmFn = void (*)(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                         const int8_t* B, const Epilogue& ep, const uint8_t* A_lo);
@@ -122,6 +122,12 @@ void gemm_avx2(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*
 void cell_avx2(const RnnStep&, const float*, const float*, float*, float*, uint8_t*, int8_t*,
                float*, float*);
 void activation_avx2(int, const float*, float*, int64_t);
+#endif
+#if defined(__aarch64__)
+void gemm_neon(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+               const Epilogue&, const uint8_t*);
+void gemm_neondot(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+                  const Epilogue&, const uint8_t*);
 #endif
 
 inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,

@@ -1,0 +1,105 @@
+"""The kernels built with the package serve a machine with no compiler; the portable path
+warns once at lowering, naming what the CPU lacks.
+
+The prebuilt test copies the package to a temporary directory, builds the library there as
+``setup.py`` does (``build_native.compile_library`` into ``_kernels<ext suffix>``), and
+lowers and runs a model in a fresh process whose PATH has no compiler and whose extensions
+cache is empty. (`pip wheel .` then installing the wheel into a fresh venv does the same
+with the real packaging; README's deployment paragraph.)
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import quantree
+from quantree.backends.cpu import build_native, native
+
+LOWER = """
+import warnings, torch, quantree as qt
+from torch import nn
+from quantree.backends import CPU, cpu_isa
+from quantree.backends.cpu import native
+model = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval()
+data = [(torch.randn(2, 8),) for _ in range(3)]
+ref = qt.quantize(model, data[0], data, progress=False)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    low = qt.lower(ref, CPU)
+    low2 = qt.lower(ref, CPU)
+    print(tuple(low(torch.randn(2, 8)).shape), tuple(low2(torch.randn(2, 8)).shape))
+print("isa", cpu_isa())
+print("library", native.library_path())
+for w in caught:
+    if issubclass(w.category, RuntimeWarning):
+        print("WARNING", w.message)
+"""
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
+    )
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++) to prebuild with")
+def test_prebuilt_library_runs_without_compiler(tmp_path):
+    package = tmp_path / "site" / "quantree"
+    shutil.copytree(
+        Path(quantree.__file__).parent,
+        package,
+        ignore=shutil.ignore_patterns("__pycache__", "_kernels*", "weights"),
+    )
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    cpu = package / "backends" / "cpu"
+    build_native.compile_library("c++", cpu / f"_kernels{suffix}", build_native.PORTABLE_MARCH)
+    bare = tmp_path / "bin"  # no compiler on PATH
+    bare.mkdir()
+    cache = tmp_path / "cache"
+    out = run(
+        LOWER, PYTHONPATH=str(package.parent), PATH=str(bare), TORCH_EXTENSIONS_DIR=str(cache)
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "(2, 4) (2, 4)" in out.stdout
+    assert f"library {cpu / f'_kernels{suffix}'}" in out.stdout
+    assert not cache.exists() or not any(cache.iterdir())  # nothing was compiled
+
+    # sources edited after the build (an editable install): the prebuilt library is not
+    # used, and with no compiler that is the usual QuantreeError at lowering
+    (cpu / "csrc" / "gemm.cpp").write_text((cpu / "csrc" / "gemm.cpp").read_text() + "\n")
+    stale = run(
+        LOWER, PYTHONPATH=str(package.parent), PATH=str(bare), TORCH_EXTENSIONS_DIR=str(cache)
+    )
+    assert stale.returncode != 0 and "compiler" in stale.stderr
+
+
+def test_portable_path_warns_once_at_lowering():
+    out = run(LOWER, QUANTREE_CPU_ISA="portable")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "isa portable" in out.stdout
+    warnings = [line for line in out.stdout.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1, out.stdout
+    assert "portable scalar kernels" in warnings[0] and "QUANTREE_CPU_ISA=portable" in warnings[0]
+    assert "AVX2" in warnings[0]
+
+
+def test_vector_path_does_not_warn():
+    out = run(LOWER)
+    assert out.returncode == 0, out.stdout + out.stderr
+    if "isa portable" not in out.stdout:
+        assert "WARNING" not in out.stdout
+
+
+def test_portable_warning_names_what_the_cpu_lacks():
+    x86 = native.portable_warning(0, arm=False)
+    assert "the CPU lacks AVX2, FMA (the avx2 path)" in x86
+    assert "AVX-512 VNNI" in x86 and "AVX-VNNI" in x86
+    arm = native.portable_warning(0, arm=True)
+    assert "ASIMD (NEON)" in arm
