@@ -33,6 +33,7 @@ from quantree.backends.cpu.lowering_qdq import (
 )
 from quantree.backends.cpu.lowering_recurrent import recurrent_rule
 from quantree.backends.cpu.native import library
+from quantree.core.constants import share_identical
 from quantree.core.errors import QuantreeWarning
 from quantree.core.graphs import nested_graphs, replace_submodule
 from quantree.core.lower import Backend, LoweringRule, lower
@@ -41,7 +42,8 @@ from quantree.recurrent.loop import CellLoop
 
 
 def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
-    """Lower nested graphs, native q/dq for what is left, keep only the tensors read.
+    """Lower nested graphs, native q/dq for what is left, identical constants stored once,
+    keep only the tensors read.
 
     Loads the native kernels first, so that a machine which cannot build or load them
     gets a ``QuantreeError`` saying why at lowering, not a raw error at the first inference.
@@ -50,6 +52,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     if nested is not None:
         lower_nested(gm, nested)
     native_quantize_dequantize(gm)
+    share_identical(gm)  # an unrolled decoder's per-call-site weights, stored once
     gm.graph.lint()
     gm.recompile()
     lean = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
