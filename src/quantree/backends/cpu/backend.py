@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from quantree.backends.cpu.cells_native import NativeCellLoop, compile_body
 from quantree.backends.cpu.direct import call_directly
+from quantree.backends.cpu.float_report import warn_float_ops
 from quantree.backends.cpu.lowering_cell import lower_cell
 from quantree.backends.cpu.lowering_embedding import lower_embedding
 from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
@@ -43,7 +44,7 @@ from quantree.recurrent.loop import CellLoop
 
 def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     """Lower nested graphs, native q/dq for what is left, identical constants stored once,
-    keep only the tensors read.
+    keep only the tensors read; name what still computes in float (``float_report``).
 
     Loads the native kernels first, so that a machine which cannot build or load them
     gets a ``QuantreeError`` saying why at lowering, not a raw error at the first inference.
@@ -57,6 +58,8 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     gm.recompile()
     lean = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
     lean.meta = dict(gm.meta)
+    if nested is not None:  # the whole model, its nested bodies included: say it once
+        warn_float_ops(lean, "the CPU backend")
     return call_directly(lean)
 
 

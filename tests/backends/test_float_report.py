@@ -1,0 +1,44 @@
+"""Lowering names every op left in float, and apart those that dequantize an int8 weight."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+import quantree as qt
+from quantree.backends import CPU
+
+
+class Mixed(nn.Module):
+    """A native linear, a float layer norm, and a matmul by a folded int8 constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.a(x)) @ self.w.t().exp()
+
+
+def _lowering_notes(model: nn.Module) -> list[str]:
+    data = [(torch.randn(4, 8),) for _ in range(4)]
+    ref = qt.quantize(model.eval(), data[0], data, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qt.lower(ref, CPU)
+    return [str(w.message) for w in caught if issubclass(w.category, qt.QuantreeWarning)]
+
+
+def test_float_ops_are_named_and_constant_dequantizes_apart() -> None:
+    costly, rest = _lowering_notes(Mixed())
+    assert "dequantize an int8 constant" in costly and "aten.matmul.default x1" in costly
+    assert "compute in float" in rest and "aten.layer_norm.default x1 (layer_norm (ln))" in rest
+    assert "linear" not in rest and "matmul" not in rest
+
+
+def test_a_fully_native_model_lowers_quietly() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    assert _lowering_notes(model) == []
