@@ -42,3 +42,18 @@ def test_float_ops_are_named_and_constant_dequantizes_apart() -> None:
 def test_a_fully_native_model_lowers_quietly() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     assert _lowering_notes(model) == []
+
+
+def test_linear_before_a_float_relu_runs_natively_and_matches_the_reference() -> None:
+    """A transformer's FFN under WEIGHTED_INPUTS: linear -> relu (float) -> linear. The
+    first linear once stayed float and dequantized its int8 weight on every call."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 4)).eval()
+    data = [(torch.randn(4, 8),) for _ in range(4)]
+    ref = qt.quantize(model, data[0], data, progress=False)
+    low = qt.lower(ref, CPU)
+    assert not [n for n in low.graph.nodes if n.target == torch.ops.aten.linear.default]
+    relus = [n for n in low.graph.nodes if n.target == torch.ops.aten.relu.default]
+    assert len(relus) == 1 and "quantree.linear" in str(relus[0].args[0].target)
+    with torch.no_grad():
+        for args in data:
+            assert qt.tools.metrics.sqnr(ref(*args), low(*args)) > 45.0

@@ -1,8 +1,8 @@
 """``CPU``: the native int8 backend (VNNI kernels built on first use).
 
 Rules, tried in order at each node: whole recurrent layers, recurrent cells (one step),
-linear(+relu), conv(+relu), int8 data movement and max pooling, int8 add/mul/sub/matmul,
-pointwise tables, softmax.
+linear(+relu), conv(+relu), int8 data movement, cat/stack, max pooling,
+int8 add/mul/sub/matmul, pointwise tables, softmax.
 Cells-mode cell bodies are lowered with the same rules, then each cell loop runs as one
 native program when its lowered body compiles to one. The remaining quantize/dequantize
 nodes become native ones, and the module keeps only the tensors its graph still reads, so
@@ -20,6 +20,7 @@ import torch.fx as fx
 from quantree.backends.cpu.cells_native import NativeCellLoop, compile_body
 from quantree.backends.cpu.direct import call_directly
 from quantree.backends.cpu.float_report import warn_float_ops
+from quantree.backends.cpu.lowering_cat import lower_cat
 from quantree.backends.cpu.lowering_cell import lower_cell
 from quantree.backends.cpu.lowering_embedding import lower_embedding
 from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
@@ -112,6 +113,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_embedding,
         lower_conv2d,
         lower_movement,
+        lower_cat,
         lower_max_pool,
         lower_binary,
         lower_matmul,

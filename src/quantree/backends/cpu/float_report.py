@@ -28,6 +28,7 @@ DATA_MOVEMENT = {
     *("split_with_sizes", "chunk", "unbind", "to", "_to_copy", "zeros", "ones", "full"),
     *("arange", "new_zeros", "new_ones", "new_full", "new_empty", "empty", "scalar_tensor"),
     *("zeros_like", "ones_like", "full_like", "empty_like", "as_strided", "narrow"),
+    *("_pack_padded_sequence", "_pad_packed_sequence", "index_select"),
 }
 """aten ops that move, view or create data: not "computing in float"."""
 SHOWN = 3  # node names shown per op
