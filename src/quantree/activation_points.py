@@ -90,8 +90,9 @@ FLOAT_UNDER_WEIGHTED_INPUTS = (
 FLOAT_ARITHMETIC = (
     *(aten.where, aten.masked_fill, aten.masked_fill_, aten.pow, aten.div, aten.div_),
     *(aten.rsub, aten.exp, aten.sqrt, aten.rsqrt, aten.neg, aten.erf, aten.log_softmax),
+    aten.scaled_dot_product_attention,
 )
-"""Float arithmetic of attention masks, norms and activations, which no recipe quantizes:
+"""Float arithmetic of attention (masks, SDPA), norms and activations, which no recipe quantizes:
 left float by design under WEIGHTED_INPUTS, so not named as ops no rule matches."""
 
 _VERDICT_KEY = "quantree_transformer_like"
