@@ -48,7 +48,8 @@ def test_dynamic_batch_dimension_through_quantize():
     model, data = _model(), batches((4, 6), n=6)
     varied = [(torch.randn(b, 6),) for b in (1, 3, 8)] + data
     with pytest.raises(qt.QuantreeError, match=r"batch 0 .*dynamic_shapes="):
-        qt.quantize(model, data[0], varied, progress=False)
+        qt.quantize(model, data[0], varied, dynamic_batch=False, progress=False)
+    by_default = qt.quantize(model, data[0], varied, progress=False)  # the batch varies
     batch = {"input": {0: Dim("batch")}}  # nn.Sequential's argument is named input
     one_call = qt.quantize(model, data[0], varied, dynamic_shapes=batch, progress=False)
     gm = qt.capture(model, data[0], dynamic_shapes=batch)
@@ -58,6 +59,7 @@ def test_dynamic_batch_dimension_through_quantize():
     x = torch.randn(5, 6)
     with torch.no_grad():
         assert torch.equal(one_call(x), stepwise(x))
+        assert torch.equal(by_default(x), stepwise(x))
         rows = torch.cat([one_call(x[i : i + 1]) for i in range(5)])
         assert torch.equal(one_call(x), rows)  # each sample quantized as on its own
     assert min(output_sqnrs(model, one_call, (x,))) >= 25.0

@@ -6,7 +6,11 @@ calibrate(prepared, data)
 ref = convert(prepared)
 """
 
+# Registers torch.ops.quantree.*, so that a plain torch.export.load of a CPU-lowered program
+# works once quantree is imported (the kernels themselves load at first use).
+import quantree.backends.cpu.ops  # noqa: F401
 from quantree.activation_points import ActivationPoints
+from quantree.backends.onnx import export_onnx
 from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
 from quantree.core.convert import Unobserved, convert
@@ -28,6 +32,7 @@ from quantree.core.observers import (
 )
 from quantree.core.points import Point
 from quantree.core.prepare import prepare
+from quantree.core.pt2e import from_pt2e
 from quantree.core.quantizer import Annotation, Quantizer, Rule
 from quantree.core.specs import (
     DerivedSpec,
@@ -41,6 +46,7 @@ from quantree.core.specs import (
 )
 from quantree.core.stages import NodeQuant
 from quantree.core.values import Use, Value
+from quantree.interop import recurrent_rules
 from quantree.pipeline import quantize
 from quantree.recipes import A16W8Quantizer, Int8Quantizer, RecurrentMode
 from quantree.recurrent.decompose import CellsOptions
@@ -86,6 +92,9 @@ __all__ = [
     "capture",
     "compare",
     "convert",
+    "export_onnx",
+    "from_pt2e",
+    "recurrent_rules",
     "lower",
     "prepare",
     "quantize",

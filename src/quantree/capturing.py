@@ -25,15 +25,42 @@ def capture(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     dynamic_shapes: Any = None,
+    dynamic_batch: bool = True,
 ) -> fx.GraphModule:
     """Export ``model`` to an ATen ``GraphModule`` (see ``quantree.core.capture.capture``).
 
     A recurrent layer run on a packed sequence becomes ``aten.lstm.data`` (``gru.data``,
     ``rnn_*.data``) between ``aten._pack_padded_sequence`` and ``aten._pad_packed_sequence``.
+
+    ``dynamic_batch`` (see the core's ``capture``) applies to models without ``nn.LSTM``/
+    ``GRU``/``RNN`` modules: export pins their sequence length and packed sequences need
+    the example's sizes; give those ``dynamic_shapes`` to make a dimension vary.
     """
+    recurrent = any(isinstance(m, torch.nn.RNNBase) for m in model.modules())
+    if dynamic_shapes is None and dynamic_batch and not recurrent:
+        try:
+            return _capture(model, example_args, example_kwargs, None, True)
+        except QuantreeError:  # a varying first dimension trips the model (or packing):
+            pass  # capture again from scratch, every dimension as in the example
+    return _capture(model, example_args, example_kwargs, dynamic_shapes, False)
+
+
+def _capture(
+    model: torch.nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: Mapping[str, Any] | None,
+    dynamic_shapes: Any,
+    dynamic_batch: bool,
+) -> fx.GraphModule:
     with packed_sequences(model) as packed:
         try:
-            gm = core.capture(model, example_args, example_kwargs, dynamic_shapes=dynamic_shapes)
+            gm = core.capture(
+                model,
+                example_args,
+                example_kwargs,
+                dynamic_shapes=dynamic_shapes,
+                dynamic_batch=dynamic_batch,
+            )
         except QuantreeError as error:
             if not packed or "packed sequence" in str(error):
                 raise

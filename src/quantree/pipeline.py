@@ -24,6 +24,7 @@ def quantize(
     *,
     example_kwargs: Mapping[str, Any] | None = None,
     dynamic_shapes: Any = None,
+    dynamic_batch: bool = True,
     quantizer: Quantizer | None = None,
     backend: Backend = REFERENCE,
     progress: bool = True,
@@ -32,13 +33,19 @@ def quantize(
     """Quantize ``model`` in one call.
 
     ``example_kwargs`` and ``dynamic_shapes`` go to :func:`quantree.capture` (so to
-    ``torch.export``): without ``dynamic_shapes`` every dimension is fixed to the example's,
-    and calibration batches of another batch size are refused. ``calibration`` is any
-    iterable of argument tuples, or of ``(args, kwargs)`` pairs for a model captured with
-    ``example_kwargs``. ``unobserved`` says what becomes of tensors calibration never saw
-    (an error naming them, or float with one warning).
+    ``torch.export``): without ``dynamic_shapes`` the first dimension of each input varies
+    where the model allows it (``dynamic_batch=False`` fixes every dimension).
+    ``calibration`` is any iterable of argument tuples, or of ``(args, kwargs)`` pairs for
+    a model captured with ``example_kwargs``. ``unobserved`` says what becomes of tensors
+    calibration never saw (an error naming them, or float with one warning).
     """
-    captured = capture(model, example_args, example_kwargs, dynamic_shapes=dynamic_shapes)
+    captured = capture(
+        model,
+        example_args,
+        example_kwargs,
+        dynamic_shapes=dynamic_shapes,
+        dynamic_batch=dynamic_batch,
+    )
     prepared = prepare(captured, quantizer or Int8Quantizer())
     calibrate(prepared, calibration, progress=progress)
     return lower(convert(prepared, unobserved=unobserved), backend)

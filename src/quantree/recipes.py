@@ -186,6 +186,11 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
             return Annotation(outputs=act)
         return unary(node)
 
+    def input_only(node: fx.Node) -> Annotation:
+        """The input on the int8 grid, the output left float (log-probabilities keep their
+        precision; an int8 grid over [-30, 0] would round them to 0.12)."""
+        return Annotation(inputs={(0,): act})
+
     def embedding(node: fx.Node) -> Annotation:
         return Annotation(outputs=None, inputs={(0,): weight})
 
@@ -253,6 +258,7 @@ def int8_rules(act: QuantSpec, weight: QuantSpec) -> tuple[Rule, ...]:
             unary,
         ),
         Rule((aten.softmax, aten._softmax), softmax),
+        Rule((aten.log_softmax, aten._log_softmax), input_only),
         Rule((aten.embedding,), embedding),
         Rule(RECURRENT_OPS, recurrent),
         Rule(CELL_OPS, lambda node: recurrent_cell_annotation(node, act, weight)),

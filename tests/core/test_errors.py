@@ -136,7 +136,7 @@ def test_capture_needs_a_tuple_of_arguments():
 
 
 def _prepared_head(gm: torch.fx.GraphModule | None = None) -> torch.fx.GraphModule:
-    gm = gm or qt.capture(WithErf().eval(), (torch.randn(4, 8),))
+    gm = gm or qt.capture(WithErf().eval(), (torch.randn(4, 8),), dynamic_batch=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qt.QuantreeWarning)
         return qt.prepare(gm, qt.Int8Quantizer())
@@ -182,7 +182,10 @@ def test_calibration_batch_of_the_wrong_dtype_or_rank_is_named():
 
 def test_a_refused_batch_never_reaches_an_observer():
     """The graph's own guard runs after the input's observer; ours runs before anything."""
-    data, gm = batches((4, 8), n=3), qt.capture(WithErf().eval(), (torch.randn(4, 8),))
+    data, gm = (
+        batches((4, 8), n=3),
+        qt.capture(WithErf().eval(), (torch.randn(4, 8),), dynamic_batch=False),
+    )
     clean, refused = _prepared_head(gm), _prepared_head(gm)
     qt.calibrate(clean, data, progress=False)
     qt.calibrate(refused, data, progress=False)

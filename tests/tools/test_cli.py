@@ -276,5 +276,5 @@ def test_cpu_backend_round_trip(files: dict[str, Path], capsys) -> None:
         assert torch.equal(loaded(*data[0]), lowered(*data[0]))
     assert main(["inspect", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "the model is float" not in printed and "integer kernel" in printed
+    assert "the model is float" not in printed and "int8 kernel" in printed
     assert "0 quantization point(s)" not in printed

@@ -86,7 +86,7 @@ def test_render_and_records() -> None:
     records = result.records()
     assert len(records) == len(result.rows)
     assert set(records[0]) == {
-        "name", "node", "path", "kind", "op", "quantization", "shape", "sqnr_db",
+        "name", "node", "path", "kind", "op", "quantization", "shape", "sqnr_db", "steps_sqnr_db",
     }  # fmt: skip
     lstm1 = next(r for r in records if r["name"] == "lstm[1]")
     assert lstm1["path"] == [1] and lstm1["node"] == "lstm"

@@ -69,6 +69,7 @@ def test_small_demo_run_table_and_report(tmp_path: Path) -> None:
     page = written.read_text()
     assert "int8 whole: per-tensor SQNR against float" in page
     assert _check_pngs(page, tmp_path) == 4  # latency, bits/char, size, one SQNR chart
+    assert "What is quantized: int8 whole" in page and "simulated (q/dq)" in page
 
 
 def test_cli_demo_prints_the_table_and_the_report_path(
@@ -88,18 +89,25 @@ def test_cli_demo_prints_the_table_and_the_report_path(
     )
     seen: dict[str, object] = {}
 
-    def fake_run_demo(calibration_batches: int, eval_chars: int) -> demo.DemoResult:
-        seen.update(calibration_batches=calibration_batches, eval_chars=eval_chars)
+    def fake_run_demo(calibration_batches: int, eval_chars: int, **kw: Any) -> demo.DemoResult:
+        seen.update(calibration_batches=calibration_batches, eval_chars=eval_chars, **kw)
         return canned
 
     monkeypatch.setattr(demo, "run_demo", fake_run_demo)
     report = tmp_path / "r" / "demo.html"
     assert main(["demo", "--calibration-batches", "7", "--report", str(report)]) == 0
     out = capsys.readouterr().out
-    assert seen == {"calibration_batches": 7, "eval_chars": 100_000}
+    assert seen == {
+        "calibration_batches": 7,
+        "eval_chars": 100_000,
+        "variants": demo.DEFAULT_VARIANTS,
+        "progress": False,  # stderr is not a terminal under pytest
+    }
     assert "int8 whole" in out and "+0.13%" in out and "38.0 dB" in out
     assert f"report: {report.resolve()}" in out
     assert _check_pngs(report.read_text(), tmp_path) == 4
+    assert main(["demo", "--all", "--report", str(report)]) == 0
+    assert seen["variants"] == demo.VARIANTS
 
 
 def test_every_variant_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,6 +123,7 @@ def test_every_variant_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         calibration_batches=2,
         eval_chars=2_048,  # one evaluation batch of 16 x 128
         compare_batches=1,
+        variants=demo.VARIANTS,  # what --all runs
         progress=False,
         log=lambda _: None,
     )
@@ -128,3 +137,80 @@ def test_every_variant_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         assert 20.0 < row.logits_sqnr_db < math.inf, name
         assert row.latency_ms > 0 and row.size_bytes < result.row("float").size_bytes / 2, name
     assert set(result.comparisons) == set(names)
+
+
+def test_default_run_is_the_fast_subset_and_every_variant_is_labelled() -> None:
+    defaults = demo.DEFAULT_VARIANTS
+    assert set(defaults) < set(demo.VARIANTS)
+    assert {v.kind for v in defaults} == {demo.SIMULATED, demo.KERNELS}
+    assert all(v.kind in (demo.SIMULATED, demo.KERNELS) for v in demo.VARIANTS)
+    assert all(v.backend is None for v in defaults if v.kind == demo.SIMULATED)
+    # the cells-mode simulations take minutes: only with --all
+    assert not any(v.quantizer is demo.integer_lstm and v.backend is None for v in defaults)
+
+
+def _canned() -> demo.DemoResult:
+    return demo.DemoResult(
+        rows=[
+            demo.DemoRow("float", 1.40, math.inf, 80.0, 3_500_000, kind=demo.FLOAT),
+            demo.DemoRow("torch dynamic int8", 1.399, 32.0, 50.0, 900_000, kind=demo.KERNELS),
+            demo.DemoRow("int8 whole", 1.401, 37.7, 1000.0, 980_000, 4.0, 5.0),
+            demo.DemoRow(
+                "int8 whole, CPU kernels", 1.401, 37.7, 38.0, 940_000, 4.0, 5.0, kind=demo.KERNELS
+            ),
+        ],
+        calibration_batches=50,
+        eval_chars=1000,
+    )
+
+
+def test_table_labels_each_row_and_groups_kernels_before_simulations() -> None:
+    lines = demo_report.table_lines(_canned())
+    assert "runs as" in lines[0]
+    body = lines[2:]
+    assert [line.split("  ")[0].strip() for line in body] == [
+        "float", "torch dynamic int8", "int8 whole, CPU kernels", "int8 whole"
+    ]  # fmt: skip
+    assert demo.SIMULATED in body[3] and demo.KERNELS in body[2] and demo.KERNELS in body[1]
+
+
+def test_charts_show_differences(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Latency on a log axis (a 1,000 ms simulation does not flatten a 38 ms kernel), and
+    bits/char as the change against float, not bars from zero."""
+    calls: list[tuple[str, Any, dict[str, Any]]] = []
+    real_bar, real_delta = demo_report.bar_chart, demo_report.delta_chart
+
+    def bar(labels: Any, values: Any, title: str, *a: Any, **kw: Any) -> bytes:
+        calls.append(("bar", list(values), kw))
+        return real_bar(labels, values, title, *a, **kw)
+
+    def delta(labels: Any, values: Any, title: str, *a: Any, **kw: Any) -> bytes:
+        calls.append(("delta", list(values), kw))
+        return real_delta(labels, values, title, *a, **kw)
+
+    monkeypatch.setattr(demo_report, "bar_chart", bar)
+    monkeypatch.setattr(demo_report, "delta_chart", delta)
+    page = demo_report.write_report(_canned(), tmp_path / "r.html").read_text()
+    latency = calls[0]
+    assert latency[0] == "bar" and latency[2]["log"] and latency[2]["reference"] == 80.0
+    kind, values, _ = calls[1]
+    assert kind == "delta" and len(values) == 3  # no float bar
+    assert values[0] < 0 < values[1] and abs(values[1] - 100 * (1.401 / 1.40 - 1)) < 1e-9
+    for label in ("int8 whole [simulated (q/dq)]", "int8 whole, CPU kernels [int8 kernels]"):
+        assert label in page or demo.SIMULATED in page
+    assert _check_pngs(page, tmp_path) == 3
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def one_timed_call(models: Mapping[str, Callable[..., Any]], args: tuple[Any, ...]):
+        return latencies_ms(models, args, rounds=1, min_runs=1, budget_s=0.0)
+
+    monkeypatch.setattr(demo, "latencies_ms", one_timed_call)
+    demo.run_demo(
+        calibration_batches=2, eval_chars=2_048, compare_batches=1, variants=demo.VARIANTS[:1]
+    )
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and "\r" not in captured.out
+    assert "calibrating" not in captured.err

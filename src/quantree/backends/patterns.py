@@ -14,7 +14,9 @@ import torch.fx as fx
 
 from quantree.core.graphs import fetch_attr
 from quantree.core.lower import LoweringContext
+from quantree.core.qdq import QUANTIZE_PER_TENSOR
 from quantree.core.specs import QDtype, QParams
+from quantree.core.stages import OUTPUT_GRID_KEY, REPLACES_KEY
 
 aten = torch.ops.aten
 RELU = (aten.relu.default, aten.relu_.default)
@@ -125,6 +127,19 @@ def constant(ctx: LoweringContext, prefix: str, value: torch.Tensor, before: fx.
     return node
 
 
+def mark_provenance(old: fx.Node, new: fx.Node, path: tuple[int, ...] = ()) -> None:
+    """Record on ``new`` which reference Value it computes, and its int8 grid if ``old`` is
+    the quantize of that Value, so the numeric debugger can read kernels' outputs."""
+    source = old.args[0] if old.target == QUANTIZE_PER_TENSOR else old
+    if not isinstance(source, fx.Node):
+        return
+    new.meta.setdefault(REPLACES_KEY, (source.name, path))
+    if old.target == QUANTIZE_PER_TENSOR:
+        scale, zero_point = old.args[1], old.args[2]
+        if isinstance(scale, float | int) and isinstance(zero_point, int):
+            new.meta.setdefault(OUTPUT_GRID_KEY, (float(scale), zero_point))
+
+
 def replace(ctx: LoweringContext, old: fx.Node, new: fx.Node, chain: Sequence[fx.Node]) -> None:
     """Route ``old``'s users to ``new``, then erase the now dead ``chain`` (users first).
 
@@ -133,6 +148,7 @@ def replace(ctx: LoweringContext, old: fx.Node, new: fx.Node, chain: Sequence[fx
     """
     scopes = (n.meta.get("nn_module_stack") for n in (old, *chain))
     new.meta["nn_module_stack"] = next((s for s in scopes if s), {})
+    mark_provenance(old, new)
     old.replace_all_uses_with(new)
     for node in chain:
         if not node.users:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,7 @@ def capture(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     dynamic_shapes: Any = None,
+    dynamic_batch: bool = True,
 ) -> fx.GraphModule:
     """Export ``model`` and return its graph with ``node.meta['val']`` on every node.
 
@@ -28,6 +30,12 @@ def capture(
     each call; ``dynamic_shapes`` (as for ``torch.export.export``, e.g.
     ``{"x": {0: torch.export.Dim("batch")}}``) lets a dimension vary. Keyword example inputs
     make the graph take those keywords; calibrate it with ``(args, kwargs)`` pairs.
+
+    Without ``dynamic_shapes``, the first dimension of every tensor input is left to vary
+    where the model allows it (``torch.export.Dim.AUTO``: export keeps it symbolic unless the
+    model fixes it, as an LSTM does with its sequence length, or the example has size 0 or
+    1), so a model calibrated on batches of 8 runs on a batch of 1. ``dynamic_batch=False``
+    fixes every dimension to the example's.
     """
     if not isinstance(example_args, tuple):
         raise QuantreeError(
@@ -45,8 +53,8 @@ def capture(
         with warnings.catch_warnings():
             # nn.RNNBase keeps a list of its weights that export reports as reassigned.
             warnings.filterwarnings("ignore", message=".*_flat_weights.*")
-            program = torch.export.export(
-                model, example_args, dict(example_kwargs or {}), dynamic_shapes=dynamic_shapes
+            program = _export(
+                model, example_args, dict(example_kwargs or {}), dynamic_shapes, dynamic_batch
             )
     except QuantreeError:
         raise  # raised by a capture-time hook inside the model: already says what to do
@@ -58,3 +66,44 @@ def capture(
     finally:
         model.train(was_training)
     return program.module()
+
+
+def _batch_dims(example_args: tuple[Any, ...], example_kwargs: dict[str, Any]) -> Any:
+    """``dynamic_shapes`` marking dim 0 of every tensor input ``Dim.AUTO``, shaped like the
+    inputs (None for what is not a tensor)."""
+
+    def spec(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return {0: torch.export.Dim.AUTO} if x.dim() > 0 else None
+        if isinstance(x, list | tuple):
+            return type(x)(spec(v) for v in x)
+        if isinstance(x, dict):
+            return {k: spec(v) for k, v in x.items()}
+        return None
+
+    return (*(spec(a) for a in example_args), *(spec(v) for v in example_kwargs.values()))
+
+
+def _export(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dynamic_shapes: Any,
+    dynamic_batch: bool,
+) -> torch.export.ExportedProgram:
+    """Export, with a varying batch dimension by default; without it where that fails."""
+    if dynamic_shapes is not None or not dynamic_batch:
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
+    try:
+        dims = _batch_dims(args, kwargs)
+        if kwargs:
+            names = [p for p in inspect.signature(model.forward).parameters if p not in kwargs][
+                : len(args)
+            ]
+            dims = {**dict(zip(names, dims[: len(args)], strict=False)),
+                    **dict(zip(kwargs, dims[len(args):], strict=True))}  # fmt: skip
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dims)
+    except QuantreeError:
+        raise
+    except Exception:  # the model's code does not allow it: capture the example's shapes
+        return torch.export.export(model, args, kwargs)

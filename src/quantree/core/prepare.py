@@ -7,18 +7,19 @@ model computes exactly what the float model computes.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from quantree.core.annotate import annotate, warn_float_ops
-from quantree.core.canonicalize import canonicalize
 from quantree.core.errors import QuantreeError, QuantreeWarning
-from quantree.core.fold import fold_batch_norm, own_written_state, written_to
-from quantree.core.graphs import copy_graph_module, fetch_attr, nested_graphs
+from quantree.core.fold import written_to
+from quantree.core.graphs import fetch_attr, nested_graphs
 from quantree.core.groups import form_groups
-from quantree.core.linear_forms import linear_forms
+from quantree.core.normalize import normalize
 from quantree.core.observers import make_observer
+from quantree.core.pt2e import bind_quantizer
 from quantree.core.quantizer import Annotation, Quantizer, idle_scopes
 from quantree.core.sharing import Group
 from quantree.core.specs import QuantSpec
@@ -33,8 +34,11 @@ _TRAINING_ARG = {
 }
 
 
-def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
+def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
     """A copy of ``gm`` with observers, ready to calibrate; ``gm`` itself is not changed.
+
+    ``quantizer`` is a quantree ``Quantizer`` or a pt2e one (torchao's ``Quantizer``: its
+    annotations are translated, see ``quantree.core.pt2e``).
 
     Nodes whose annotation carries a ``decompose`` hook are replaced first (cells mode's
     loops); every graph nested in the modules that adds is then observed like the main one.
@@ -46,8 +50,8 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer) -> fx.GraphModule:
         )
     _check_captured(gm)
     _check_eval_mode(gm)
-    gm = copy_graph_module(gm)
-    gm = canonicalize(fold_batch_norm(linear_forms(own_written_state(gm))))
+    gm = normalize(gm)
+    gm, quantizer = bind_quantizer(gm, quantizer)
     seen = list(gm.graph.nodes)  # what the rules see, nodes later decomposed included
     observe(gm, annotate(gm, quantizer))
     for body in nested_graphs(gm).values():

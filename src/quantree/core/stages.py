@@ -31,6 +31,11 @@ OBSERVER_KEY = "quantree_observer"
 DEQUANTIZED_GROUP_KEY = "quantree_group"
 """``node.meta`` key on a dequantize convert inserted: the id of the group it reads."""
 
+REPLACES_KEY = "quantree_replaces"
+"""``node.meta`` key on a backend's kernel: ``(name, leaf path)`` of the reference-graph
+Value its output holds, so tools compare a lowered model's kernels with the float model."""
+OUTPUT_GRID_KEY = "quantree_output_grid"
+"""``node.meta`` key on a kernel with an int8 output: its ``(scale, zero_point)``."""
 
 PREPARED = "prepared"
 CONVERTED = "converted"

@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         "--eval-chars", type=int, default=100_000, help="validation characters for bits/char"
     )
     demo.add_argument("--report", default="quantree-report/report.html", help="HTML report path")
+    demo.add_argument("--all", action="store_true", help="also the cells-mode and a16w8 recipes")
 
     quantize = commands.add_parser("quantize", help="quantize a program saved by torch.export")
     quantize.add_argument("model", help="MODEL.pt2 written by torch.export.save")
@@ -69,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
         default="whole",
         help="whole: LSTM/GRU/RNN quantized at their boundary (default); cells: every gate "
         "and the cell state a quantization point",
+    )
+    quantize.add_argument(
+        "--format",
+        choices=("pt2", "onnx"),
+        default="pt2",
+        help="pt2: a torch.export archive (default); onnx: QDQ ONNX of the reference graph "
+        "(needs the [onnx] extra)",
     )
     quantize.add_argument("--report", help="also write an HTML report of per-tensor SQNR")
     quantize.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -153,6 +161,8 @@ def quantize_command(args: argparse.Namespace) -> int:
     data = load_calibration(args.calibration)
     quantizer = _quantizer(args.recurrent)
     backend = _backend(args.backend)
+    if args.format == "onnx" and args.backend != "reference":
+        raise UsageError("--format onnx writes the reference graph; drop --backend cpu")
     module = program.module()
     _check_fits(module, data[0], args.calibration)
     with warnings.catch_warnings(record=True) as caught:
@@ -163,7 +173,17 @@ def quantize_command(args: argparse.Namespace) -> int:
     for w in caught:
         if issubclass(w.category, QuantreeWarning):
             print(f"quantree: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
-    written = save_program(quantized, data[0], args.output, protect=(args.model,))
+    if args.format == "onnx":
+        from quantree.backends.onnx import export_onnx
+        from quantree.tools.files import atomic_write
+
+        written = atomic_write(
+            args.output,
+            lambda tmp: export_onnx(quantized, data[0], tmp),
+            protect=(args.model, args.calibration),
+        )
+    else:
+        written = save_program(quantized, data[0], args.output, protect=(args.model,))
     print(f"quantized {args.model} on {len(data)} calibration batch(es) -> {written}")
     if args.report:
         _write_report(args, prepared, quantized, data)
@@ -217,7 +237,7 @@ def inspect_command(args: argparse.Namespace) -> int:
 def demo_command(args: argparse.Namespace) -> int:
     from quantree.tools.demo_report import main as demo_main
 
-    demo_main(args.calibration_batches, args.eval_chars, args.report)
+    demo_main(args.calibration_batches, args.eval_chars, args.report, all_variants=args.all)
     return 0
 
 

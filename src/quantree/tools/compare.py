@@ -26,6 +26,8 @@ import torch.fx as fx
 from quantree.capturing import capture
 from quantree.core.calibrate import as_args
 from quantree.core.graphs import nested_graphs
+from quantree.core.normalize import normalize
+from quantree.core.stages import STAGE_KEY
 from quantree.core.values import Path, leaves_with_paths
 from quantree.tools.matching import (
     OUTPUT,
@@ -43,6 +45,7 @@ from quantree.tools.matching import (
     quantized_plan,
     recording_nested,
 )
+from quantree.tools.time_steps import render_steps, step_energies, step_sqnrs, time_axis
 
 ROOT = ""
 
@@ -69,6 +72,7 @@ class TensorRow:
     signal: float  # sum of squares of the float tensor
     noise: float  # sum of squares of (float - quantized)
     order: int  # position in the float graph
+    steps: tuple[float, ...] = ()  # SQNR dB per time step of a recurrent output sequence
 
     @property
     def sqnr_db(self) -> float:
@@ -86,6 +90,7 @@ class TensorRow:
             "quantization": self.quantization,
             "shape": list(self.shape),
             "sqnr_db": self.sqnr_db,
+            "steps_sqnr_db": list(self.steps),
         }
 
 
@@ -125,7 +130,8 @@ class Comparison:
             )
         if limit is not None and len(self.rows) > limit:
             lines.append(f"... and {len(self.rows) - limit} more")
-        return "\n".join(lines)
+        steps = render_steps((r.name, r.steps) for r in self.rows)
+        return "\n".join([*lines, *([steps] if steps else [])])
 
     def __str__(self) -> str:
         return self.render()
@@ -139,6 +145,20 @@ class _Stat:
     signal: float = 0.0
     noise: float = 0.0
     seen: bool = False
+    time_axis: int | None = None
+    step_signal: torch.Tensor | None = None
+    step_noise: torch.Tensor | None = None
+
+    def add_steps(self, reference: torch.Tensor, test: torch.Tensor) -> None:
+        """Accumulate per-step energies; sequences of another length (a new batch shape)
+        are not added step by step."""
+        if self.time_axis is None or reference.dim() <= self.time_axis:
+            return
+        signal, noise = step_energies(reference, test, self.time_axis)
+        if self.step_signal is None or self.step_noise is None:
+            self.step_signal, self.step_noise = signal, noise
+        elif self.step_signal.shape == signal.shape:
+            self.step_signal, self.step_noise = self.step_signal + signal, self.step_noise + noise
 
 
 class _Session:
@@ -192,6 +212,7 @@ class _Session:
             r = ref.double()
             stat.signal += float(r.pow(2).sum())
             stat.noise += float((r - value.detach().double()).pow(2).sum())
+            stat.add_steps(ref, value.detach())
             stat.shape, stat.seen = tuple(ref.shape), True
 
         return accumulate
@@ -220,7 +241,8 @@ class _Session:
             for key in keys:
                 if key[0] == VALUE and (scope, key) not in self.stats:
                     described = self._scoped(scope, describe_value(nodes, key), index)
-                    self.stats[(scope, key)] = _Stat(described)
+                    axis = time_axis(nodes[key[1]][1], key[2])
+                    self.stats[(scope, key)] = _Stat(described, time_axis=axis)
             if not isinstance(self.quantized, fx.GraphModule):
                 continue
             target = self.quantized if scope == ROOT else self.quantized.get_submodule(scope)
@@ -268,6 +290,9 @@ class _Session:
                     stat.signal,
                     stat.noise,
                     d.order,
+                    ()
+                    if stat.step_signal is None or stat.step_noise is None
+                    else step_sqnrs(stat.step_signal, stat.step_noise),
                 )
             )
         rows.sort(key=lambda r: (r.sqnr_db, r.order, r.name))
@@ -296,6 +321,8 @@ def compare(
                 if isinstance(float_model, fx.GraphModule)
                 else capture(float_model, args)
             )
+            if STAGE_KEY not in float_gm.meta:  # captured: compare with what prepare sees
+                float_gm = normalize(float_gm)
             session = _Session(float_gm, quantized_model)
         session.run_float(args)
         session.run_quantized(args)

@@ -2,7 +2,11 @@
 
 Every quantized configuration is one entry of ``VARIANTS`` (a name, a quantizer factory, an
 optional backend); a variant whose API is not in this build (``requires``) is skipped, so a
-new recipe or backend appears in the table by adding one line.
+new recipe or backend appears in the table by adding one line. Each one is labelled by how it
+runs: ``simulated (q/dq)`` (the reference graph: float ops between quantize/dequantize, which
+measures accuracy, not speed) or ``int8 kernels`` (lowered to the CPU backend's native ops).
+The default run (``DEFAULT_VARIANTS``) takes under a minute; ``quantree demo --all`` adds the
+cells-mode and a16w8 recipes, whose simulations run step by step in Python.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -27,10 +32,12 @@ from quantree.core.lower import REFERENCE, Backend, lower
 from quantree.core.prepare import prepare
 from quantree.core.quantizer import Quantizer
 from quantree.tools.compare import Comparison, compare
+from quantree.tools.inspection import summary
 from quantree.tools.measure import latencies_ms, model_bytes, torch_threads
 from quantree.workloads import batches, bits_per_char, load_charlm, load_corpus
 
 BATCH, SEQ = 16, 128
+SIMULATED, KERNELS, FLOAT = "simulated (q/dq)", "int8 kernels", "float"
 DEFAULT_REPORT = Path("quantree-report") / "report.html"
 
 
@@ -81,6 +88,12 @@ class Variant:
     quantizer: Callable[[], Quantizer]
     backend: Callable[[], Backend] | None = None
     requires: tuple[str, ...] = ()
+    default: bool = False  # in the default (under a minute) run; all run with --all
+
+    @property
+    def kind(self) -> str:
+        """How the variant runs: ``int8 kernels`` when lowered, else ``simulated (q/dq)``."""
+        return KERNELS if self.backend is not None else SIMULATED
 
     @property
     def missing(self) -> str:
@@ -93,14 +106,16 @@ class Variant:
         return not self.missing
 
 
+_CPU = ("backends.CPU",)
 VARIANTS: tuple[Variant, ...] = (
-    Variant("int8 whole", int8_whole),
+    Variant("int8 whole", int8_whole, default=True),
     Variant("int8 cells, int16 cell", int8_cells_int16_cell, requires=("RecurrentMode",)),
     Variant("integer LSTM (cells)", integer_lstm, requires=("RecurrentMode",)),
     Variant("a16w8 whole", a16w8, requires=("A16W8Quantizer",)),
-    Variant("int8 whole, CPU kernels", int8_whole, cpu_backend, requires=("backends.CPU",)),
-    Variant("integer LSTM, CPU kernels", integer_lstm, cpu_backend, requires=("backends.CPU",)),
+    Variant("int8 whole, CPU kernels", int8_whole, cpu_backend, requires=_CPU, default=True),
+    Variant("integer LSTM, CPU kernels", integer_lstm, cpu_backend, requires=_CPU),
 )
+DEFAULT_VARIANTS: tuple[Variant, ...] = tuple(v for v in VARIANTS if v.default)
 
 
 @dataclass(frozen=True)
@@ -113,6 +128,7 @@ class DemoRow:
     calibrate_s: float = 0.0  # calibration of the recipe (shared by its backends)
     quantize_s: float = 0.0  # capture + prepare + calibrate + convert + lower
     note: str = ""
+    kind: str = SIMULATED  # FLOAT, SIMULATED or KERNELS
 
 
 @dataclass
@@ -124,6 +140,7 @@ class DemoResult:
     compare_batches: int = 0
     seconds: float = 0.0
     failures: dict[str, str] = field(default_factory=dict)
+    summaries: dict[str, str] = field(default_factory=dict)  # inspection.summary per variant
 
     def row(self, variant: str) -> DemoRow:
         return next(r for r in self.rows if r.variant == variant)
@@ -160,17 +177,37 @@ def _calibrated(
     return _Calibrated(prepared, converted, cal_s, time.perf_counter() - start)
 
 
+def _output_sqnr_db(
+    model: torch.nn.Module, qmodel: torch.nn.Module, probes: list[tuple[torch.Tensor]]
+) -> float:
+    """SQNR of ``qmodel``'s first output against ``model``'s over ``probes`` (the logits)."""
+    signal = noise = 0.0
+    for probe in probes:
+        want, got = model(*probe), qmodel(*probe)
+        want = want[0] if isinstance(want, tuple) else want
+        got = got[0] if isinstance(got, tuple) else got
+        signal += float(want.double().square().sum())
+        noise += float((want.double() - got.double()).square().sum())
+    return math.inf if noise == 0.0 else 10.0 * math.log10(max(signal, 1e-30) / noise)
+
+
 def run_demo(
     calibration_batches: int = 50,
     eval_chars: int = 100_000,
     *,
     compare_batches: int = 2,
-    variants: tuple[Variant, ...] = VARIANTS,
-    progress: bool = True,
+    variants: tuple[Variant, ...] = DEFAULT_VARIANTS,
+    progress: bool | None = None,
     log: Callable[[str], None] = print,
 ) -> DemoResult:
-    """Quantize the bundled model with every available variant and measure each one."""
+    """Quantize the bundled model with every available variant and measure each one.
+
+    ``progress=None`` shows calibration progress bars only when stderr is a terminal, so
+    output redirected to a file or pipe holds no carriage-return redraws.
+    """
     start = time.perf_counter()
+    if progress is None:
+        progress = sys.stderr.isatty()
     result = DemoResult(
         calibration_batches=calibration_batches,
         eval_chars=eval_chars,
@@ -184,15 +221,16 @@ def run_demo(
         probes = batches(validation, BATCH, SEQ, compare_batches, seed=1)
         probe = probes[0]
 
-        float_gm = capture(model, probe)
         variant_names = {v.name for v in variants}
         timed: dict[str, torch.nn.Module] = {}
 
         def measure(
-            name: str, qmodel: torch.nn.Module, reference: torch.fx.GraphModule
+            name: str, qmodel: torch.nn.Module, reference: torch.fx.GraphModule | None
         ) -> tuple[float, float, float, int]:
             logits_db = float("inf")
-            if qmodel is not model:
+            if reference is None and qmodel is not model:
+                logits_db = _output_sqnr_db(model, qmodel, probes)
+            elif reference is not None:
                 comparison = compare(reference, qmodel, probes)
                 if name in variant_names:  # the report charts quantree's variants
                     result.comparisons[name] = comparison
@@ -201,8 +239,8 @@ def run_demo(
             timed[name] = qmodel
             return bpc, logits_db, math.nan, model_bytes(qmodel)
 
-        bpc, _, ms, size = measure("float", model, float_gm)
-        result.rows.append(DemoRow("float", bpc, float("inf"), ms, size))
+        bpc, _, ms, size = measure("float", model, None)
+        result.rows.append(DemoRow("float", bpc, float("inf"), ms, size, kind=FLOAT))
         log(f"float: {bpc:.4f} bits/char")
         with warnings.catch_warnings():  # torch deprecates its quantized tensor types
             warnings.simplefilter("ignore", UserWarning)
@@ -210,8 +248,10 @@ def run_demo(
                 copy.deepcopy(model), {torch.nn.LSTM, torch.nn.Linear}, dtype=torch.qint8
             )
             dynamic(*probe)
-        bpc, db, ms, size = measure("torch dynamic int8", dynamic, float_gm)
-        result.rows.append(DemoRow("torch dynamic int8", bpc, db, ms, size, note="baseline"))
+        bpc, db, ms, size = measure("torch dynamic int8", dynamic, None)
+        result.rows.append(
+            DemoRow("torch dynamic int8", bpc, db, ms, size, note="baseline", kind=KERNELS)
+        )
 
         done: dict[Callable[[], Quantizer], _Calibrated] = {}
         for variant in variants:
@@ -233,9 +273,13 @@ def run_demo(
                 log(f"{variant.name}: failed ({message})")
                 continue
             cal_s = recipe.calibrate_s
-            result.rows.append(DemoRow(variant.name, bpc, db, ms, size, cal_s, quant_s))
+            if isinstance(qmodel, torch.fx.GraphModule):
+                result.summaries[variant.name] = summary(qmodel, f"{variant.name} [{variant.kind}]")
+            row = DemoRow(variant.name, bpc, db, ms, size, cal_s, quant_s, kind=variant.kind)
+            result.rows.append(row)
             log(
-                f"{variant.name}: calibrated {calibration_batches} batches in {cal_s:.1f} s, "
+                f"{variant.name} [{variant.kind}]: calibrated {calibration_batches} batches "
+                f"in {cal_s:.1f} s, "
                 f"{bpc:.4f} bits/char, logits {db:.1f} dB"
             )
         log(f"timing {len(timed)} models, one forward of {BATCH}x{SEQ} chars at a time ...")

@@ -9,6 +9,7 @@ many of its float inputs and outputs go through q/dq, so the ops left in float s
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,25 +55,72 @@ class QuantPoint:
     constant: bool
 
 
+# One vocabulary for ``quantree inspect``, the report's "What is quantized" block and the demo.
+INT8_KERNEL = "int8 kernel"  # a backend's native op: reads and writes integer tensors
+INT8_MOVE = "int8 data movement"  # transpose/view/... of int8 values: exact on the integers
+INT8_CONSTANT = "int8 constant"  # a tensor made from nothing (zeros) and quantized
+SIMULATED = "simulated (q/dq)"  # a float op between dequantize and quantize
+PARTLY_FLOAT = "partly float"
+FLOAT = "float"
+INT8_STATUSES = (INT8_KERNEL, INT8_MOVE, INT8_CONSTANT, SIMULATED)
+
+# Ops that only move, select or reshape elements: on int8 values they are exact, so one
+# reading and writing int8 (or between a dequantize and a quantize with the same parameters)
+# runs in int8, not in float.
+DATA_MOVEMENT = frozenset(
+    {
+        "transpose", "t", "permute", "view", "_unsafe_view", "reshape", "flatten",
+        "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "contiguous", "clone",
+        "select", "slice", "narrow", "index_select", "repeat", "flip", "roll", "alias",
+        "detach", "_to_copy", "chunk", "split", "split_with_sizes", "unbind", "movedim",
+        "swapaxes", "swapdims", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
+        "max_pool1d", "max_pool2d", "max_pool2d_with_indices", "cat", "stack", "pad",
+        "constant_pad_nd", "embedding", "gather",
+    }
+)  # fmt: skip
+
+# Activations a backend fuses into the conv/linear before them (one int8 kernel).
+FUSED_ACTIVATIONS = frozenset({"relu", "relu_", "hardtanh", "hardtanh_", "relu6", "clamp"})
+_FUSING = frozenset({"conv1d", "conv2d", "conv3d", "linear", "convolution", "addmm", "matmul"})
+_CONSTANT_MAKERS = frozenset({"zeros", "ones", "full", "empty", "zeros_like", "ones_like",
+                              "full_like", "scalar_tensor", "arange"})  # fmt: skip
+
+
 @dataclass(frozen=True)
 class OpStatus:
     node: str
     op: str
-    inputs_quantized: int
+    inputs_quantized: int  # dequantized from int8, or integer tensors
     inputs_float: int
-    outputs_quantized: int
+    outputs_quantized: int  # quantized, or integer tensors
     outputs_float: int
-    lowered: bool
+    lowered: bool  # a backend's native op
+    status: str = FLOAT  # one of INT8_STATUSES, PARTLY_FLOAT, FLOAT
+    native: bool = False  # runs on integer tensors (no float op between q/dq)
+    fused_with: str = ""  # the conv/linear or activation it is fused with
 
-    @property
-    def status(self) -> str:
-        if self.lowered:
-            return "integer kernel"
-        if self.inputs_float == 0 and self.outputs_float == 0:
-            return "quantized" if self.inputs_quantized or self.outputs_quantized else "float"
-        if self.inputs_quantized or self.outputs_quantized:
-            return "partly float"
-        return "float"
+
+def _target(node: fx.Node) -> Any:
+    """The op a node calls: a backend's direct-call wrapper (``.op``) unwrapped."""
+    wrapped = getattr(node.target, "op", None)
+    return wrapped if isinstance(wrapped, torch._ops.OpOverload) else node.target
+
+
+def node_name(node: fx.Node) -> str:
+    """The node's name as ``torch.export`` writes it, so the model in memory, its saved
+    ``.pt2`` and the report name a node alike: a node a backend inserted as
+    ``linear_default`` (op ``quantree.linear.default``) is ``linear``, ``transpose_int``
+    is ``transpose``."""
+    target = _target(node)
+    packet = getattr(target, "_opname", None) or getattr(
+        getattr(target, "overloadpacket", None), "__name__", None
+    )
+    overload = getattr(target, "_overloadname", None)
+    if node.op == "call_function" and packet and overload:
+        match = re.fullmatch(rf"(.*)_{re.escape(overload)}(_\d+)?", node.name)
+        if match and match.group(1) == packet:
+            return packet + (match.group(2) or "")
+    return node.name
 
 
 def tensor_name(node: fx.Node) -> str:
@@ -81,7 +129,7 @@ def tensor_name(node: fx.Node) -> str:
     while is_getitem(node) and isinstance(node.args[0], fx.Node):
         path.append(node.args[1])
         node = node.args[0]
-    return node.name + "".join(f"[{p!r}]" for p in reversed(path))
+    return node_name(node) + "".join(f"[{p!r}]" for p in reversed(path))
 
 
 def _scheme(gm: torch.nn.Module, node: fx.Node) -> str:
@@ -107,7 +155,7 @@ def _consumers(node: fx.Node) -> tuple[str, ...]:
             for path, leaf in leaves_with_paths(root):
                 if leaf is node:
                     where = "".join(f"[{p!r}]" for p in path)
-                    found.append(f"{user.name}.args[{head}]{where}")
+                    found.append(f"{node_name(user)}.args[{head}]{where}")
     return tuple(found)
 
 
@@ -122,7 +170,7 @@ def quant_points(gm: fx.GraphModule) -> list[QuantPoint]:
             assert isinstance(source, fx.Node)
             tensor, constant = tensor_name(source), False
             readers = [u for u in node.users if not _is_dequantize(u)]
-            read_by = [f"{u.name} (integer)" for u in readers]
+            read_by = [f"{node_name(u)} (integer)" for u in readers]
             for dq in node.users:
                 if _is_dequantize(dq):
                     read_by.extend(_consumers(dq))
@@ -148,52 +196,175 @@ def quant_points(gm: fx.GraphModule) -> list[QuantPoint]:
     return points
 
 
+def _is_native(node: fx.Node) -> bool:
+    namespace = getattr(node.target, "namespace", "")
+    return node.op == "call_function" and namespace not in (
+        "",
+        "aten",
+        "quantized_decomposed",
+        "prims",
+    )
+
+
+def _base_name(node: fx.Node) -> str:
+    """``transpose`` for ``aten.transpose.int``, the function's name otherwise."""
+    target = _target(node)
+    packet = getattr(getattr(target, "overloadpacket", None), "__name__", None)
+    return str(packet or getattr(target, "__name__", str(target)))
+
+
+def _is_integer(node: Any) -> bool:
+    """Whether ``node`` yields integer (quantized) tensors. Read from its ``val`` when there
+    is one; a graph a backend rewrote may have none: then a native op's output is integer
+    (its dequantize's is float), data movement keeps its input's kind, anything else is
+    float."""
+    if not isinstance(node, fx.Node):
+        return False
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return not val.is_floating_point() and val.dtype != torch.bool
+    if _is_dequantize(node):
+        return False
+    if _is_quantize(node):
+        return True
+    if is_getitem(node) and isinstance(node.args[0], fx.Node):
+        return _is_integer(node.args[0])
+    if _is_native(node):
+        return True
+    if node.op == "call_function" and _base_name(node) in DATA_MOVEMENT:
+        first = next((a for a in _tensor_inputs(node)), None)
+        return first is not None and _is_integer(first)
+    return False
+
+
 def _is_float_value(node: Any) -> bool:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(node, fx.Node):
+        return False
+    val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         return val.is_floating_point()
-    return isinstance(node, fx.Node) and node.op == "call_function" and val is None
+    if val is not None or node.op not in ("call_function", "placeholder"):
+        return False
+    return not _is_integer(node)
+
+
+def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [
+        leaf
+        for root in [*node.args, *node.kwargs.values()]
+        for _, leaf in leaves_with_paths(root)
+        if isinstance(leaf, fx.Node)
+    ]
+
+
+def _qparams(node: fx.Node) -> tuple[Any, ...]:
+    """A quantize or dequantize node's parameters (scale, zero point, range, dtype)."""
+    return tuple(a.target if isinstance(a, fx.Node) else a for a in node.args[1:])
+
+
+def _counts(gm: fx.GraphModule, node: fx.Node) -> tuple[int, int, list[fx.Node], int]:
+    """(inputs quantized, inputs float, float output carriers, outputs quantized)."""
+    inputs = _tensor_inputs(node)
+    in_q = sum(1 for a in inputs if _is_dequantize(a) or (a.op != "get_attr" and _is_integer(a)))
+    in_f = sum(
+        1 for a in inputs if not _is_dequantize(a) and a.op != "get_attr" and _is_float_value(a)
+    )
+    in_f += sum(
+        1
+        for a in inputs
+        if a.op == "get_attr"
+        and isinstance(v := attr_at(gm, str(a.target)), torch.Tensor)
+        and v.is_floating_point()
+    )
+    carriers = [node] if not any(is_getitem(u) for u in node.users) else _leaves(node)
+    float_carriers = [c for c in carriers if _is_float_value(c)]
+    out_q = sum(1 for c in float_carriers if any(_is_quantize(u) for u in c.users))
+    out_q += sum(1 for c in carriers if _is_integer(c))
+    return in_q, in_f, float_carriers, out_q
+
+
+def _same_params_movement(node: fx.Node, carriers: list[fx.Node]) -> bool:
+    """Data movement read through a dequantize and written through a quantize with the same
+    parameters: the integers only move."""
+    data = [leaf for _, leaf in leaves_with_paths(node.args[0]) if isinstance(leaf, fx.Node)]
+    if not data or not all(_is_dequantize(a) for a in data):
+        return False
+    dqs = data
+    qs = [u for c in carriers for u in c.users if _is_quantize(u)]
+    if not dqs or not qs:
+        return False
+    params = {_qparams(n) for n in [*dqs, *qs]}
+    return len(params) == 1
 
 
 def op_statuses(gm: fx.GraphModule) -> list[OpStatus]:
-    """Each compute op with how many float inputs/outputs pass through q/dq."""
+    """Each compute op with how many float inputs/outputs pass through q/dq, and its status:
+    an int8 kernel, int8 data movement, an int8 constant, simulated (q/dq), or (partly)
+    float. A conv/linear whose only float output feeds a relu (or clamp) whose output is
+    quantized is one fused op, not a float edge."""
+    nodes = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and not is_getitem(n)
+        and not _is_quantize(n)
+        and not _is_dequantize(n)
+    ]
+    counts = {n: _counts(gm, n) for n in nodes}
+    fused: dict[fx.Node, fx.Node] = {}  # both ends of a fused conv/linear -> activation edge
+    for n in nodes:
+        in_q, in_f, carriers, _ = counts[n]
+        if _base_name(n) not in _FUSING or in_f or len(carriers) != 1 or len(n.users) != 1:
+            continue
+        (act,) = n.users
+        if act not in counts or _base_name(act) not in FUSED_ACTIVATIONS:
+            continue
+        _, a_in_f, a_carriers, a_out_q = counts[act]
+        if a_in_f == 1 and a_out_q == len(a_carriers) and a_carriers:
+            fused[n], fused[act] = act, n
     rows = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or is_getitem(node):
-            continue
-        if _is_quantize(node) or _is_dequantize(node):
-            continue
-        namespace = getattr(node.target, "namespace", "")
-        lowered = namespace not in ("", "aten", "quantized_decomposed", "prims")
-        inputs = [
-            leaf
-            for root in [*node.args, *node.kwargs.values()]
-            for _, leaf in leaves_with_paths(root)
-            if isinstance(leaf, fx.Node)
-        ]
-        in_q = sum(1 for a in inputs if _is_dequantize(a))
-        in_f = sum(
-            1 for a in inputs if not _is_dequantize(a) and a.op != "get_attr" and _is_float_value(a)
-        )
-        in_f += sum(
-            1
-            for a in inputs
-            if a.op == "get_attr"
-            and isinstance(v := attr_at(gm, str(a.target)), torch.Tensor)
-            and v.is_floating_point()
-        )
-        carriers = [node] if not any(is_getitem(u) for u in node.users) else _leaves(node)
-        float_carriers = [c for c in carriers if _is_float_value(c)]
-        out_q = sum(1 for c in float_carriers if any(_is_quantize(u) for u in c.users))
+    for n in nodes:
+        in_q, in_f, carriers, out_q = counts[n]
+        out_f = len(carriers) - sum(1 for c in carriers if any(_is_quantize(u) for u in c.users))
+        lowered = _is_native(n)
+        partner = fused.get(n)
+        if partner is not None and _base_name(n) in FUSED_ACTIVATIONS:
+            in_f -= 1  # the edge inside a fused pair is not a float tensor
+        elif partner is not None:
+            out_f -= 1
+        data = [leaf for _, leaf in leaves_with_paths(n.args[0]) if isinstance(leaf, fx.Node)]
+        integer_in = bool(data) and all(_is_integer(a) for a in data)  # not indices
+        if lowered:
+            status, native = INT8_KERNEL, True
+        elif (
+            _base_name(n) in DATA_MOVEMENT
+            and not in_f
+            and not out_f
+            and (integer_in or _same_params_movement(n, carriers))
+        ):
+            status, native = INT8_MOVE, integer_in
+        elif in_f == 0 and out_f == 0:
+            if not (in_q or out_q):
+                status, native = FLOAT, False
+            elif in_q == 0 and _base_name(n) in _CONSTANT_MAKERS:
+                status, native = INT8_CONSTANT, False
+            else:
+                status, native = SIMULATED, False
+        else:
+            status = PARTLY_FLOAT if in_q or out_q else FLOAT
+            native = False
         rows.append(
             OpStatus(
-                node.name,
-                _op_name(node),
+                node_name(n),
+                _op_name(n),
                 in_q,
                 in_f,
                 out_q,
-                len(float_carriers) - out_q,
+                out_f,
                 lowered,
+                status,
+                native,
+                node_name(partner) if partner is not None else "",
             )
         )
     return rows
@@ -209,21 +380,31 @@ def _leaves(node: fx.Node) -> list[fx.Node]:
 
 
 def _op_name(node: fx.Node) -> str:
-    target = node.target
-    name = getattr(target, "__name__", str(target))
+    target = _target(node)
     namespace = getattr(target, "namespace", "")
+    name = getattr(target, "_opname", None)
+    overload = getattr(target, "_overloadname", None)
+    if namespace and name and overload:
+        return f"{namespace}.{name}.{overload}"
+    name = getattr(target, "__name__", str(target))
     return f"{namespace}.{name}" if namespace else str(name)
 
 
 def summary(gm: fx.GraphModule, title: str = "model") -> str:
-    """The text ``quantree inspect`` prints."""
+    """The text ``quantree inspect`` prints (and the report's "What is quantized" block)."""
     points = quant_points(gm)
     ops = op_statuses(gm)
-    left = [op for op in ops if op.status in ("float", "partly float")]
+    left = [op for op in ops if op.status in (FLOAT, PARTLY_FLOAT)]
+    by_status = {s: sum(1 for o in ops if o.status == s) for s in (*INT8_STATUSES, PARTLY_FLOAT)}
+    counted = ", ".join(f"{s} {n}" for s, n in by_status.items() if n)
     lines = [
         f"{title}: {len(points)} quantization point(s) "
-        f"({sum(p.constant for p in points)} constant), {len(ops)} op(s), "
-        f"{len(left)} computing in float",
+        f"({sum(p.constant for p in points)} constant), {len(ops)} op(s)"
+        + (f": {counted}" if counted else "")
+        + f", {len(left)} computing in float",
+        f"run natively on int8: {sum(o.native for o in ops)} of {len(ops)} op(s) "
+        f"({INT8_KERNEL} {by_status[INT8_KERNEL]}, "
+        f"{INT8_MOVE} {sum(o.native and o.status == INT8_MOVE for o in ops)})",
     ]
     if points:
         lines += ["", "quantized tensors (graph order):"]
@@ -239,14 +420,20 @@ def summary(gm: fx.GraphModule, title: str = "model") -> str:
         lines += ["", "ops:"]
         nw = max(len(o.node) for o in ops)
         ow = max(len(o.op) for o in ops)
+        sw = max(len(o.status) for o in ops)
         for o in ops:
-            counts = (
-                "reads and writes integer tensors"
-                if o.lowered
-                else f"inputs {o.inputs_quantized} dequantized / {o.inputs_float} float, "
-                f"outputs {o.outputs_quantized} quantized / {o.outputs_float} float"
-            )
-            lines.append(f"  {o.node:<{nw}}  {o.op:<{ow}}  {o.status:<14}  {counts}")
+            if o.lowered:
+                counts = "reads and writes integer tensors"
+            elif o.native:
+                counts = "moves int8 values"
+            else:
+                counts = (
+                    f"inputs {o.inputs_quantized} int8 / {o.inputs_float} float, "
+                    f"outputs {o.outputs_quantized} int8 / {o.outputs_float} float"
+                )
+            if o.fused_with:
+                counts += f"; fused with {o.fused_with}"
+            lines.append(f"  {o.node:<{nw}}  {o.op:<{ow}}  {o.status:<{sw}}  {counts}")
     if left:
         lines += ["", "stay in float: " + ", ".join(f"{o.node} ({o.op})" for o in left)]
     return "\n".join(lines)

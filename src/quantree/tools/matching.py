@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ import torch.fx as fx
 from quantree.core.graphs import fetch_attr
 from quantree.core.observers import Observer
 from quantree.core.qdq import DEQUANTIZE_OPS, PER_CHANNEL_OPS, QUANTIZE_OPS
-from quantree.core.stages import OBSERVER_KEY
+from quantree.core.stages import OBSERVER_KEY, OUTPUT_GRID_KEY, REPLACES_KEY
 from quantree.core.values import Path, arg_at, get_at, is_getitem, leaves_with_paths
 
 VALUE, WEIGHT, OUTPUT = "value", "weight", "output"
@@ -46,6 +46,8 @@ class Plan:
 
     outputs: Watch
     inputs: Watch
+    grids: dict[fx.Node, tuple[float, int]] = field(default_factory=dict)
+    """Kernels whose int8 outputs are read dequantized, with their (scale, zero_point)."""
 
 
 def describe_quantization(node: fx.Node) -> str:
@@ -142,6 +144,7 @@ def quantized_plan(
     """Where each float key is read in the quantized graph, and how it is quantized there."""
     by_name = {n.name: n for n in gm.graph.nodes}
     float_by_name = {n.name: n for n in float_gm.graph.nodes}
+    kernels = {n.meta[REPLACES_KEY][0]: n for n in gm.graph.nodes if REPLACES_KEY in n.meta}
     plan, how = Plan({}, {}), {}
     for key in keys:
         kind, name, path = key
@@ -162,6 +165,14 @@ def quantized_plan(
         node = by_name.get(name)
         if node is None or is_getitem(node):
             f_carrier, rest = carrier(float_by_name[name], path)
+            kernel = kernels.get(f_carrier.name) if not rest else None
+            if kernel is not None:  # a backend's kernel computes this Value
+                plan.outputs.setdefault(kernel, []).append((key, ()))
+                grid = kernel.meta.get(OUTPUT_GRID_KEY)
+                if grid is not None:
+                    plan.grids[kernel] = grid
+                how[key] = "int8 kernel" if grid is not None else "kernel, float out"
+                continue
             node = by_name.get(f_carrier.name) if f_carrier is not float_by_name[name] else None
             if node is None:
                 continue
@@ -205,12 +216,14 @@ class Recorder(fx.Interpreter):
             if isinstance(arg, fx.Node) and arg in self.env:
                 self.sink(key, self.env[arg])
         out = super().run_node(n)
+        grid = self.plan.grids.get(n)
+        seen = out if grid is None else (out.float() - grid[1]) * grid[0]
         for key, path in self.plan.outputs.get(n, ()):
             if path is None:
-                for leaf_path, leaf in leaves_with_paths(out):
+                for leaf_path, leaf in leaves_with_paths(seen):
                     self.sink((key[0], key[1], leaf_path), leaf)
             else:
-                self.sink(key, get_at(out, path))
+                self.sink(key, get_at(seen, path))
         return out
 
 

@@ -11,11 +11,14 @@ import base64
 import html
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from quantree.tools.compare import Comparison, RowKind
 
@@ -26,11 +29,12 @@ _KIND_COLORS = {RowKind.VALUE: "#4c72b0", RowKind.WEIGHT: "#dd8452", RowKind.OUT
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 70em; color: #222; }
 table { border-collapse: collapse; margin: 1em 0; }
-th, td { border: 1px solid #ccc; padding: 0.3em 0.7em; text-align: right; }
-th:first-child, td:first-child { text-align: left; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.7em; text-align: left; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 th { background: #f0f0f0; }
 pre { background: #f7f7f7; padding: 1em; overflow-x: auto; }
-img { max-width: 100%; }
+img { max-width: 100%; display: block; margin: 0.5em 0; }
+summary { cursor: pointer; margin: 0.5em 0; font-weight: 600; }
 """
 
 
@@ -65,23 +69,108 @@ def sqnr_chart(comparison: Comparison, title: str = "per-tensor SQNR", limit: in
     return _png(fig)
 
 
+def _legend_below(ax: Any, legend: Mapping[str, str]) -> None:
+    """The colour key in one row under the axis, where it covers no bar or value."""
+    handles = [Patch(color=c, label=k) for k, c in legend.items()]
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22),
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+    )
+
+
 def bar_chart(
-    labels: Sequence[str], values: Sequence[float], title: str, xlabel: str, fmt: str = "{:.1f}"
+    labels: Sequence[str],
+    values: Sequence[float],
+    title: str,
+    xlabel: str,
+    fmt: str = "{:.1f}",
+    *,
+    colors: Sequence[str] | None = None,
+    legend: Mapping[str, str] | None = None,
+    log: bool = False,
+    reference: float | None = None,
+    texts: Sequence[str] | None = None,
 ) -> bytes:
-    """Horizontal bars, one per label (latency per variant, model size, ...)."""
-    fig = Figure(figsize=(8.0, 0.8 + 0.4 * max(len(labels), 1)))
+    """Horizontal bars, one per label (latency per variant, model size, ...).
+
+    ``log`` draws the axis logarithmically (values a hundred times apart stay readable);
+    ``reference`` draws a dashed vertical line (the float model's value); ``legend`` maps a
+    label to a colour for the key; ``texts`` replaces the value written after each bar.
+    """
+    fig = Figure(figsize=(8.0, 1.2 + 0.4 * max(len(labels), 1)))
     ax = fig.add_subplot()
     positions = list(range(len(labels)))
-    ax.barh(positions, list(values), color="#4c72b0")
+    ax.barh(positions, list(values), color=list(colors) if colors else "#4c72b0")
     ax.set_yticks(positions, list(labels), fontsize=9)
     ax.invert_yaxis()
+    positive = [v for v in values if v > 0]
     top = max(values, default=1.0)
-    for y, v in zip(positions, values, strict=True):
-        ax.text(v, y, " " + fmt.format(v), va="center", fontsize=8)
-    ax.set_xlim(0, top * 1.2 if top > 0 else 1.0)
+    written = list(texts) if texts is not None else [fmt.format(v) for v in values]
+    for y, v, text in zip(positions, values, written, strict=True):
+        ax.text(v, y, " " + text, va="center", fontsize=8, backgroundcolor="white")
+    if log and positive:
+        ax.set_xscale("log")
+        ax.set_xlim(min(positive) / 2.0, max(positive) * 4.0)
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.set_xlim(0, top * 1.25 if top > 0 else 1.0)
+    if reference is not None:
+        ax.axvline(reference, color="#555555", linestyle="--", linewidth=1)
+    if legend:
+        _legend_below(ax, legend)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
     return _png(fig)
+
+
+def delta_chart(
+    labels: Sequence[str],
+    values: Sequence[float],
+    title: str,
+    xlabel: str,
+    fmt: str = "{:+.2f}",
+    *,
+    colors: Sequence[str] | None = None,
+    legend: Mapping[str, str] | None = None,
+) -> bytes:
+    """Horizontal bars of a change against a baseline, drawn from zero in both directions
+    (the change in bits per character against float), so small differences are visible."""
+    fig = Figure(figsize=(8.0, 1.2 + 0.4 * max(len(labels), 1)))
+    ax = fig.add_subplot()
+    positions = list(range(len(labels)))
+    ax.barh(positions, list(values), color=list(colors) if colors else "#4c72b0")
+    ax.set_yticks(positions, list(labels), fontsize=9)
+    ax.invert_yaxis()
+    ax.axvline(0.0, color="#333333", linewidth=1)
+    span = max((abs(v) for v in values), default=0.0) or 1.0
+    ax.set_xlim(-span * 1.5, span * 1.5)
+    for y, v in zip(positions, values, strict=True):
+        ax.text(v, y, f" {fmt.format(v)} " , va="center", ha="left" if v >= 0 else "right",
+                fontsize=8)  # fmt: skip
+    if legend:
+        _legend_below(ax, legend)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    return _png(fig)
+
+
+def _is_number(cell: object) -> bool:
+    if isinstance(cell, int | float):
+        return True
+    text = str(cell)
+    if text in ("exact", "-", "inf", "nan"):
+        return True
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class Report:
@@ -100,10 +189,26 @@ class Report:
     def preformatted(self, text: str) -> None:
         self.parts.append(f"<pre>{html.escape(text)}</pre>")
 
+    def details(self, summary: str, text: str) -> None:
+        """Preformatted text folded under a one-line summary (a long inspection)."""
+        self.parts.append(
+            f"<details><summary>{html.escape(summary)}</summary>"
+            f"<pre>{html.escape(text)}</pre></details>"
+        )
+
     def table(self, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-        head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+        """Text columns left-aligned, number columns (every cell a number) right-aligned."""
+        numeric = [
+            bool(rows) and all(_is_number(row[i]) for row in rows) for i in range(len(headers))
+        ]
+        cls = [' class="num"' if n else "" for n in numeric]
+        head = "".join(
+            f"<th{c}>{html.escape(str(h))}</th>" for h, c in zip(headers, cls, strict=True)
+        )
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+            "<tr>"
+            + "".join(f"<td{c}>{html.escape(str(v))}</td>" for v, c in zip(row, cls, strict=True))
+            + "</tr>"
             for row in rows
         )
         self.parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")

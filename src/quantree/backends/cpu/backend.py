@@ -35,6 +35,7 @@ from quantree.backends.cpu.lowering_qdq import (
 )
 from quantree.backends.cpu.lowering_recurrent import recurrent_rule
 from quantree.backends.cpu.native import library
+from quantree.backends.cpu.simulated import simulated_ops, warn_simulated
 from quantree.core.constants import share_identical
 from quantree.core.errors import QuantreeWarning
 from quantree.core.graphs import nested_graphs, replace_submodule
@@ -54,13 +55,15 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     if nested is not None:
         lower_nested(gm, nested)
     native_quantize_dequantize(gm)
+    if nested is not None:  # the top-level graph: one warning for the model
+        warn_simulated(gm, "cpu")
     share_identical(gm)  # an unrolled decoder's per-call-site weights, stored once
     gm.graph.lint()
     gm.recompile()
     lean = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
     lean.meta = dict(gm.meta)
     if nested is not None:  # the whole model, its nested bodies included: say it once
-        warn_float_ops(lean, "the CPU backend")
+        warn_float_ops(lean, "the CPU backend", named=set(simulated_ops(gm)))
     return call_directly(lean)
 
 

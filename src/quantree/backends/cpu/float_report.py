@@ -6,7 +6,8 @@ Two findings, each one ``QuantreeWarning``:
   no native kernel consumes it, so it is dequantized on every call (an embedding table or an
   LSTM cell's weights once cost most of a model's time this way);
 - every other op left computing in float (shape and view ops, and ops that only create
-  tensors, are not counted), by op, with the first nodes of each.
+  tensors, are not counted), by op, with the first nodes of each, but those the backend's
+  ``simulated`` warning already names (ops next to activation quantize/dequantize nodes).
 """
 
 from __future__ import annotations
@@ -82,11 +83,13 @@ def _describe(items: list[tuple[str, fx.Node, bool]]) -> str:
     return "; ".join(parts)
 
 
-def warn_float_ops(root: torch.nn.Module, backend: str) -> None:
-    """One warning for float ops that dequantize int8 constants each call, one for the rest."""
+def warn_float_ops(root: torch.nn.Module, backend: str, named: set[fx.Node] | None = None) -> None:
+    """One warning for float ops that dequantize int8 constants each call, one for the rest
+    but those already ``named`` (``simulated.warn_simulated``'s ops beside quantize/dequantize
+    nodes of activations)."""
     found = float_ops(root)
     costly = [f for f in found if f[2]]
-    rest = [f for f in found if not f[2]]
+    rest = [f for f in found if not f[2] and f[1] not in (named or set())]
     if costly:
         warnings.warn(
             f"lowering for {backend}: {len(costly)} float op(s) dequantize an int8 constant "
@@ -97,7 +100,8 @@ def warn_float_ops(root: torch.nn.Module, backend: str) -> None:
         )
     if rest:
         warnings.warn(
-            f"lowering for {backend}: {len(rest)} op(s) still compute in float: {_describe(rest)}",
+            f"lowering for {backend}: {len(rest)} {'other ' if named else ''}op(s) compute "
+            f"in float: {_describe(rest)}",
             QuantreeWarning,
             stacklevel=3,
         )

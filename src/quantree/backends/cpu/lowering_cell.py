@@ -22,6 +22,7 @@ from quantree.backends.patterns import (
     constant,
     float_constant,
     is_int8_per_tensor,
+    mark_provenance,
     weight,
 )
 from quantree.core.lower import LoweringContext, Quantized
@@ -102,6 +103,7 @@ def lower_cell(ctx: LoweringContext, node: fx.Node) -> bool:
     for index, q in outputs.items():
         with graph.inserting_before(q.node):
             leaf = graph.call_function(operator.getitem, (new, index))
+        mark_provenance(q.node, leaf)  # the numeric debugger reads the kernel's output
         q.node.replace_all_uses_with(leaf)
         graph.erase_node(q.node)
     for user in list(node.users):

@@ -27,6 +27,7 @@ from quantree.backends.patterns import (
     constant,
     float_constant,
     is_int8_per_tensor,
+    mark_provenance,
     weight,
 )
 from quantree.core.errors import QuantreeError
@@ -215,6 +216,7 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     for index, q in outputs.items():
         with graph.inserting_before(q.node):
             leaf = graph.call_function(operator.getitem, (new, index))
+        mark_provenance(q.node, leaf)
         q.node.replace_all_uses_with(leaf)
         graph.erase_node(q.node)
     for user in list(node.users):

@@ -1,0 +1,84 @@
+"""Say which ops a CPU-lowered model still computes in float from quantized inputs.
+
+Such an op reads a dequantized tensor (or writes one a quantize reads) and runs as the
+reference graph does: the model is correct, but that part gains nothing from int8 and pays
+for the conversions. A user who asked for the CPU backend should hear which ops those are
+(an A16W8 model, whose int16 activations have no kernel, would otherwise come back as a
+silent reference graph).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.fx as fx
+
+from quantree.core.errors import QuantreeWarning
+from quantree.core.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS
+from quantree.core.values import is_getitem
+
+_NATIVE_QDQ = ("quantree.quantize.default", "quantree.dequantize.default")
+_MOVEMENT = frozenset(
+    {
+        torch.ops.aten.view,
+        torch.ops.aten.reshape,
+        torch.ops.aten.permute,
+        torch.ops.aten.transpose,
+        torch.ops.aten.t,
+        torch.ops.aten.unsqueeze,
+        torch.ops.aten.squeeze,
+        torch.ops.aten.flatten,
+        torch.ops.aten.contiguous,
+        torch.ops.aten.clone,
+        torch.ops.aten.expand,
+        torch.ops.aten.slice,
+        torch.ops.aten.select,
+        torch.ops.aten.dropout,
+    }
+)
+
+
+def _is_qdq(node: object, reference_ops: tuple[object, ...]) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    return node.target in reference_ops or str(node.target) in _NATIVE_QDQ
+
+
+def simulated_ops(gm: fx.GraphModule) -> list[fx.Node]:
+    """Compute ops of ``gm`` that read a dequantize of an activation or feed a quantize."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or is_getitem(node):
+            continue
+        if _is_qdq(node, QUANTIZE_OPS + DEQUANTIZE_OPS):
+            continue
+        if getattr(node.target, "overloadpacket", None) in _MOVEMENT:
+            continue
+        if str(node.target).startswith("quantree."):
+            continue
+        reads = any(
+            _is_qdq(a, DEQUANTIZE_OPS) and a.args and a.args[0].op != "get_attr"  # type: ignore[union-attr]
+            for a in node.all_input_nodes
+        )
+        writes = any(_is_qdq(u, QUANTIZE_OPS) for u in node.users)
+        if reads or writes:
+            found.append(node)
+    return found
+
+
+def warn_simulated(gm: fx.GraphModule, backend: str) -> None:
+    """One QuantreeWarning naming the ops ``simulated_ops`` finds, if any."""
+    ops = simulated_ops(gm)
+    if not ops:
+        return
+    shown = ", ".join(f"{n.target} at {n.name}" for n in ops[:12])
+    more = f" and {len(ops) - 12} more" if len(ops) > 12 else ""
+    warnings.warn(
+        f"backend {backend}: {len(ops)} op(s) have no int8 kernel for their inputs and run in "
+        f"float between quantize/dequantize, as in the reference graph: {shown}{more}. "
+        "Kernels exist for int8 activations (Int8Quantizer); int16 activations "
+        "(A16W8Quantizer) and these ops are simulated",
+        QuantreeWarning,
+        stacklevel=5,
+    )

@@ -1,0 +1,10 @@
+"""QDQ ONNX export of the reference graph, checked in ONNX Runtime.
+
+``qt.export_onnx(ref, example_args, "model.onnx")`` writes ``qt.convert``'s graph with
+``QuantizeLinear``/``DequantizeLinear`` around standard ONNX ops (``onnx``/``onnxscript``, the
+``[onnx]`` extra); ``run_onnx(path, args)`` runs it in ONNX Runtime.
+"""
+
+from quantree.backends.onnx.export import export_onnx, onnx_session, run_onnx
+
+__all__ = ["export_onnx", "onnx_session", "run_onnx"]

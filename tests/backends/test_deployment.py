@@ -1,0 +1,54 @@
+"""What a deployment needs: ``import quantree`` then a plain ``torch.export.load``; and a
+CPU lowering that cannot run something natively says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import quantree as qt
+from quantree.backends import CPU, save
+
+
+def _mlp_data() -> tuple[nn.Module, list[tuple[torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    return model, [(torch.randn(3, 8),) for _ in range(4)]
+
+
+def test_plain_torch_export_load_after_import_quantree(tmp_path) -> None:
+    model, data = _mlp_data()
+    low = qt.quantize(model, data[0], data, backend=CPU, progress=False)
+    path = tmp_path / "mlp.pt2"
+    save(low, path, data[0])
+    torch.save(data[1], tmp_path / "x.pt")
+    expected = low(*data[1])
+    code = (
+        "import sys, torch, quantree\n"
+        f"m = torch.export.load(r'{path}').module()\n"
+        f"(x,) = torch.load(r'{tmp_path / 'x.pt'}', weights_only=True)\n"
+        "torch.save(m(x), sys.argv[1])\n"
+    )
+    out = tmp_path / "y.pt"
+    done = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert torch.equal(torch.load(out, weights_only=True), expected)
+
+
+def test_int16_activations_on_cpu_are_named_not_silent() -> None:
+    """Before: A16W8Quantizer with backend=CPU came back as the reference graph, silently."""
+    model, data = _mlp_data()
+    with pytest.warns(qt.QuantreeWarning, match=r"3 op\(s\) have no int8 kernel"):
+        qt.quantize(model, data[0], data, quantizer=qt.A16W8Quantizer(), backend=CPU)
+
+
+def test_int8_model_on_cpu_lowers_without_that_warning() -> None:
+    model, data = _mlp_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qt.QuantreeWarning)
+        qt.quantize(model, data[0], data, backend=CPU, progress=False)

@@ -1,0 +1,93 @@
+"""The numeric debugger on a speech-style model: batch norm folded, CPU-lowered kernels."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import quantree as qt
+from quantree.backends import CPU
+
+
+class Speech(nn.Module):
+    """Conv1d + BatchNorm -> Conv1d -> 2-layer bidirectional GRU -> Linear -> log_softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn = nn.Conv1d(20, 32, 5, padding=2), nn.BatchNorm1d(32)
+        self.conv2 = nn.Conv1d(32, 32, 3, padding=1)
+        self.gru = nn.GRU(32, 24, num_layers=2, bidirectional=True, batch_first=True)
+        self.fc = nn.Linear(48, 29)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.conv1(feats)))
+        y, _ = self.gru(torch.relu(self.conv2(x)).transpose(1, 2))
+        return torch.log_softmax(self.fc(y), -1)
+
+
+@pytest.fixture(scope="module")
+def speech() -> tuple[nn.Module, torch.fx.GraphModule, list[tuple[torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = Speech().train()
+    with torch.no_grad():
+        for _ in range(10):  # batch norm statistics away from (0, 1)
+            model(torch.randn(8, 20, 50) * 2 + 0.5)
+    model.eval()
+    data = [(torch.randn(4, 20, 50) * 2 + 0.5,) for _ in range(12)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qt.QuantreeWarning)  # log_softmax has a rule now
+        ref = qt.quantize(model, data[0], data, progress=False)
+    return model, ref, data
+
+
+LAYERS = ("aten.conv1d", "aten.linear", "aten.gru", "aten.relu", "aten.transpose")
+
+
+def _check_worst_is_a_layer(comparison: qt.Comparison) -> None:
+    worst = comparison.rows[0]
+    (output,) = comparison.outputs
+    assert any(worst.op.startswith(op) for op in LAYERS), worst
+    assert worst.sqnr_db >= min(output.sqnr_db, 45.0) - 30.0
+    assert all(r.sqnr_db >= 25.0 for r in comparison.rows), comparison.render(5)
+
+
+def test_folded_batch_norm_is_compared_with_conv_plus_batch_norm(speech) -> None:
+    """Before: conv1.bias at -30 dB and conv1d at 1.7 dB (float conv vs folded conv)."""
+    model, ref, data = speech
+    comparison = qt.compare(model, ref, data[:3])
+    _check_worst_is_a_layer(comparison)
+    names = {r.name for r in comparison.rows}
+    assert "batch_norm" not in names  # folded: the conv row means conv + batch norm
+
+
+def test_cpu_lowered_model_has_a_row_per_kernel(speech) -> None:
+    """Before: four rows, all 'quantized as float'."""
+    model, ref, data = speech
+    comparison = qt.compare(model, qt.lower(ref, CPU), data[:3])
+    _check_worst_is_a_layer(comparison)
+    kernels = {r.name for r in comparison.rows if r.quantization == "int8 kernel"}
+    assert {"relu", "relu_1", "linear", "gru[0]"} <= kernels  # conv+relu, conv+relu, fc, gru
+    reference = {r.name: r.sqnr_db for r in qt.compare(model, ref, data[:3]).rows}
+    for row in comparison.rows:
+        if row.name in kernels and row.name in reference:
+            assert abs(row.sqnr_db - reference[row.name]) < 3.0, row
+
+
+@pytest.mark.parametrize("mode", list(qt.RecurrentMode))
+def test_recurrent_outputs_get_an_sqnr_per_time_step(mode: qt.RecurrentMode) -> None:
+    torch.manual_seed(0)
+    model = nn.LSTM(12, 16, batch_first=False).eval()
+    data = [(torch.randn(30, 3, 12),) for _ in range(6)]
+    quantizer = qt.Int8Quantizer(recurrent=mode)
+    ref = qt.quantize(model, data[0], data, quantizer=quantizer, progress=False)
+    comparison = qt.compare(model, ref, data[:2])
+    row = comparison.row("lstm[0]")
+    assert len(row.steps) == 30  # time is axis 0 here
+    overall = row.sqnr_db
+    assert min(row.steps) <= overall + 1e-9 <= max(row.steps) + 1e-9  # the mean lies within
+    assert min(row.steps) >= 20.0  # int8, one layer: measured 28-40 dB per step
+    assert "per-step SQNR" in comparison.render()
+    assert not comparison.row("lstm[1]").steps  # a state is one step, not a sequence
