@@ -116,3 +116,32 @@ def test_activations_and_in_place_ops_are_quantized():
     for node in float_ops:  # each op's result is quantized where it is produced
         assert any(u.target is qd.quantize_per_tensor.default for u in node.users), node.name
     assert min(output_sqnrs(model, ref, data[0])) >= 25.0
+
+
+class MaskedAttention(nn.Module):
+    """Location-style attention (Tacotron2): energies masked with -inf, softmax, bmm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.energy = nn.Linear(8, 1)
+
+    def forward(self, memory: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        energies = self.energy(memory).squeeze(-1).masked_fill(mask, float("-inf"))
+        weights = torch.softmax(energies, 1)
+        return torch.bmm(weights.unsqueeze(1), memory)
+
+
+def test_softmax_of_energies_masked_with_infinity_reads_them_in_float():
+    """Calibration once failed with "NaN or infinite values at softmax.input[0]"."""
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True  # padding
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(2, 5, 8, generator=g), mask) for _ in range(4)]
+    model = MaskedAttention().eval()
+    ref = qt.quantize(model, data[0], data, progress=False)
+    (softmax,) = calls(ref, torch.ops.aten.softmax.int)
+    assert "dequantize" not in str(softmax.args[0].target)
+    with torch.no_grad():
+        out = ref(*data[1])
+        assert torch.isfinite(out).all()
+        assert qt.sqnr(model(*data[1]), out) > 25.0

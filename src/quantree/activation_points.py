@@ -87,6 +87,13 @@ FLOAT_UNDER_WEIGHTED_INPUTS = (
     aten._softmax,
 )
 """Ops the recipe quantizes under EVERY_OP and leaves float under WEIGHTED_INPUTS."""
+FLOAT_ARITHMETIC = (
+    *(aten.where, aten.masked_fill, aten.masked_fill_, aten.pow, aten.div, aten.div_),
+    *(aten.rsub, aten.exp, aten.sqrt, aten.rsqrt, aten.neg, aten.erf, aten.log_softmax),
+    aten.scaled_dot_product_attention,
+)
+"""Float arithmetic of attention (masks, SDPA), norms and activations, which no recipe quantizes:
+left float by design under WEIGHTED_INPUTS, so not named as ops no rule matches."""
 
 _VERDICT_KEY = "quantree_transformer_like"
 
@@ -147,5 +154,7 @@ def weighted_inputs_rules(
     return (
         Rule(_WEIGHTED, when_applies(weighted)),
         Rule((aten.matmul, aten.bmm, aten.mm), when_applies(matmul)),
-        Rule(FLOAT_UNDER_WEIGHTED_INPUTS, when_applies(lambda node: Annotation())),
+        Rule(
+            FLOAT_UNDER_WEIGHTED_INPUTS + FLOAT_ARITHMETIC, when_applies(lambda node: Annotation())
+        ),
     )

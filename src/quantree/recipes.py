@@ -7,6 +7,7 @@ special: an LSTM's annotation is a tuple of specs shaped like its output.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,6 +36,20 @@ from quantree.recurrent.recipe import cells_rules, fixed_sigmoid, fixed_tanh
 from quantree.recurrent.whole import recurrent_cell_annotation, recurrent_whole_annotation
 
 aten = torch.ops.aten
+
+
+def _masked_with_infinity(arg: object) -> bool:
+    """``arg`` is a ``masked_fill`` (through views) whose fill value is not finite."""
+    while isinstance(arg, fx.Node) and getattr(arg.target, "overloadpacket", None) in (
+        aten.squeeze, aten.unsqueeze, aten.view, aten.reshape, aten.transpose, aten.permute,
+    ):  # fmt: skip
+        arg = arg.args[0]
+    if not isinstance(arg, fx.Node):
+        return False
+    if getattr(arg.target, "overloadpacket", None) not in (aten.masked_fill, aten.masked_fill_):
+        return False
+    value = arg.args[2] if len(arg.args) > 2 else None
+    return isinstance(value, int | float) and not math.isfinite(value)
 
 
 def _is_float_node(arg: object) -> bool:
@@ -176,6 +191,13 @@ def int8_rules(
         """Input and output quantized separately (the op changes the range)."""
         return Annotation(outputs=act, inputs={(0,): act})
 
+    def softmax(node: fx.Node) -> Annotation:
+        """Input and output, except an input masked with an infinite fill (attention masks):
+        no grid holds -inf, so the softmax reads it in float."""
+        if _masked_with_infinity(node.args[0]):
+            return Annotation(outputs=act)
+        return unary(node)
+
     def input_only(node: fx.Node) -> Annotation:
         """The input on the int8 grid, the output left float (log-probabilities keep their
         precision; an int8 grid over [-30, 0] would round them to 0.12)."""
@@ -244,11 +266,10 @@ def int8_rules(
                 aten.elu_,
                 aten.leaky_relu,
                 aten.leaky_relu_,
-                aten.softmax,
-                aten._softmax,
             ),
             unary,
         ),
+        Rule((aten.softmax, aten._softmax), softmax),
         Rule((aten.log_softmax, aten._log_softmax), input_only),
         Rule((aten.embedding,), embedding),
         Rule(RECURRENT_OPS, recurrent),

@@ -389,7 +389,7 @@ CORE_SCENARIOS = {
         CellLoops,
         [(4, 2, 8)],
         None,
-        {"aten.lstm_cell.default", "aten.gru_cell.default", "aten.rnn_tanh_cell.default"},
+        {"quantree.rnn_cell.default"},  # every kind of cell step native
     ),
     "lstm-proj": (
         lambda: nn.LSTM(12, 16, num_layers=2, bidirectional=True, batch_first=True, proj_size=8),

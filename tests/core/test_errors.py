@@ -416,6 +416,34 @@ def test_groups_whose_calibrated_range_vanished_are_named_in_one_warning():
     assert not _vanishing_warnings(WithErf().eval(), data, qt.Int8Quantizer())
 
 
+class ZeroStart(nn.Module):
+    """A decoder whose first frame and initial state are zeros made inside the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.cell = nn.Linear(8, 8, bias=False), nn.LSTMCell(16, 8)
+
+    def forward(self, memory: torch.Tensor) -> torch.Tensor:
+        h = memory.new_zeros(memory.shape[0], 8)
+        c = torch.zeros(memory.shape[0], 8)
+        frame = torch.zeros(memory.shape[0], 8)
+        outs = []
+        for t in range(3):
+            step = torch.cat([torch.relu(self.pre(frame)), memory[:, t]], 1)
+            h, c = self.cell(step, (h, c))
+            frame = h
+            outs.append(h)
+        return torch.stack(outs, 1)
+
+
+def test_exact_zeros_computed_from_no_input_are_not_named_as_vanishing():
+    data = batches((2, 3, 8), n=4)
+    assert not _vanishing_warnings(ZeroStart().eval(), data, qt.Int8Quantizer())
+    zeros = [(torch.zeros(2, 3, 8),)] * 2  # zeros fed as calibration data: still named
+    (message,) = _vanishing_warnings(ZeroStart().eval(), zeros, qt.Int8Quantizer())
+    assert "representative data" in message
+
+
 def test_vanishing_ranges_of_every_cell_body_share_one_warning():
     lstm = nn.LSTM(8, 8, bidirectional=True).eval()
     zeros = [(torch.zeros(3, 2, 8),)] * 2

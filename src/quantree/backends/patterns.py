@@ -105,14 +105,18 @@ def float_constant(ctx: LoweringContext, arg: object, size: int) -> torch.Tensor
 
 
 def output(ctx: LoweringContext, node: fx.Node, allow_float: bool = True) -> Output | None:
-    """``node -> quantize``, ``node -> relu -> quantize``, or (``allow_float``) plain float."""
+    """``node -> quantize``, ``node -> relu -> quantize``, or (``allow_float``) plain float.
+
+    A relu whose output stays float (a transformer's FFN under ``WEIGHTED_INPUTS``) is not
+    fused: the op writes float and the relu runs after it as it did.
+    """
     users = list(node.users)
     relu = len(users) == 1 and users[0].target in RELU
     tail = users[0] if relu else node
     q = ctx.quantized_output(tail)
     if q is not None and is_int8_per_tensor(q.params):
         return Output(q.node, float(q.params.scale), int(q.params.zero_point), relu)
-    if relu or not allow_float:
+    if not allow_float:
         return None
     return Output(node, 0.0, 0, False)
 

@@ -46,6 +46,7 @@ LAYOUT_OPS = frozenset(
         _aten.dropout,
         _aten.dropout_,
         _aten.detach,
+        _aten.detach_,
         _aten.alias,
         _aten._to_copy,
         _aten.to,

@@ -212,7 +212,7 @@ def _convert(
     groups = {gid: g for gid, g in groups.items() if gid not in drop}
     params = resolve_params(groups, gm)
     graph = gm.graph
-    vanishing += vanishing_groups(graph, groups, params)
+    vanishing += vanishing_groups(graph, groups, params, gm)
     for node in list(graph.nodes):
         if OBSERVER_KEY in node.meta:
             graph.erase_node(node)

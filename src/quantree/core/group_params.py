@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.fx as fx
 
 from quantree.core.errors import QuantreeError
@@ -120,35 +121,60 @@ def _scope(gm: fx.GraphModule, group: Group) -> str:
 
 
 def vanishing_groups(
-    graph: fx.Graph, groups: dict[int, Group], params: dict[int, QParams]
+    graph: fx.Graph,
+    groups: dict[int, Group],
+    params: dict[int, QParams],
+    module: torch.nn.Module | None = None,
 ) -> list[str]:
     """Groups observed on run-time tensors whose scale is at the floor.
 
     Constants (weights) are left out: their range is exact, and an all-zero row of a pruned
-    weight is quantized exactly; so are groups that only hold tensors the graph creates as
-    zeros (a recurrent layer's default initial state): 0 is exact on every grid.
+    weight is quantized exactly. So are groups (with ``module``, which holds the observers)
+    computed from no input that only ever held exact zeros, such as a recurrent layer's zero
+    initial state or a decoder's zero first frame: the zero point represents them exactly,
+    and no calibration data could change them. A ReLU that never fired is still named.
     """
-    carriers: dict[int, list[fx.Node]] = {}
-    for n in graph.nodes:
-        if OBSERVER_KEY in n.meta:
-            carriers.setdefault(n.meta[OBSERVER_KEY], []).append(n.args[0])
+    observed = {n.meta[OBSERVER_KEY] for n in graph.nodes if OBSERVER_KEY in n.meta}
+    fed = _input_dependent(graph) if module is not None else set()
+    by_inputs = {
+        n.meta[OBSERVER_KEY]
+        for n in graph.nodes
+        if OBSERVER_KEY in n.meta and any(a in fed for a in n.all_input_nodes)
+    }
     return [
         groups[gid].label
-        for gid in sorted(carriers)
+        for gid in sorted(observed)
         if gid in params
         and at_scale_floor(params[gid])
-        and not all(_creates_zeros(c) for c in carriers[gid])
+        and (gid in by_inputs or not _only_zeros(module, groups[gid].observer))
     ]
 
 
-_ZERO_FACTORIES = {"zeros", "zeros_like", "new_zeros"}
+_SHAPE_ONLY = {
+    *("zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones"),
+    *("new_full", "new_empty", "size", "sym_size"),
+}
+"""Ops whose values do not depend on the values of their tensor arguments."""
 
 
-def _creates_zeros(node: object) -> bool:
-    if not isinstance(node, fx.Node) or node.op != "call_function":
+def _input_dependent(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose values depend on the graph's inputs (placeholders)."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        name = str(getattr(node.target, "__name__", node.target)).split(".")[0]
+        if node.op == "placeholder" or (
+            name not in _SHAPE_ONLY and any(a in found for a in node.all_input_nodes)
+        ):
+            found.add(node)
+    return found
+
+
+def _only_zeros(module: torch.nn.Module | None, observer: str | None) -> bool:
+    found = getattr(module, observer, None) if module is not None and observer else None
+    lo, hi = getattr(found, "min_val", None), getattr(found, "max_val", None)
+    if not isinstance(lo, torch.Tensor) or not isinstance(hi, torch.Tensor) or not lo.numel():
         return False
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet, "__name__", None) in _ZERO_FACTORIES
+    return bool((lo == 0).all()) and bool((hi == 0).all())
 
 
 def with_dependents(gids: set[int], groups: dict[int, Group]) -> set[int]:

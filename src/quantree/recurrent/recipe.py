@@ -7,7 +7,9 @@ cell update without being squeezed through int8 on the way.
 
 from __future__ import annotations
 
+import collections
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch
@@ -146,14 +148,22 @@ def _cell_op_stays_whole(act: QuantSpec, weight: QuantSpec) -> Callable[[fx.Node
     """``nn.LSTMCell`` & co. are quantized at their boundary in cells mode too: say so, since
     the cell points (int16 cell state, pinned gates) of the recipe do not reach them."""
 
+    warned: weakref.WeakSet[fx.Graph] = weakref.WeakSet()  # one warning per graph
+
     def annotate(node: fx.Node) -> Annotation:
-        warnings.warn(
-            "cells mode decomposes nn.LSTM/GRU/RNN layers; nn.LSTMCell/GRUCell/RNNCell calls "
-            f"({node.target}) are quantized at their boundary, without the cell points of "
-            "the recipe",
-            QuantreeWarning,
-            stacklevel=2,
-        )
+        if node.graph not in warned:
+            warned.add(node.graph)
+            targets = collections.Counter(
+                str(n.target) for n in node.graph.nodes if n.target in CELL_OPS
+            )
+            calls = ", ".join(f"{t} x{k}" for t, k in sorted(targets.items()))
+            warnings.warn(
+                "cells mode decomposes nn.LSTM/GRU/RNN layers; nn.LSTMCell/GRUCell/RNNCell "
+                f"calls ({calls}) are quantized at their boundary, without the cell points "
+                "of the recipe",
+                QuantreeWarning,
+                stacklevel=2,
+            )
         return recurrent_cell_annotation(node, act, weight)
 
     return annotate

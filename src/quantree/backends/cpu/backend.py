@@ -1,7 +1,8 @@
 """``CPU``: the native int8 backend (VNNI kernels built on first use).
 
-Rules, tried in order at each node: whole recurrent layers, linear(+relu), conv(+relu),
-int8 data movement and max pooling, int8 add/mul/sub/matmul, pointwise tables, softmax.
+Rules, tried in order at each node: whole recurrent layers, recurrent cells (one step),
+linear(+relu), conv(+relu), int8 data movement, cat/stack, max pooling,
+int8 add/mul/sub/matmul, pointwise tables, softmax.
 Cells-mode cell bodies are lowered with the same rules, then each cell loop runs as one
 native program when its lowered body compiles to one. The remaining quantize/dequantize
 nodes become native ones, and the module keeps only the tensors its graph still reads, so
@@ -18,6 +19,9 @@ import torch.fx as fx
 
 from quantree.backends.cpu.cells_native import NativeCellLoop, compile_body
 from quantree.backends.cpu.direct import call_directly
+from quantree.backends.cpu.float_report import warn_float_ops
+from quantree.backends.cpu.lowering_cat import lower_cat
+from quantree.backends.cpu.lowering_cell import lower_cell
 from quantree.backends.cpu.lowering_embedding import lower_embedding
 from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.lowering_qdq import (
@@ -31,7 +35,8 @@ from quantree.backends.cpu.lowering_qdq import (
 )
 from quantree.backends.cpu.lowering_recurrent import recurrent_rule
 from quantree.backends.cpu.native import library
-from quantree.backends.cpu.simulated import warn_simulated
+from quantree.backends.cpu.simulated import simulated_ops, warn_simulated
+from quantree.core.constants import share_identical
 from quantree.core.errors import QuantreeWarning
 from quantree.core.graphs import nested_graphs, replace_submodule
 from quantree.core.lower import Backend, LoweringRule, lower
@@ -40,7 +45,8 @@ from quantree.recurrent.loop import CellLoop
 
 
 def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
-    """Lower nested graphs, native q/dq for what is left, keep only the tensors read.
+    """Lower nested graphs, native q/dq for what is left, identical constants stored once,
+    keep only the tensors read; name what still computes in float (``float_report``).
 
     Loads the native kernels first, so that a machine which cannot build or load them
     gets a ``QuantreeError`` saying why at lowering, not a raw error at the first inference.
@@ -51,10 +57,13 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     native_quantize_dequantize(gm)
     if nested is not None:  # the top-level graph: one warning for the model
         warn_simulated(gm, "cpu")
+    share_identical(gm)  # an unrolled decoder's per-call-site weights, stored once
     gm.graph.lint()
     gm.recompile()
     lean = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
     lean.meta = dict(gm.meta)
+    if nested is not None:  # the whole model, its nested bodies included: say it once
+        warn_float_ops(lean, "the CPU backend", named=set(simulated_ops(gm)))
     return call_directly(lean)
 
 
@@ -102,10 +111,12 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
     """
     rules: tuple[LoweringRule, ...] = (
         recurrent_rule(hidden_bits),
+        lower_cell,
         lower_linear,
         lower_embedding,
         lower_conv2d,
         lower_movement,
+        lower_cat,
         lower_max_pool,
         lower_binary,
         lower_matmul,

@@ -213,6 +213,8 @@ def _float_pair(p: Program, slot: dict[fx.Node, int], args: Any) -> bool:
 class NativeCellLoop(nn.Module):
     """Drop-in for a cells-mode loop: ``(xs, state) -> (outputs, final state)``."""
 
+    quantree_read_only_buffers = True  # the program and its constants (core.constants)
+
     def __init__(self, program: Program, reverse: bool) -> None:
         super().__init__()
         self.reverse = reverse

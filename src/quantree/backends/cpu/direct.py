@@ -24,19 +24,21 @@ from quantree.backends.cpu.ops import (
     conv1d,
     conv2d,
     dequantize,
+    embedding_rows,
     linear,
     lookup,
     matmul,
     max_pool2d,
     quantize,
     rnn,
+    rnn_cell,
     softmax,
 )
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
-    for fn in (binary, cell_loop, conv1d, conv2d, dequantize, linear, lookup, matmul, max_pool2d,
-               quantize, rnn, softmax)
+    for fn in (binary, cell_loop, conv1d, conv2d, dequantize, embedding_rows, linear, lookup,
+               matmul, max_pool2d, quantize, rnn, rnn_cell, softmax)
 }  # fmt: skip
 """Each ``torch.ops.quantree.<name>``'s CPU implementation, by name (read only)."""
 

@@ -11,6 +11,7 @@ from quantree.backends.cpu.ops_embedding import embedding_rows
 from quantree.backends.cpu.ops_gemm import conv1d, conv2d, linear, matmul
 from quantree.backends.cpu.ops_pool import max_pool2d
 from quantree.backends.cpu.ops_rnn import PER_LAYER, RNN_KINDS, rnn
+from quantree.backends.cpu.ops_rnn_cell import rnn_cell
 from quantree.backends.cpu.ops_rnn_packed import rnn_packed_sequence
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "max_pool2d",
     "quantize",
     "rnn",
+    "rnn_cell",
     "rnn_packed_sequence",
     "softmax",
 ]

@@ -1,0 +1,78 @@
+"""Lowering names every op left in float, and apart those that dequantize an int8 weight."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+import quantree as qt
+from quantree.backends import CPU
+
+
+class Mixed(nn.Module):
+    """A native linear, a float layer norm, and a matmul by a folded int8 constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.a(x)) @ self.w.t().exp()
+
+
+def _lowering_notes(model: nn.Module) -> list[str]:
+    data = [(torch.randn(4, 8),) for _ in range(4)]
+    ref = qt.quantize(model.eval(), data[0], data, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qt.lower(ref, CPU)
+    return [str(w.message) for w in caught if issubclass(w.category, qt.QuantreeWarning)]
+
+
+def test_float_ops_are_named_and_constant_dequantizes_apart() -> None:
+    notes = _lowering_notes(Mixed())
+    (costly,) = [n for n in notes if "dequantize an int8 constant" in n]
+    assert "aten.matmul.default x1" in costly
+    others = [n for n in notes if n is not costly]
+    assert sum("layer_norm" in n for n in others) == 1  # named once, by one of the warnings
+    assert not any("linear" in n for n in others)
+
+
+class FloatIsland(nn.Module):
+    """exp -> cumsum between two float ops: no quantize or dequantize next to cumsum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).exp().cumsum(-1).cumsum(-1).log()
+
+
+def test_ops_inside_a_float_island_are_named() -> None:
+    notes = _lowering_notes(FloatIsland())
+    island = [n for n in notes if "other op(s) compute in float" in n]
+    assert len(island) == 1 and "aten.cumsum.default x" in island[0]
+
+
+def test_a_fully_native_model_lowers_quietly() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    assert _lowering_notes(model) == []
+
+
+def test_linear_before_a_float_relu_runs_natively_and_matches_the_reference() -> None:
+    """A transformer's FFN under WEIGHTED_INPUTS: linear -> relu (float) -> linear. The
+    first linear once stayed float and dequantized its int8 weight on every call."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 4)).eval()
+    data = [(torch.randn(4, 8),) for _ in range(4)]
+    ref = qt.quantize(model, data[0], data, progress=False)
+    low = qt.lower(ref, CPU)
+    assert not [n for n in low.graph.nodes if n.target == torch.ops.aten.linear.default]
+    relus = [n for n in low.graph.nodes if n.target == torch.ops.aten.relu.default]
+    assert len(relus) == 1 and "quantree.linear" in str(relus[0].args[0].target)
+    with torch.no_grad():
+        for args in data:
+            assert qt.tools.metrics.sqnr(ref(*args), low(*args)) > 45.0
