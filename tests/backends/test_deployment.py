@@ -52,3 +52,38 @@ def test_int8_model_on_cpu_lowers_without_that_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", qt.QuantreeWarning)
         qt.quantize(model, data[0], data, backend=CPU, progress=False)
+
+
+def test_saved_models_keep_a_dynamic_batch(tmp_path) -> None:
+    """Before: quantize with batch 8, call with batch 1 -> 'Guard failed: ...size()[0] == 8'."""
+    from quantree.backends import load
+
+    model, data = _mlp_data()
+    low = qt.quantize(model, data[0], data, backend=CPU, progress=False)
+    save(low, tmp_path / "dyn.pt2", data[0])
+    save(low, tmp_path / "static.pt2", data[0], dynamic_batch=False)
+    dynamic, static = load(tmp_path / "dyn.pt2"), load(tmp_path / "static.pt2")
+    x = torch.randn(9, 8)
+    with torch.no_grad():
+        assert torch.equal(dynamic(x), low(x))
+        assert torch.equal(dynamic(x[:1]), low(x[:1]))
+        with pytest.raises(Exception, match="size"):
+            static(x)
+
+
+def test_cli_output_keeps_the_input_programs_dynamic_batch(tmp_path) -> None:
+    from quantree.backends import load
+    from quantree.tools.cli import main
+
+    model, data = _mlp_data()
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(model, data[0], dynamic_shapes=({0: batch},))
+    torch.export.save(program, tmp_path / "m.pt2")
+    torch.save(data, tmp_path / "d.pt")
+    common = ["quantize", str(tmp_path / "m.pt2"), "--calibration", str(tmp_path / "d.pt")]
+    assert main([*common, "-o", str(tmp_path / "o.pt2"), "--backend", "cpu", "--quiet"]) == 0
+    assert load(tmp_path / "o.pt2")(torch.randn(7, 8)).shape == (7, 4)
+    pinned = str(tmp_path / "p.pt2")
+    assert main([*common, "-o", pinned, "--static-batch", "--quiet"]) == 0
+    with pytest.raises(Exception, match="size"):
+        load(pinned)(torch.randn(7, 8))

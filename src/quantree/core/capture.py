@@ -73,7 +73,7 @@ def capture(
     return program.module()
 
 
-def _batch_dims(example_args: tuple[Any, ...], example_kwargs: dict[str, Any]) -> Any:
+def batch_dims(example_args: tuple[Any, ...], example_kwargs: dict[str, Any]) -> Any:
     """``dynamic_shapes`` marking dim 0 of every tensor input ``Dim.AUTO``, shaped like the
     inputs (None for what is not a tensor)."""
 
@@ -100,7 +100,7 @@ def _export(
     if dynamic_shapes is not None or not dynamic_batch:
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
     try:
-        dims = _batch_dims(args, kwargs)
+        dims = batch_dims(args, kwargs)
         if kwargs:
             names = [p for p in inspect.signature(model.forward).parameters if p not in kwargs][
                 : len(args)
@@ -125,3 +125,18 @@ def _set_training(model: torch.nn.Module, mode: bool) -> None:
     except NotImplementedError:
         if not isinstance(model, fx.GraphModule):
             raise
+
+
+def export_batch_dynamic(
+    module: torch.nn.Module, example_args: tuple[Any, ...], dynamic_batch: bool = True
+) -> torch.export.ExportedProgram:
+    """Re-export a quantized module for saving: its first dimensions vary where the module
+    allows it (it was captured with them varying), else they are fixed to the example's."""
+    if dynamic_batch:
+        try:
+            return torch.export.export(
+                module, example_args, dynamic_shapes=batch_dims(example_args, {}), strict=False
+            )
+        except Exception:  # guards or kernels pin the shapes: save them as they are
+            pass
+    return torch.export.export(module, example_args, strict=False)

@@ -62,7 +62,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=("reference", "cpu"),
         default="reference",
         help="reference: quantize/dequantize graph (default); cpu: native int8 kernels "
-        "(to load the output elsewhere, import quantree.backends first)",
+        "(to load the output elsewhere, import quantree first)",
+    )
+    quantize.add_argument(
+        "--static-batch",
+        action="store_true",
+        help="save OUT.pt2 with every dimension fixed to the first calibration batch's "
+        "(default: the first dimension stays dynamic where MODEL.pt2 allows it)",
     )
     quantize.add_argument(
         "--recurrent",
@@ -188,7 +194,13 @@ def quantize_command(args: argparse.Namespace) -> int:
             protect=(args.model, args.calibration),
         )
     else:
-        written = save_program(quantized, data[0], args.output, protect=(args.model,))
+        written = save_program(
+            quantized,
+            data[0],
+            args.output,
+            protect=(args.model,),
+            dynamic_batch=not args.static_batch,
+        )
     print(f"quantized {args.model} on {len(data)} calibration batch(es) -> {written}")
     if args.report:
         _write_report(args, prepared, quantized, data)

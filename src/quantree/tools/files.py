@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from quantree.core.calibrate import as_args
+from quantree.core.capture import export_batch_dynamic
 from quantree.core.errors import QuantreeError
 from quantree.tools.archive import (
     NEVER_UNPICKLED,
@@ -173,10 +174,12 @@ def save_program(
     path: str | Path,
     *,
     protect: tuple[str | Path, ...] = (),
+    dynamic_batch: bool = True,
 ) -> Path:
-    """Export ``module`` with ``example_args`` and write it with ``torch.export.save``."""
+    """Export ``module`` with ``example_args`` and write it with ``torch.export.save``; the
+    first dimensions stay dynamic where the module allows it."""
     try:
-        program = torch.export.export(module, tuple(example_args), strict=False)
+        program = export_batch_dynamic(module, tuple(example_args), dynamic_batch)
     except Exception as error:
         raise QuantreeError(
             f"torch.export could not re-export the quantized model: {first_line(error)}"

@@ -16,11 +16,20 @@ from typing import Any
 import torch
 
 from quantree.backends.cpu.direct import call_directly
+from quantree.core.capture import export_batch_dynamic
 
 
-def save(lowered: torch.nn.Module, path: str | Path, example_args: tuple[Any, ...]) -> None:
-    """Export ``lowered`` with ``example_args`` (shapes are fixed to theirs) to ``path``."""
-    program = torch.export.export(lowered, tuple(example_args), strict=False)
+def save(
+    lowered: torch.nn.Module,
+    path: str | Path,
+    example_args: tuple[Any, ...],
+    *,
+    dynamic_batch: bool = True,
+) -> None:
+    """Export ``lowered`` with ``example_args`` to ``path``: the first dimension of each
+    input stays dynamic where the lowered graph allows it (``dynamic_batch=False``: every
+    dimension fixed to the example's)."""
+    program = export_batch_dynamic(lowered, tuple(example_args), dynamic_batch)
     torch.export.save(program, str(path))
 
 
