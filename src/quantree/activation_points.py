@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from quantree.core.quantizer import Annotation, Rule
+from quantree.core.quantizer import Annotation, Rule, Target
 from quantree.core.specs import QuantSpec
 from quantree.core.values import is_float_tensor, tensor_meta
 from quantree.core.weighted import weighted_annotation
@@ -40,53 +40,7 @@ _ATTENTION = (aten.scaled_dot_product_attention,)
 _SOFTMAX = (aten.softmax, aten._softmax)
 _MATMULS = (aten.matmul, aten.bmm, aten.mm, aten.baddbmm)
 _WEIGHTED = (aten.linear, aten.conv1d, aten.conv2d)
-FLOAT_UNDER_WEIGHTED_INPUTS = (
-    aten.add.Tensor,
-    aten.sub.Tensor,
-    aten.mul.Tensor,
-    aten.add_.Tensor,
-    aten.sub_.Tensor,
-    aten.mul_.Tensor,
-    aten.relu,
-    aten.relu_,
-    aten.sigmoid,
-    aten.tanh,
-    aten.max_pool2d,
-    aten.max_pool2d_with_indices,
-    aten.max_pool1d,
-    aten.hardtanh,
-    aten.hardtanh_,
-    aten.relu6,
-    aten.clamp,
-    aten.max.dim,
-    aten.chunk,
-    aten.split,
-    aten.split_with_sizes,
-    aten.unbind,
-    aten.cat,
-    aten.concat,
-    aten.stack,
-    aten.layer_norm,
-    aten.avg_pool2d,
-    aten.adaptive_avg_pool2d,
-    aten.mean,
-    aten.avg_pool1d,
-    aten.adaptive_avg_pool1d,
-    aten.gelu,
-    aten.silu,
-    aten.silu_,
-    aten.hardswish,
-    aten.hardswish_,
-    aten.hardsigmoid,
-    aten.hardsigmoid_,
-    aten.elu,
-    aten.elu_,
-    aten.leaky_relu,
-    aten.leaky_relu_,
-    aten.softmax,
-    aten._softmax,
-)
-"""Ops the recipe quantizes under EVERY_OP and leaves float under WEIGHTED_INPUTS."""
+
 FLOAT_ARITHMETIC = (
     *(aten.where, aten.masked_fill, aten.masked_fill_, aten.pow, aten.div, aten.div_),
     *(aten.rsub, aten.exp, aten.sqrt, aten.rsqrt, aten.neg, aten.erf, aten.log_softmax),
@@ -125,9 +79,13 @@ def transformer_like(graph: fx.Graph) -> bool:
 
 
 def weighted_inputs_rules(
-    act: QuantSpec, weight: QuantSpec, points: ActivationPoints
+    act: QuantSpec,
+    weight: QuantSpec,
+    points: ActivationPoints,
+    float_ops: tuple[Target, ...],
 ) -> tuple[Rule, ...]:
-    """Rules that, where ``points`` says so, replace the EVERY_OP annotations of the recipe.
+    """Rules that, where ``points`` says so, replace the EVERY_OP annotations of the recipe:
+    ``float_ops`` (the recipe's elementwise, normalisation and data-movement ops) stay float.
 
     Placed after the recipe's own rules; where they return None the recipe's rule applies.
     """
@@ -154,7 +112,5 @@ def weighted_inputs_rules(
     return (
         Rule(_WEIGHTED, when_applies(weighted)),
         Rule((aten.matmul, aten.bmm, aten.mm), when_applies(matmul)),
-        Rule(
-            FLOAT_UNDER_WEIGHTED_INPUTS + FLOAT_ARITHMETIC, when_applies(lambda node: Annotation())
-        ),
+        Rule((*float_ops, *FLOAT_ARITHMETIC), when_applies(lambda node: Annotation())),
     )

@@ -52,6 +52,69 @@ def _masked_with_infinity(arg: object) -> bool:
     return isinstance(value, int | float) and not math.isfinite(value)
 
 
+BINARY_OPS = (
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.add_.Tensor,
+    aten.sub_.Tensor,
+    aten.mul_.Tensor,
+)
+"""Elementwise arithmetic on two tensors: inputs and output quantized."""
+SAME_AS_INPUT_OPS = (
+    aten.max_pool2d,
+    aten.max_pool2d_with_indices,
+    aten.max_pool1d,
+    aten.hardtanh,
+    aten.hardtanh_,
+    aten.relu6,
+    aten.clamp,
+    aten.max.dim,
+    aten.chunk,
+    aten.split,
+    aten.split_with_sizes,
+    aten.unbind,
+    aten.index_select,  # packing's sort by length
+    aten._pack_padded_sequence,  # the float rows move; batch sizes stay int64
+    aten._pad_packed_sequence,  # padding is 0.0, exact on any affine grid
+)
+"""Ops whose float outputs keep exactly the input's grid (max, clamp, splits, packing)."""
+UNARY_OPS = (
+    aten.layer_norm,
+    aten.avg_pool2d,
+    aten.adaptive_avg_pool2d,
+    aten.mean,
+    aten.avg_pool1d,
+    aten.adaptive_avg_pool1d,
+    aten.gelu,
+    aten.silu,
+    aten.silu_,
+    aten.hardswish,
+    aten.hardswish_,
+    aten.hardsigmoid,
+    aten.hardsigmoid_,
+    aten.elu,
+    aten.elu_,
+    aten.leaky_relu,
+    aten.leaky_relu_,
+)
+"""Ops that change the range: input and output quantized separately."""
+RELU_OPS = (aten.relu, aten.relu_)
+CAT_OPS = (aten.cat, aten.concat, aten.stack)
+FLOAT_UNDER_WEIGHTED_INPUTS = (
+    *BINARY_OPS,
+    *RELU_OPS,
+    aten.sigmoid,
+    aten.tanh,
+    *SAME_AS_INPUT_OPS,
+    *CAT_OPS,
+    *UNARY_OPS,
+    aten.softmax,
+    aten._softmax,
+)
+"""What EVERY_OP quantizes and WEIGHTED_INPUTS leaves float."""
+
+
 def _is_float_node(arg: object) -> bool:
     return isinstance(arg, fx.Node) and is_float_tensor(tensor_meta(arg))
 
@@ -121,7 +184,7 @@ class Int8Quantizer(Quantizer):
                 f"share_recurrent_state must be True or False, got {share_recurrent_state!r}"
             )
         recipe = int8_rules(act, wgt, share_recurrent_state) + weighted_inputs_rules(
-            act, wgt, activations
+            act, wgt, activations, FLOAT_UNDER_WEIGHTED_INPUTS
         )
         if recurrent is RecurrentMode.CELLS:
             cell_state = cell_state_spec(cell_state_dtype or act.dtype, act)
@@ -154,7 +217,7 @@ def int8_rules(
     act: QuantSpec, weight: QuantSpec, share_recurrent_state: bool = False
 ) -> tuple[Rule, ...]:
     """The rules of Int8Quantizer for the given activation and weight specs."""
-    fused_activations = (aten.relu, aten.relu_)
+    fused_activations = RELU_OPS
 
     def weighted(node: fx.Node) -> Annotation:
         """linear / conv: the output is left to a following relu it fuses with."""
@@ -213,62 +276,12 @@ def int8_rules(
         Rule((aten.linear, aten.conv1d, aten.conv2d), weighted),
         Rule(fused_activations, relu),
         Rule((aten.matmul, aten.bmm, aten.mm), binary),
-        Rule(
-            (
-                aten.add.Tensor,
-                aten.sub.Tensor,
-                aten.mul.Tensor,
-                aten.add_.Tensor,
-                aten.sub_.Tensor,
-                aten.mul_.Tensor,
-            ),
-            binary,
-        ),
+        Rule(BINARY_OPS, binary),
         Rule((aten.sigmoid,), fixed_output(fixed_sigmoid(act.dtype))),
         Rule((aten.tanh,), fixed_output(fixed_tanh(act.dtype))),
-        Rule(
-            (
-                aten.max_pool2d,
-                aten.max_pool2d_with_indices,
-                aten.max_pool1d,
-                aten.hardtanh,
-                aten.hardtanh_,
-                aten.relu6,
-                aten.clamp,
-                aten.max.dim,
-                aten.chunk,
-                aten.split,
-                aten.split_with_sizes,
-                aten.unbind,
-                aten.index_select,  # packing's sort by length
-                aten._pack_padded_sequence,  # the float rows move; batch sizes stay int64
-                aten._pad_packed_sequence,  # padding is 0.0, exact on any affine grid
-            ),
-            same_as_input,
-        ),
-        Rule((aten.cat, aten.concat, aten.stack), cat),
-        Rule(
-            (
-                aten.layer_norm,
-                aten.avg_pool2d,
-                aten.adaptive_avg_pool2d,
-                aten.mean,
-                aten.avg_pool1d,
-                aten.adaptive_avg_pool1d,
-                aten.gelu,
-                aten.silu,
-                aten.silu_,
-                aten.hardswish,
-                aten.hardswish_,
-                aten.hardsigmoid,
-                aten.hardsigmoid_,
-                aten.elu,
-                aten.elu_,
-                aten.leaky_relu,
-                aten.leaky_relu_,
-            ),
-            unary,
-        ),
+        Rule(SAME_AS_INPUT_OPS, same_as_input),
+        Rule(CAT_OPS, cat),
+        Rule(UNARY_OPS, unary),
         Rule((aten.softmax, aten._softmax), softmax),
         Rule((aten.log_softmax, aten._log_softmax), input_only),
         Rule((aten.embedding,), embedding),
