@@ -37,12 +37,9 @@ def capture(
     the example's sizes; give those ``dynamic_shapes`` to make a dimension vary.
     """
     recurrent = any(isinstance(m, torch.nn.RNNBase) for m in model.modules())
-    if dynamic_shapes is None and dynamic_batch and not recurrent:
-        try:
-            return _capture(model, example_args, example_kwargs, None, True)
-        except QuantreeError:  # a varying first dimension trips the model (or packing):
-            pass  # capture again from scratch, every dimension as in the example
-    return _capture(model, example_args, example_kwargs, dynamic_shapes, False)
+    return _capture(
+        model, example_args, example_kwargs, dynamic_shapes, dynamic_batch and not recurrent
+    )
 
 
 def _capture(

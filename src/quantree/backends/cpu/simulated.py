@@ -11,32 +11,14 @@ from __future__ import annotations
 
 import warnings
 
-import torch
 import torch.fx as fx
 
+from quantree.core.annotate import LAYOUT_OPS
 from quantree.core.errors import QuantreeWarning
 from quantree.core.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS
 from quantree.core.values import is_getitem
 
 _NATIVE_QDQ = ("quantree.quantize.default", "quantree.dequantize.default")
-_MOVEMENT = frozenset(
-    {
-        torch.ops.aten.view,
-        torch.ops.aten.reshape,
-        torch.ops.aten.permute,
-        torch.ops.aten.transpose,
-        torch.ops.aten.t,
-        torch.ops.aten.unsqueeze,
-        torch.ops.aten.squeeze,
-        torch.ops.aten.flatten,
-        torch.ops.aten.contiguous,
-        torch.ops.aten.clone,
-        torch.ops.aten.expand,
-        torch.ops.aten.slice,
-        torch.ops.aten.select,
-        torch.ops.aten.dropout,
-    }
-)
 
 
 def _is_qdq(node: object, reference_ops: tuple[object, ...]) -> bool:
@@ -53,7 +35,7 @@ def simulated_ops(gm: fx.GraphModule) -> list[fx.Node]:
             continue
         if _is_qdq(node, QUANTIZE_OPS + DEQUANTIZE_OPS):
             continue
-        if getattr(node.target, "overloadpacket", None) in _MOVEMENT:
+        if getattr(node.target, "overloadpacket", None) in LAYOUT_OPS:
             continue
         if str(node.target).startswith("quantree."):
             continue
