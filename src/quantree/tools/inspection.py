@@ -9,6 +9,7 @@ many of its float inputs and outputs go through q/dq, so the ops left in float s
 
 from __future__ import annotations
 
+import collections
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,7 @@ INT8_MOVE = "int8 data movement"  # transpose/view/... of int8 values: exact on 
 INT8_CONSTANT = "int8 constant"  # a tensor made from nothing (zeros) and quantized
 SIMULATED = "simulated (q/dq)"  # a float op between dequantize and quantize
 PARTLY_FLOAT = "partly float"
+NATIVE_FLOAT = "float, native program"  # a backend program computing float ops in one call
 FLOAT = "float"
 INT8_STATUSES = (INT8_KERNEL, INT8_MOVE, INT8_CONSTANT, SIMULATED)
 
@@ -98,6 +100,7 @@ class OpStatus:
     status: str = FLOAT  # one of INT8_STATUSES, PARTLY_FLOAT, FLOAT
     native: bool = False  # runs on integer tensors (no float op between q/dq)
     fused_with: str = ""  # the conv/linear or activation it is fused with
+    detail: str = ""  # NATIVE_FLOAT: the float ops inside, by op
 
 
 def _target(node: fx.Node) -> Any:
@@ -334,7 +337,10 @@ def op_statuses(gm: fx.GraphModule) -> list[OpStatus]:
             out_f -= 1
         data = [leaf for _, leaf in leaves_with_paths(n.args[0]) if isinstance(leaf, fx.Node)]
         integer_in = bool(data) and all(_is_integer(a) for a in data)  # not indices
-        if lowered:
+        inside = _program_float_ops(gm, n) if lowered else None
+        if inside:
+            status, native = NATIVE_FLOAT, False
+        elif lowered:
             status, native = INT8_KERNEL, True
         elif (
             _base_name(n) in DATA_MOVEMENT
@@ -365,9 +371,23 @@ def op_statuses(gm: fx.GraphModule) -> list[OpStatus]:
                 status,
                 native,
                 node_name(partner) if partner is not None else "",
+                ", ".join(f"{op} {k}" for op, k in inside.most_common()) if inside else "",
             )
         )
     return rows
+
+
+def _program_float_ops(gm: fx.GraphModule, node: fx.Node) -> collections.Counter[str] | None:
+    """The float ops a backend's region program computes, read from its code tensor."""
+    if _op_name(node) != "quantree.program.default" or len(node.args) < 3:
+        return None
+    code = node.args[2]
+    table = attr_at(gm, str(code.target)) if isinstance(code, fx.Node) else None
+    if not isinstance(table, torch.Tensor):
+        return None
+    from quantree.backends.cpu.lowering_program import float_ops_of_code
+
+    return float_ops_of_code(table)
 
 
 def _leaves(node: fx.Node) -> list[fx.Node]:
@@ -394,7 +414,7 @@ def summary(gm: fx.GraphModule, title: str = "model") -> str:
     """The text ``quantree inspect`` prints (and the report's "What is quantized" block)."""
     points = quant_points(gm)
     ops = op_statuses(gm)
-    left = [op for op in ops if op.status in (FLOAT, PARTLY_FLOAT)]
+    left = [op for op in ops if op.status in (FLOAT, PARTLY_FLOAT, NATIVE_FLOAT)]
     by_status = {s: sum(1 for o in ops if o.status == s) for s in (*INT8_STATUSES, PARTLY_FLOAT)}
     counted = ", ".join(f"{s} {n}" for s, n in by_status.items() if n)
     lines = [
@@ -422,7 +442,9 @@ def summary(gm: fx.GraphModule, title: str = "model") -> str:
         ow = max(len(o.op) for o in ops)
         sw = max(len(o.status) for o in ops)
         for o in ops:
-            if o.lowered:
+            if o.detail:
+                counts = f"computes in float: {o.detail}"
+            elif o.lowered:
                 counts = "reads and writes integer tensors"
             elif o.native:
                 counts = "moves int8 values"

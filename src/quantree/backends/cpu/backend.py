@@ -24,6 +24,7 @@ from quantree.backends.cpu.lowering_cat import lower_cat
 from quantree.backends.cpu.lowering_cell import lower_cell
 from quantree.backends.cpu.lowering_embedding import lower_embedding
 from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
+from quantree.backends.cpu.lowering_program import fuse_regions
 from quantree.backends.cpu.lowering_qdq import (
     lower_binary,
     lower_matmul,
@@ -57,6 +58,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     native_quantize_dequantize(gm)
     if nested is not None:  # the top-level graph: one warning for the model
         warn_simulated(gm, "cpu")
+        fuse_regions(gm)  # runs of small ops, one native call each (cell bodies have theirs)
     share_identical(gm)  # an unrolled decoder's per-call-site weights, stored once
     gm.graph.lint()
     gm.recompile()

@@ -22,8 +22,11 @@ import subprocess
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp", "cells.cpp", "pool.cpp")
-HEADERS = ("qt_kernels.h", "qt_vmath.h", "qt_x86_256.h", "gemm_vnni256.h", "qt_neon.h")
+SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp", "cells.cpp", "pool.cpp", "program.cpp")
+HEADERS = (
+    *("qt_kernels.h", "qt_vmath.h", "qt_x86_256.h", "gemm_vnni256.h", "qt_neon.h"),
+    "qt_program.h",
+)
 MACHINE = platform.machine().lower()
 X86 = MACHINE in ("x86_64", "amd64")
 ARM64 = MACHINE in ("aarch64", "arm64")

@@ -29,6 +29,7 @@ from quantree.backends.cpu.ops import (
     lookup,
     matmul,
     max_pool2d,
+    program,
     quantize,
     rnn,
     rnn_cell,
@@ -38,7 +39,7 @@ from quantree.backends.cpu.ops import (
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
     for fn in (binary, cell_loop, conv1d, conv2d, dequantize, embedding_rows, linear, lookup,
-               matmul, max_pool2d, quantize, rnn, rnn_cell, softmax)
+               matmul, max_pool2d, program, quantize, rnn, rnn_cell, softmax)
 }  # fmt: skip
 """Each ``torch.ops.quantree.<name>``'s CPU implementation, by name (read only)."""
 

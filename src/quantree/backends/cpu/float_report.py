@@ -13,11 +13,13 @@ Two findings, each one ``QuantreeWarning``:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import warnings
 
 import torch
 import torch.fx as fx
 
+from quantree.backends.cpu.lowering_program import FLOAT_OPS_KEY
 from quantree.core.errors import QuantreeWarning
 from quantree.core.qdq import DEQUANTIZE_OPS
 from quantree.core.values import module_scope
@@ -51,15 +53,17 @@ def _dequantizes_constant(arg: fx.Node) -> bool:
     return isinstance(source, fx.Node) and source.op == "get_attr"
 
 
-def float_ops(root: torch.nn.Module) -> list[tuple[str, fx.Node, bool]]:
+def float_ops(root: torch.nn.Module) -> list[tuple[str, fx.Node | ProgramOp, bool]]:
     """``(where, node, reads a dequantized int8 constant)`` of every aten op of ``root``'s
-    graphs (nested ones too) that computes a float tensor; ``where`` is the submodule."""
-    found = []
+    graphs (nested ones too) that computes a float tensor, those inside native region
+    programs included; ``where`` is the submodule."""
+    found: list[tuple[str, fx.Node | ProgramOp, bool]] = []
     for prefix, module in root.named_modules():
         graph = getattr(module, "graph", None)
         if not isinstance(module, fx.GraphModule) or not isinstance(graph, fx.Graph):
             continue
         for node in graph.nodes:
+            found += [(prefix, op, False) for op in program_float_ops(node)]
             namespace = getattr(node.target, "namespace", "")
             if node.op != "call_function" or namespace != "aten" or not _is_float(node):
                 continue
@@ -70,12 +74,33 @@ def float_ops(root: torch.nn.Module) -> list[tuple[str, fx.Node, bool]]:
     return found
 
 
-def _describe(items: list[tuple[str, fx.Node, bool]]) -> str:
+@dataclasses.dataclass(frozen=True)
+class ProgramOp:
+    """A float op a native region program computes (``lowering_program``): float still,
+    though no longer a node of the graph."""
+
+    target: str
+    name: str
+    scope: str
+    program: str  # the program node
+
+
+def program_float_ops(node: fx.Node) -> list[ProgramOp]:
+    """The float ops computed inside ``node`` if it is a region program, else none."""
+    recorded = node.meta.get(FLOAT_OPS_KEY, ()) if node.op == "call_function" else ()
+    return [ProgramOp(target, name, scope, node.name) for target, name, scope in recorded]
+
+
+def _describe(items: list[tuple[str, fx.Node | ProgramOp, bool]]) -> str:
     by_op: dict[str, list[str]] = collections.defaultdict(list)
     for prefix, node, _ in items:
-        scope = module_scope(node)
+        if isinstance(node, ProgramOp):
+            scope, inside = node.scope, f" in native program {node.program}"
+        else:
+            scope, inside = module_scope(node), ""
         where = f"{prefix}." if prefix else ""
-        by_op[str(node.target)].append(f"{where}{node.name}" + (f" ({scope})" if scope else ""))
+        label = f"{where}{node.name}" + (f" ({scope})" if scope else "") + inside
+        by_op[str(node.target)].append(label)
     parts = []
     for op, names in sorted(by_op.items(), key=lambda kv: -len(kv[1])):
         more = f", +{len(names) - SHOWN} more" if len(names) > SHOWN else ""

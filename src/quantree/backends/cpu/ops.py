@@ -10,6 +10,7 @@ from quantree.backends.cpu.ops_elementwise import binary, dequantize, lookup, qu
 from quantree.backends.cpu.ops_embedding import embedding_rows
 from quantree.backends.cpu.ops_gemm import conv1d, conv2d, linear, matmul
 from quantree.backends.cpu.ops_pool import max_pool2d
+from quantree.backends.cpu.ops_program import program
 from quantree.backends.cpu.ops_rnn import PER_LAYER, RNN_KINDS, rnn
 from quantree.backends.cpu.ops_rnn_cell import rnn_cell
 from quantree.backends.cpu.ops_rnn_packed import rnn_packed_sequence
@@ -26,6 +27,7 @@ __all__ = [
     "lookup",
     "matmul",
     "max_pool2d",
+    "program",
     "quantize",
     "rnn",
     "rnn_cell",

@@ -1,0 +1,73 @@
+// A straight-line region program: a run of lowered ops (int8 linears, quantize/dequantize,
+// float add/mul/sigmoid/tanh, layer norm, chunk/unbind/stack) executed in one native call.
+//
+// An unrolled recurrence written with modules (a layer-normed LSTM stepped in Python) leaves
+// a dozen small ops per step; at batch 1 each costs the dispatcher and the interpreter more
+// than its arithmetic. Here the whole region runs with the instructions of qt_program.h over
+// one workspace, laid out for the shapes the region was compiled for.
+#include "qt_program.h"
+
+using namespace qt::prog;
+
+namespace {
+constexpr int NSR = 6;  // fields per slot: dtype (0 f32, 1 i8), owner, byte offset, cols, ld, rows
+}
+
+extern "C" {
+
+// inputs[i] (dense, the slot in_slots[i]'s rows x cols) are copied in, the code is run once,
+// and the slots out_slots[i] are copied out to outputs[i]. A LINEAR writing int8 reads its
+// multipliers from the constant c[11] (mult, then add: 2 N floats).
+void qt_program_run(void** inputs, const int64_t* in_slots, int64_t n_in, void** outputs,
+                    const int64_t* out_slots, int64_t n_out, const int64_t* slots, int64_t n_slots,
+                    const int64_t* code, const float* fcode, int64_t n_code, void** consts) {
+    std::vector<int64_t> start(static_cast<size_t>(n_slots));
+    int64_t bytes = 0;
+    for (int64_t i = 0; i < n_slots; ++i) {  // owners first: a view follows its source
+        const int64_t* d = slots + NSR * i;
+        if (d[1] == i) {
+            start[i] = bytes;
+            bytes += (d[5] * d[4] * (d[0] == 0 ? 4 : 1) + 63) / 64 * 64;
+        } else {
+            start[i] = start[d[1]] + d[2];
+        }
+    }
+    std::vector<char> ws(static_cast<size_t>(bytes) + 64);
+    std::vector<Slot> s(static_cast<size_t>(n_slots));
+    int64_t scratch = 0;
+    for (int64_t i = 0; i < n_slots; ++i) {
+        const int64_t* d = slots + NSR * i;
+        s[i] = Slot{ws.data() + start[i], d[5], d[3], d[4], d[0] == 0 ? 4 : 1};
+    }
+    for (int64_t n = 0; n < n_code; ++n) {
+        const int64_t* c = code + NI * n;
+        if (c[0] == LINEAR) {
+            const int64_t need = s[c[2]].rows * (c[9] + 4);
+            scratch = need > scratch ? need : scratch;
+        }
+    }
+    std::vector<uint8_t> u8(static_cast<size_t>(scratch));
+    for (int64_t i = 0; i < n_in; ++i) {
+        const Slot& d = s[in_slots[i]];
+        const char* src = static_cast<const char*>(inputs[i]);
+        for (int64_t r = 0; r < d.rows; ++r)
+            std::memcpy(d.base + r * d.ld * d.size, src + r * d.cols * d.size,
+                        static_cast<size_t>(d.cols * d.size));
+    }
+    for (int64_t n = 0; n < n_code; ++n) {
+        const int64_t* c = code + NI * n;
+        const float* f = fcode + NF * n;
+        const bool requant = c[0] == LINEAR && f[0] > 0;
+        const float* mult = requant ? static_cast<const float*>(consts[c[11]]) : nullptr;
+        run_op(c, f, s, consts, u8.data(), mult, requant ? mult + c[8] : nullptr);
+    }
+    for (int64_t i = 0; i < n_out; ++i) {
+        const Slot& d = s[out_slots[i]];
+        char* dst = static_cast<char*>(outputs[i]);
+        for (int64_t r = 0; r < d.rows; ++r)
+            std::memcpy(dst + r * d.cols * d.size, d.base + r * d.ld * d.size,
+                        static_cast<size_t>(d.cols * d.size));
+    }
+}
+
+}  // extern "C"

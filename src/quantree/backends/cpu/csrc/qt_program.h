@@ -1,0 +1,199 @@
+// The instruction set of quantree's small native programs, shared by the cells-mode loop
+// (cells.cpp: one lowered cell body run for every time step) and straight-line region
+// programs (program.cpp: a run of lowered ops with no kernel boundary between them).
+//
+// Values are 2-d [rows, cols] slices (row stride ld) of one workspace; a chunk's pieces, an
+// unbind's items and a stack's parts are views of their source. Instructions are fixed-size
+// records of int64 and float fields. Every instruction but the sigmoid/tanh of FLOAT_UNARY
+// (which goes through the selected path's activation, as the recurrent kernels do) is plain
+// C++ with no ISA dispatch, so it gives the same bits on every path.
+#pragma once
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "qt_kernels.h"
+
+namespace qt::prog {
+
+enum Op {
+    QUANT = 0,
+    DEQUANT = 1,
+    LINEAR = 2,
+    BINARY = 3,
+    LOOKUP = 4,
+    COPY = 5,
+    FAKE_QUANT = 6,    // float -> float through an integer grid (an int16 point, say)
+    FLOAT_BINARY = 7,  // float add / mul / sub
+    FLOAT_UNARY = 8,   // float sigmoid / tanh / relu
+    LAYER_NORM = 9,    // float layer norm over each row, optional weight / bias
+};
+constexpr int NI = 12, NF = 8;  // fields per instruction
+constexpr int NS = 5;  // fields per slot: dtype (0 f32, 1 i8), owner slot, byte offset, cols, ld
+
+struct Slot {
+    char* base;
+    int64_t rows, cols, ld, size;
+    float* f(int64_t r) const { return reinterpret_cast<float*>(base) + r * ld; }
+    int8_t* q(int64_t r) const { return reinterpret_cast<int8_t*>(base) + r * ld; }
+};
+
+// Row kernels with restrict pointers, so that the compiler vectorizes them (the workspace is
+// one char buffer: without restrict every int8 store may alias every float load).
+static inline void quantize_row(const float* __restrict a, int8_t* __restrict out, int64_t n, float inv,
+                  float zp) {
+    for (int64_t j = 0; j < n; ++j)
+        out[j] = static_cast<int8_t>(qt::quantize_value(a[j], inv, zp, -128.0f, 127.0f));
+}
+
+static inline void dequantize_row(const int8_t* __restrict a, float* __restrict out, int64_t n, float scale,
+                    float zp) {
+    for (int64_t j = 0; j < n; ++j) out[j] = (static_cast<float>(a[j]) - zp) * scale;
+}
+
+static inline void binary_row(int64_t kind, const int8_t* __restrict a, const int8_t* __restrict b,
+                int8_t* __restrict out, int64_t n, const float* f) {
+    const float sa = f[0], za = f[1], sb = f[2], zb = f[3], inv = f[4], zo = f[5];
+    if (kind == 0) {
+        for (int64_t j = 0; j < n; ++j) {
+            const float v = (static_cast<float>(a[j]) - za) * sa + (static_cast<float>(b[j]) - zb) * sb;
+            out[j] = static_cast<int8_t>(qt::quantize_value(v, inv, zo, -128.0f, 127.0f));
+        }
+    } else if (kind == 1) {
+        for (int64_t j = 0; j < n; ++j) {
+            const float v = ((static_cast<float>(a[j]) - za) * sa) * ((static_cast<float>(b[j]) - zb) * sb);
+            out[j] = static_cast<int8_t>(qt::quantize_value(v, inv, zo, -128.0f, 127.0f));
+        }
+    } else {
+        for (int64_t j = 0; j < n; ++j) {
+            const float v = (static_cast<float>(a[j]) - za) * sa - (static_cast<float>(b[j]) - zb) * sb;
+            out[j] = static_cast<int8_t>(qt::quantize_value(v, inv, zo, -128.0f, 127.0f));
+        }
+    }
+}
+
+// The reference's quantize then dequantize: (clamp(round(a / s) + zp) - zp) * s.
+static inline void fake_quant_row(const float* __restrict a, float* __restrict out, int64_t n, const float* f) {
+    const float inv = f[0], zp = f[1], lo = f[2], hi = f[3], scale = f[4];
+    for (int64_t j = 0; j < n; ++j) out[j] = (qt::quantize_value(a[j], inv, zp, lo, hi) - zp) * scale;
+}
+
+static inline void float_binary_row(int64_t kind, const float* a, const float* b, float* out, int64_t n) {
+    if (kind == 0) {
+        for (int64_t j = 0; j < n; ++j) out[j] = a[j] + b[j];
+    } else if (kind == 1) {
+        for (int64_t j = 0; j < n; ++j) out[j] = a[j] * b[j];
+    } else {
+        for (int64_t j = 0; j < n; ++j) out[j] = a[j] - b[j];
+    }
+}
+
+static inline void float_unary_row(int64_t kind, const float* a, float* out, int64_t n) {
+    if (kind < 2) {
+        qt::kernels.activation(static_cast<int>(kind), a, out, n);
+        return;
+    }
+    if (kind == 0) {
+        for (int64_t j = 0; j < n; ++j) out[j] = 1.0f / (1.0f + std::exp(-a[j]));
+    } else if (kind == 1) {
+        for (int64_t j = 0; j < n; ++j) out[j] = std::tanh(a[j]);
+    } else {
+        for (int64_t j = 0; j < n; ++j) out[j] = a[j] > 0.0f ? a[j] : 0.0f;
+    }
+}
+
+
+// torch's layer_norm over the last dimension: (x - mean) / sqrt(var + eps) * w + b, the
+// biased variance; sums in double (ATen's vectorized float sums differ by rounding only).
+static inline void layer_norm_row(const float* __restrict a, float* __restrict out, int64_t n,
+                                  const float* w, const float* b, float eps) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < n; ++j) sum += a[j];
+    const double mean = sum / static_cast<double>(n);
+    double sq = 0.0;
+    for (int64_t j = 0; j < n; ++j) sq += (a[j] - mean) * (a[j] - mean);
+    const float m = static_cast<float>(mean);
+    const float rstd = static_cast<float>(1.0 / std::sqrt(sq / static_cast<double>(n) + eps));
+    for (int64_t j = 0; j < n; ++j) {
+        float y = (a[j] - m) * rstd;
+        if (w) y *= w[j];
+        if (b) y += b[j];
+        out[j] = y;
+    }
+}
+
+// Runs instruction c (its float fields f) over the slots s. u8: scratch for the widest
+// linear's input rows; mult / add: the linear's int8-output multipliers (or null).
+static inline void run_op(const int64_t* c, const float* f, const std::vector<Slot>& s,
+                        void* const* consts, uint8_t* u8, const float* mult, const float* add) {
+    const Slot& dst = s[c[1]];
+    const Slot& a = s[c[2]];
+    switch (c[0]) {
+        case QUANT:
+            for (int64_t r = 0; r < dst.rows; ++r)
+                quantize_row(a.f(r), dst.q(r), dst.cols, f[0], f[1]);
+            break;
+        case DEQUANT:
+            for (int64_t r = 0; r < dst.rows; ++r)
+                dequantize_row(a.q(r), dst.f(r), dst.cols, f[0], f[1]);
+            break;
+        case LINEAR: {
+            const int64_t K = a.cols, N = c[8], Kp = c[9];
+            qt::to_u8(a.q(0), a.rows, K, a.ld, u8, Kp);
+            qt::Epilogue ep{static_cast<const int32_t*>(consts[c[6]]),
+                            static_cast<const float*>(consts[c[4]]),
+                            c[5] >= 0 ? static_cast<const float*>(consts[c[5]]) : nullptr,
+                            f[0] > 0 ? nullptr : dst.f(0),
+                            f[0] > 0 ? dst.q(0) : nullptr,
+                            dst.ld, f[0] > 0 ? 1.0f / f[0] : 0.0f, f[1], -128.0f, 127.0f};
+            if (c[10]) ep.qmin = f[1] > -128.0f ? f[1] : -128.0f;
+            if (f[0] > 0) {
+                ep.mult = mult;
+                ep.add = add;
+            }
+            qt::gemm_u8s8(a.rows, N, Kp, u8, Kp,
+                          static_cast<const int8_t*>(consts[c[3]]), ep);
+            break;
+        }
+        case BINARY: {
+            const Slot& b = s[c[3]];
+            for (int64_t r = 0; r < dst.rows; ++r)
+                binary_row(c[4], a.q(r), b.q(r), dst.q(r), dst.cols, f);
+            break;
+        }
+        case LOOKUP: {
+            const int8_t* table = static_cast<const int8_t*>(consts[c[3]]);
+            for (int64_t r = 0; r < dst.rows; ++r)
+                for (int64_t j = 0; j < dst.cols; ++j)
+                    dst.q(r)[j] = table[static_cast<int>(a.q(r)[j]) + 128];
+            break;
+        }
+        case FAKE_QUANT:
+            for (int64_t r = 0; r < dst.rows; ++r) fake_quant_row(a.f(r), dst.f(r), dst.cols, f);
+            break;
+        case FLOAT_BINARY: {
+            const Slot& b = s[c[3]];
+            for (int64_t r = 0; r < dst.rows; ++r)
+                float_binary_row(c[4], a.f(r), b.f(r), dst.f(r), dst.cols);
+            break;
+        }
+        case FLOAT_UNARY:
+            for (int64_t r = 0; r < dst.rows; ++r) float_unary_row(c[3], a.f(r), dst.f(r), dst.cols);
+            break;
+        case LAYER_NORM: {  // c[3], c[4]: weight / bias constants or -1; f[0]: eps
+            const float* w = c[3] >= 0 ? static_cast<const float*>(consts[c[3]]) : nullptr;
+            const float* b = c[4] >= 0 ? static_cast<const float*>(consts[c[4]]) : nullptr;
+            for (int64_t r = 0; r < dst.rows; ++r) layer_norm_row(a.f(r), dst.f(r), dst.cols, w, b, f[0]);
+            break;
+        }
+        case COPY:
+            for (int64_t r = 0; r < dst.rows; ++r)
+                std::memcpy(dst.base + r * dst.ld * dst.size, a.base + r * a.ld * a.size,
+                            static_cast<size_t>(dst.cols * dst.size));
+            break;
+        default:
+            break;
+    }
+}
+
+}  // namespace qt::prog

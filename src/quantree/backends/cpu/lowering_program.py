@@ -1,0 +1,391 @@
+"""Runs of small lowered ops fused into one native program (``quantree.program``).
+
+At batch 1 a recurrence unrolled in Python (torchaudio's layer-normed LSTM, any cell written
+with modules and stepped in a loop) leaves a dozen small ops per step: a quantize, an int8
+linear, then float add, layer norm, sigmoid, tanh and mul on a few hundred values each. Every
+one costs the interpreter and the dispatcher a few microseconds, more than its arithmetic,
+so the lowered model was no faster than float however fast its int8 linears.
+
+After the other rules, this pass takes each maximal run of ops the program instructions
+cover (``csrc/qt_program.h``: quantize, dequantize, int8 linear/add/mul/table, float
+add/mul/sub, sigmoid/tanh/relu, layer norm over the last dimension, and chunk / unbind /
+stack / getitem as views) and, when it holds at least ``MIN_OPS`` of them, replaces it by
+one call. The arithmetic is each op's own: the int8 ops the same bits as their kernels, the
+float ones float32 (layer norm sums in double; sigmoid/tanh are the recurrent kernels').
+What the program computes in float stays float and is reported so (``float_report``).
+
+The program is compiled for the shapes in the graph; regions whose shapes are not all known
+are left as they are. A saved model holding one keeps static shapes.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.program)
+from quantree.backends.cpu.cells_native import (
+    FLOAT_BINARY,
+    FLOAT_BINARY_KINDS,
+    FLOAT_UNARY,
+    FLOAT_UNARY_KINDS,
+    NF,
+    NI,
+    Program,
+    _emit,
+)
+from quantree.core.graphs import fetch_attr, register_constant
+from quantree.core.values import module_scope
+
+aten = torch.ops.aten
+quantree_ops = torch.ops.quantree
+qd = torch.ops.quantized_decomposed
+COPY, LAYER_NORM = 5, 9
+MIN_OPS = 8
+"""Fewer ops than this gain too little from one call to be worth an opaque node."""
+FLOAT_OPS_KEY = "quantree_float_ops"
+"""Program node meta: ``(op, node name, module scope)`` of each float op it computes."""
+INT8_OPS = {
+    quantree_ops.quantize.default,
+    quantree_ops.dequantize.default,
+    quantree_ops.linear.default,
+    quantree_ops.binary.default,
+    quantree_ops.lookup.default,
+}
+VIEWS = {aten.chunk.default, aten.unbind.int, operator.getitem, aten.dropout.default}
+
+Shape = tuple[tuple[int, ...], torch.dtype]
+
+
+class RegionProgram(Program):
+    """A ``Program`` whose slots also record their rows (fixed: the region's shapes)."""
+
+    def alloc_rows(self, dtype: torch.dtype, rows: int, cols: int) -> int:
+        index = len(self.slots)
+        self.slots.append([0 if dtype == torch.float32 else 1, index, 0, cols, cols, rows])
+        return index
+
+    def view(self, source: int, first_col: int, cols: int) -> int:
+        dtype, base, offset, _, ld, rows = self.slots[source]
+        elem = 4 if dtype == 0 else 1
+        self.slots.append([dtype, base, offset + first_col * elem, cols, ld, rows])
+        return len(self.slots) - 1
+
+    def row_view(self, source: int, first_row: int, rows: int) -> int:
+        dtype, base, offset, cols, ld, _ = self.slots[source]
+        elem = 4 if dtype == 0 else 1
+        self.slots.append([dtype, base, offset + first_row * ld * elem, cols, ld, rows])
+        return len(self.slots) - 1
+
+
+def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
+    """The float ops a program's code computes, by aten op name (from the code alone, so a
+    loaded ``.pt2`` can be inspected)."""
+    names: collections.Counter[str] = collections.Counter()
+    binary = {v: k for k, v in FLOAT_BINARY_KINDS.items()}
+    unary = {v: k for k, v in FLOAT_UNARY_KINDS.items()}
+    for row in code.reshape(-1, NI).tolist():
+        if row[0] == FLOAT_BINARY:
+            names[binary[row[4]].__name__.split(".")[0]] += 1
+        elif row[0] == FLOAT_UNARY:
+            names[unary[row[3]].__name__.split(".")[0]] += 1
+        elif row[0] == LAYER_NORM:
+            names["layer_norm"] += 1
+    return names
+
+
+def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS) -> int:
+    """Replace each run of at least ``min_ops`` program-covered ops of ``gm`` by one
+    ``quantree.program`` call; returns how many were replaced."""
+    shapes = _infer_shapes(gm)
+    fused = 0
+    for region in _regions(gm, shapes):
+        if sum(1 for n in region if n.target not in VIEWS) >= min_ops and _replace(
+            gm, region, shapes
+        ):
+            fused += 1
+    if fused:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return fused
+
+
+def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
+    """Shape and dtype of every single-tensor value: the graph's own ``val`` metadata, and
+    for the lowering's int8 ops (which have none) what they compute."""
+    shapes: dict[fx.Node, Shape] = {}
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        a: Any = n.args
+        if isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in val.shape):
+            shapes[n] = (tuple(val.shape), val.dtype)
+        if n.target in INT8_OPS and n not in shapes:
+            source = a[1] if n.target == quantree_ops.binary.default else a[0]
+            if source not in shapes:
+                continue
+            shape = shapes[source][0]
+            if n.target == quantree_ops.quantize.default:
+                shapes[n] = (shape, torch.int8)
+            elif n.target == quantree_ops.dequantize.default:
+                shapes[n] = (shape, torch.float32)
+            elif n.target == quantree_ops.linear.default:
+                dtype = torch.int8 if a[6] > 0 else torch.float32
+                shapes[n] = ((*shape[:-1], int(a[5])), dtype)
+            else:
+                shapes[n] = (shape, torch.int8)
+    return shapes
+
+
+def _cols(shape: Shape) -> int:
+    return shape[0][-1] if shape[0] else 1
+
+
+def _rows(shape: Shape) -> int:
+    cols = _cols(shape)
+    numel = 1
+    for d in shape[0]:
+        numel *= d
+    return numel // cols if cols else 0
+
+
+def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> bool:
+    """Whether the program runs ``n`` (its shapes known, its arguments of the right kind)."""
+    a: Any = n.args
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        return a[0] in inside and a[0].target in (aten.chunk.default, aten.unbind.int)
+    if n.target == aten.chunk.default:
+        src = shapes.get(a[0])
+        dim = a[2] if len(a) > 2 else 0
+        return (
+            src is not None
+            and len(src[0]) >= 1
+            and dim in (-1, len(src[0]) - 1)
+            and src[0][-1] % a[1] == 0
+        )
+    if n.target == aten.unbind.int:
+        src = shapes.get(a[0])
+        dim = a[1] if len(a) > 1 else n.kwargs.get("dim", 0)
+        return bool(src is not None and len(src[0]) >= 2 and dim == 0)
+    if n.target == aten.dropout.default:
+        return bool(a[0] in shapes and (len(a) < 3 or a[2] is False or a[1] == 0))
+    if n not in shapes or shapes[n][1] not in (torch.float32, torch.int8):
+        return False
+    if n.target == aten.stack.default:
+        dim = a[1] if len(a) > 1 else n.kwargs.get("dim", 0)
+        items = a[0]
+        return bool(
+            dim == 0
+            and len(items) > 0
+            and all(shapes.get(x) == shapes.get(items[0]) for x in items)
+            and items[0] in shapes
+            and len(shapes[items[0]][0]) >= 1
+        )
+    if n.target == aten.layer_norm.default:
+        weight = a[2] if len(a) > 2 else None
+        bias = a[3] if len(a) > 3 else None
+        consts = all(
+            w is None or (isinstance(w, fx.Node) and w.op == "get_attr") for w in (weight, bias)
+        )
+        return (
+            list(a[1]) == [_cols(shapes[n])]
+            and consts
+            and shapes[n][1] == torch.float32
+            and len(shapes[n][0]) >= 1
+        )
+    if n.target in FLOAT_BINARY_KINDS:
+        return (
+            not n.kwargs
+            and len(a) == 2
+            and all(isinstance(x, fx.Node) and shapes.get(x) == shapes[n] for x in a)
+            and shapes[n][1] == torch.float32
+        )
+    if n.target in FLOAT_UNARY_KINDS:
+        return shapes.get(a[0]) == shapes[n] and shapes[n][1] == torch.float32
+    if n.target in INT8_OPS:
+        if n.target == quantree_ops.binary.default:
+            return shapes.get(a[1]) == shapes.get(a[2]) == (shapes[n][0], torch.int8)
+        return not (n.target == quantree_ops.linear.default and len(a) != 9)
+    return False
+
+
+def _regions(gm: fx.GraphModule, shapes: dict[fx.Node, Shape]) -> list[list[fx.Node]]:
+    """Maximal runs of covered nodes, in graph order. A run ends where an uncovered node reads
+    one of its values, so that the one call, placed at the run's end, comes before every
+    reader outside it and after every value it reads."""
+    regions: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    inside: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            continue
+        if _covered(n, shapes, inside):
+            current.append(n)
+            inside.add(n)
+        elif any(x in inside for x in n.all_input_nodes) or n.op == "output":
+            if current:
+                regions.append(current)
+            current, inside = [], set()
+    if current:
+        regions.append(current)
+    return regions
+
+
+def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Shape]) -> bool:
+    """Compile ``region`` and put the program call in its place (False: left as it was)."""
+    inside = set(region)
+    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    if any(n.target in (aten.chunk.default, aten.unbind.int) for n in outputs):
+        return False  # a tuple read outside: keep the region's views inside it
+    p = RegionProgram()
+    slot: dict[fx.Node, int] = {}
+    inputs: list[fx.Node] = []
+    const_nodes: list[fx.Node] = []
+    const_of: dict[fx.Node, int] = {}
+    pieces: dict[fx.Node, list[int]] = {}
+
+    def value_slot(n: fx.Node) -> int | None:
+        shape = shapes.get(n)
+        return None if shape is None else p.alloc_rows(shape[1], _rows(shape), _cols(shape))
+
+    def const_index(n: object) -> int:
+        if n is None:
+            return -1
+        assert isinstance(n, fx.Node) and n.op == "get_attr"
+        if n not in const_of:
+            const_of[n] = len(p.consts)
+            p.consts.append(fetch_attr(gm, str(n.target)))
+            const_nodes.append(n)
+        return const_of[n]
+
+    def operand(x: object) -> bool:
+        """Give an outside value read by the region an input slot."""
+        if not isinstance(x, fx.Node) or x in slot or x in pieces or x.op == "get_attr":
+            return True
+        if x in inside or x not in shapes or shapes[x][1] not in (torch.float32, torch.int8):
+            return x in slot
+        s = value_slot(x)
+        if s is None:
+            return False
+        slot[x] = s
+        inputs.append(x)
+        return True
+
+    float_ops: list[tuple[str, str, str]] = []
+    for n in region:
+        a: Any = n.args
+        reads = a[0] if n.target == aten.stack.default else n.all_input_nodes
+        if not all(
+            operand(x) for x in reads if not (isinstance(x, fx.Node) and x.op == "get_attr")
+        ):
+            return False
+        if n.target == aten.chunk.default:
+            width = p.slots[slot[a[0]]][3] // a[1]
+            pieces[n] = [p.view(slot[a[0]], i * width, width) for i in range(a[1])]
+        elif n.target == aten.unbind.int:
+            count = shapes[a[0]][0][0]
+            rows = p.slots[slot[a[0]]][5] // count
+            pieces[n] = [p.row_view(slot[a[0]], i * rows, rows) for i in range(count)]
+        elif n.target is operator.getitem:
+            slot[n] = pieces[a[0]][a[1]]
+        elif n.target == aten.dropout.default:
+            slot[n] = slot[a[0]]
+        elif n.target == aten.stack.default:
+            dst = value_slot(n)
+            assert dst is not None
+            rows = p.slots[slot[a[0][0]]][5]
+            for i, x in enumerate(a[0]):
+                part = p.row_view(dst, i * rows, rows)
+                p.emit([COPY, part, slot[x]], [])
+            slot[n] = dst
+        elif n.target == aten.layer_norm.default:
+            dst = value_slot(n)
+            assert dst is not None
+            weight = const_index(a[2] if len(a) > 2 else None)
+            bias = const_index(a[3] if len(a) > 3 else None)
+            eps = float(a[4]) if len(a) > 4 else 1e-5
+            p.emit([LAYER_NORM, dst, slot[a[0]], weight, bias], [eps])
+            slot[n] = dst
+        elif not _emit(p, n, slot, value_slot, const_index):
+            return False
+        elif n.target == quantree_ops.linear.default and float(a[6]) > 0:
+            _requantization(gm, p, const_nodes, a, region[0])
+        if n.target not in INT8_OPS and n.target not in VIEWS and n.target != aten.stack.default:
+            float_ops.append((str(n.target), n.name, module_scope(n)))
+    for n in outputs:
+        operand(n)
+    _call(gm, region, p, inputs, const_nodes, outputs, slot, shapes, float_ops)
+    return True
+
+
+def _requantization(
+    gm: fx.GraphModule, p: RegionProgram, const_nodes: list[fx.Node], a: Any, first: fx.Node
+) -> None:
+    """An int8-output linear's multipliers, ``scale / out_scale`` then ``bias / out_scale``
+    (float32, as ``qt_cell_loop`` computes them), as one constant the instruction reads."""
+    code = p.code[-1]
+    scale = p.consts[code[4]]
+    bias = p.consts[code[5]] if code[5] >= 0 else torch.zeros_like(scale)
+    inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(a[6]), dtype=torch.float32)
+    value = torch.cat([scale.float() * inv, bias.float() * inv]).contiguous()
+    name = register_constant(gm, "_cpu_requant_", value)
+    with gm.graph.inserting_before(first):
+        node = gm.graph.get_attr(name)
+    code[11] = len(p.consts)
+    p.consts.append(value)
+    const_nodes.append(node)
+
+
+def _call(
+    gm: fx.GraphModule,
+    region: list[fx.Node],
+    p: RegionProgram,
+    inputs: list[fx.Node],
+    const_nodes: list[fx.Node],
+    outputs: list[fx.Node],
+    slot: dict[fx.Node, int],
+    shapes: dict[fx.Node, Shape],
+    float_ops: list[tuple[str, str, str]],
+) -> None:
+    graph = gm.graph
+    tables = {
+        "code": torch.tensor(p.code, dtype=torch.int64).reshape(-1, NI),
+        "fcode": torch.tensor(p.fcode, dtype=torch.float32).reshape(-1, NF),
+        "slots": torch.tensor(p.slots, dtype=torch.int64),
+        "in": torch.tensor([slot[x] for x in inputs], dtype=torch.int64),
+        "out": torch.tensor([slot[x] for x in outputs], dtype=torch.int64),
+    }
+    with graph.inserting_before(region[0]):
+        attrs = {
+            k: graph.get_attr(register_constant(gm, f"_cpu_program_{k}_", v))
+            for k, v in tables.items()
+        }
+    in_shapes = [d for x in inputs for d in shapes[x][0]]
+    out_shapes = [d for x in outputs for d in shapes[x][0]]
+    with graph.inserting_after(region[-1]):
+        call = graph.call_function(
+            quantree_ops.program.default,
+            (
+                inputs, const_nodes, attrs["code"], attrs["fcode"], attrs["slots"], attrs["in"],
+                attrs["out"], in_shapes, [len(shapes[x][0]) for x in inputs], out_shapes,
+                [len(shapes[x][0]) for x in outputs],
+                [0 if shapes[x][1] == torch.float32 else 1 for x in outputs],
+            ),
+        )  # fmt: skip
+    call.meta[FLOAT_OPS_KEY] = float_ops
+    call.meta["nn_module_stack"] = region[-1].meta.get("nn_module_stack", {})
+    last = call
+    for i, n in enumerate(outputs):
+        with graph.inserting_after(last):
+            last = graph.call_function(operator.getitem, (call, i))
+        last.meta["val"] = n.meta.get("val")
+        n.replace_all_uses_with(last)
+    for n in reversed(region):
+        if not n.users:
+            graph.erase_node(n)
