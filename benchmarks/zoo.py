@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 import quantree as qt
 from quantree.backends import CPU
+from quantree.backends.cpu.float_report import program_float_ops
 
 
 def import_model_libraries() -> None:
@@ -270,11 +271,14 @@ def input_dependent_sqnr(ref: list[torch.Tensor], got: list[torch.Tensor]) -> fl
 
 
 def float_ops(gm: nn.Module) -> collections.Counter:
-    """aten ops of a lowered graph (and its submodules) whose output is a float tensor."""
+    """aten ops of a lowered graph (and its submodules) whose output is a float tensor,
+    those a native region program computes in float counted as ``op (in program)``."""
     found: collections.Counter = collections.Counter()
     for mod in gm.modules():
         graph = getattr(mod, "graph", None)
         for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+            for op in program_float_ops(node):  # float still, inside one native call
+                found[op.target.split(".")[1] + " (in program)"] += 1
             target = node.target
             if node.op != "call_function" or getattr(target, "namespace", "") != "aten":
                 continue

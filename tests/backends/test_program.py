@@ -1,0 +1,174 @@
+"""Runs of small lowered ops become one native region program (``quantree.program``).
+
+A recurrence stepped in Python with modules (a layer-normed LSTM, as torchaudio's RNN-T
+predictor writes it) leaves a dozen small ops per step. The program runs them in one call:
+int8 ops with their kernels' bits (a region of int8 ops only equals the unfused graph
+exactly), float ones in float32 (layer norm and the vector sigmoid/tanh differ from ATen by
+rounding: SQNR against the reference graph, 35 dB over 6 recurrent steps).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import quantree as qt
+from quantree.backends import CPU, load, save
+from quantree.backends.cpu import backend as cpu_backend
+from quantree.backends.cpu.native import ISA_NAMES, isa_cap, library
+from quantree.core.graphs import fetch_attr
+from quantree.tools.inspection import NATIVE_FLOAT, op_statuses
+from quantree.tools.metrics import sqnr
+
+from support import calls
+
+PROGRAM = torch.ops.quantree.program.default
+aten = torch.ops.aten
+
+
+class NormedLSTM(nn.Module):
+    """An LSTM with layer-normed gates and cell, stepped in Python (no aten.lstm)."""
+
+    def __init__(self, inputs: int = 12, hidden: int = 16, gates: bool = True) -> None:
+        super().__init__()
+        self.x2g = nn.Linear(inputs, 4 * hidden)
+        self.p2g = nn.Linear(hidden, 4 * hidden, bias=False)
+        self.g_norm, self.c_norm = nn.LayerNorm(4 * hidden), nn.LayerNorm(hidden)
+        self.hidden, self.gates = hidden, gates
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, B, I]
+        h = x.new_zeros(x.shape[1], self.hidden)
+        c = x.new_zeros(x.shape[1], self.hidden)
+        outs = []
+        for g in self.x2g(x).unbind(0):
+            g = self.g_norm(g + self.p2g(h))
+            i, f, z, o = g.chunk(4, 1)
+            if self.gates:
+                i, f, z, o = i.sigmoid(), f.sigmoid(), z.tanh(), o.sigmoid()
+            c = self.c_norm(f * c + i * z)
+            h = o * (c.tanh() if self.gates else c)
+            outs.append(h)
+        return torch.stack(outs, 0)
+
+
+def _data(n: int = 6, seed: int = 0, steps: int = 6, batch: int = 2) -> list[tuple[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(steps, batch, 12, generator=g),) for _ in range(n)]
+
+
+def _lowered(model: nn.Module, fuse: bool = True, dynamic_batch: bool = True):
+    data = _data()
+    ref = qt.quantize(model.eval(), data[0], data, progress=False, dynamic_batch=dynamic_batch)
+    if not fuse:
+        original = cpu_backend.fuse_regions
+        cpu_backend.fuse_regions = lambda gm: 0  # type: ignore[assignment]
+        try:
+            return ref, qt.lower(ref, CPU)
+        finally:
+            cpu_backend.fuse_regions = original
+    return ref, qt.lower(ref, CPU)
+
+
+def test_normed_lstm_runs_as_one_program() -> None:
+    torch.manual_seed(0)
+    ref, low = _lowered(NormedLSTM())
+    assert len(calls(low, PROGRAM)) == 1
+    left = {n.target for n in low.graph.nodes if n.op == "call_function"}
+    for op in (aten.sigmoid.default, aten.tanh.default, aten.layer_norm.default, aten.mul.Tensor):
+        assert op not in left
+    with torch.no_grad():
+        for (x,) in _data(3, seed=1):  # never calibrated on
+            assert sqnr(ref(x), low(x)) > 35.0
+
+
+def test_int8_region_equals_the_unfused_graph_exactly() -> None:
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(12, 12) for _ in range(9))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Chain()
+    _, fused = _lowered(model, dynamic_batch=False)
+    _, plain = _lowered(model, fuse=False, dynamic_batch=False)
+    assert len(calls(fused, PROGRAM)) == 1 and not calls(plain, PROGRAM)
+    with torch.no_grad():
+        for (x,) in _data(3, seed=2):
+            assert torch.equal(fused(x), plain(x))
+    _, dynamic = _lowered(model)  # a batch that varies: shapes unknown, left to the kernels
+    assert not calls(dynamic, PROGRAM)
+
+
+@pytest.fixture
+def select():
+    lib = library()
+    available = [n for i, n in enumerate(ISA_NAMES) if lib.qt_select_isa(i) == i]
+    lib.qt_select_isa(isa_cap())
+
+    def choose(name: str) -> bool:
+        if name not in available:
+            return False
+        assert ISA_NAMES[lib.qt_select_isa(ISA_NAMES.index(name))] == name
+        return True
+
+    yield choose
+    lib.qt_select_isa(isa_cap())
+
+
+@pytest.mark.parametrize("gates", [True, False], ids=["sigmoid-tanh", "norms-only"])
+def test_program_bits_on_every_path(select, gates: bool) -> None:
+    """Layer norm, linears and add/mul give the same bits on every path; sigmoid/tanh those
+    of the recurrent kernels, equal on the vector paths (portable calls libm)."""
+    torch.manual_seed(0)
+    _, low = _lowered(NormedLSTM(gates=gates))
+    (x,) = _data(1, seed=3)[0]
+    paths = ["portable", "avx2", "avxvnni", "avx512vnni"]
+    got = {}
+    with torch.no_grad():
+        for name in paths:
+            if select(name):
+                got[name] = low(x)
+    vector = [n for n in got if n != "portable"]
+    for name in vector[1:]:
+        assert torch.equal(got[name], got[vector[0]]), name
+    if not gates and vector:
+        assert torch.equal(got["portable"], got[vector[0]])
+
+
+def test_float_inside_is_reported_by_lowering_and_inspect() -> None:
+    torch.manual_seed(0)
+    data = _data()
+    ref = qt.quantize(NormedLSTM().eval(), data[0], data, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        low = qt.lower(ref, CPU)
+    said = " ".join(str(w.message) for w in caught)
+    assert "aten.layer_norm.default x12" in said and "in native program" in said
+    (status,) = [s for s in op_statuses(low) if s.op == "quantree.program.default"]
+    assert status.status == NATIVE_FLOAT
+    assert "layer_norm 12" in status.detail and "sigmoid 18" in status.detail
+
+
+def test_save_load_and_other_shapes(tmp_path) -> None:
+    torch.manual_seed(0)
+    _, low = _lowered(NormedLSTM())
+    (x,) = _data(1, seed=4)[0]
+    save(low, tmp_path / "normed.pt2", (x,))
+    loaded = load(tmp_path / "normed.pt2")
+    with torch.no_grad():
+        assert torch.equal(loaded(x), low(x))
+        (node,) = calls(low, PROGRAM)
+        args = list(node.args)
+        inputs = [torch.randn(6, 3, 12)]  # the region's input is x2g's output, [6, 2, 64]
+        tensors = [fetch_attr(low, str(a.target)) for a in args[2:7]]
+        consts = [fetch_attr(low, str(c.target)) for c in args[1]]
+        with pytest.raises(ValueError, match="compiled for inputs of shapes"):
+            torch.ops.quantree.program(inputs, consts, *tensors, *args[7:])
