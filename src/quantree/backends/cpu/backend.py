@@ -1,7 +1,7 @@
 """``CPU``: the native int8 backend (VNNI kernels built on first use).
 
 Rules, tried in order at each node: whole recurrent layers, recurrent cells (one step),
-linear(+relu), conv(+relu), int8 data movement, cat/stack, max pooling,
+linear(+relu), conv(+relu), int8 data movement, cat/stack, masked_fill, max pooling,
 int8 add/mul/sub/matmul, pointwise tables, softmax.
 Cells-mode cell bodies are lowered with the same rules, then each cell loop runs as one
 native program when its lowered body compiles to one. The remaining quantize/dequantize
@@ -24,6 +24,7 @@ from quantree.backends.cpu.lowering_cat import lower_cat
 from quantree.backends.cpu.lowering_cell import lower_cell
 from quantree.backends.cpu.lowering_embedding import lower_embedding
 from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
+from quantree.backends.cpu.lowering_masked_fill import lower_masked_fill
 from quantree.backends.cpu.lowering_program import fuse_regions
 from quantree.backends.cpu.lowering_qdq import (
     lower_binary,
@@ -119,6 +120,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_conv2d,
         lower_movement,
         lower_cat,
+        lower_masked_fill,
         lower_max_pool,
         lower_binary,
         lower_matmul,
