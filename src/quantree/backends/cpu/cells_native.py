@@ -128,7 +128,7 @@ def compile_body(body: fx.GraphModule, example: tuple[Tensor, ...]) -> Program |
         elif n.target is operator.getitem and n.args[0] in pieces:
             g: Any = n.args
             slot[n] = pieces[g[0]][g[1]]
-        elif not _emit(p, n, slot, value_slot, const_index):
+        elif not emit(p, n, slot, value_slot, const_index):
             return None
     n_states = len(example) - 1
     if len(p.outs) != n_states or any(p.slots[s][0] != 0 for s in p.outs):
@@ -136,7 +136,7 @@ def compile_body(body: fx.GraphModule, example: tuple[Tensor, ...]) -> Program |
     return p
 
 
-def _emit(
+def emit(
     p: Program,
     n: fx.Node,
     slot: dict[fx.Node, int],

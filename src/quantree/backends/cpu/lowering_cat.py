@@ -22,7 +22,7 @@ qd = torch.ops.quantized_decomposed
 JOINS = (aten.cat.default, aten.concat.default, aten.stack.default)
 
 
-def _on_grid(ctx: LoweringContext, x: Activation, q: Quantized, before: fx.Node) -> fx.Node:
+def on_grid(ctx: LoweringContext, x: Activation, q: Quantized, before: fx.Node) -> fx.Node:
     """``x``'s integers on ``q``'s grid: itself, or a table lookup requantizing it."""
     scale, zero_point = float(q.params.scale), int(q.params.zero_point)
     if (x.scale, x.zero_point) == (scale, zero_point):
@@ -35,7 +35,7 @@ def _on_grid(ctx: LoweringContext, x: Activation, q: Quantized, before: fx.Node)
         return ctx.gm.graph.call_function(torch.ops.quantree.lookup.default, (x.node, table_node))
 
 
-def _int8_output(ctx: LoweringContext, node: fx.Node) -> Quantized | None:
+def int8_output(ctx: LoweringContext, node: fx.Node) -> Quantized | None:
     q = ctx.quantized_output(node)
     return q if q is not None and is_int8_per_tensor(q.params) else None
 
@@ -44,11 +44,11 @@ def lower_cat(ctx: LoweringContext, node: fx.Node) -> bool:
     """``dq... -> cat/stack -> q`` as the join of the int8 inputs."""
     if node.target not in JOINS or not isinstance(node.args[0], list | tuple):
         return False
-    q = _int8_output(ctx, node)
+    q = int8_output(ctx, node)
     inputs = [activation(ctx, t, allow_constant=True) for t in node.args[0]]
     if q is None or not inputs or any(x is None for x in inputs):
         return False
-    joined = [_on_grid(ctx, x, q, node) for x in inputs if x is not None]
+    joined = [on_grid(ctx, x, q, node) for x in inputs if x is not None]
     with ctx.gm.graph.inserting_before(node):
         new = ctx.gm.graph.call_function(node.target, (joined, *node.args[1:]), dict(node.kwargs))
     replace(ctx, q.node, new, (q.node, node))

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.fx as fx
 
-from quantree.backends.cpu.lowering_cat import _int8_output, _on_grid
+from quantree.backends.cpu.lowering_cat import int8_output, on_grid
 from quantree.backends.patterns import activation, replace, writes_shared_input
 from quantree.core.lower import LoweringContext
 
@@ -36,14 +36,14 @@ def lower_masked_fill(ctx: LoweringContext, node: fx.Node) -> bool:
     if not isinstance(mask_val, torch.Tensor) or mask_val.dtype != torch.bool:
         return False
     x = activation(ctx, x_arg)
-    q = _int8_output(ctx, node)
+    q = int8_output(ctx, node)
     if x is None or q is None:
         return False
     scale, zero_point = float(q.params.scale), int(q.params.zero_point)
     fill = torch.tensor(float(value), dtype=torch.float32)
     code = qd.quantize_per_tensor(fill, scale, zero_point, -128, 127, torch.int8)
     fill_node = ctx.add_constant("_cpu_fill_", code, before=node)
-    joined = _on_grid(ctx, x, q, node)
+    joined = on_grid(ctx, x, q, node)
     with ctx.gm.graph.inserting_before(node):
         new = ctx.gm.graph.call_function(aten.where.self, (mask, fill_node, joined))
     replace(ctx, q.node, new, (q.node, node))

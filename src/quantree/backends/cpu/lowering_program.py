@@ -36,7 +36,7 @@ from quantree.backends.cpu.cells_native import (
     NF,
     NI,
     Program,
-    _emit,
+    emit,
 )
 from quantree.core.graphs import fetch_attr, register_constant
 from quantree.core.values import module_scope
@@ -312,7 +312,7 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
             eps = float(a[4]) if len(a) > 4 else 1e-5
             p.emit([LAYER_NORM, dst, slot[a[0]], weight, bias], [eps])
             slot[n] = dst
-        elif not _emit(p, n, slot, value_slot, const_index):
+        elif not emit(p, n, slot, value_slot, const_index):
             return False
         elif n.target == quantree_ops.linear.default and float(a[6]) > 0:
             _requantization(gm, p, const_nodes, a, region[0])
