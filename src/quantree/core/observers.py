@@ -9,6 +9,10 @@ an observer that has seen nothing else, but never moves statistics gathered from
 values, and the first tensor that is not all zero initialises them. So a default (zero)
 initial state sharing an observer with the state a recurrent layer returns, or the zero
 state at the first step of a cell loop, does not drag the range towards 0.
+
+Each observer kind also says how its statistics combine across processes (``merge``, a
+collective over a ``torch.distributed`` process group): N processes that each observed 1/N
+of the data end with the statistics one process gets from all of it, in rank order.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from quantree.core.errors import QuantreeError
@@ -57,6 +62,9 @@ class Observer(nn.Module):
         self.register_buffer("num_batches", torch.zeros((), dtype=torch.int64))
         # only to explain an observer that never calibrated (not state: no buffer)
         self.empty_batches = 0
+        # statistics every process holds alike (merged, or a constant observed at prepare):
+        # rank 0 carries them into the next merge, the others drop them (see ``merge``)
+        self._everywhere = False
 
     @property
     def calibrated(self) -> bool:
@@ -70,6 +78,10 @@ class Observer(nn.Module):
                 f"observer of {self.label} received {type(x).__name__} "
                 f"{getattr(x, 'dtype', '')}; observers only take float tensors"
             )
+        if self._everywhere:  # new data: from now on count only it, except on rank 0
+            self._everywhere = False
+            if _rank() != 0:
+                self.clear()
         if not x.numel():
             self.empty_batches += 1
         else:
@@ -128,6 +140,99 @@ class Observer(nn.Module):
             )
         return qparams_from_range(self.min_val, self.max_val, self.spec)
 
+    def clear(self) -> None:
+        """Forget every statistic, as a fresh observer."""
+        self.min_val, self.max_val = torch.empty(0), torch.empty(0)
+        self.num_batches.zero_()
+        self.empty_batches = 0
+        self._everywhere = False
+
+    def mark_everywhere(self) -> None:
+        """Every process holds these statistics alike (a constant observed at prepare).
+
+        Rank 0 carries them into the merge; the other ranks' copies count for nothing, so a
+        weight observed by every process counts once, as in one process.
+        """
+        self._everywhere = True
+
+    def merge_signature(self) -> str:
+        """What must agree across processes for ``merge`` to combine two observers."""
+        return f"{type(self).__name__} {self.spec}"
+
+    def merge(self, group: Any = None) -> None:
+        """Combine the statistics of this observer on every process of ``group`` (collective).
+
+        Every rank calls it, in the same order for the same observers (a rank that observed
+        nothing too), and every rank ends with the same statistics: those one process gets
+        from every rank's batches in rank order. Statistics every rank holds alike (merged
+        ones, constants observed at prepare) are carried by rank 0 alone: the other ranks
+        start afresh at their next observation, so merging again, or a weight every process
+        observed, counts nothing twice. A rank whose tensors were all zeros contributes no
+        range, as in one process. ``group`` spans every process (rank 0 is the world's).
+        """
+        rank = dist.get_rank(group)
+        table = torch.stack(_all_gather(self._merge_header(), group))
+        real = table[:, 1].bool()
+        batches, empty = int(table[:, 3].sum()), int(table[:, 4].sum())
+        if bool(real.any()):
+            sizes = table[real, 2]
+            if int(sizes.min()) != int(sizes.max()):
+                raise QuantreeError(
+                    f"the observer of {self.label} has {sizes.tolist()} channel(s) on the ranks "
+                    "that calibrated it; every process must calibrate the same model on "
+                    "tensors of the same channel count"
+                )
+            self._merge_statistics(group, table, bool(real[rank]), int(sizes[0]))
+        else:
+            self.clear()
+            if bool(table[:, 0].any()):  # calibrated on zeros only: a [0, 0] range
+                zeros = torch.zeros(self._stat_shape(int(table[:, 2].max())))
+                self.min_val, self.max_val = zeros, zeros.clone()
+        self.num_batches.fill_(batches)
+        self.empty_batches = empty
+        self._everywhere = True
+
+    def _merge_header(self) -> torch.Tensor:
+        """[calibrated, has real values, statistic size, batches, empty batches, kind's own]."""
+        if self._everywhere and _rank() != 0:  # rank 0 carries these statistics
+            return torch.zeros(6, dtype=torch.int64)
+        real = self.calibrated and not self.only_zeros
+        return torch.tensor(
+            [
+                int(self.calibrated),
+                int(real),
+                self.min_val.numel(),
+                int(self.num_batches),
+                self.empty_batches,
+                self._header_extra(),
+            ],
+            dtype=torch.int64,
+        )
+
+    def _header_extra(self) -> int:
+        return 0
+
+    def _stat_shape(self, numel: int) -> tuple[int, ...]:
+        return () if self.spec.axis is None else (numel,)
+
+    def _merge_statistics(
+        self, group: Any, table: torch.Tensor, real_here: bool, numel: int
+    ) -> None:
+        """Min-max: the extremes of the extremes, exactly."""
+        self.min_val, self.max_val = self._merged_extremes(group, real_here, numel)
+
+    def _merged_extremes(
+        self, group: Any, real_here: bool, numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Minimum of minima and maximum of maxima in one all_reduce (MIN of ``-max``)."""
+        if real_here:
+            both = torch.cat((self.min_val.flatten(), -self.max_val.flatten())).float()
+        else:
+            both = torch.full((2 * numel,), math.inf)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
+        shape = self._stat_shape(numel)
+        return both[:numel].reshape(shape).clone(), (-both[numel:]).reshape(shape)
+
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # Buffers are sized by the first batch (per-channel length); take the saved shapes.
         for name, _ in self.named_buffers(recurse=False):
@@ -153,6 +258,15 @@ class MovingAverageMinMaxObserver(Observer):
     where it started), an exponential average after. Inside a cell loop
     (``begin_call``/``end_call``) the extremes of every step of one batch count as one
     observation, so the weight is per batch, not per time step.
+
+    The average depends on the order of the batches, so to merge across processes each
+    observer keeps the extremes it averaged (two numbers a batch per tensor), and the merge
+    replays every rank's in rank order: the merged average is bit for bit the one a single
+    process computes from every rank's batches in rank order (contiguous shards, as
+    ``quantree.shard`` makes, give one process's order on all the data). Statistics loaded
+    from a ``state_dict`` have no such record; they merge as the average of the ranks'
+    averages weighted by their batch counts, which is exact while the total stays within the
+    first ``1 / averaging_constant`` batches (a plain mean) and an approximation after.
     """
 
     num_averaged: torch.Tensor
@@ -163,6 +277,7 @@ class MovingAverageMinMaxObserver(Observer):
         self.register_buffer("num_averaged", torch.zeros((), dtype=torch.int64))
         self._window: tuple[torch.Tensor, torch.Tensor] | None = None
         self._depth = 0
+        self._averaged: list[tuple[torch.Tensor, torch.Tensor]] = []  # for merge
 
     def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         if self._depth:
@@ -179,11 +294,59 @@ class MovingAverageMinMaxObserver(Observer):
         if self.only_zeros or not int(self.num_averaged):
             self.min_val, self.max_val = lo.clone(), hi.clone()
             self.num_averaged.fill_(1)
+            self._averaged = [(lo, hi)]
             return
+        self._averaged.append((lo, hi))
         self.num_averaged.add_(1)
         c = max(self.averaging_constant, 1.0 / int(self.num_averaged))
         self.min_val.add_(c * (lo - self.min_val))
         self.max_val.add_(c * (hi - self.max_val))
+
+    def clear(self) -> None:
+        super().clear()
+        self.num_averaged.zero_()
+        self._averaged = []
+
+    def merge_signature(self) -> str:
+        return f"{super().merge_signature()} averaging_constant={self.averaging_constant}"
+
+    def _header_extra(self) -> int:
+        """How many averaged extremes this rank can replay; -1 if not all of them."""
+        complete = len(self._averaged) == int(self.num_averaged)
+        return len(self._averaged) if complete else -1
+
+    def _merge_statistics(
+        self, group: Any, table: torch.Tensor, real_here: bool, numel: int
+    ) -> None:
+        shape = self._stat_shape(numel)
+        counts = [int(n) if bool(r) else 0 for n, r in zip(table[:, 5], table[:, 1], strict=True)]
+        if min(counts) < 0:
+            self._merge_weighted(group, real_here, numel)
+            return
+        mine = torch.zeros(max(counts), 2, numel)
+        if real_here:
+            for i, (lo, hi) in enumerate(self._averaged):
+                mine[i, 0], mine[i, 1] = lo.flatten(), hi.flatten()
+        gathered = _all_gather(mine, group)
+        self.clear()
+        for count, extremes in zip(counts, gathered, strict=True):
+            for lo, hi in extremes[:count]:
+                self._average(lo.reshape(shape).clone(), hi.reshape(shape).clone())
+
+    def _merge_weighted(self, group: Any, real_here: bool, numel: int) -> None:
+        """Averages without their record (loaded statistics): weighted by batch counts."""
+        n = float(self.num_averaged) if real_here else 0.0
+        total = torch.zeros(2 * numel + 1)
+        if real_here:
+            total[:numel] = n * self.min_val.flatten()
+            total[numel : 2 * numel] = n * self.max_val.flatten()
+            total[-1] = n
+        dist.all_reduce(total, group=group)
+        shape = self._stat_shape(numel)
+        self.clear()
+        self.min_val = (total[:numel] / total[-1]).reshape(shape)
+        self.max_val = (total[numel : 2 * numel] / total[-1]).reshape(shape)
+        self.num_averaged.fill_(round(float(total[-1])))
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # statistics saved before num_averaged existed: every batch counted
@@ -240,6 +403,33 @@ class HistogramObserver(Observer):
         index = torch.clamp(((centers - lo) / width).long(), 0, self.bins - 1)
         return torch.zeros(self.bins).index_add_(0, index, self.histogram)
 
+    def clear(self) -> None:
+        super().clear()
+        self.histogram = torch.zeros(self.bins)
+
+    def merge_signature(self) -> str:
+        return f"{super().merge_signature()} bins={self.bins} grid={self.grid}"
+
+    def _merge_statistics(
+        self, group: Any, table: torch.Tensor, real_here: bool, numel: int
+    ) -> None:
+        """Each rank's histogram re-binned onto the common range, then summed.
+
+        The range is exactly one process's (the extremes of all values); the counts differ
+        from one process's only by where re-binning put them: one process re-bins whenever a
+        batch widens the range, a merge once per rank. The chosen clipping range is then the
+        same or a neighbouring candidate of the search grid.
+        """
+        lo, hi = self._merged_extremes(group, real_here, numel)
+        if not real_here:
+            counts = torch.zeros(self.bins)
+        elif bool(lo == self.min_val) and bool(hi == self.max_val):
+            counts = self.histogram.clone()
+        else:
+            counts = self._rebin(lo, hi)
+        dist.all_reduce(counts, group=group)
+        self.min_val, self.max_val, self.histogram = lo, hi, counts
+
     def qparams(self) -> QParams:
         if not self.calibrated:
             return super().qparams()
@@ -270,6 +460,17 @@ _OBSERVERS: dict[ObserverKind, type[Observer]] = {
     ObserverKind.MOVING_AVERAGE: MovingAverageMinMaxObserver,
     ObserverKind.HISTOGRAM: HistogramObserver,
 }
+
+
+def _rank() -> int:
+    """This process's rank in the default process group; 0 outside one."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _all_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return gathered
 
 
 def _all_zero(lo: torch.Tensor, hi: torch.Tensor) -> bool:
