@@ -17,6 +17,7 @@ and the test compares them with a single-process calibration done here.
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
 from datetime import timedelta
@@ -62,9 +63,13 @@ def _data(n: int = 7) -> list[tuple[torch.Tensor]]:
     return [(torch.randn(2, 5, 6, generator=g) * (1 + (i * 3) % 5),) for i in range(n)]
 
 
+@functools.cache
+def _captured() -> torch.fx.GraphModule:
+    return qt.capture(_model(), _data(1)[0])  # prepare copies it: one capture serves all
+
+
 def _prepared(mode: qt.RecurrentMode, kind: qt.ObserverKind) -> torch.fx.GraphModule:
-    gm = qt.capture(_model(), _data(1)[0])
-    return qt.prepare(gm, qt.Int8Quantizer(recurrent=mode, activation_observer=kind))
+    return qt.prepare(_captured(), qt.Int8Quantizer(recurrent=mode, activation_observer=kind))
 
 
 def _statistics(prepared: torch.nn.Module) -> dict[str, Any]:
@@ -137,14 +142,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _single(mode: qt.RecurrentMode, kind: qt.ObserverKind, *batches: list) -> dict[str, Any]:
+    prepared = _prepared(mode, kind)
+    for data in batches:
+        qt.calibrate(prepared, data, progress=False)
+    return _statistics(prepared)
+
+
+def _one_process() -> dict[str, Any]:
+    """What one process gets from all the data, for every case the workers run."""
+    data = _data()
+    found: dict[str, Any] = {f"{m.value}/{k.value}": _single(m, k, data) for m, k in CONFIGS}
+    found["empty_shard"] = _single(qt.RecurrentMode.WHOLE, qt.ObserverKind.MINMAX, data[:1])
+    found["twice"] = _single(
+        qt.RecurrentMode.WHOLE, qt.ObserverKind.MOVING_AVERAGE, data[:4], data[4:]
+    )
+    return found
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(each rank's results, one process's), the latter computed while the ranks run."""
     out = tmp_path_factory.mktemp("ranks")
     context = mp.start_processes(
         _worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + TIMEOUT_S
     try:
+        single = _one_process()
         while not context.join(timeout=1):
             if time.monotonic() > deadline:
                 raise AssertionError(f"the {WORLD} calibration processes took over {TIMEOUT_S} s")
@@ -152,14 +177,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         for process in context.processes:
             if process.is_alive():
                 process.terminate()
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
-def _single(mode: qt.RecurrentMode, kind: qt.ObserverKind, *batches: list) -> dict[str, Any]:
-    prepared = _prepared(mode, kind)
-    for data in batches:
-        qt.calibrate(prepared, data, progress=False)
-    return _statistics(prepared)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return ranks, single
 
 
 def _assert_identical(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -192,7 +211,8 @@ def _assert_histograms_close(got: dict[str, Any], want: dict[str, Any]) -> None:
         assert abs(g_hi - w_hi) <= hi_step * 1.0001, (name, g_hi, w_hi, hi_step)
 
 
-def test_every_rank_ends_with_the_same_statistics(ranks: list[dict[str, Any]]) -> None:
+def test_every_rank_ends_with_the_same_statistics(runs: Any) -> None:
+    ranks, _ = runs
     for key in [f"{m.value}/{k.value}" for m, k in CONFIGS] + ["empty_shard", "twice"]:
         first, second = ranks[0][key], ranks[1][key]
         if isinstance(first, tuple):
@@ -205,10 +225,11 @@ def test_every_rank_ends_with_the_same_statistics(ranks: list[dict[str, Any]]) -
     ("mode", "kind"), CONFIGS, ids=[f"{m.value}-{k.value}" for m, k in CONFIGS]
 )
 def test_two_processes_give_one_process_parameters(
-    ranks: list[dict[str, Any]], mode: qt.RecurrentMode, kind: qt.ObserverKind
+    runs: Any, mode: qt.RecurrentMode, kind: qt.ObserverKind
 ) -> None:
+    ranks, single = runs
     got, _ = ranks[0][f"{mode.value}/{kind.value}"]
-    want = _single(mode, kind, _data())
+    want = single[f"{mode.value}/{kind.value}"]
     if kind is qt.ObserverKind.HISTOGRAM:
         _assert_histograms_close(got, want)
     else:
@@ -216,25 +237,26 @@ def test_two_processes_give_one_process_parameters(
     assert {s["kind"] for s in want.values()} >= {"MinMaxObserver"}  # the weights, per channel
 
 
-def test_a_rank_without_batches_takes_part(ranks: list[dict[str, Any]]) -> None:
-    want = _single(qt.RecurrentMode.WHOLE, qt.ObserverKind.MINMAX, _data()[:1])
-    _assert_identical(ranks[0]["empty_shard"], want)
+def test_a_rank_without_batches_takes_part(runs: Any) -> None:
+    ranks, single = runs
+    _assert_identical(ranks[0]["empty_shard"], single["empty_shard"])
 
 
-def test_calibrating_twice_counts_nothing_twice(ranks: list[dict[str, Any]]) -> None:
-    data = _data()
-    want = _single(qt.RecurrentMode.WHOLE, qt.ObserverKind.MOVING_AVERAGE, data[:4], data[4:])
-    _assert_identical(ranks[0]["twice"], want)
+def test_calibrating_twice_counts_nothing_twice(runs: Any) -> None:
+    ranks, single = runs
+    _assert_identical(ranks[0]["twice"], single["twice"])
 
 
-def test_a_failure_on_one_rank_fails_every_rank(ranks: list[dict[str, Any]]) -> None:
+def test_a_failure_on_one_rank_fails_every_rank(runs: Any) -> None:
+    ranks, _ = runs
     kind, message = ranks[1]["failure"]
     assert kind == "BadBatch" and "NaN" in message
     kind, message = ranks[0]["failure"]
     assert kind == "RankFailed" and "rank 1 of 2" in message and "NaN" in message
 
 
-def test_different_models_on_the_ranks_are_refused(ranks: list[dict[str, Any]]) -> None:
+def test_different_models_on_the_ranks_are_refused(runs: Any) -> None:
+    ranks, _ = runs
     for rank in ranks:
         kind, message = rank["mismatch"]
         assert kind == "QuantreeError", message
