@@ -62,9 +62,8 @@ class Observer(nn.Module):
         self.register_buffer("num_batches", torch.zeros((), dtype=torch.int64))
         # only to explain an observer that never calibrated (not state: no buffer)
         self.empty_batches = 0
-        # statistics every process holds alike (merged, or a constant observed at prepare):
-        # rank 0 carries them into the next merge, the others drop them (see ``merge``)
-        self._everywhere = False
+        # counters when every process last held the same statistics (see ``mark_shared``)
+        self._shared_counts: tuple[int, int] | None = None
 
     @property
     def calibrated(self) -> bool:
@@ -78,10 +77,6 @@ class Observer(nn.Module):
                 f"observer of {self.label} received {type(x).__name__} "
                 f"{getattr(x, 'dtype', '')}; observers only take float tensors"
             )
-        if self._everywhere:  # new data: from now on count only it, except on rank 0
-            self._everywhere = False
-            if _rank() != 0:
-                self.clear()
         if not x.numel():
             self.empty_batches += 1
         else:
@@ -145,15 +140,16 @@ class Observer(nn.Module):
         self.min_val, self.max_val = torch.empty(0), torch.empty(0)
         self.num_batches.zero_()
         self.empty_batches = 0
-        self._everywhere = False
+        self._shared_counts = None
 
-    def mark_everywhere(self) -> None:
-        """Every process holds these statistics alike (a constant observed at prepare).
+    def mark_shared(self) -> None:
+        """Every process now holds these statistics alike (merged, or a constant at prepare).
 
-        Rank 0 carries them into the merge; the other ranks' copies count for nothing, so a
-        weight observed by every process counts once, as in one process.
+        The next merge takes them from rank 0 alone and from each other rank only what it
+        observes after this, so a weight every process observed, or a second merge, counts
+        nothing twice. Observing goes on as before on every rank (convert reads the lot).
         """
-        self._everywhere = True
+        self._shared_counts = (int(self.num_batches), self.empty_batches)
 
     def merge_signature(self) -> str:
         """What must agree across processes for ``merge`` to combine two observers."""
@@ -171,7 +167,8 @@ class Observer(nn.Module):
         range, as in one process. ``group`` spans every process (rank 0 is the world's).
         """
         rank = dist.get_rank(group)
-        table = torch.stack(_all_gather(self._merge_header(), group))
+        since_shared = rank != 0 and self._shared_counts is not None
+        table = torch.stack(_all_gather(self._merge_header(since_shared), group))
         real = table[:, 1].bool()
         batches, empty = int(table[:, 3].sum()), int(table[:, 4].sum())
         if bool(real.any()):
@@ -182,7 +179,7 @@ class Observer(nn.Module):
                     "that calibrated it; every process must calibrate the same model on "
                     "tensors of the same channel count"
                 )
-            self._merge_statistics(group, table, bool(real[rank]), int(sizes[0]))
+            self._merge_statistics(group, table, since_shared, int(sizes[0]))
         else:
             self.clear()
             if bool(table[:, 0].any()):  # calibrated on zeros only: a [0, 0] range
@@ -190,42 +187,44 @@ class Observer(nn.Module):
                 self.min_val, self.max_val = zeros, zeros.clone()
         self.num_batches.fill_(batches)
         self.empty_batches = empty
-        self._everywhere = True
+        self.mark_shared()
 
-    def _merge_header(self) -> torch.Tensor:
-        """[calibrated, has real values, statistic size, batches, empty batches, kind's own]."""
-        if self._everywhere and _rank() != 0:  # rank 0 carries these statistics
-            return torch.zeros(6, dtype=torch.int64)
+    def _merge_header(self, since_shared: bool) -> torch.Tensor:
+        """[calibrated, has real values, statistic size, batches, empty batches, kind's own].
+
+        ``since_shared``: count only what this rank observed since ``mark_shared``.
+        """
+        batches, empty = int(self.num_batches), self.empty_batches
+        if since_shared and self._shared_counts is not None:
+            batches, empty = batches - self._shared_counts[0], empty - self._shared_counts[1]
         real = self.calibrated and not self.only_zeros
         return torch.tensor(
             [
                 int(self.calibrated),
                 int(real),
                 self.min_val.numel(),
-                int(self.num_batches),
-                self.empty_batches,
-                self._header_extra(),
+                batches,
+                empty,
+                self._header_extra(since_shared),
             ],
             dtype=torch.int64,
         )
 
-    def _header_extra(self) -> int:
+    def _header_extra(self, since_shared: bool) -> int:
         return 0
 
     def _stat_shape(self, numel: int) -> tuple[int, ...]:
         return () if self.spec.axis is None else (numel,)
 
     def _merge_statistics(
-        self, group: Any, table: torch.Tensor, real_here: bool, numel: int
+        self, group: Any, table: torch.Tensor, since_shared: bool, numel: int
     ) -> None:
-        """Min-max: the extremes of the extremes, exactly."""
-        self.min_val, self.max_val = self._merged_extremes(group, real_here, numel)
+        """Min-max: the extremes of the extremes, exactly (shared ones again do no harm)."""
+        self.min_val, self.max_val = self._merged_extremes(group, numel)
 
-    def _merged_extremes(
-        self, group: Any, real_here: bool, numel: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _merged_extremes(self, group: Any, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Minimum of minima and maximum of maxima in one all_reduce (MIN of ``-max``)."""
-        if real_here:
+        if self.calibrated and not self.only_zeros:
             both = torch.cat((self.min_val.flatten(), -self.max_val.flatten())).float()
         else:
             both = torch.full((2 * numel,), math.inf)
@@ -278,6 +277,7 @@ class MovingAverageMinMaxObserver(Observer):
         self._window: tuple[torch.Tensor, torch.Tensor] | None = None
         self._depth = 0
         self._averaged: list[tuple[torch.Tensor, torch.Tensor]] = []  # for merge
+        self._shared_averaged = 0  # how many of them every process holds alike
 
     def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         if self._depth:
@@ -306,26 +306,34 @@ class MovingAverageMinMaxObserver(Observer):
         super().clear()
         self.num_averaged.zero_()
         self._averaged = []
+        self._shared_averaged = 0
+
+    def mark_shared(self) -> None:
+        super().mark_shared()
+        self._shared_averaged = len(self._averaged)
+
+    def _own(self, since_shared: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._averaged[self._shared_averaged :] if since_shared else self._averaged
 
     def merge_signature(self) -> str:
         return f"{super().merge_signature()} averaging_constant={self.averaging_constant}"
 
-    def _header_extra(self) -> int:
-        """How many averaged extremes this rank can replay; -1 if not all of them."""
+    def _header_extra(self, since_shared: bool) -> int:
+        """How many averaged extremes this rank contributes; -1 if it lacks their record."""
         complete = len(self._averaged) == int(self.num_averaged)
-        return len(self._averaged) if complete else -1
+        return len(self._own(since_shared)) if complete else -1
 
     def _merge_statistics(
-        self, group: Any, table: torch.Tensor, real_here: bool, numel: int
+        self, group: Any, table: torch.Tensor, since_shared: bool, numel: int
     ) -> None:
         shape = self._stat_shape(numel)
         counts = [int(n) if bool(r) else 0 for n, r in zip(table[:, 5], table[:, 1], strict=True)]
         if min(counts) < 0:
-            self._merge_weighted(group, real_here, numel)
+            self._merge_weighted(group, since_shared, numel)
             return
         mine = torch.zeros(max(counts), 2, numel)
-        if real_here:
-            for i, (lo, hi) in enumerate(self._averaged):
+        if counts[dist.get_rank(group)]:
+            for i, (lo, hi) in enumerate(self._own(since_shared)):
                 mine[i, 0], mine[i, 1] = lo.flatten(), hi.flatten()
         gathered = _all_gather(mine, group)
         self.clear()
@@ -333,11 +341,16 @@ class MovingAverageMinMaxObserver(Observer):
             for lo, hi in extremes[:count]:
                 self._average(lo.reshape(shape).clone(), hi.reshape(shape).clone())
 
-    def _merge_weighted(self, group: Any, real_here: bool, numel: int) -> None:
-        """Averages without their record (loaded statistics): weighted by batch counts."""
-        n = float(self.num_averaged) if real_here else 0.0
+    def _merge_weighted(self, group: Any, since_shared: bool, numel: int) -> None:
+        """Averages without their record (loaded statistics): weighted by batch counts.
+
+        A rank other than 0 holding shared statistics has no average of its own to give
+        apart from them, so it gives none.
+        """
+        real = self.calibrated and not self.only_zeros and not since_shared
+        n = float(self.num_averaged) if real else 0.0
         total = torch.zeros(2 * numel + 1)
-        if real_here:
+        if real:
             total[:numel] = n * self.min_val.flatten()
             total[numel : 2 * numel] = n * self.max_val.flatten()
             total[-1] = n
@@ -381,6 +394,7 @@ class HistogramObserver(Observer):
         self.bins = bins
         self.grid = grid
         self.register_buffer("histogram", torch.zeros(bins))
+        self._shared_histogram: torch.Tensor | None = None  # re-binned alongside, for merge
 
     def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         if self.only_zeros or not bool(self.histogram.any()):
@@ -389,6 +403,8 @@ class HistogramObserver(Observer):
             return
         new_lo, new_hi = torch.minimum(self.min_val, lo), torch.maximum(self.max_val, hi)
         if bool(new_lo < self.min_val) or bool(new_hi > self.max_val):
+            if self._shared_histogram is not None:  # re-binning is linear: subtract later
+                self._shared_histogram = self._rebin(new_lo, new_hi, self._shared_histogram)
             self.histogram = self._rebin(new_lo, new_hi)
             self.min_val, self.max_val = new_lo, new_hi
         self.histogram += torch.histc(x, self.bins, float(self.min_val), float(self.max_val))
@@ -397,36 +413,49 @@ class HistogramObserver(Observer):
         width = (hi - lo) / self.bins
         return lo + width * (torch.arange(self.bins, dtype=torch.float32) + 0.5)
 
-    def _rebin(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    def _rebin(
+        self, lo: torch.Tensor, hi: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``counts`` (the histogram by default) over the current range, moved onto [lo, hi]."""
         centers = self._centers(self.min_val, self.max_val)
         width = torch.clamp((hi - lo) / self.bins, min=1e-12)
         index = torch.clamp(((centers - lo) / width).long(), 0, self.bins - 1)
-        return torch.zeros(self.bins).index_add_(0, index, self.histogram)
+        source = self.histogram if counts is None else counts
+        return torch.zeros(self.bins).index_add_(0, index, source)
 
     def clear(self) -> None:
         super().clear()
         self.histogram = torch.zeros(self.bins)
+        self._shared_histogram = None
+
+    def mark_shared(self) -> None:
+        super().mark_shared()
+        self._shared_histogram = self.histogram.clone()
 
     def merge_signature(self) -> str:
         return f"{super().merge_signature()} bins={self.bins} grid={self.grid}"
 
     def _merge_statistics(
-        self, group: Any, table: torch.Tensor, real_here: bool, numel: int
+        self, group: Any, table: torch.Tensor, since_shared: bool, numel: int
     ) -> None:
         """Each rank's histogram re-binned onto the common range, then summed.
 
         The range is exactly one process's (the extremes of all values); the counts differ
         from one process's only by where re-binning put them: one process re-bins whenever a
         batch widens the range, a merge once per rank. The chosen clipping range is then the
-        same or a neighbouring candidate of the search grid.
+        same or a neighbouring candidate of the search grid. Counts are whole numbers in
+        float32, so the shared ones subtract exactly (below 2**24 per bin).
         """
-        lo, hi = self._merged_extremes(group, real_here, numel)
-        if not real_here:
+        lo, hi = self._merged_extremes(group, numel)
+        own = self.histogram
+        if since_shared and self._shared_histogram is not None:
+            own = self.histogram - self._shared_histogram
+        if not (self.calibrated and not self.only_zeros):
             counts = torch.zeros(self.bins)
         elif bool(lo == self.min_val) and bool(hi == self.max_val):
-            counts = self.histogram.clone()
+            counts = own.clone()
         else:
-            counts = self._rebin(lo, hi)
+            counts = self._rebin(lo, hi, own)
         dist.all_reduce(counts, group=group)
         self.min_val, self.max_val, self.histogram = lo, hi, counts
 
@@ -460,11 +489,6 @@ _OBSERVERS: dict[ObserverKind, type[Observer]] = {
     ObserverKind.MOVING_AVERAGE: MovingAverageMinMaxObserver,
     ObserverKind.HISTOGRAM: HistogramObserver,
 }
-
-
-def _rank() -> int:
-    """This process's rank in the default process group; 0 outside one."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _all_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:

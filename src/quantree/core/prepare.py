@@ -122,7 +122,7 @@ def _observe_constant(observer: Observer, gm: fx.GraphModule, carrier: fx.Node) 
     """Observe a parameter or buffer now; one holding NaN or infinity is the model's fault."""
     try:
         observer(fetch_attr(gm, str(carrier.target)))
-        observer.mark_everywhere()  # every process observes it: it counts once in a merge
+        observer.mark_shared()  # every process observes it: it counts once in a merge
     except NonFiniteValues:
         readers = ", ".join(f"{u.name} ({u.target})" for u in carrier.users)
         raise QuantreeError(
