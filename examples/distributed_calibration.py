@@ -12,8 +12,10 @@ converts and reports. ``--check`` also calibrates on all the batches in rank 0 a
 compares every observer's parameters with the merged ones.
 
 Rank 0 prints one JSON line: processes, threads, batches, the calibration time (from a
-barrier before the first batch to the end of the merge, the slowest rank's) and the merge's
-share of it, and bits per character of the quantized model on validation text.
+barrier before the first batch to the end of the merge, the slowest rank's), the merge's
+share of it, each rank's CPU time over the same span (on a shared machine wall time
+depends on how many cores the others leave; CPU time does not), and bits per character of
+the quantized model on validation text.
 """
 
 from __future__ import annotations
@@ -77,11 +79,14 @@ def main() -> None:
 
     if dist.is_initialized():
         dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     qt.calibrate(prepared, qt.shard(data), progress=False, merge=False)
     fed = time.perf_counter()
     qt.merge_statistics(prepared)  # what qt.calibrate does by itself when merge=True
-    done = time.perf_counter()
+    done, cpu = time.perf_counter(), time.process_time() - cpu
+    cpus = [cpu] * processes
+    if dist.is_initialized():
+        dist.all_gather_object(cpus, cpu)
 
     if rank == 0:
         report: dict[str, object] = {
@@ -92,6 +97,7 @@ def main() -> None:
             "batches": args.batches,
             "calibrate_s": round(done - start, 3),
             "merge_s": round(done - fed, 3),
+            "cpu_s_per_rank": [round(c, 3) for c in cpus],
         }
         if args.check:
             single = _prepared(quantizer, data[0])

@@ -38,6 +38,7 @@ TIMEOUT_S = 180
 KINDS = list(qt.ObserverKind)
 MODES = list(qt.RecurrentMode)
 CONFIGS = [(mode, kind) for mode in MODES for kind in KINDS]
+TWICE = [qt.ObserverKind.MOVING_AVERAGE, qt.ObserverKind.HISTOGRAM]
 
 
 class Tagger(nn.Module):
@@ -111,10 +112,17 @@ def _worker(rank: int, port: int, out: str) -> None:
         qt.calibrate(prepared, qt.shard(data[:1]), progress=False)
         results["empty_shard"] = _statistics(prepared)
         # calibrating twice counts nothing twice
-        prepared = _prepared(qt.RecurrentMode.WHOLE, qt.ObserverKind.MOVING_AVERAGE)
-        qt.calibrate(prepared, qt.shard(data[:4]), progress=False)
-        qt.calibrate(prepared, qt.shard(data[4:]), progress=False)
-        results["twice"] = _statistics(prepared)
+        for kind in TWICE:
+            prepared = _prepared(qt.RecurrentMode.WHOLE, kind)
+            qt.calibrate(prepared, qt.shard(data[:4]), progress=False)
+            qt.calibrate(prepared, qt.shard(data[4:]), progress=False)
+            results[f"twice/{kind.value}"] = _statistics(prepared)
+        # running the prepared model after a merge keeps the merged statistics on every rank
+        prepared = _prepared(qt.RecurrentMode.WHOLE, qt.ObserverKind.MINMAX)
+        qt.calibrate(prepared, qt.shard(data), progress=False)
+        with torch.no_grad():
+            prepared(*data[0])
+        results["run_after_merge"] = _statistics(prepared)
         # one rank's bad batch fails every rank, before anything is merged
         prepared = _prepared(qt.RecurrentMode.WHOLE, qt.ObserverKind.MINMAX)
         bad = [(torch.full((2, 5, 6), float("nan")),)] if rank == 1 else data[:2]
@@ -154,9 +162,8 @@ def _one_process() -> dict[str, Any]:
     data = _data()
     found: dict[str, Any] = {f"{m.value}/{k.value}": _single(m, k, data) for m, k in CONFIGS}
     found["empty_shard"] = _single(qt.RecurrentMode.WHOLE, qt.ObserverKind.MINMAX, data[:1])
-    found["twice"] = _single(
-        qt.RecurrentMode.WHOLE, qt.ObserverKind.MOVING_AVERAGE, data[:4], data[4:]
-    )
+    for kind in TWICE:
+        found[f"twice/{kind.value}"] = _single(qt.RecurrentMode.WHOLE, kind, data[:4], data[4:])
     return found
 
 
@@ -213,7 +220,8 @@ def _assert_histograms_close(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 def test_every_rank_ends_with_the_same_statistics(runs: Any) -> None:
     ranks, _ = runs
-    for key in [f"{m.value}/{k.value}" for m, k in CONFIGS] + ["empty_shard", "twice"]:
+    twice = [f"twice/{k.value}" for k in TWICE]
+    for key in [f"{m.value}/{k.value}" for m, k in CONFIGS] + ["empty_shard", *twice]:
         first, second = ranks[0][key], ranks[1][key]
         if isinstance(first, tuple):
             assert first[1] == second[1] == len(_data()), key  # batches over both ranks
@@ -244,7 +252,25 @@ def test_a_rank_without_batches_takes_part(runs: Any) -> None:
 
 def test_calibrating_twice_counts_nothing_twice(runs: Any) -> None:
     ranks, single = runs
-    _assert_identical(ranks[0]["twice"], single["twice"])
+    key = "twice/moving_average"
+    _assert_identical(ranks[0][key], single[key])
+    _assert_histograms_close(ranks[0]["twice/histogram"], single["twice/histogram"])
+
+
+def test_running_after_a_merge_keeps_the_merged_statistics(runs: Any) -> None:
+    """A batch run after the merge (within the merged ranges) changes no parameter."""
+    ranks, single = runs
+
+    def without_counts(found: dict[str, Any]) -> dict[str, Any]:
+        return {
+            name: {k: v for k, v in stats.items() if k != "batches"}
+            for name, stats in found.items()
+        }
+
+    for rank in ranks:
+        _assert_identical(
+            without_counts(rank["run_after_merge"]), without_counts(single["whole/minmax"])
+        )
 
 
 def test_a_failure_on_one_rank_fails_every_rank(runs: Any) -> None:
