@@ -12,6 +12,7 @@ anywhere, or models that differ, raise on every rank instead of leaving the othe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -59,22 +60,22 @@ def observers(module: torch.nn.Module) -> list[tuple[str, Observer]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, Observer)]
 
 
-_CPU_GROUPS: dict[int, Any] = {}
-
-
 def _cpu_group() -> Any:
     """The default process group if it carries CPU tensors, else a gloo group of its ranks.
 
     Statistics live on the CPU; a NCCL world cannot carry them, so a gloo group over the same
-    processes is made once (a collective: every rank calibrates, so every rank makes it).
+    processes is made once per world (a collective: every rank calibrates, so every rank
+    makes it).
     """
     backend = str(dist.get_backend())
     if "gloo" in backend or "mpi" in backend:
         return None
-    key = id(dist.distributed_c10d._get_default_group())
-    if key not in _CPU_GROUPS:
-        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
-    return _CPU_GROUPS[key]
+    return _gloo_group(id(dist.distributed_c10d._get_default_group()))
+
+
+@functools.cache
+def _gloo_group(default_group_id: int) -> Any:
+    return dist.new_group(backend="gloo")
 
 
 def _check_same_observers(mine: list[str], everyone: list[list[str]]) -> None:
