@@ -50,6 +50,12 @@ def shard(data: Sequence[T]) -> Sequence[T]:
     """
     if not in_process_group():
         return data
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise QuantreeError(
+            f"quantree.shard needs a sequence of batches (a list), got {type(data).__name__}; "
+            "for a DataLoader give it a torch.utils.data.DistributedSampler(dataset, "
+            "shuffle=False) instead (its shards interleave, see the README)"
+        )
     world, rank = dist.get_world_size(), dist.get_rank()
     start, stop = (len(data) * rank) // world, (len(data) * (rank + 1)) // world
     return data[start:stop]
