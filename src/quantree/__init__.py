@@ -14,6 +14,7 @@ from quantree.backends.onnx import export_onnx
 from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
 from quantree.core.convert import Unobserved, convert
+from quantree.core.distributed import RankFailed, merge_statistics, shard
 from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.core.lower import (
     REFERENCE,
@@ -80,6 +81,7 @@ __all__ = [
     "Quantized",
     "QuantreeError",
     "QuantreeWarning",
+    "RankFailed",
     "Quantizer",
     "Rule",
     "SharedSpec",
@@ -95,7 +97,9 @@ __all__ = [
     "from_pt2e",
     "recurrent_rules",
     "lower",
+    "merge_statistics",
     "prepare",
     "quantize",
+    "shard",
     "sqnr",
 ]

@@ -12,6 +12,7 @@ import quantree.core.lower as core_lower
 from quantree.capturing import capture
 from quantree.core.calibrate import calibrate, check_calibration_data
 from quantree.core.convert import Unobserved, convert
+from quantree.core.distributed import in_process_group
 from quantree.core.errors import QuantreeError
 from quantree.core.lower import REFERENCE, Backend
 from quantree.core.prepare import prepare
@@ -63,13 +64,15 @@ def quantize(
     ``torch.export``): without ``dynamic_shapes`` the first dimension of each input varies
     where the model allows it (``dynamic_batch=False`` fixes every dimension).
     ``calibration`` is any iterable of argument tuples, or of ``(args, kwargs)`` pairs for
-    a model captured with ``example_kwargs``. ``backend`` is a Backend or its name,
+    a model captured with ``example_kwargs``; in a ``torch.distributed`` process group, this
+    process's shard of them (see :func:`quantree.calibrate`). ``backend`` is a Backend or its name,
     ``'reference'`` or ``'cpu'``. ``unobserved`` says what becomes of tensors calibration
     never saw (an error naming them, or float with one warning). Every argument is checked
     before the model is captured.
     """
     resolved = resolve_backend(backend)
-    check_calibration_data(calibration)
+    # in a process group a shard may be empty; calibrate checks that some process had data
+    check_calibration_data(calibration, allow_empty=in_process_group())
     if quantizer is not None and not (
         isinstance(quantizer, Quantizer) or is_pt2e_quantizer(quantizer)
     ):

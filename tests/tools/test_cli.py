@@ -278,3 +278,27 @@ def test_cpu_backend_round_trip(files: dict[str, Path], capsys) -> None:
     printed = capsys.readouterr().out
     assert "the model is float" not in printed and "int8 kernel" in printed
     assert "0 quantization point(s)" not in printed
+
+
+def test_quantize_under_torchrun_matches_one_process(files: dict[str, Path]) -> None:
+    """Two processes each calibrate on half the file; rank 0 writes what one process would."""
+    out = files["root"] / "out_torchrun.pt2"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+            *("--nproc-per-node", "2", "-m", "quantree.tools.cli", "quantize"),
+            *(str(files["model"]), "--calibration", str(files["data"]), "-o", str(out)),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(" -> ") == 1 and "on 2 processes" in done.stdout, done.stdout
+    loaded = torch.export.load(str(out)).module()
+    expected, data = _python_api(files)
+    with torch.no_grad():
+        for (x,) in data[:3]:
+            assert torch.equal(loaded(x), expected(x))

@@ -8,6 +8,9 @@ Each batch is checked against the captured program before it runs (number of arg
 keyword names, dtypes, ranks and export's shape guard), so a batch the program cannot take
 is reported as a :class:`BadBatch` naming its index and the fix, and it never reaches an
 observer: the statistics gathered so far stay clean.
+
+Inside a ``torch.distributed`` process group each process calibrates on its own shard and
+the statistics are merged at the end (``quantree.core.distributed``).
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 from torch.utils._pytree import TreeSpec
 from tqdm.auto import tqdm
 
+from quantree.core.distributed import calibrate_across, in_process_group
 from quantree.core.errors import QuantreeError
 from quantree.core.observers import NonFiniteValues
 
@@ -313,8 +318,11 @@ def _run(prepared: torch.nn.Module, call: Call, index: int) -> None:
         raise
 
 
-def check_calibration_data(data: Any) -> None:
-    """Refuse calibration data that cannot be iterated, or a collection with no batches."""
+def check_calibration_data(data: Any, *, allow_empty: bool = False) -> None:
+    """Refuse calibration data that cannot be iterated, or a collection with no batches.
+
+    ``allow_empty``: a process's shard may be empty when others have batches.
+    """
     if data is None or isinstance(data, torch.Tensor | str | bytes | Mapping):
         what = "None" if data is None else type(data).__name__
         raise QuantreeError(
@@ -326,20 +334,43 @@ def check_calibration_data(data: Any) -> None:
             f"calibration data must be an iterable of argument tuples (a list, a DataLoader), "
             f"got {type(data).__name__}"
         )
-    if hasattr(data, "__len__") and len(data) == 0:  # type: ignore[arg-type]
+    if not allow_empty and hasattr(data, "__len__") and len(data) == 0:  # type: ignore[arg-type]
         raise QuantreeError(
             "calibration data has 0 batches: give at least one argument tuple of "
             "representative inputs, e.g. [(x1,), (x2,)]"
         )
 
 
-def calibrate(prepared: torch.nn.Module, data: Iterable[Any], *, progress: bool = True) -> int:
+def calibrate(
+    prepared: torch.nn.Module,
+    data: Iterable[Any],
+    *,
+    progress: bool = True,
+    merge: bool = True,
+) -> int:
     """Feed every batch of ``data`` to ``prepared``; returns the number of batches.
+
+    Inside a ``torch.distributed`` process group of two or more processes (gloo on CPU,
+    e.g. under ``torchrun``; another backend gets a gloo group of its ranks) ``data`` is this
+    process's shard (``quantree.shard``), and the observers' statistics are merged across
+    the processes at the end, so every process leaves with the statistics one process gets
+    from all shards in rank order; the count returned is then over all processes. It is a
+    collective: every process calls it, one with an empty shard too, and an error on one
+    process is raised on all of them (as ``RankFailed`` on the others) before anything is
+    merged. ``merge=False`` keeps each process's statistics its own
+    (``quantree.merge_statistics`` merges them later).
 
     Raises :class:`BadBatch` (a QuantreeError) for a batch the captured program cannot take,
     and QuantreeError for data that is not an iterable of batches or gave none.
     """
-    check_calibration_data(data)
+    if merge and in_process_group():
+        show = progress and dist.get_rank() == 0
+        return calibrate_across(prepared, lambda: _feed(prepared, data, show, allow_empty=True))
+    return _feed(prepared, data, progress, allow_empty=False)
+
+
+def _feed(prepared: torch.nn.Module, data: Iterable[Any], progress: bool, allow_empty: bool) -> int:
+    check_calibration_data(data, allow_empty=allow_empty)
     count = 0
     total = len(data) if hasattr(data, "__len__") else None  # type: ignore[arg-type]
     with torch.no_grad():
@@ -348,7 +379,7 @@ def calibrate(prepared: torch.nn.Module, data: Iterable[Any], *, progress: bool 
             check_batch(prepared, call, count)
             _run(prepared, call, count)
             count += 1
-    if not count:
+    if not count and not allow_empty:
         raise QuantreeError(
             "calibration data gave 0 batches (an exhausted iterator or an empty loader?): "
             "give at least one argument tuple of representative inputs"

@@ -21,7 +21,7 @@ from quantree.core.fold import written_to
 from quantree.core.graphs import fetch_attr, nested_graphs
 from quantree.core.groups import form_groups
 from quantree.core.normalize import normalize
-from quantree.core.observers import NonFiniteValues, make_observer
+from quantree.core.observers import NonFiniteValues, Observer, make_observer
 from quantree.core.pt2e import bind_quantizer
 from quantree.core.quantizer import Annotation, Quantizer, idle_scopes
 from quantree.core.sharing import Group
@@ -118,10 +118,11 @@ def _check_no_written_constant(
         )
 
 
-def _observe_constant(observer: torch.nn.Module, gm: fx.GraphModule, carrier: fx.Node) -> None:
+def _observe_constant(observer: Observer, gm: fx.GraphModule, carrier: fx.Node) -> None:
     """Observe a parameter or buffer now; one holding NaN or infinity is the model's fault."""
     try:
         observer(fetch_attr(gm, str(carrier.target)))
+        observer.mark_shared()  # every process observes it: it counts once in a merge
     except NonFiniteValues:
         readers = ", ".join(f"{u.name} ({u.target})" for u in carrier.users)
         raise QuantreeError(

@@ -3,11 +3,18 @@
 Errors a user can fix (a missing, truncated or wrong-type file, an unavailable option) print
 one line on stderr and exit with status 2; a quantization error (quantree's own error type)
 prints one line and exits with status 1. Input files are only ever read.
+
+``quantree quantize`` under ``torchrun --nproc-per-node N`` calibrates on N processes: each
+reads the calibration file and takes its contiguous block of the batches, the statistics
+are merged (``quantree.calibrate`` does it in a process group), and rank 0 alone converts
+and writes the outputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -15,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from quantree.core.calibrate import BadBatch, as_call, calibrate, check_batch
+from quantree.core.distributed import RankFailed, in_process_group
 from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.tools.files import (
     BadFile,
@@ -136,15 +145,21 @@ def _calibrate(prepared: fx.GraphModule, data: list[tuple[Any, ...]], args: Any)
     The checks run on the prepared graph, which may take more than the program did (a
     cells-mode graph has no shape guard: its sequence length may change). A batch of a wrong
     feature size then fails inside an op, reported the same way with the batch index that
-    calibrate notes on the error.
+    calibrate notes on the error. In a process group every process checks every batch (so
+    all refuse the same file alike) and calibrates on its own block; batch numbers in its
+    errors are the file's.
     """
+    start, stop = _block(len(data))
     try:
         for index, batch in enumerate(data):
             check_batch(prepared, as_call(batch, index), index)
-        calibrate(prepared, data, progress=not args.quiet)
+        calibrate(prepared, data[start:stop], progress=not args.quiet)
     except BadBatch as error:
-        raise BadFile(f"{args.calibration}: {error}") from None
-    except QuantreeError:
+        message = f"calibration batch {start + error.index} {error.problem}; {error.fix}"
+        raise BadFile(f"{args.calibration}: {message}") from None
+    except QuantreeError as error:
+        if start and not isinstance(error, RankFailed):
+            error.add_note(f"(batch numbers count from batch {start} of {args.calibration})")
         raise
     except Exception as error:
         where = "; ".join(getattr(error, "__notes__", ()))
@@ -152,6 +167,27 @@ def _calibrate(prepared: fx.GraphModule, data: list[tuple[Any, ...]], args: Any)
             f"{args.calibration}: the program fails on the calibration data ({where}): "
             f"{first_line(error)}"
         ) from None
+
+
+def _block(batches: int) -> tuple[int, int]:
+    """This process's contiguous block of the batches, as ``quantree.shard`` cuts them."""
+    if not in_process_group():
+        return 0, batches
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return (batches * rank) // world, (batches * (rank + 1)) // world
+
+
+@contextlib.contextmanager
+def _process_group() -> Any:
+    """Join the process group ``torchrun`` describes in the environment, if there is one."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def quantize_command(args: argparse.Namespace) -> int:
@@ -178,8 +214,12 @@ def quantize_command(args: argparse.Namespace) -> int:
     _check_fits(module, data[0], args.calibration)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        prepared = prepare(module, quantizer)
-        _calibrate(prepared, data, args)
+        with _process_group():
+            prepared = prepare(module, quantizer)
+            _calibrate(prepared, data, args)
+            processes = dist.get_world_size() if in_process_group() else 1
+            if processes > 1 and dist.get_rank() != 0:
+                return 0  # rank 0 writes the outputs
         quantized = lower(convert(prepared), backend)
     for w in caught:
         if issubclass(w.category, QuantreeWarning):
@@ -201,7 +241,8 @@ def quantize_command(args: argparse.Namespace) -> int:
             protect=(args.model,),
             dynamic_batch=not args.static_batch,
         )
-    print(f"quantized {args.model} on {len(data)} calibration batch(es) -> {written}")
+    across = f" on {processes} processes" if processes > 1 else ""
+    print(f"quantized {args.model} on {len(data)} calibration batch(es){across} -> {written}")
     if args.report:
         _write_report(args, prepared, quantized, data)
     return 0
