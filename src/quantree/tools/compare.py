@@ -40,7 +40,9 @@ from quantree.tools.matching import (
     Sink,
     describe_value,
     float_plan,
+    fused_producer,
     is_float,
+    op_name,
     output_quantization,
     quantized_plan,
     recording_nested,
@@ -250,7 +252,16 @@ class _Session:
             plan, how = quantized_plan(target, gm, [k for s, k in self.stats if s == scope])
             self.quantized_plans[scope] = plan
             for key, text in how.items():
-                self.stats[(scope, key)].quantization = text
+                stat = self.stats[(scope, key)]
+                stat.quantization = text
+                producer = fused_producer(target, gm, key[1]) if key[0] == VALUE else None
+                if producer is not None and "kernel" in text:  # conv+relu: named by the conv
+                    absorbed = getattr(nodes[key[1]][1].target, "_opname", key[1])
+                    fused = f"{producer.name} (+{absorbed})"
+                    order = nodes[producer.name][0]
+                    stat.described = self._scoped(
+                        scope, Described(fused, op_name(producer), order), index
+                    )
         if isinstance(self.quantized, fx.GraphModule):
             outputs = [k for s, k in self.stats if s == ROOT and k[0] == OUTPUT]
             for key, how_out in zip(outputs, output_quantization(self.quantized), strict=False):
