@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.tools.report import Report, downsampled, embedded_svgs, step_lines
+from quantree.tools.report import Report, downsampled, embedded_svgs, sqnr_bars, step_lines
 
 
 class TwoLayers(nn.Module):
@@ -133,3 +133,11 @@ def test_no_recurrent_layer_no_section() -> None:
     report = Report("none")
     report.time_steps({"int8": comparison})
     assert "Error along the sequence" not in report.html()
+
+
+def test_per_tensor_bars_stop_where_the_differences_are() -> None:
+    """Before: biases at ~150 dB set the axis, and 30-45 dB activations were slivers."""
+    values, end = sqnr_bars([28.6, 35.0, 44.3, 146.9, math.inf])
+    assert end == 90.0
+    assert values == [28.6, 35.0, 44.3, 90.0, 90.0]
+    assert sqnr_bars([30.0, 41.0])[1] == 51.0  # all low: 10 dB past the top

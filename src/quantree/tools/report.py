@@ -26,6 +26,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from quantree.tools.compare import Comparison, RowKind
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_SQNR_AXIS_DB = 80.0
 
 _KIND_COLORS = {RowKind.VALUE: "#4c72b0", RowKind.WEIGHT: "#dd8452", RowKind.OUTPUT: "#55a868"}
 
@@ -38,7 +39,7 @@ th { background: #f0f0f0; }
 pre { background: #f7f7f7; padding: 1em; overflow-x: auto; }
 img { max-width: 100%; display: block; margin: 0.5em 0; }
 figure { margin: 0.5em 0; }
-figure svg { width: 100%; height: auto; display: block; }
+figure svg { width: 100%; max-width: 60em; height: auto; display: block; }
 summary { cursor: pointer; margin: 0.5em 0; font-weight: 600; }
 """
 
@@ -50,14 +51,24 @@ def _png(fig: Figure) -> bytes:
     return buffer.getvalue()
 
 
+def sqnr_bars(sqnrs: Sequence[float]) -> tuple[list[float], float]:
+    """Bar lengths and the axis end for SQNRs in dB.
+
+    int32 biases at ~150 dB would squeeze the 20-50 dB rows that matter into slivers, so the
+    axis ends 10 dB past the data's top or 80 dB, whichever is lower; longer bars (and exact
+    tensors, infinite SQNR) end there and carry their value as text.
+    """
+    finite = [v for v in sqnrs if math.isfinite(v)]
+    cap = min(max(finite, default=60.0), _SQNR_AXIS_DB) + 10.0
+    return [min(v, cap) for v in sqnrs], cap
+
+
 def sqnr_chart(comparison: Comparison, title: str = "per-tensor SQNR", limit: int = 40) -> bytes:
     """Horizontal bars of SQNR per tensor, worst at the top; exact tensors drawn as 'exact'."""
     rows = list(comparison.rows[:limit])
-    finite = [r.sqnr_db for r in rows if math.isfinite(r.sqnr_db)]
-    cap = max(finite, default=60.0) + 10.0
+    values, cap = sqnr_bars([r.sqnr_db for r in rows])
     fig = Figure(figsize=(8.0, 0.8 + 0.28 * max(len(rows), 1)))
     ax = fig.add_subplot()
-    values = [r.sqnr_db if math.isfinite(r.sqnr_db) else cap for r in rows]
     colors = [_KIND_COLORS[r.kind] for r in rows]
     positions = list(range(len(rows)))
     ax.barh(positions, values, color=colors)
@@ -65,8 +76,9 @@ def sqnr_chart(comparison: Comparison, title: str = "per-tensor SQNR", limit: in
     ax.invert_yaxis()
     for y, r in zip(positions, rows, strict=True):
         text = "exact" if not math.isfinite(r.sqnr_db) else f"{r.sqnr_db:.1f}"
-        ax.text(min(values[y], cap), y, f" {text}", va="center", fontsize=7)
-    ax.set_xlabel("SQNR (dB), higher is better")
+        ax.text(values[y], y, f" {text}", va="center", fontsize=7)
+    cut = any(r.sqnr_db > cap for r in rows)
+    ax.set_xlabel("SQNR (dB), higher is better" + (f"; bars end at {cap:.0f} dB" if cut else ""))
     ax.set_xlim(0, cap * 1.12)
     ax.set_title(title)
     handles = [ax.bar([0], [0], color=c, label=k.value) for k, c in _KIND_COLORS.items()]
