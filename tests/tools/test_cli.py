@@ -16,7 +16,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.tools.cli import EXIT_BAD_INPUT, main
-from quantree.tools.report import PNG_SIGNATURE, embedded_pngs
+from quantree.tools.report import PNG_SIGNATURE, embedded_pngs, embedded_svgs
 
 from support import batches
 
@@ -116,6 +116,8 @@ def test_report_has_decodable_plots(files: dict[str, Path]) -> None:
     assert code == 0
     page = report.read_text()
     assert "lstm[2]" in page and "What is quantized" in page
+    (steps,) = embedded_svgs(page)  # the LSTM's output SQNR per time step
+    assert "SQNR per time step" in steps
     images = embedded_pngs(page)
     assert images and all(png.startswith(PNG_SIGNATURE) for png in images)
     for i, png in enumerate(images):

@@ -14,7 +14,7 @@ from quantree.tools import demo, demo_report
 from quantree.tools.cli import main
 from quantree.tools.compare import Comparison, RowKind, TensorRow
 from quantree.tools.measure import latencies_ms
-from quantree.tools.report import PNG_SIGNATURE, embedded_pngs
+from quantree.tools.report import PNG_SIGNATURE, embedded_pngs, embedded_svgs
 
 
 def _check_pngs(page: str, tmp_path: Path) -> int:
@@ -69,6 +69,8 @@ def test_small_demo_run_table_and_report(tmp_path: Path) -> None:
     page = written.read_text()
     assert "int8 whole: per-tensor SQNR against float" in page
     assert _check_pngs(page, tmp_path) == 4  # latency, bits/char, size, one SQNR chart
+    (steps,) = embedded_svgs(page)  # the LSTM's SQNR per time step
+    assert "SQNR per time step" in steps and "Error along the sequence" in page
     assert "What is quantized: int8 whole" in page and "simulated (q/dq)" in page
 
 

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from quantree.core.distributed import calibrate_across, in_process_group
 from quantree.core.errors import QuantreeError
 from quantree.core.observers import NonFiniteValues
+from quantree.core.shape_guards import ShapeGuardFailed
 
 GUARDS_MODULE = "_guards_fn"  # the submodule torch.export's ``module()`` calls to check shapes
 _GUARD_PREFIXES = ("Guard failed: ", "Expected input at ")  # export's two guard styles
@@ -168,6 +169,8 @@ def _shape_error(index: int, guard: str, leaves: dict[str, Any]) -> BadBatch:
 
 def guard_failure(error: BaseException) -> str | None:
     """The failed condition if ``error`` is a torch.export shape guard failing, else None."""
+    if isinstance(error, ShapeGuardFailed):
+        return error.guard
     if not isinstance(error, AssertionError | RuntimeError):
         return None
     text = str(error).strip()
@@ -187,11 +190,12 @@ def _run_guards(module: fx.GraphModule, leaves: dict[str, Any], index: int) -> N
         values = [leaves[arg.name] for arg in node.args if isinstance(arg, fx.Node)]
         try:
             module.get_submodule(GUARDS_MODULE)(*values)
-        except AssertionError as error:
+        except (AssertionError, ShapeGuardFailed) as error:
             guard = guard_failure(error)
             if guard is None:
                 raise
-            raise _shape_error(index, guard, leaves) from error
+            cause = error.__cause__ if isinstance(error, ShapeGuardFailed) else None
+            raise _shape_error(index, guard, leaves) from cause or error
 
 
 def _flatten(spec: TreeSpec, call: Call, placeholders: int, index: int) -> list[Any]:
@@ -295,6 +299,9 @@ def _run(prepared: torch.nn.Module, call: Call, index: int) -> None:
         ) from error
     except BadBatch:
         raise
+    except ShapeGuardFailed as error:  # said in calibration's terms: the batch's index
+        named = {f"argument {i}": v for i, v in enumerate(args)} | kwargs
+        raise _shape_error(index, error.guard, named) from error.__cause__ or error
     except QuantreeError as error:
         if error.args and isinstance(error.args[0], str):
             error.args = (f"calibration batch {index}: {error.args[0]}", *error.args[1:])

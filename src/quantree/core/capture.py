@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from quantree.core.errors import QuantreeError
+from quantree.core.shape_guards import explain_shape_guards
 
 
 def capture(
@@ -70,7 +71,7 @@ def capture(
         ) from error
     finally:
         _set_training(model, was_training)
-    return program.module()
+    return explain_shape_guards(program.module())
 
 
 def batch_dims(example_args: tuple[Any, ...], example_kwargs: dict[str, Any]) -> Any:

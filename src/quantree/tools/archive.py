@@ -73,6 +73,9 @@ _SYMPY_CALLS = frozenset(
     {
         "Symbol",
         "Integer",
+        "Add",  # sympy.srepr of s0 * 8 + 1: Add(Mul(Integer(8), Symbol('s0')), Integer(1))
+        "Mul",
+        "Pow",
         "Float",
         "Rational",
         "Max",

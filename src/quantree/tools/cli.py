@@ -268,6 +268,7 @@ def _write_report(
         f"on {len(data)} calibration batch(es); SQNR measured on the first "
         f"{comparison.batches} of them."
     )
+    report.time_steps({f"{args.recurrent} mode, {args.backend}": comparison})
     report.comparison(comparison, "per-tensor SQNR against float")
     if isinstance(quantized, fx.GraphModule):
         report.heading("What is quantized")

@@ -40,12 +40,22 @@ from quantree.tools.matching import (
     Sink,
     describe_value,
     float_plan,
+    fused_producer,
     is_float,
+    op_name,
     output_quantization,
     quantized_plan,
     recording_nested,
 )
-from quantree.tools.time_steps import render_steps, step_energies, step_sqnrs, time_axis
+from quantree.tools.time_steps import (
+    call_sqnrs,
+    cell_state,
+    layer_label,
+    render_steps,
+    step_energies,
+    step_sqnrs,
+    time_axis,
+)
 
 ROOT = ""
 
@@ -72,7 +82,9 @@ class TensorRow:
     signal: float  # sum of squares of the float tensor
     noise: float  # sum of squares of (float - quantized)
     order: int  # position in the float graph
-    steps: tuple[float, ...] = ()  # SQNR dB per time step of a recurrent output sequence
+    steps: tuple[float, ...] = ()  # SQNR dB per time step of a recurrent output or state
+    layer: str = ""  # with steps: the recurrent layer they belong to (its module path)
+    series: str = ""  # with steps: "output", or a cells-mode state ("cell l0_reverse")
 
     @property
     def sqnr_db(self) -> float:
@@ -91,6 +103,8 @@ class TensorRow:
             "shape": list(self.shape),
             "sqnr_db": self.sqnr_db,
             "steps_sqnr_db": list(self.steps),
+            "layer": self.layer,
+            "series": self.series,
         }
 
 
@@ -148,6 +162,27 @@ class _Stat:
     time_axis: int | None = None
     step_signal: torch.Tensor | None = None
     step_noise: torch.Tensor | None = None
+    layer: str = ""
+    series: str = ""
+    reverse: bool = False  # per call: a reverse cell loop (its first call is the last step)
+    call_signal: list[float] | None = None  # per call of a cell body: one call is one step
+    call_noise: list[float] | None = None
+
+    def add_call(self, call: int, signal: float, noise: float) -> None:
+        if self.call_signal is None or self.call_noise is None:
+            return
+        while len(self.call_signal) <= call:
+            self.call_signal.append(0.0)
+            self.call_noise.append(0.0)
+        self.call_signal[call] += signal
+        self.call_noise[call] += noise
+
+    def steps(self) -> tuple[float, ...]:
+        if self.step_signal is not None and self.step_noise is not None:
+            return step_sqnrs(self.step_signal, self.step_noise)
+        if self.call_signal and self.call_noise:
+            return call_sqnrs(self.call_signal, self.call_noise, self.reverse)
+        return ()
 
     def add_steps(self, reference: torch.Tensor, test: torch.Tensor) -> None:
         """Accumulate per-step energies; sequences of another length (a new batch shape)
@@ -210,9 +245,11 @@ class _Session:
                 self.weights_done.add((scope, key))
             stat = self.stats[(scope, key)]
             r = ref.double()
-            stat.signal += float(r.pow(2).sum())
-            stat.noise += float((r - value.detach().double()).pow(2).sum())
+            signal = float(r.pow(2).sum())
+            noise = float((r - value.detach().double()).pow(2).sum())
+            stat.signal, stat.noise = stat.signal + signal, stat.noise + noise
             stat.add_steps(ref, value.detach())
+            stat.add_call(call, signal, noise)
             stat.shape, stat.seen = tuple(ref.shape), True
 
         return accumulate
@@ -232,6 +269,28 @@ class _Session:
         if self.quantized_plans is None:
             self._plan_quantized()
 
+    def _value_stat(
+        self,
+        scope: str,
+        gm: fx.GraphModule,
+        nodes: dict[str, tuple[int, fx.Node]],
+        key: Key,
+        described: Described,
+    ) -> _Stat:
+        """A Value's statistics; per step for a recurrent output or a cell loop's state."""
+        node = nodes[key[1]][1]
+        axis = time_axis(node, key[2], gm)
+        if axis is not None:
+            return _Stat(described, time_axis=axis, layer=layer_label(node), series="output")
+        state = cell_state(self.float_gm, scope, key[1]) if scope != ROOT else None
+        if state is None or key[2]:
+            return _Stat(described)
+        cells, series, reverse = state
+        owner = next((n for n in self.float_gm.graph.nodes if n.target == cells), None)
+        layer = layer_label(owner) if owner is not None else cells
+        return _Stat(described, layer=layer, series=series, reverse=reverse,
+                     call_signal=[], call_noise=[])  # fmt: skip
+
     def _plan_quantized(self) -> None:
         self.quantized_plans = {}
         for scope, gm in self.graphs.items():
@@ -241,8 +300,7 @@ class _Session:
             for key in keys:
                 if key[0] == VALUE and (scope, key) not in self.stats:
                     described = self._scoped(scope, describe_value(nodes, key), index)
-                    axis = time_axis(nodes[key[1]][1], key[2])
-                    self.stats[(scope, key)] = _Stat(described, time_axis=axis)
+                    self.stats[(scope, key)] = self._value_stat(scope, gm, nodes, key, described)
             if not isinstance(self.quantized, fx.GraphModule):
                 continue
             target = self.quantized if scope == ROOT else self.quantized.get_submodule(scope)
@@ -250,7 +308,16 @@ class _Session:
             plan, how = quantized_plan(target, gm, [k for s, k in self.stats if s == scope])
             self.quantized_plans[scope] = plan
             for key, text in how.items():
-                self.stats[(scope, key)].quantization = text
+                stat = self.stats[(scope, key)]
+                stat.quantization = text
+                producer = fused_producer(target, gm, key[1]) if key[0] == VALUE else None
+                if producer is not None and "kernel" in text:  # conv+relu: named by the conv
+                    absorbed = getattr(nodes[key[1]][1].target, "_opname", key[1])
+                    fused = f"{producer.name} (+{absorbed})"
+                    order = nodes[producer.name][0]
+                    stat.described = self._scoped(
+                        scope, Described(fused, op_name(producer), order), index
+                    )
         if isinstance(self.quantized, fx.GraphModule):
             outputs = [k for s, k in self.stats if s == ROOT and k[0] == OUTPUT]
             for key, how_out in zip(outputs, output_quantization(self.quantized), strict=False):
@@ -290,9 +357,9 @@ class _Session:
                     stat.signal,
                     stat.noise,
                     d.order,
-                    ()
-                    if stat.step_signal is None or stat.step_noise is None
-                    else step_sqnrs(stat.step_signal, stat.step_noise),
+                    steps := stat.steps(),
+                    stat.layer if steps else "",
+                    stat.series if steps else "",
                 )
             )
         rows.sort(key=lambda r: (r.sqnr_db, r.order, r.name))

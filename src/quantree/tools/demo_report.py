@@ -129,6 +129,7 @@ def write_report(result: DemoResult, path: str | Path) -> Path:
     for name, text in result.summaries.items():
         native = next((line for line in text.splitlines() if line.startswith("run natively")), "")
         report.details(f"What is quantized: {name} ({native.split(' (')[0]})", text)
+    report.time_steps(result.comparisons)
     for name, comparison in result.comparisons.items():
         report.comparison(comparison, f"{name}: per-tensor SQNR against float")
     return report.write(path)

@@ -188,6 +188,25 @@ def quantized_plan(
     return plan, how
 
 
+def fused_producer(gm: fx.GraphModule, float_gm: fx.GraphModule, name: str) -> fx.Node | None:
+    """The float node a backend's kernel for Value ``name`` absorbed, if any.
+
+    A conv followed by relu becomes one kernel whose output is relu's Value, so the row
+    would read "relu" while the layer the user wrote is the conv. The producer is the
+    float node that feeds ``name`` alone and has no counterpart of its own in ``gm``
+    (neither a node of that name nor a kernel that records it).
+    """
+    node = next((n for n in float_gm.graph.nodes if n.name == name), None)
+    if node is None or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    producer = node.args[0]
+    if producer.op != "call_function" or len(producer.users) != 1 or is_getitem(producer):
+        return None
+    names = {n.name for n in gm.graph.nodes}
+    replaced = {n.meta[REPLACES_KEY][0] for n in gm.graph.nodes if REPLACES_KEY in n.meta}
+    return None if producer.name in names or producer.name in replaced else producer
+
+
 def output_quantization(gm: fx.GraphModule) -> list[str | None]:
     """For each flat output of ``gm``: how it is quantized, if it comes from a dequantize."""
     output = next(n for n in gm.graph.nodes if n.op == "output")

@@ -1,8 +1,9 @@
-"""report: a self-contained HTML file with tables and PNG plots embedded inline.
+"""report: a self-contained HTML file with tables and plots embedded inline.
 
-Plots are drawn with matplotlib's Agg canvas directly (no pyplot, no global backend switch),
-encoded as PNG and inlined as base64 ``data:`` URIs, so the report is one file that opens
-anywhere without a server or network.
+Plots are drawn with matplotlib's canvases directly (no pyplot, no global backend switch):
+bar charts as PNG inlined as base64 ``data:`` URIs, line charts of SQNR per time step as
+inline SVG (text stays text, lines stay sharp at any zoom). The report is one file that
+opens anywhere without a server or network.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from matplotlib import rc_context
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.backends.backend_svg import FigureCanvasSVG
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -23,6 +26,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from quantree.tools.compare import Comparison, RowKind
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_SQNR_AXIS_DB = 80.0
 
 _KIND_COLORS = {RowKind.VALUE: "#4c72b0", RowKind.WEIGHT: "#dd8452", RowKind.OUTPUT: "#55a868"}
 
@@ -34,6 +38,8 @@ td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 th { background: #f0f0f0; }
 pre { background: #f7f7f7; padding: 1em; overflow-x: auto; }
 img { max-width: 100%; display: block; margin: 0.5em 0; }
+figure { margin: 0.5em 0; }
+figure svg { width: 100%; max-width: 60em; height: auto; display: block; }
 summary { cursor: pointer; margin: 0.5em 0; font-weight: 600; }
 """
 
@@ -45,14 +51,24 @@ def _png(fig: Figure) -> bytes:
     return buffer.getvalue()
 
 
+def sqnr_bars(sqnrs: Sequence[float]) -> tuple[list[float], float]:
+    """Bar lengths and the axis end for SQNRs in dB.
+
+    int32 biases at ~150 dB would squeeze the 20-50 dB rows that matter into slivers, so the
+    axis ends 10 dB past the data's top or 80 dB, whichever is lower; longer bars (and exact
+    tensors, infinite SQNR) end there and carry their value as text.
+    """
+    finite = [v for v in sqnrs if math.isfinite(v)]
+    cap = min(max(finite, default=60.0), _SQNR_AXIS_DB) + 10.0
+    return [min(v, cap) for v in sqnrs], cap
+
+
 def sqnr_chart(comparison: Comparison, title: str = "per-tensor SQNR", limit: int = 40) -> bytes:
     """Horizontal bars of SQNR per tensor, worst at the top; exact tensors drawn as 'exact'."""
     rows = list(comparison.rows[:limit])
-    finite = [r.sqnr_db for r in rows if math.isfinite(r.sqnr_db)]
-    cap = max(finite, default=60.0) + 10.0
+    values, cap = sqnr_bars([r.sqnr_db for r in rows])
     fig = Figure(figsize=(8.0, 0.8 + 0.28 * max(len(rows), 1)))
     ax = fig.add_subplot()
-    values = [r.sqnr_db if math.isfinite(r.sqnr_db) else cap for r in rows]
     colors = [_KIND_COLORS[r.kind] for r in rows]
     positions = list(range(len(rows)))
     ax.barh(positions, values, color=colors)
@@ -60,8 +76,9 @@ def sqnr_chart(comparison: Comparison, title: str = "per-tensor SQNR", limit: in
     ax.invert_yaxis()
     for y, r in zip(positions, rows, strict=True):
         text = "exact" if not math.isfinite(r.sqnr_db) else f"{r.sqnr_db:.1f}"
-        ax.text(min(values[y], cap), y, f" {text}", va="center", fontsize=7)
-    ax.set_xlabel("SQNR (dB), higher is better")
+        ax.text(values[y], y, f" {text}", va="center", fontsize=7)
+    cut = any(r.sqnr_db > cap for r in rows)
+    ax.set_xlabel("SQNR (dB), higher is better" + (f"; bars end at {cap:.0f} dB" if cut else ""))
     ax.set_xlim(0, cap * 1.12)
     ax.set_title(title)
     handles = [ax.bar([0], [0], color=c, label=k.value) for k, c in _KIND_COLORS.items()]
@@ -160,6 +177,125 @@ def delta_chart(
     return _png(fig)
 
 
+_STEP_STYLES = ("-", "--", ":", "-.")  # one per variant, so equal lines stay visible
+_STEP_POINTS = 100
+_PALETTE = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
+            "#8c8c8c", "#ccb974", "#64b5cd")  # fmt: skip
+
+
+def downsampled(
+    steps: Sequence[float], points: int = _STEP_POINTS
+) -> tuple[list[float], list[float], int]:
+    """``(x, y, k)``: at most ``points`` points, each pooling ``k`` consecutive steps.
+
+    A point is the SQNR of the bin's mean noise-to-signal ratio, which the worst steps
+    dominate (a dip is not averaged away in dB) and which is smooth enough to read where the
+    worst step per bin would draw noise. Exact steps add no noise; an all-exact bin is a gap.
+    """
+    k = max(1, math.ceil(len(steps) / points))
+    xs, ys = [], []
+    for start in range(0, len(steps), k):
+        ratios = [
+            10.0 ** (-v / 10.0) if math.isfinite(v) else 0.0 for v in steps[start : start + k]
+        ]
+        mean = sum(ratios) / len(ratios)
+        xs.append(start + (len(ratios) - 1) / 2.0)
+        ys.append(-10.0 * math.log10(mean) if mean > 0.0 else math.nan)
+    return xs, ys, k
+
+
+def _state_style(series: str, loops: list[str]) -> dict[str, Any]:
+    """Output thick and dark; a state coloured by its layer and direction, hidden solid,
+    cell dashed (``hidden l0_reverse``)."""
+    if series == "output":
+        return {"color": "#222222", "linewidth": 2.2, "linestyle": "-"}
+    kind, _, loop = series.partition(" ")
+    color = _PALETTE[loops.index(loop) % len(_PALETTE)] if loop in loops else _PALETTE[-1]
+    return {"color": color, "linewidth": 1.3, "linestyle": "-" if kind == "hidden" else "--"}
+
+
+def steps_chart(layer: str, lines: Sequence[tuple[str, str, Sequence[float]]]) -> str:
+    """An SVG line chart of SQNR against time step for one recurrent layer.
+
+    ``lines`` are ``(variant, series, steps)``. When only outputs are compared, one panel
+    holds every variant (a colour and a line style each, so equal lines stay visible);
+    when a variant also has states (cells mode), each variant gets its own panel, sharing
+    both axes. The y axis spans the data, not zero to the top, so a few dB of error growth
+    along the sequence shows.
+    """
+    variants = list(dict.fromkeys(v for v, _, _ in lines))
+    split = any(name != "output" for _, name, _ in lines) and len(variants) > 1
+    panels = [[line for line in lines if line[0] == v] for v in variants] if split else [lines]
+    loops = sorted({s.partition(" ")[2] for _, s, _ in lines if s != "output"})
+    height = 0.9 + 2.6 * len(panels)
+    fig = Figure(figsize=(9.0, height))
+    # fixed margins (no tight bounding box): every layer's chart has the same plot area,
+    # whatever its legend holds; the legend sits in the right 22%
+    fig.subplots_adjust(left=0.08, right=0.76, top=1 - 0.55 / height, bottom=0.55 / height,
+                        hspace=0.3)  # fmt: skip
+    axes = fig.subplots(len(panels), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
+    k = 1
+    values: list[float] = []
+    for ax, panel in zip(axes, panels, strict=True):
+        for variant, name, steps in panel:
+            xs, ys, k = downsampled(steps)
+            values.extend(y for y in ys if math.isfinite(y))
+            if len(variants) > 1 and not split:
+                i = variants.index(variant)
+                style = {"color": _PALETTE[i % len(_PALETTE)], "linewidth": 1.8,
+                         "linestyle": _STEP_STYLES[i % len(_STEP_STYLES)]}  # fmt: skip
+                label = variant
+            else:
+                style, label = _state_style(name, loops), name
+            ax.plot(xs, ys, label=label, **style)
+        ax.grid(True, color="#e0e0e0", linewidth=0.8)
+        ax.set_ylabel("SQNR (dB)")
+        if split:
+            ax.set_title(panel[0][0], fontsize=9, loc="left")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if values:
+        low, high = min(values), max(values)
+        pad = max(1.0, 0.08 * (high - low))
+        axes[0].set_ylim(low - pad, high + pad)
+    longest = max((len(s) for _, _, s in lines), default=1)
+    axes[0].set_xlim(0, max(longest - 1, 1))
+    pooled = f" (each point pools {k} steps)" if k > 1 else ""
+    axes[-1].set_xlabel(f"time step{pooled}")
+    fig.suptitle(f"{layer}: SQNR per time step (higher is better)", fontsize=11)
+    FigureCanvasSVG(fig)
+    buffer = io.StringIO()
+    with rc_context({"svg.fonttype": "none", "svg.hashsalt": f"steps-{layer}"}):
+        fig.savefig(buffer, format="svg")
+    text = buffer.getvalue()
+    return text[text.index("<svg") :]
+
+
+def _same(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Equal series, up to the rounding of energies summed in another order."""
+    return len(a) == len(b) and all(
+        x == y or abs(x - y) < 1e-6 * max(abs(x), 1.0) for x, y in zip(a, b, strict=True)
+    )
+
+
+def step_lines(
+    comparisons: Mapping[str, Comparison],
+) -> dict[str, list[tuple[str, str, tuple[float, ...]]]]:
+    """Per recurrent layer, ``(variant, series, steps)`` of every compared variant: the
+    output first, then the states in layer order."""
+    layers: dict[str, list[tuple[str, str, tuple[float, ...]]]] = {}
+    for variant, comparison in comparisons.items():
+        rows = sorted(
+            (r for r in comparison.rows if r.steps),
+            key=lambda r: (r.series != "output", r.series.partition(" ")[2], r.series),
+        )
+        outputs = {r.layer: r.steps for r in rows if r.series == "output"}
+        for row in rows:
+            if row.series != "output" and _same(outputs.get(row.layer, ()), row.steps):
+                continue  # a one-layer loop's hidden state is the output: drawn once
+            layers.setdefault(row.layer or row.name, []).append((variant, row.series, row.steps))
+    return layers
+
+
 def _is_number(cell: object) -> bool:
     if isinstance(cell, int | float):
         return True
@@ -219,6 +355,44 @@ class Report:
         data = base64.b64encode(png).decode("ascii")
         self.parts.append(f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">')
 
+    def svg(self, markup: str, alt: str) -> None:
+        if not markup.lstrip().startswith("<svg"):
+            raise ValueError(f"{alt}: not an SVG image")
+        self.parts.append(f'<figure role="img" aria-label="{html.escape(alt)}">{markup}</figure>')
+
+    def time_steps(self, comparisons: Mapping[str, Comparison]) -> None:
+        """Error along the sequence: per recurrent layer, one chart and one table of the
+        SQNR per time step of its output (and, in cells mode, of each state it carries)."""
+        layers = step_lines(comparisons)
+        if not layers:
+            return
+        self.heading("Error along the sequence")
+        self.paragraph(
+            "SQNR of each recurrent layer's output at every time step (in cells mode also of "
+            "each state the cell carries: hidden, cell; per layer and direction). A line that "
+            "falls along the sequence is quantization error feeding back through the state: "
+            "cells mode, an int16 cell state or int16 activations (A16W8Quantizer) hold it "
+            "back. A flat line says the layer's error does not grow."
+        )
+        rows = []
+        for layer, lines in layers.items():
+            self.svg(steps_chart(layer, lines), f"{layer}: SQNR per time step")
+            for variant, series, steps in lines:
+                finite = [(v, t) for t, v in enumerate(steps) if math.isfinite(v)]
+                worst = min(finite, default=(math.inf, 0))
+                rows.append(
+                    (
+                        layer,
+                        variant,
+                        series,
+                        len(steps),
+                        _db(steps[0]),
+                        _db(steps[-1]),
+                        f"{_db(worst[0])} at t{worst[1]}",
+                    )
+                )
+        self.table(["layer", "variant", "series", "steps", "first dB", "last dB", "worst dB"], rows)
+
     def comparison(self, comparison: Comparison, title: str) -> None:
         """A compare() result: its chart and its full table."""
         self.heading(title)
@@ -251,6 +425,20 @@ class Report:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(self.html(), encoding="utf-8")
         return target.resolve()
+
+
+def _db(value: float) -> str:
+    return "exact" if not math.isfinite(value) else f"{value:.1f}"
+
+
+def embedded_svgs(page: str) -> list[str]:
+    """The SVG charts inlined in a report's HTML."""
+    images, start = [], page.find("<svg")
+    while start >= 0:
+        end = page.index("</svg>", start) + len("</svg>")
+        images.append(page[start:end])
+        start = page.find("<svg", end)
+    return images
 
 
 def embedded_pngs(page: str) -> list[bytes]:

@@ -15,14 +15,52 @@ import torch.fx as fx
 
 from quantree.core.values import Path
 from quantree.recurrent.call import RECURRENT_OPS, RecurrentCall
+from quantree.recurrent.loop import CellLoop, RecurrentCells
+
+STATE_POINTS = ("hidden", "cell")
+"""The named points of a cell body that the loop carries to the next step (README)."""
 
 
-def time_axis(node: fx.Node, path: Path) -> int | None:
+def time_axis(node: fx.Node, path: Path, root: torch.nn.Module | None = None) -> int | None:
     """The time axis of leaf ``path`` of ``node`` if it is a recurrent layer's output
-    sequence (leaf 0 of ``aten.lstm``/``gru``/``rnn_*`` on a padded batch), else None."""
-    if node.op != "call_function" or node.target not in RECURRENT_OPS or tuple(path) != (0,):
+    sequence (leaf 0 of ``aten.lstm``/``gru``/``rnn_*``, or of the cells-mode module that
+    replaced one, on a padded batch), else None. ``root`` holds ``node``'s submodules."""
+    if tuple(path) != (0,):
+        return None
+    if node.op == "call_module" and root is not None:
+        module = root.get_submodule(str(node.target))
+        packed = len(node.args) > 2 and node.args[2] is not None
+        if isinstance(module, RecurrentCells) and not packed:
+            return 1 if module.batch_first else 0
+        return None
+    if node.op != "call_function" or node.target not in RECURRENT_OPS:
         return None
     return 1 if RecurrentCall.parse(node).batch_first else 0
+
+
+def layer_label(node: fx.Node) -> str:
+    """The user's name for the layer ``node`` runs (``encoder.rnn``), else the node's name."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = str(list(stack.values())[-1][0]) if stack else ""
+    return path or node.name
+
+
+def cell_state(root: torch.nn.Module, scope: str, name: str) -> tuple[str, str, bool] | None:
+    """For Value ``name`` of the nested graph at ``scope``: when it is a state a cells-mode
+    loop carries between steps (one call of the body is one step), the path of the module
+    that replaced the recurrent layer, the series name (``cell l0_reverse``) and whether the
+    loop runs backwards in time; else None."""
+    if name not in STATE_POINTS:
+        return None
+    loop_path = scope.rpartition(".")[0]
+    try:
+        loop = root.get_submodule(loop_path)
+    except AttributeError:
+        return None
+    if not isinstance(loop, CellLoop):
+        return None
+    loops_path, _, key = loop_path.rpartition(".")
+    return loops_path.rpartition(".")[0], f"{name} {key}", loop.reverse
 
 
 def step_energies(
@@ -39,6 +77,13 @@ def step_sqnrs(signal: torch.Tensor, noise: torch.Tensor) -> tuple[float, ...]:
         math.inf if float(n) == 0.0 else 10.0 * math.log10(max(float(s), 1e-30) / float(n))
         for s, n in zip(signal, noise, strict=True)
     )
+
+
+def call_sqnrs(signal: list[float], noise: list[float], reverse: bool) -> tuple[float, ...]:
+    """Per-step SQNR from energies gathered per call of a cell body, in time order (a
+    reverse loop's first call is the last step; batches of other lengths shift it)."""
+    steps = step_sqnrs(torch.tensor(signal, dtype=torch.float64), torch.tensor(noise))
+    return steps[::-1] if reverse else steps
 
 
 def render_steps(rows: Iterable[tuple[str, tuple[float, ...]]], points: int = 8) -> str:

@@ -17,6 +17,7 @@ import torch
 
 from quantree.backends.cpu.direct import call_directly
 from quantree.core.capture import export_batch_dynamic
+from quantree.core.shape_guards import explain_shape_guards
 
 
 def save(
@@ -41,4 +42,6 @@ def load(path: str | Path) -> torch.nn.Module:
     from quantree.tools.files import load_program  # the one safe way a .pt2 is read
 
     module = load_program(path).module()
-    return call_directly(module) if isinstance(module, torch.fx.GraphModule) else module
+    if not isinstance(module, torch.fx.GraphModule):
+        return module
+    return explain_shape_guards(call_directly(module))
