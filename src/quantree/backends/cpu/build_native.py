@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp", "cells.cpp", "pool.cpp")
+SOURCES = ("gemm.cpp", "gemm_sse2.cpp", "layers.cpp", "rnn.cpp", "cells.cpp", "pool.cpp")
 HEADERS = ("qt_kernels.h", "qt_vmath.h", "qt_x86_256.h", "gemm_vnni256.h", "qt_neon.h")
 MACHINE = platform.machine().lower()
 X86 = MACHINE in ("x86_64", "amd64")
