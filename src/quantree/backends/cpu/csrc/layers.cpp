@@ -222,7 +222,7 @@ static void depthwise_pixels(const Depthwise& d, const int8_t* const* src, int64
                 out_f[r * d.C + c] = d.bias ? y + d.bias[c] : y;
                 continue;
             }
-            float q = __builtin_nearbyintf(v * d.rq.mult[c] + d.rq.add[c]) + d.zp;
+            float q = qt::round_even(v * d.rq.mult[c] + d.rq.add[c]) + d.zp;
             q = q < d.qmin ? d.qmin : (q > 127.0f ? 127.0f : q);
             out_q[r * d.C + c] = static_cast<int8_t>(q);
         }
