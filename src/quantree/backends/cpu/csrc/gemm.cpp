@@ -57,14 +57,11 @@ void gemm_reference(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t 
     }
 }
 
-void gemm_portable(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
-                   const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
 #if defined(__x86_64__)
-    gemm_sse2(M, N, Kp, A, lda, B, ep, A_lo);
+constexpr GemmFn gemm_portable = gemm_sse2;
 #else
-    gemm_reference(M, N, Kp, A, lda, B, ep, A_lo);
+constexpr GemmFn gemm_portable = gemm_reference;
 #endif
-}
 
 void activation_portable(int kind, const float* a, float* out, int64_t n) {
     if (kind == 0) {

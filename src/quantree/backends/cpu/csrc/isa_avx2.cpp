@@ -288,15 +288,18 @@ void panel_rows(PanelMode mode, const int16_t* A, const int16_t* A2, int64_t lda
                 const int16_t* bw, int64_t kq, int64_t r0, int64_t r1, int64_t n0, int64_t N,
                 const Epilogue& ep, const __m256i* w128) {
     const int64_t step = mode == PLANES ? 3 : 6, cnt = N - n0 < 8 ? N - n0 : 8;
-    for (int64_t r = r0; r < r1; r += step) {
-        const int m = static_cast<int>(r1 - r < step ? r1 - r : step);
+    for (int64_t r = r0, m = 0; r < r1; r += m) {
+        // 6 rows at a time, but 7 or 8 left are 4 + 3 or 4 + 4: a tile of 1 or 2 rows loads
+        // B for few products
+        const int64_t left = r1 - r;
+        m = left < step ? left : (step == 6 && (left == 7 || left == 8) ? 4 : step);
         const int16_t* rows[6];
         for (int i = 0; i < m; ++i) {
             rows[i] = A + (r + i) * lda;
             if (mode == PLANES) rows[m + i] = A2 + (r + i) * lda;
         }
         __m256i s[6];
-        tile8_n(mode == PLANES ? 2 * m : m, rows, bw, kq, s);
+        tile8_n(static_cast<int>(mode == PLANES ? 2 * m : m), rows, bw, kq, s);
         for (int i = 0; i < m; ++i) {
             if (mode == PLANES)
                 epilogue8(ep, r + i, n0, cnt, s[i], &s[m + i]);

@@ -122,8 +122,6 @@ extern Kernels kernels;  // set by qt_select_isa (the portable path until then)
 // The portable path's GEMM: gemm_sse2 on x86-64 (SSE2 is part of every x86-64 CPU), else
 // gemm_reference, plain C++ that the compiler vectorizes. gemm_reference is also what the
 // C-level check holds every path to.
-void gemm_portable(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
-                   const Epilogue&, const uint8_t*);
 void gemm_reference(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
                     const Epilogue&, const uint8_t*);
 #if defined(__x86_64__)
