@@ -86,7 +86,7 @@ def test_portable_path_warns_once_at_lowering():
     assert "isa portable" in out.stdout
     warnings = [line for line in out.stdout.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1, out.stdout
-    assert "portable scalar kernels" in warnings[0] and "QUANTREE_CPU_ISA=portable" in warnings[0]
+    assert "portable kernels" in warnings[0] and "QUANTREE_CPU_ISA=portable" in warnings[0]
     assert "AVX2" in warnings[0]
 
 

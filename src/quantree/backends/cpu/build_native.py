@@ -22,7 +22,10 @@ import subprocess
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("gemm.cpp", "layers.cpp", "rnn.cpp", "cells.cpp", "pool.cpp", "program.cpp")
+SOURCES = (
+    *("gemm.cpp", "gemm_sse2.cpp", "layers.cpp", "rnn.cpp", "cells.cpp", "pool.cpp"),
+    "program.cpp",
+)
 HEADERS = (
     *("qt_kernels.h", "qt_vmath.h", "qt_x86_256.h", "gemm_vnni256.h", "qt_neon.h"),
     "qt_program.h",

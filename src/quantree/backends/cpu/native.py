@@ -143,7 +143,7 @@ FEATURES = {
 
 
 def portable_warning(features: int, arm: bool | None = None) -> str:
-    """What lowering says once when the kernels take the portable (scalar) path: what the
+    """What lowering says once when the kernels take the portable path: what the
     CPU lacks for each vector path, or which variable keeps it from using them."""
     arm = build_native.ARM64 if arm is None else arm
     needs = (
@@ -176,9 +176,10 @@ def portable_warning(features: int, arm: bool | None = None) -> str:
                 + "; ".join(f"{', '.join(names)} ({path})" for path, names in needs.items())
             )
     return (
-        "quantree's CPU backend runs its portable scalar kernels on this machine, several "
-        f"times slower than its vector paths and than float PyTorch: {why}. Deploy to a CPU "
-        "with AVX2 (x86-64-v3) or aarch64 NEON for fast int8 inference."
+        "quantree's CPU backend runs its portable kernels on this machine (SSE2 on x86-64, "
+        "plain C++ elsewhere), 2-4x slower than its vector paths and no faster than float "
+        f"PyTorch: {why}. Deploy to a CPU with AVX2 (x86-64-v3) or aarch64 NEON for fast "
+        "int8 inference."
     )
 
 

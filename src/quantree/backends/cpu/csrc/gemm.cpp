@@ -27,24 +27,41 @@ void to_u8(const int8_t* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out, int
     }
 }
 
-// The portable path: same packed layout, same arithmetic, one element at a time.
-void gemm_portable(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
-               const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
+// The reference GEMM: same packed layout, same arithmetic, written for clarity first. Per row
+// and block of 16 columns, 16 int32 sums over k, the innermost loop running over the
+// columns so that the compiler vectorizes it (the portable path of CPUs other than x86-64).
+void gemm_reference(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+                    const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
     const int64_t kq = Kp / 4;
     for (int64_t r = 0; r < M; ++r) {
-        for (int64_t n = 0; n < N; ++n) {
-            const int8_t* b = B + (n / 16) * kq * 64 + (n % 16) * 4;
-            int32_t acc = 0, acc2 = 0;
+        const uint8_t* a = A + r * lda;
+        const uint8_t* a2 = A_lo ? A_lo + r * lda : nullptr;
+        for (int64_t nb = 0; nb * 16 < N; ++nb) {
+            const int8_t* b = B + nb * kq * 64;
+            int32_t acc[16] = {}, acc2[16] = {};
             for (int64_t k = 0; k < kq; ++k) {
                 for (int u = 0; u < 4; ++u) {
-                    acc += static_cast<int32_t>(A[r * lda + 4 * k + u]) * b[k * 64 + u];
-                    if (A_lo) acc2 += static_cast<int32_t>(A_lo[r * lda + 4 * k + u]) * b[k * 64 + u];
+                    const int32_t x = a[4 * k + u];
+                    for (int c = 0; c < 16; ++c) acc[c] += x * b[k * 64 + c * 4 + u];
+                }
+                if (a2) {
+                    for (int u = 0; u < 4; ++u) {
+                        const int32_t x = a2[4 * k + u];
+                        for (int c = 0; c < 16; ++c) acc2[c] += x * b[k * 64 + c * 4 + u];
+                    }
                 }
             }
-            epilogue_one(ep, r, n, acc, acc2, A_lo != nullptr);
+            for (int c = 0; c < 16 && nb * 16 + c < N; ++c)
+                epilogue_one(ep, r, nb * 16 + c, acc[c], acc2[c], a2 != nullptr);
         }
     }
 }
+
+#if defined(__x86_64__)
+constexpr GemmFn gemm_portable = gemm_sse2;
+#else
+constexpr GemmFn gemm_portable = gemm_reference;
+#endif
 
 void activation_portable(int kind, const float* a, float* out, int64_t n) {
     if (kind == 0) {

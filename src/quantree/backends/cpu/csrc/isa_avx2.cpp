@@ -4,9 +4,14 @@
 //
 // u8 x s8 products: `vpmaddubsw` adds pairs into int16 and saturates (255 * 127 * 2 >
 // 32767), which would break bit equality with the other paths. Instead both operands are
-// widened to int16 and `vpmaddwd` adds pairs into int32, exact for every input: 16 bytes of
-// a packed block (4 columns x 4 k) widen to one register, multiplied by the row's 4
-// activations repeated, giving two partial sums per column, folded once at the end.
+// widened to int16 and `vpmaddwd` adds pairs into int32, exact for every input (a -128
+// weight included). Per 32 multiply-adds that is 2 `vpmaddwd` + 2 `vpaddd`, against
+// fbgemm's saturating 3 (`vpmaddubsw`, `vpmaddwd` by ones, `vpaddd`) and the exact sign
+// trick's 4 (`vpsignb` first), with the same 2 multiplies; measured on Zen 4 the int16 pair
+// is the fastest of the three per multiply-add (0.34 / 0.40 / 0.55 ns per 32). What decides
+// the speed is then keeping the multiply ports fed: B is widened once per panel of rows
+// (not per tile), so the inner loop has no shuffle, and 6 rows x 8 columns keep 12
+// accumulators in registers.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -22,8 +27,7 @@ using x86_256::epilogue8;
 
 namespace {
 
-// The 4 activations a[0..3], already int16, repeated 4 times: a load-port broadcast (the
-// shuffle port is busy widening B).
+// The 4 activations a[0..3], already int16, repeated 4 times: a load-port broadcast.
 inline __m256i bcast4(const int16_t* a) {
     int64_t four;
     std::memcpy(&four, a, 8);
@@ -44,7 +48,7 @@ void widen_rows(const uint8_t* A, int64_t M, int64_t Kp, int64_t lda, int16_t* o
 
 // acc += madd(a, b). Inline asm keeps each accumulator in its register: with intrinsics,
 // GCC 12 moves most of them through the stack every iteration.
-inline void madd_acc(__m256i& acc, __m256i a, __m256i b) {
+inline void madd2(__m256i& acc, __m256i a, __m256i b) {
     __m256i t;
     asm("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(a), "x"(b));
 }
@@ -54,204 +58,13 @@ inline __m256i fold(__m256i p, __m256i q) {
     return _mm256_permute4x64_epi64(_mm256_hadd_epi32(p, q), 0xD8);
 }
 
-// MR rows x NR blocks of 16 columns; DUAL also multiplies the rows of the low-byte plane A2
-// (see gemm_u8s8 in qt_kernels.h).
-template <int MR, int NR, bool DUAL>
-void micro(const int16_t* A, const int16_t* A2, int64_t lda, const int8_t* B, int64_t kq,
-           int64_t row0, int64_t nb0, int64_t N, const Epilogue& ep) {
-    __m256i acc[MR][NR][4], acc2[DUAL ? MR : 1][DUAL ? NR : 1][4];
-    for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < NR; ++j)
-            for (int q = 0; q < 4; ++q) acc[i][j][q] = _mm256_setzero_si256();
-    if constexpr (DUAL) {
-        for (int i = 0; i < MR; ++i)
-            for (int j = 0; j < NR; ++j)
-                for (int q = 0; q < 4; ++q) acc2[i][j][q] = _mm256_setzero_si256();
-    }
-    const int8_t* b = B + nb0 * kq * 64;
-    const int16_t* a0 = A + row0 * lda;
-    const int16_t* a2 = DUAL ? A2 + row0 * lda : nullptr;
-    for (int64_t k = 0; k < kq; ++k) {
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) {
-            const int8_t* bk = b + (j * kq + k) * 64;
-#pragma GCC unroll 4
-            for (int q = 0; q < 4; ++q) {
-                const __m256i bw = _mm256_cvtepi8_epi16(
-                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(bk + 16 * q)));
-#pragma GCC unroll 4
-                for (int i = 0; i < MR; ++i) {
-                    const __m256i av = bcast4(a0 + i * lda + 4 * k);
-                    madd_acc(acc[i][j][q], av, bw);
-                    if constexpr (DUAL) madd_acc(acc2[i][j][q], bcast4(a2 + i * lda + 4 * k), bw);
-                }
-            }
-        }
-    }
-    for (int i = 0; i < MR; ++i) {
-        for (int j = 0; j < NR; ++j) {
-            for (int h = 0; h < 2; ++h) {
-                const int64_t n0 = (nb0 + j) * 16 + 8 * h;
-                if (n0 >= N) continue;
-                const __m256i s = fold(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
-                __m256i s2;
-                if constexpr (DUAL) s2 = fold(acc2[i][j][2 * h], acc2[i][j][2 * h + 1]);
-                epilogue8(ep, row0 + i, n0, N - n0 < 8 ? N - n0 : 8, s, DUAL ? &s2 : nullptr);
-            }
-        }
-    }
-}
-
-// ---- the sign trick: `vpmaddubsw` without saturation ----------------------------------
+// ---- the 16-bit operand joined into one -------------------------------------------------
 //
-// `vpmaddubsw` multiplies u8 x s8 and adds pairs into int16 with saturation; with the
-// activation x + 128 in [0, 255] a pair reaches 2 * 255 * 128 > 32767. Instead the signed
-// activation x in [-128, 127] is split into |x| (u8, at most 128) and its sign, moved onto
-// the weight: x * w = |x| * (sign(x) w), one `vpsignb`. With w in [-127, 127] (every
-// symmetric weight spec) a pair is at most 2 * 128 * 127 = 32512: never saturates, so the
-// int16 pair sums are exact, and `vpmaddwd` by ones adds them into int32 lanes, one per
-// output column (a packed block is two registers of 8 columns x 4 k). The result is
-// sum (x + 128) w - 128 sum w: the kernel adds 128 * sum w back, computed from the packed
-// block once per tile. A tile whose weights hold a -128 (sign(x) * -128 does not fit int8)
-// is recomputed by the int16 kernel above, which is exact for every input.
-
-// acc += madd(maddubs(ax, sign(b, sx)), ones): 64 products of one row and 8 columns.
-inline void sdot(__m256i& acc, __m256i ax, __m256i sx, __m256i b, __m256i ones) {
-    __m256i t;
-    asm("vpsignb %3, %4, %1\n\t"
-        "vpmaddubsw %1, %2, %1\n\t"
-        "vpmaddwd %5, %1, %1\n\t"
-        "vpaddd %1, %0, %0"
-        : "+x"(acc), "=&x"(t)
-        : "x"(ax), "x"(sx), "x"(b), "x"(ones));
-}
-
-inline __m256i bcast4u(const uint8_t* p) {
-    int32_t four;
-    std::memcpy(&four, p, 4);
-    return _mm256_set1_epi32(four);
-}
-
-// Rows of uint8 activations (x + 128) -> |x| and x (int8), each plane of stride Kp.
-void split_sign(const uint8_t* A, int64_t M, int64_t Kp, int64_t lda, uint8_t* ax, int8_t* sx) {
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int64_t r = 0; r < M; ++r) {
-        int64_t k = 0;
-        for (; k + 32 <= Kp; k += 32) {
-            const __m256i x = _mm256_xor_si256(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A + r * lda + k)), flip);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(sx + r * Kp + k), x);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ax + r * Kp + k), _mm256_abs_epi8(x));
-        }
-        for (; k < Kp; ++k) {
-            const int8_t x = static_cast<int8_t>(A[r * lda + k] ^ 0x80);
-            sx[r * Kp + k] = x;
-            ax[r * Kp + k] = static_cast<uint8_t>(x < 0 ? -x : x);
-        }
-    }
-}
-
-// 128 * sum_k w for the 16 columns of one packed block (two registers of 8), and whether
-// the block holds a -128.
-inline bool block_sums(const int8_t* b, int64_t kq, __m256i sum[2]) {
-    const __m256i ones8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
-    __m256i s0 = _mm256_setzero_si256(), s1 = s0, lo = s0;
-    for (int64_t k = 0; k < kq; ++k) {
-        const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k));
-        const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k + 32));
-        lo = _mm256_min_epi8(lo, _mm256_min_epi8(b0, b1));
-        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, b0), ones));
-        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, b1), ones));
-    }
-    sum[0] = _mm256_slli_epi32(s0, 7);
-    sum[1] = _mm256_slli_epi32(s1, 7);
-    const __m256i bad = _mm256_cmpeq_epi8(lo, _mm256_set1_epi8(-128));
-    return !_mm256_testz_si256(bad, bad);
-}
-
-// MR rows x NR blocks of 16 columns, the sign trick. DUAL: rows of the low-byte plane too
-// (its bytes are unsigned without offset: split as (lo - 128) + 128, the same way). Up to 8
-// accumulators, in named variables: held in an array, GCC 12 keeps them on the stack.
-// Tiles: 4x1, 2x1, 1x1, 1x2 (GEMV), DUAL 2x1 and 1x1.
-template <int MR, int NR, bool DUAL>
-void micro_sign(const uint8_t* ax, const int8_t* sx, const uint8_t* ax2, const int8_t* sx2,
-                int64_t lda, const int8_t* B, int64_t kq, int64_t row0, int64_t nb0, int64_t N,
-                const __m256i (*sums)[2], const Epilogue& ep) {
-    static_assert(MR * NR * (DUAL ? 2 : 1) <= 4 && (NR == 1 || MR == 1), "tile too large");
-    // slot of (row i, block j): i * NR + j; DUAL: the low plane of row i is slot 2 + i
-    __m256i c0 = sums[0][0], c1 = sums[0][1];
-    __m256i c2 = NR == 2 ? sums[1][0] : sums[0][0], c3 = NR == 2 ? sums[1][1] : sums[0][1];
-    __m256i c4 = sums[0][0], c5 = sums[0][1], c6 = sums[0][0], c7 = sums[0][1];
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t* b = B + nb0 * kq * 64;
-    const uint8_t* pa = ax + row0 * lda;
-    const uint8_t* ps = reinterpret_cast<const uint8_t*>(sx + row0 * lda);
-    const uint8_t* pa2 = DUAL ? ax2 + row0 * lda : nullptr;
-    const uint8_t* ps2 = DUAL ? reinterpret_cast<const uint8_t*>(sx2 + row0 * lda) : nullptr;
-    for (int64_t k = 0; k < kq; ++k) {
-        const int8_t* bk = b + k * 64;
-        const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bk));
-        const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bk + 32));
-        {
-            const __m256i a = bcast4u(pa + 4 * k), s = bcast4u(ps + 4 * k);
-            sdot(c0, a, s, b0, ones);
-            sdot(c1, a, s, b1, ones);
-            if constexpr (NR == 2) {
-                const int8_t* bj = bk + kq * 64;
-                const __m256i b2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bj));
-                const __m256i b3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bj + 32));
-                sdot(c2, a, s, b2, ones);
-                sdot(c3, a, s, b3, ones);
-            }
-        }
-        if constexpr (DUAL) {
-            const __m256i a = bcast4u(pa2 + 4 * k), s = bcast4u(ps2 + 4 * k);
-            sdot(c4, a, s, b0, ones);
-            sdot(c5, a, s, b1, ones);
-        }
-        if constexpr (MR >= 2) {
-            const __m256i a = bcast4u(pa + lda + 4 * k), s = bcast4u(ps + lda + 4 * k);
-            sdot(c2, a, s, b0, ones);
-            sdot(c3, a, s, b1, ones);
-            if constexpr (DUAL) {
-                const __m256i a2 = bcast4u(pa2 + lda + 4 * k), s2 = bcast4u(ps2 + lda + 4 * k);
-                sdot(c6, a2, s2, b0, ones);
-                sdot(c7, a2, s2, b1, ones);
-            }
-        }
-        if constexpr (MR == 4) {
-            const __m256i a = bcast4u(pa + 2 * lda + 4 * k), s = bcast4u(ps + 2 * lda + 4 * k);
-            sdot(c4, a, s, b0, ones);
-            sdot(c5, a, s, b1, ones);
-            const __m256i a3 = bcast4u(pa + 3 * lda + 4 * k), s3 = bcast4u(ps + 3 * lda + 4 * k);
-            sdot(c6, a3, s3, b0, ones);
-            sdot(c7, a3, s3, b1, ones);
-        }
-    }
-    const __m256i acc[8] = {c0, c1, c2, c3, c4, c5, c6, c7};
-    for (int i = 0; i < MR; ++i) {
-        for (int j = 0; j < NR; ++j) {
-            const int slot = i * NR + j;
-            for (int h = 0; h < 2; ++h) {
-                const int64_t n0 = (nb0 + j) * 16 + 8 * h;
-                if (n0 >= N) continue;
-                const int64_t cnt = N - n0 < 8 ? N - n0 : 8;
-                const __m256i* lo = DUAL ? &acc[2 * (2 + i) + h] : nullptr;
-                epilogue8(ep, row0 + i, n0, cnt, acc[2 * slot + h], lo);
-            }
-        }
-    }
-}
-
-// ---- int16 tiles of 3 rows, the combined 16-bit operand ---------------------------------
-//
-// One `vpmaddwd` multiplies 16 int16 pairs: per 32 products it costs 2 multiplies against
-// the sign trick's 3 (`vpsignb`, `vpmaddubsw`, `vpmaddwd`), with the widening of B (a shuffle)
-// shared by the rows of a tile. For a 16-bit operand split in two planes (hi, lo) the planes
-// are joined back into h = 256 (hi - 128) + lo, one pass instead of two: the exact int32 sum
-// S = sum h w is then handed to the epilogue as (S >> 8, S & 255), whose float result
-// round(S) is what the two planes give whenever both of their sums are exact floats
-// (Kp <= 512, see gemm_avx2); |S| < 2^31 needs w > -128 (blocks with -128 go elsewhere).
+// For a 16-bit operand split in two planes (hi, lo) the planes are joined back into
+// h = 256 (hi - 128) + lo, one pass instead of two: the exact int32 sum S = sum h w is then
+// handed to the epilogue as (S >> 8, S & 255), whose float result is what the two planes
+// give whenever both of their sums are exact floats (Kp <= 512, see gemm_avx2);
+// |S| < 2^31 needs w > -128 (panels with -128 take the two planes).
 
 // Rows of the two planes -> h = 256 * (hi - 128) + lo (int16), stride Kp.
 void join_rows(const uint8_t* hi, const uint8_t* lo, int64_t M, int64_t Kp, int64_t lda,
@@ -260,11 +73,6 @@ void join_rows(const uint8_t* hi, const uint8_t* lo, int64_t M, int64_t Kp, int6
         for (int64_t k = 0; k < Kp; ++k)
             out[r * Kp + k] = static_cast<int16_t>(
                 (static_cast<int32_t>(hi[r * lda + k]) - 128) * 256 + lo[r * lda + k]);
-}
-
-inline void madd2(__m256i& acc, __m256i a, __m256i b) {
-    __m256i t;
-    asm("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(a), "x"(b));
 }
 
 // The epilogue of 8 columns from an int32 sum: plain, or (w128, 128 sum_k w of these
@@ -282,16 +90,19 @@ inline void finish16(const Epilogue& ep, int64_t row, int64_t n0, int64_t N, __m
     epilogue8(ep, row, n0, cnt, _mm256_add_epi32(_mm256_srai_epi32(sum, 8), *w128), &lo);
 }
 
-// MR (1..3) rows x one block of 16 columns, int16 activations (stride lda). With SUMS
-// (the joined operand of at most 2 rows, no pass over B beforehand), 128 sum_k w is
-// accumulated here from the widened weights instead of read from w128.
+// ---- GEMV tiles (at most 2 rows): B widened on the fly ----------------------------------
+//
+// 16 bytes of a packed block (4 columns x 4 k) widen to one register, multiplied by the
+// row's 4 activations repeated: two partial sums per column, folded once at the end. With
+// SUMS (the joined operand, no pass over B beforehand), 128 sum_k w is accumulated here from
+// the widened weights.
 template <int MR, bool SUMS = false>
 void micro16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t row0,
-             int64_t nb, int64_t N, const Epilogue& ep, const __m256i* w128) {
-    static_assert(!SUMS || MR <= 2, "too many accumulators");
+             int64_t nb, int64_t N, const Epilogue& ep) {
+    static_assert(MR <= 2, "a GEMV tile");
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;  // row 0, columns by 4
     __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;                      // row 1
-    __m256i c0 = a0, c1 = a0, c2 = a0, c3 = a0;                      // row 2, or the sums
+    __m256i c0 = a0, c1 = a0, c2 = a0, c3 = a0;                      // the column sums
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t* b = B + nb * kq * 64;
     const int16_t* r0 = A + row0 * lda;
@@ -299,13 +110,12 @@ void micro16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t
         const int8_t* bk = b + k * 64;
 #define QT_W16(q) \
     _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bk + 16 * (q))))
-#define QT_ROWS(q, x, y, z)                                                  \
-    {                                                                        \
-        const __m256i w = QT_W16(q);                                         \
-        madd2(x, bcast4(r0 + 4 * k), w);                                     \
-        if constexpr (MR >= 2) madd2(y, bcast4(r0 + lda + 4 * k), w);        \
-        if constexpr (MR >= 3) madd2(z, bcast4(r0 + 2 * lda + 4 * k), w);    \
-        if constexpr (SUMS) madd2(z, ones, w);                               \
+#define QT_ROWS(q, x, y, z)                                           \
+    {                                                                 \
+        const __m256i w = QT_W16(q);                                  \
+        madd2(x, bcast4(r0 + 4 * k), w);                              \
+        if constexpr (MR >= 2) madd2(y, bcast4(r0 + lda + 4 * k), w); \
+        if constexpr (SUMS) madd2(z, ones, w);                        \
     }
         QT_ROWS(0, a0, b0, c0)
         QT_ROWS(1, a1, b1, c1)
@@ -315,6 +125,7 @@ void micro16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t
 #undef QT_W16
     }
     __m256i own[2];
+    const __m256i* w128 = nullptr;
     if constexpr (SUMS) {
         own[0] = _mm256_slli_epi32(fold(c0, c1), 7);
         own[1] = _mm256_slli_epi32(fold(c2, c3), 7);
@@ -328,63 +139,177 @@ void micro16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t
         finish16(ep, row0 + 1, n0, N, fold(b0, b1), w128);
         finish16(ep, row0 + 1, n0 + 8, N, fold(b2, b3), u);
     }
-    if constexpr (MR >= 3 && !SUMS) {
-        finish16(ep, row0 + 2, n0, N, fold(c0, c1), w128);
-        finish16(ep, row0 + 2, n0 + 8, N, fold(c2, c3), u);
-    }
 }
 
-void rows16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t r0, int64_t r1,
-            int64_t nb, int64_t N, const Epilogue& ep, const __m256i* w128) {
-    int64_t r = r0;
-    for (; r + 3 <= r1; r += 3) micro16<3>(A, lda, B, kq, r, nb, N, ep, w128);
-    if (r + 2 <= r1) micro16<2>(A, lda, B, kq, r, nb, N, ep, w128);
-    else if (r < r1) micro16<1>(A, lda, B, kq, r, nb, N, ep, w128);
-}
+// ---- GEMM tiles: up to 6 rows x 8 columns of a widened weight panel --------------------
+//
+// A panel is 8 columns of B widened to int16 once per pass over the rows ([kq][8][4], two
+// registers per 4 k: columns 0-3 and 4-7), so the inner loop has no shuffle at all: per 4 k,
+// 2 loads of B, one broadcast of 4 activations per row, and 2 `vpmaddwd` + 2 `vpaddd` per
+// row into 12 accumulators (2 partial sums per column).
 
-// Largest sum_k |w| over the columns of a block (bounds the joined operand's sums).
-inline int32_t block_abs(const int8_t* b, int64_t kq) {
-    const __m256i ones8 = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
-    __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+// Facts about one widened panel that the 16-bit operand needs (see gemm_avx2).
+struct PanelInfo {
+    __m256i w128;     // 128 sum_k w per column
+    int32_t abs_max;  // largest sum_k |w| over its columns
+    bool has_min;     // holds a -128
+};
+
+// Columns 8 * n8 .. 8 * n8 + 7 of the packed B -> bw [kq][8][4] int16; with info, its facts.
+void widen_panel(const int8_t* B, int64_t kq, int64_t n8, int16_t* bw, PanelInfo* info) {
+    const int8_t* src = B + (n8 >> 1) * kq * 64 + (n8 & 1) * 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, t0 = s0, t1 = s0, lo = s0;
     for (int64_t k = 0; k < kq; ++k) {
-        const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k));
-        const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * k + 32));
-        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(b0), ones8), ones));
-        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(b1), ones8), ones));
-    }
-    alignas(32) int32_t v[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(v), _mm256_max_epi32(s0, s1));
-    int32_t m = 0;
-    for (int32_t x : v) m = x > m ? x : m;
-    return m;
-}
-
-// Rows r0 .. r1 - 1 against blocks nb .. nb + NR - 1 (all free of -128), the sign trick.
-template <int NR, bool DUAL>
-void rows_sign(const uint8_t* ax, const int8_t* sx, const uint8_t* ax2, const int8_t* sx2,
-               int64_t lda, const int8_t* B, int64_t kq, int64_t r0, int64_t r1, int64_t nb,
-               int64_t N, const __m256i (*sums)[2], const Epilogue& ep) {
-    constexpr int MR = DUAL ? 2 : (NR == 1 ? 4 : 1);
-    int64_t r = r0;
-    for (; r + MR <= r1; r += MR)
-        micro_sign<MR, NR, DUAL>(ax, sx, ax2, sx2, lda, B, kq, r, nb, N, sums, ep);
-    if constexpr (MR == 4) {
-        if (r + 2 <= r1) {  // then at most one row
-            micro_sign<2, NR, DUAL>(ax, sx, ax2, sx2, lda, B, kq, r, nb, N, sums, ep);
-            r += 2;
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * k));
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(bw + 32 * k), w0);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(bw + 32 * k + 16), w1);
+        if (info) {
+            lo = _mm256_min_epi8(lo, v);
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(w0, ones));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(w1, ones));
+            t0 = _mm256_add_epi32(t0, _mm256_madd_epi16(_mm256_abs_epi16(w0), ones));
+            t1 = _mm256_add_epi32(t1, _mm256_madd_epi16(_mm256_abs_epi16(w1), ones));
         }
     }
-    for (; r < r1; ++r) micro_sign<1, NR, DUAL>(ax, sx, ax2, sx2, lda, B, kq, r, nb, N, sums, ep);
+    if (!info) return;
+    info->w128 = _mm256_slli_epi32(fold(s0, s1), 7);
+    alignas(32) int32_t v[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v), fold(t0, t1));
+    info->abs_max = *std::max_element(v, v + 8);
+    const __m256i bad = _mm256_cmpeq_epi8(lo, _mm256_set1_epi8(-128));
+    info->has_min = !_mm256_testz_si256(bad, bad);
 }
 
-// The int16 kernel over rows r0 .. r1 - 1 and block nb (a block holding a -128).
-void rows_int16(const int16_t* A, const int16_t* A2, int64_t lda, const int8_t* B, int64_t kq,
-                int64_t r0, int64_t r1, int64_t nb, int64_t N, const Epilogue& ep) {
-    for (int64_t r = r0; r < r1; ++r) {
-        if (A2)
-            micro<1, 1, true>(A, A2, lda, B, kq, r, nb, N, ep);
-        else
-            micro<1, 1, false>(A, A2, lda, B, kq, r, nb, N, ep);
+// MR (1..6) rows a[i] (int16, 4 k per step) against a widened panel: the 8 column sums of
+// each row in s[i]. Accumulators in named variables: held in an array, GCC 12 keeps them
+// on the stack.
+template <int MR>
+void tile8(const int16_t* const* a, const int16_t* bw, int64_t kq, __m256i* s) {
+    __m256i x0 = _mm256_setzero_si256(), x1 = x0, x2 = x0, x3 = x0, x4 = x0, x5 = x0;
+    __m256i x6 = x0, x7 = x0, x8 = x0, x9 = x0;
+    const int16_t* p0 = a[0];
+    const int16_t* p1 = a[MR > 1 ? 1 : 0];
+    const int16_t* p2 = a[MR > 2 ? 2 : 0];
+    const int16_t* p3 = a[MR > 3 ? 3 : 0];
+    const int16_t* p4 = a[MR > 4 ? 4 : 0];
+    if constexpr (MR == 6) {
+        // 12 accumulators, 2 weight registers, a broadcast and a product: all 16 registers.
+        // GCC 12 spills two accumulators of the intrinsic version (a store-load chain per
+        // step), and an asm statement takes at most 30 operands, so the whole loop is one
+        // asm block: ymm0-11 accumulate and are stored to acc, ymm12-15 are scratch. Rows
+        // 0-2 are p0 + i ld, rows 3-5 p3 + i ld (bytes).
+        alignas(32) __m256i acc[12];
+        const int64_t ld = (p1 - p0) * 2;
+        int64_t n = kq;
+        const int16_t* b = bw;
+        const int16_t* q0 = p0;
+        const int16_t* q3 = p3;
+#define QT_ROW6(addr, u, v)                      \
+    "vpbroadcastq " addr ", %%ymm14\n\t"         \
+    "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\t"     \
+    "vpaddd %%ymm15, %%ymm" u ", %%ymm" u "\n\t" \
+    "vpmaddwd %%ymm13, %%ymm14, %%ymm15\n\t"     \
+    "vpaddd %%ymm15, %%ymm" v ", %%ymm" v "\n\t"
+        asm volatile(
+            "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
+            "vmovdqa %%ymm0, %%ymm1\n\tvmovdqa %%ymm0, %%ymm2\n\tvmovdqa %%ymm0, %%ymm3\n\t"
+            "vmovdqa %%ymm0, %%ymm4\n\tvmovdqa %%ymm0, %%ymm5\n\tvmovdqa %%ymm0, %%ymm6\n\t"
+            "vmovdqa %%ymm0, %%ymm7\n\tvmovdqa %%ymm0, %%ymm8\n\tvmovdqa %%ymm0, %%ymm9\n\t"
+            "vmovdqa %%ymm0, %%ymm10\n\tvmovdqa %%ymm0, %%ymm11\n\t"
+            "test %[n], %[n]\n\t"
+            "jle 2f\n\t"
+            "1:\n\t"
+            "vmovdqa (%[b]), %%ymm12\n\t"
+            "vmovdqa 32(%[b]), %%ymm13\n\t"
+            QT_ROW6("(%[q0])", "0", "1") QT_ROW6("(%[q0],%[ld],1)", "2", "3")
+            QT_ROW6("(%[q0],%[ld],2)", "4", "5") QT_ROW6("(%[q3])", "6", "7")
+            QT_ROW6("(%[q3],%[ld],1)", "8", "9") QT_ROW6("(%[q3],%[ld],2)", "10", "11")
+            "add $64, %[b]\n\t"
+            "add $8, %[q0]\n\t"
+            "add $8, %[q3]\n\t"
+            "dec %[n]\n\t"
+            "jnz 1b\n\t"
+            "2:\n\t"
+            "vmovdqa %%ymm0, (%[acc])\n\tvmovdqa %%ymm1, 32(%[acc])\n\t"
+            "vmovdqa %%ymm2, 64(%[acc])\n\tvmovdqa %%ymm3, 96(%[acc])\n\t"
+            "vmovdqa %%ymm4, 128(%[acc])\n\tvmovdqa %%ymm5, 160(%[acc])\n\t"
+            "vmovdqa %%ymm6, 192(%[acc])\n\tvmovdqa %%ymm7, 224(%[acc])\n\t"
+            "vmovdqa %%ymm8, 256(%[acc])\n\tvmovdqa %%ymm9, 288(%[acc])\n\t"
+            "vmovdqa %%ymm10, 320(%[acc])\n\tvmovdqa %%ymm11, 352(%[acc])\n\t"
+            : [b] "+r"(b), [q0] "+r"(q0), [q3] "+r"(q3), [n] "+r"(n)
+            : [ld] "r"(ld), [acc] "r"(acc)
+            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+              "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
+#undef QT_ROW6
+        for (int i = 0; i < 6; ++i) s[i] = fold(acc[2 * i], acc[2 * i + 1]);
+        return;
+    } else {
+        for (int64_t k = 0; k < kq; ++k) {
+            const __m256i b0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(bw + 32 * k));
+            const __m256i b1 =
+                _mm256_load_si256(reinterpret_cast<const __m256i*>(bw + 32 * k + 16));
+#define QT_ROW(i, p, u, v)                     \
+    if constexpr (MR > i) {                    \
+        const __m256i av = bcast4(p + 4 * k); \
+        madd2(u, av, b0);                      \
+        madd2(v, av, b1);                      \
+    }
+            QT_ROW(0, p0, x0, x1)
+            QT_ROW(1, p1, x2, x3)
+            QT_ROW(2, p2, x4, x5)
+            QT_ROW(3, p3, x6, x7)
+            QT_ROW(4, p4, x8, x9)
+#undef QT_ROW
+        }
+    }
+    s[0] = fold(x0, x1);
+    if constexpr (MR > 1) s[1] = fold(x2, x3);
+    if constexpr (MR > 2) s[2] = fold(x4, x5);
+    if constexpr (MR > 3) s[3] = fold(x6, x7);
+    if constexpr (MR > 4) s[4] = fold(x8, x9);
+}
+
+void tile8_n(int n, const int16_t* const* a, const int16_t* bw, int64_t kq, __m256i* s) {
+    switch (n) {
+        case 6: tile8<6>(a, bw, kq, s); break;
+        case 5: tile8<5>(a, bw, kq, s); break;
+        case 4: tile8<4>(a, bw, kq, s); break;
+        case 3: tile8<3>(a, bw, kq, s); break;
+        case 2: tile8<2>(a, bw, kq, s); break;
+        default: tile8<1>(a, bw, kq, s); break;
+    }
+}
+
+// How a panel's rows are multiplied: int16 rows of the operand (PLAIN), the joined 16-bit
+// operand (JOINED), or its two planes side by side, 3 rows of each per tile (PLANES).
+enum PanelMode { PLAIN, JOINED, PLANES };
+
+// Rows r0 .. r1 - 1 against the widened panel of columns n0 .. n0 + 7.
+void panel_rows(PanelMode mode, const int16_t* A, const int16_t* A2, int64_t lda,
+                const int16_t* bw, int64_t kq, int64_t r0, int64_t r1, int64_t n0, int64_t N,
+                const Epilogue& ep, const __m256i* w128) {
+    const int64_t step = mode == PLANES ? 3 : 6, cnt = N - n0 < 8 ? N - n0 : 8;
+    for (int64_t r = r0, m = 0; r < r1; r += m) {
+        // 6 rows at a time, but 7 or 8 left are 4 + 3 or 4 + 4: a tile of 1 or 2 rows loads
+        // B for few products
+        const int64_t left = r1 - r;
+        m = left < step ? left : (step == 6 && (left == 7 || left == 8) ? 4 : step);
+        const int16_t* rows[6];
+        for (int i = 0; i < m; ++i) {
+            rows[i] = A + (r + i) * lda;
+            if (mode == PLANES) rows[m + i] = A2 + (r + i) * lda;
+        }
+        __m256i s[6];
+        tile8_n(static_cast<int>(mode == PLANES ? 2 * m : m), rows, bw, kq, s);
+        for (int i = 0; i < m; ++i) {
+            if (mode == PLANES)
+                epilogue8(ep, r + i, n0, cnt, s[i], &s[m + i]);
+            else
+                finish16(ep, r + i, n0, N, s[i], mode == JOINED ? w128 : nullptr);
+        }
     }
 }
 
@@ -395,9 +320,6 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
     const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
     const bool dual = A_lo_u8 != nullptr;
     const size_t plane = static_cast<size_t>(M * Kp);
-    // The path of each block: the sign trick (|x|, x planes), int16 tiles of the joined
-    // planes, or int16 tiles of plain rows (a block holding -128; and any product of at most
-    // 2 rows, which then needs no pass over B first). Every buffer is made on first need.
     // joined: |256 sum |w| + off + row_off| stays below 2^24 - 2^17, so both splits of the
     // total (the planes' and the joined one, at most 128 Kp + 1 apart) are exact floats
     bool joined = dual && Kp <= 512;
@@ -413,23 +335,12 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
         slack = (int64_t{1} << 24) - (int64_t{1} << 17) - big;
         joined = slack > 0;
     }
-    uint8_t* signs = nullptr;
+    // Every buffer is made on first need.
     int16_t *wide = nullptr, *joint = nullptr;
-    auto sign_planes = [&]() {
-        if (!signs) {
-            signs = static_cast<uint8_t*>(std::malloc(plane * (dual ? 4 : 2) + 32));
-            if (!signs) std::abort();  // as operator new would, without its exception
-            split_sign(A_u8, M, Kp, lda_u8, signs, reinterpret_cast<int8_t*>(signs + plane));
-            if (dual)
-                split_sign(A_lo_u8, M, Kp, lda_u8, signs + 2 * plane,
-                           reinterpret_cast<int8_t*>(signs + 3 * plane));
-        }
-        return signs;
-    };
     auto int16_rows = [&]() {
         if (!wide) {
             wide = static_cast<int16_t*>(std::malloc(plane * (dual ? 4 : 2) + 32));
-            if (!wide) std::abort();
+            if (!wide) std::abort();  // as operator new would, without its exception
             widen_rows(A_u8, M, Kp, lda_u8, wide);
             if (dual) widen_rows(A_lo_u8, M, Kp, lda_u8, wide + plane);
         }
@@ -443,77 +354,45 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
         }
         return joint;
     };
-    // At most 2 rows: int16 tiles straight away, no pass over B first (it would cost as much
-    // as the product). Plain rows are exact for any weight; the joined operand is, with
-    // Kp <= 256, whatever the weights (256 * 128 * Kp stays within the slack).
+    // At most 2 rows: B widened on the fly (a panel would be read back once only). Plain
+    // rows are exact for any weight; the joined operand is, with Kp <= 256, whatever the
+    // weights (256 * 128 * Kp stays within the slack).
     if (M <= 2 && (!dual || (joined && 256 * 128 * Kp < slack))) {
-        if (!dual) {
-            const int16_t* a = int16_rows();
-            for (int64_t nb = 0; nb < nblocks; ++nb) rows16(a, Kp, B, kq, 0, M, nb, N, ep, nullptr);
-        } else {
-            const int16_t* a = joint_rows();
-            for (int64_t nb = 0; nb < nblocks; ++nb) {
-                if (M == 2)
-                    micro16<2, true>(a, Kp, B, kq, 0, nb, N, ep, nullptr);
-                else
-                    micro16<1, true>(a, Kp, B, kq, 0, nb, N, ep, nullptr);
-            }
+        const int16_t* a = dual ? joint_rows() : int16_rows();
+        for (int64_t nb = 0; nb < nblocks; ++nb) {
+            if (M == 2)
+                dual ? micro16<2, true>(a, Kp, B, kq, 0, nb, N, ep)
+                     : micro16<2>(a, Kp, B, kq, 0, nb, N, ep);
+            else
+                dual ? micro16<1, true>(a, Kp, B, kq, 0, nb, N, ep)
+                     : micro16<1>(a, Kp, B, kq, 0, nb, N, ep);
         }
         std::free(joint);
         std::free(wide);
         return;
     }
-    // Per block: 128 sum w, whether it holds -128, whether the joined operand may be used.
-    __m256i* sums = static_cast<__m256i*>(std::aligned_alloc(32, 64 * (nblocks + 1)));
-    uint8_t* kind = static_cast<uint8_t*>(std::malloc(nblocks + 1));  // 0 sign, 1 -128, 2 join
-    if (!sums || !kind) std::abort();
-    for (int64_t nb = 0; nb < nblocks; ++nb) {
-        const int8_t* b = B + nb * kq * 64;
-        kind[nb] = block_sums(b, kq, sums + 2 * nb) ? 1 : 0;
-        if (!kind[nb] && joined && 256 * int64_t{block_abs(b, kq)} < slack) kind[nb] = 2;
-    }
-    // Panels of rows whose operands stay in L1 (16 KB) while every block passes over them;
-    // a multiple of the tiles' 3 and 4 rows. A sign-trick GEMV takes blocks in pairs.
-    const int64_t panel = std::max<int64_t>(12, 16384 / (2 * Kp) / 12 * 12);
+    int16_t* bw = static_cast<int16_t*>(std::aligned_alloc(32, static_cast<size_t>(kq) * 64 + 32));
+    if (!bw) std::abort();
+    // Panels of rows whose int16 operands (up to 2 planes) stay in L2 while every panel of
+    // columns passes over them; a multiple of the tiles' 6 (and 3) rows.
+    const int64_t panel = std::max<int64_t>(6, (256 * 1024) / (4 * Kp) / 6 * 6);
     for (int64_t r0 = 0; r0 < M; r0 += panel) {
         const int64_t r1 = r0 + panel < M ? r0 + panel : M;
-        for (int64_t nb = 0; nb < nblocks;) {
-            const __m256i(*sj)[2] = reinterpret_cast<const __m256i(*)[2]>(sums + 2 * nb);
-            if (kind[nb] == 1) {
-                const int16_t* w = int16_rows();
-                if (dual)
-                    rows_int16(w, w + plane, Kp, B, kq, r0, r1, nb, N, ep);
-                else
-                    rows16(w, Kp, B, kq, r0, r1, nb, N, ep, nullptr);
-                ++nb;
-                continue;
-            }
-            if (kind[nb] == 2) {
-                rows16(joint_rows(), Kp, B, kq, r0, r1, nb, N, ep, sums + 2 * nb);
-                ++nb;
-                continue;
-            }
-            const uint8_t* ax = sign_planes();
-            const int8_t* sx = reinterpret_cast<const int8_t*>(ax + plane);
-            const uint8_t* ax2 = dual ? ax + 2 * plane : nullptr;
-            const int8_t* sx2 = dual ? reinterpret_cast<const int8_t*>(ax + 3 * plane) : nullptr;
-            if (dual) {
-                rows_sign<1, true>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sj, ep);
-                ++nb;
-            } else if (M < 2 && nb + 1 < nblocks && kind[nb + 1] == 0) {
-                rows_sign<2, false>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sj, ep);
-                nb += 2;
-            } else {
-                rows_sign<1, false>(ax, sx, ax2, sx2, Kp, B, kq, r0, r1, nb, N, sj, ep);
-                ++nb;
-            }
+        for (int64_t n8 = 0; n8 < (N + 7) / 8; ++n8) {
+            PanelInfo info;
+            widen_panel(B, kq, n8, bw, dual ? &info : nullptr);
+            PanelMode mode = PLAIN;
+            if (dual)
+                mode = joined && !info.has_min && 256 * int64_t{info.abs_max} < slack ? JOINED
+                                                                                      : PLANES;
+            const int16_t* a = mode == JOINED ? joint_rows() : int16_rows();
+            panel_rows(mode, a, mode == PLANES ? a + plane : nullptr, Kp, bw, kq, r0, r1, 8 * n8, N, ep,
+                       &info.w128);
         }
     }
-    std::free(kind);
-    std::free(sums);
+    std::free(bw);
     std::free(joint);
     std::free(wide);
-    std::free(signs);
 }
 
 using x86_256::load8;

@@ -70,11 +70,23 @@ static inline void flip_copy(uint8_t* dst, const int8_t* src, int64_t n) {
     for (; c < n; ++c) dst[c] = static_cast<uint8_t>(src[c] ^ 0x80);
 }
 
+// flip_copy in whole 8-byte words: up to 7 bytes past n are read and written. A row of the
+// im2col is written front to back and its padding last, so the spill is always rewritten;
+// the buffer has 8 bytes of slack for the last row, and the caller checks the read.
+static inline void flip_copy_words(uint8_t* dst, const int8_t* src, int64_t n) {
+    for (int64_t c = 0; c < n; c += 8) {
+        uint64_t word;
+        std::memcpy(&word, src + c, 8);
+        word ^= 0x8080808080808080ull;
+        std::memcpy(dst + c, &word, 8);
+    }
+}
+
 // im2col without groups and with unit horizontal dilation: the KW taps of a kernel row that
 // lies inside the input are KW * C consecutive bytes of the NHWC input, copied at once (a
 // first layer with 3 channels otherwise pays per 3-byte tap).
-static void im2col_rows(const int8_t* x, const ConvGeometry& g, int64_t p0, int64_t rows,
-                        uint8_t pad, uint8_t* col, int64_t Kp) {
+static void im2col_rows(const int8_t* x, const int8_t* x_end, const ConvGeometry& g,
+                        int64_t p0, int64_t rows, uint8_t pad, uint8_t* col, int64_t Kp) {
     const int64_t run = g.KW * g.C, K = g.KH * run;
     // (n, oh, ow) of pixel p0, then stepped: no divisions per pixel
     int64_t n = p0 / (g.OH * g.OW), oh = (p0 / g.OW) % g.OH, ow = p0 % g.OW;
@@ -99,7 +111,11 @@ static void im2col_rows(const int8_t* x, const ConvGeometry& g, int64_t p0, int6
             }
             const int8_t* line = x + (n * g.H + ih) * g.W * g.C;
             if (row_inside) {
-                flip_copy(dst, line + iw0 * g.C, run);
+                const int8_t* src = line + iw0 * g.C;
+                if (src + (run + 7) / 8 * 8 <= x_end)
+                    flip_copy_words(dst, src, run);
+                else
+                    flip_copy(dst, src, run);
                 continue;
             }
             for (int64_t j = 0; j < g.KW; ++j) {
@@ -110,7 +126,7 @@ static void im2col_rows(const int8_t* x, const ConvGeometry& g, int64_t p0, int6
                     flip_copy(dst + j * g.C, line + iw * g.C, g.C);
             }
         }
-        std::memset(col + r * Kp + K, 0, static_cast<size_t>(Kp - K));
+        for (int64_t k = K; k < Kp; ++k) col[r * Kp + k] = 0;  // at most 3: no libc call
     }
 }
 
@@ -122,7 +138,7 @@ static void im2col(const int8_t* x, const int8_t* x_end, const ConvGeometry& g, 
                    int64_t p0, int64_t rows, uint8_t pad, uint8_t* col, int64_t Kp) {
     const int64_t taps = g.KH * g.KW, Cg = g.C / groups, K = taps * Cg;
     if (groups == 1 && g.dw == 1) {  // a kernel row inside the input is one contiguous run
-        im2col_rows(x, g, p0, rows, pad, col, Kp);
+        im2col_rows(x, x_end, g, p0, rows, pad, col, Kp);
         return;
     }
     std::vector<int64_t> offset(static_cast<size_t>(taps));
@@ -222,7 +238,7 @@ static void depthwise_pixels(const Depthwise& d, const int8_t* const* src, int64
                 out_f[r * d.C + c] = d.bias ? y + d.bias[c] : y;
                 continue;
             }
-            float q = __builtin_nearbyintf(v * d.rq.mult[c] + d.rq.add[c]) + d.zp;
+            float q = qt::round_even(v * d.rq.mult[c] + d.rq.add[c]) + d.zp;
             q = q < d.qmin ? d.qmin : (q > 127.0f ? 127.0f : q);
             out_q[r * d.C + c] = static_cast<int8_t>(q);
         }
@@ -260,7 +276,7 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
     const int64_t P = batch * OH * OW, OCg = OC / groups, lda = groups * Kp, panel = 256;
     const int64_t group_weight = (OCg + 15) / 16 * Kp * 16;
     const uint8_t pad = static_cast<uint8_t>(x_zp + 128);
-    std::vector<uint8_t> col(static_cast<size_t>((P < panel ? P : panel) * lda + 4));
+    std::vector<uint8_t> col(static_cast<size_t>((P < panel ? P : panel) * lda + 8));
     const Requant rq(scale, bias, OC, inv);
     for (int64_t p0 = 0; p0 < P; p0 += panel) {
         const int64_t rows = P - p0 < panel ? P - p0 : panel;

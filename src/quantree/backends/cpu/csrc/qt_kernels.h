@@ -12,6 +12,9 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 namespace qt {
 
@@ -44,10 +47,24 @@ inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_
 // rows of int8 x (stride ldx) -> uint8 (x + 128), zero padded from K to Kp.
 void to_u8(const int8_t* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out, int64_t Kp);
 
+// Round to nearest even (the current rounding mode), as nearbyintf. Without SSE4.1 (the
+// x86-64 baseline of the portable build) nearbyintf is a libm call per element; cvtss2si
+// rounds the same way wherever x is not an integer already (|x| < 2^23), and copysign keeps
+// nearbyintf's -0 for x in (-0.5, -0].
+static inline float round_even(float x) {
+#if defined(__x86_64__) && !defined(__SSE4_1__)
+    return __builtin_fabsf(x) < 8388608.0f
+               ? __builtin_copysignf(static_cast<float>(_mm_cvtss_si32(_mm_set_ss(x))), x)
+               : x;
+#else
+    return __builtin_nearbyintf(x);
+#endif
+}
+
 // static: the ISA files include this header too, and an out-of-line copy compiled with
 // AVX-512 flags must never be what the portable code links against.
 static inline float quantize_value(float y, float inv, float zp, float lo, float hi) {
-    float q = __builtin_nearbyintf(y * inv) + zp;
+    float q = round_even(y * inv) + zp;
     return q < lo ? lo : (q > hi ? hi : q);
 }
 
@@ -59,7 +76,7 @@ static inline void epilogue_one(const Epilogue& ep, int64_t r, int64_t n, int32_
     float v = static_cast<float>(acc + ep.off[n]);
     if (dual) v = v * 256.0f + static_cast<float>(acc2);
     if (ep.mult) {
-        float q = __builtin_nearbyintf(v * ep.mult[n] + ep.add[n]) + ep.zero_point;
+        float q = round_even(v * ep.mult[n] + ep.add[n]) + ep.zero_point;
         q = q < ep.qmin ? ep.qmin : (q > ep.qmax ? ep.qmax : q);
         ep.out_q[r * ep.ldc + n] = static_cast<int8_t>(q);
         return;
@@ -102,8 +119,15 @@ struct Kernels {
 };
 extern Kernels kernels;  // set by qt_select_isa (the portable path until then)
 
-void gemm_portable(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
-                   const Epilogue&, const uint8_t*);
+// The portable path's GEMM: gemm_sse2 on x86-64 (SSE2 is part of every x86-64 CPU), else
+// gemm_reference, plain C++ that the compiler vectorizes. gemm_reference is also what the
+// C-level check holds every path to.
+void gemm_reference(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+                    const Epilogue&, const uint8_t*);
+#if defined(__x86_64__)
+void gemm_sse2(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+               const Epilogue&, const uint8_t*);
+#endif
 void cell_portable(const RnnStep&, const float*, const float*, float*, float*, uint8_t*,
                    int8_t*, float*, float*);
 void activation_portable(int, const float*, float*, int64_t);
