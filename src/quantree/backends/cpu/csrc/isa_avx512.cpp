@@ -117,23 +117,104 @@ static Micro pick(int mr, int nr, bool dual) {
     return dual ? two[mr - 1][nr - 1] : single[mr - 1][nr - 1];
 }
 
+// One row against NR blocks of 16 columns, for products of one to three rows (the recurrent
+// step at batch 1): there the weights stream from L2 and the loads, not the multiply-adds,
+// set the pace. Few blocks at a time means few concurrent streams (eight streams one block
+// apart, 4 KiB each for K = 256, alias in L1's sets); the k loop is split in two phases
+// (even and odd k, summed at the end: int32 sums wrap exactly, so the result is the same
+// bits) to keep enough independent multiply-adds in flight.
+template <int NR, bool DUAL>
+static void gemv_blocks(const uint8_t* a, const uint8_t* a2, const int8_t* B, int64_t kq,
+                        int64_t row, int64_t nb0, int64_t N, const Epilogue& ep) {
+    __m512i acc[NR][2], acc2[DUAL ? NR : 1][2];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_si512();
+    if constexpr (DUAL) {
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j) acc2[j][0] = acc2[j][1] = _mm512_setzero_si512();
+    }
+    const int8_t* b = B + nb0 * kq * 64;
+    int64_t k = 0;
+    for (; k + 2 <= kq; k += 2) {
+        const __m512i x0 = broadcast4(a + 4 * k), x1 = broadcast4(a + 4 * k + 4);
+        __m512i y0 = x0, y1 = x1;
+        if constexpr (DUAL) {
+            y0 = broadcast4(a2 + 4 * k);
+            y1 = broadcast4(a2 + 4 * k + 4);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j) {
+            const __m512i w0 = _mm512_loadu_si512(b + (j * kq + k) * 64);
+            const __m512i w1 = _mm512_loadu_si512(b + (j * kq + k + 1) * 64);
+            dpbusd(acc[j][0], x0, w0);
+            dpbusd(acc[j][1], x1, w1);
+            if constexpr (DUAL) {
+                dpbusd(acc2[j][0], y0, w0);
+                dpbusd(acc2[j][1], y1, w1);
+            }
+        }
+    }
+    if (k < kq) {
+        const __m512i x0 = broadcast4(a + 4 * k);
+        __m512i y0 = x0;
+        if constexpr (DUAL) y0 = broadcast4(a2 + 4 * k);
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j) {
+            const __m512i w0 = _mm512_loadu_si512(b + (j * kq + k) * 64);
+            dpbusd(acc[j][0], x0, w0);
+            if constexpr (DUAL) dpbusd(acc2[j][0], y0, w0);
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+        __m512i lo = _mm512_setzero_si512();
+        if constexpr (DUAL) lo = _mm512_add_epi32(acc2[j][0], acc2[j][1]);
+        store_block(ep, row, (nb0 + j) * 16, N, _mm512_add_epi32(acc[j][0], acc[j][1]),
+                    DUAL ? &lo : nullptr);
+    }
+}
+
+template <bool DUAL>
+static void gemv_tail(int nr, const uint8_t* a, const uint8_t* a2, const int8_t* B,
+                      int64_t kq, int64_t row, int64_t nb0, int64_t N, const Epilogue& ep) {
+    if (nr == 1) gemv_blocks<1, DUAL>(a, a2, B, kq, row, nb0, N, ep);
+    if (nr == 2) gemv_blocks<2, DUAL>(a, a2, B, kq, row, nb0, N, ep);
+    if (nr == 3) gemv_blocks<3, DUAL>(a, a2, B, kq, row, nb0, N, ep);
+}
+
+// Rows one at a time, the column blocks in groups of four, walked forwards and backwards on
+// alternate calls: a recurrent layer calls this once per time step on the same weights, and
+// a walk that starts where the last one ended finds those blocks still in L2 (with W_hh
+// about the size of L2, a walk always in the same direction evicts each block just before
+// it is read again). The order of the blocks does not change any result.
+template <bool DUAL>
+static void gemv_rows(int64_t M, int64_t N, int64_t kq, const uint8_t* A, int64_t lda,
+                      const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
+    static thread_local bool backwards = false;
+    const int64_t nblocks = (N + 15) / 16, full = nblocks / 4 * 4;
+    const int tail = static_cast<int>(nblocks - full);
+    for (int64_t r = 0; r < M; ++r) {
+        const uint8_t* a = A + r * lda;
+        const uint8_t* a2 = DUAL ? A_lo + r * lda : nullptr;
+        backwards = !backwards;
+        if (!backwards) {
+            for (int64_t nb = 0; nb < full; nb += 4) gemv_blocks<4, DUAL>(a, a2, B, kq, r, nb, N, ep);
+            gemv_tail<DUAL>(tail, a, a2, B, kq, r, full, N, ep);
+        } else {
+            gemv_tail<DUAL>(tail, a, a2, B, kq, r, full, N, ep);
+            for (int64_t nb = full - 4; nb >= 0; nb -= 4) gemv_blocks<4, DUAL>(a, a2, B, kq, r, nb, N, ep);
+        }
+    }
+}
+
 void gemm_avx512vnni(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
     const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
     const bool dual = A_lo != nullptr;
     const int mr_max = dual ? 2 : 4;
-    if (M < mr_max) {  // GEMV-like: eight independent accumulator chains per row
-        for (int64_t r = 0; r < M; ++r) {
-            int64_t nb = 0;
-            for (; nb + 8 <= nblocks; nb += 8) {
-                if (dual) micro<1, 8, true>(A, A_lo, lda, B, kq, r, nb, N, ep);
-                else micro<1, 8, false>(A, A_lo, lda, B, kq, r, nb, N, ep);
-            }
-            for (; nb < nblocks; nb += 4) {
-                const int nr = static_cast<int>(nblocks - nb < 4 ? nblocks - nb : 4);
-                pick(1, nr, dual)(A, A_lo, lda, B, kq, r, nb, N, ep);
-            }
-        }
+    if (M < mr_max) {  // GEMV-like
+        if (dual) gemv_rows<true>(M, N, kq, A, lda, B, ep, A_lo);
+        else gemv_rows<false>(M, N, kq, A, lda, B, ep, A_lo);
         return;
     }
     // Row panels sized for L1/L2, then column blocks, then rows within the panel.

@@ -7,6 +7,8 @@
 // and the float hidden state never leave the kernel.
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "qt_kernels.h"
@@ -148,9 +150,16 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
     const int64_t G = kind == 0 ? 4 : (kind == 1 ? 3 : 1), N = G * H;
     // Input projection of a chunk of time steps at once, sized to stay in L2.
     const int64_t chunk = std::max<int64_t>(1, (256 * 1024) / (B * N * 4));
-    std::vector<uint8_t> xu(static_cast<size_t>(chunk * B * kp_ih));
-    std::vector<uint8_t> xlo(x16 ? xu.size() : 0);  // int16 input: low-byte plane
-    std::vector<float> gx(static_cast<size_t>(chunk * B * N)), gh(static_cast<size_t>(B * N));
+    // scratch every step overwrites in full: left uninitialized (zeroing gx alone is
+    // 256 KiB of stores per call)
+    const auto scratch = [](int64_t n, auto* type) {
+        using T = std::remove_pointer_t<decltype(type)>;
+        return std::unique_ptr<T[]>(new T[static_cast<size_t>(n)]);
+    };
+    const auto xu = scratch(chunk * B * kp_ih, static_cast<uint8_t*>(nullptr));
+    const auto xlo = scratch(x16 ? chunk * B * kp_ih : 0, static_cast<uint8_t*>(nullptr));
+    const auto gx = scratch(chunk * B * N, static_cast<float*>(nullptr));
+    const auto gh = scratch(B * N, static_cast<float*>(nullptr));
     const std::vector<int32_t> off_ih = offsets(colsum_ih, N, x_z);
     const std::vector<float> sc_ih = scales(ws_ih, N, x_s);
     const std::vector<int32_t> off0 = offsets(colsum_hh, N, h0_z);
@@ -176,22 +185,22 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
         const int64_t n = std::min(chunk, T - c0);
         const int64_t t0 = reverse ? T - c0 - n : c0;  // first time index of this chunk
         if (x16)
-            split_planes(x16 + t0 * B * K, n * B, K, xu.data(), xlo.data(), kp_ih);
+            split_planes(x16 + t0 * B * K, n * B, K, xu.get(), xlo.get(), kp_ih);
         else
-            qt::to_u8(x + t0 * B * K, n * B, K, K, xu.data(), kp_ih);
-        const qt::Epilogue ex{off_ih.data(), sc_ih.data(), b_ih, gx.data(), nullptr, N,
+            qt::to_u8(x + t0 * B * K, n * B, K, K, xu.get(), kp_ih);
+        const qt::Epilogue ex{off_ih.data(), sc_ih.data(), b_ih, gx.get(), nullptr, N,
                               0, 0, 0, 0};
-        qt::gemm_u8s8(n * B, N, kp_ih, xu.data(), kp_ih, w_ih, ex, x16 ? xlo.data() : nullptr);
+        qt::gemm_u8s8(n * B, N, kp_ih, xu.get(), kp_ih, w_ih, ex, x16 ? xlo.get() : nullptr);
         for (int64_t i = 0; i < n; ++i) {
             const int64_t local = reverse ? n - 1 - i : i, t = t0 + local;
             const bool first = c0 == 0 && i == 0;
             const qt::Epilogue eh{first ? off0.data() : off_hh.data(),
-                                  first ? sc0.data() : sc_hh.data(), b_hh, gh.data(), nullptr,
+                                  first ? sc0.data() : sc_hh.data(), b_hh, gh.get(), nullptr,
                                   N, 0, 0, 0, 0};
             const uint8_t* lo = wide && !first ? hu8.data() + B * kp_hh : nullptr;
             qt::gemm_u8s8(B, N, kp_hh, hu8.data(), kp_hh, w_hh, eh, lo);
             for (int64_t b = 0; b < B; ++b) {
-                qt::kernels.cell(s, gx.data() + (local * B + b) * N, gh.data() + b * N, h + b * HS,
+                qt::kernels.cell(s, gx.get() + (local * B + b) * N, gh.get() + b * N, h + b * HS,
                      c ? c + b * H : nullptr, hu8.data() + b * kp_hh,
                      yf ? nullptr : y + (t * B + b) * y_ld, yf ? yf + (t * B + b) * y_ld : nullptr,
                      w_hr ? raw.data() + b * H : nullptr);
