@@ -312,6 +312,15 @@ def unshare_activation_partitions(gm: torch.fx.GraphModule) -> None:
                 stack[key] = (f"{fqn}@{node.name}", cls)
 
 
+def drop_dead_code(gm: torch.fx.GraphModule) -> None:
+    """torchao 0.18's X86InductorQuantizer fails with an IndexError in
+    ``_get_output_nodes_of_partitions`` (``partition.output_nodes[0]``) on a linear -> activation
+    pair whose activation nothing reads: BERT's pooler ``tanh`` once ``First`` keeps only
+    ``last_hidden_state``. A partition without users has no output node, so drop dead nodes."""
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
 def torchao_variant(case: Case, calib: list[tuple]):
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -321,6 +330,7 @@ def torchao_variant(case: Case, calib: list[tuple]):
     )
     gm = torch.export.export(case.model, calib[0]).module()
     unshare_activation_partitions(gm)
+    drop_dead_code(gm)
     prepared = prepare_pt2e(gm, quantizer)
     with torch.no_grad():
         for args in calib:
