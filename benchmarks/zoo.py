@@ -321,6 +321,30 @@ def drop_dead_code(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def conv1d_as_linear(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` with Hugging Face's ``Conv1D`` (GPT-2's projections, ``addmm`` on an
+    ``[in, out]`` weight) replaced by the equal ``nn.Linear``; None when it has none.
+
+    X86InductorQuantizer annotates ``nn.Linear`` only, so on GPT-2 as shipped it quantizes
+    nothing but two ``mul``s per block: its row is then nearly the float model's accuracy.
+    This copy gives the anchor the same layers to quantize as quantree."""
+    import copy
+
+    if not any(type(m).__name__ == "Conv1D" for m in model.modules()):
+        return None
+    model = copy.deepcopy(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ == "Conv1D":
+                nx, nf = child.weight.shape
+                linear = nn.Linear(nx, nf)
+                with torch.no_grad():
+                    linear.weight.copy_(child.weight.t())
+                    linear.bias.copy_(child.bias)
+                setattr(parent, name, linear)
+    return model.eval()
+
+
 def torchao_variant(case: Case, calib: list[tuple]):
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -356,6 +380,12 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
         variants["quantree cells"] = lambda: quantree_variant(case, calib, qt.RecurrentMode.CELLS)
     if args.anchor == "all" or (args.anchor == "auto" and not case.recurrent):
         variants["torchao+inductor"] = lambda: torchao_variant(case, calib)
+        as_linear = conv1d_as_linear(case.model)
+        if as_linear is not None:
+            relinked = Case(as_linear, case.sample, case.recurrent)
+            variants["torchao+inductor, Conv1D as Linear"] = lambda: torchao_variant(
+                relinked, calib
+            )
     rows, timed = [], {"float": lambda: case.model(*held[0])}
     for variant, make in variants.items():
         row: dict = {"model": name, "variant": variant}
