@@ -7,9 +7,10 @@ Random weights, nothing downloaded. Per model: batch norm statistics warmed on d
 calibration batches, 8 held-out inputs. Columns: input-dependent SQNR of the outputs against
 float (the per-position mean over the held-out inputs is removed from the signal first: with
 random weights most of an output does not depend on the input), latency ratio to float on one
-thread (interleaved rounds, medians), and the aten ops the lowered graph still computes in
-float. Recurrent models run in whole and cells mode; non-recurrent ones also through torchao's
-X86InductorQuantizer + prepare_pt2e/convert_pt2e + torch.compile (the anchor).
+thread (interleaved rounds, medians of wall-clock and of thread CPU time), and the aten ops the
+lowered graph still computes in float. Recurrent models run in whole and cells mode;
+non-recurrent ones also through torchao's X86InductorQuantizer + prepare_pt2e/convert_pt2e +
+torch.compile (the anchor).
 Install the model libraries without pulling another torch: see benchmarks/README.md."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from common import interleaved_medians, load_note, one_thread
+from common import interleaved_times, load_note, one_thread
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
@@ -400,27 +401,34 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
         row["left"], row["notes"] = left, notes
         timed[variant] = lambda q=qmodel: q(*held[0])
     if len(timed) > 1:
-        ms = interleaved_medians(timed, args.runs, warmup=3)
+        ms = interleaved_times(timed, args.runs, warmup=3)
         for row in rows:
             if row["variant"] in ms:
-                row["float_ms"], row["ms"] = ms["float"], ms[row["variant"]]
+                (row["float_ms"], row["float_cpu"]), (row["ms"], row["cpu"]) = (
+                    ms["float"],
+                    ms[row["variant"]],
+                )
     return rows
 
 
 def render(rows: list[dict]) -> str:
     lines = [
-        "| model | variant | ratio to float (ms) | input-dep. SQNR | ops left in float (lowered) |",
-        "|---|---|---|---|---|",
+        "| model | variant | ratio to float (ms) | CPU-time ratio | input-dep. SQNR "
+        "| ops left in float (lowered) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['variant']} | fails: {r['error']} | | |")
+            lines.append(f"| {r['model']} | {r['variant']} | fails: {r['error']} | | | |")
             continue
         ratio = f"{r['ms'] / r['float_ms']:.2f}x ({r['ms']:.1f} / {r['float_ms']:.1f})"
         left = r.get("left") or {}
         ops = ", ".join(f"{k} {v}" for k, v in left.most_common()) if left else "none"
         ops = "n/a" if r.get("left") is None else f"{sum(left.values())}: {ops}"
-        lines.append(f"| {r['model']} | {r['variant']} | {ratio} | {r['sqnr']:.1f} dB | {ops} |")
+        cpu = f"{r['cpu'] / r['float_cpu']:.2f}x"
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {ratio} | {cpu} | {r['sqnr']:.1f} dB | {ops} |"
+        )
     return "\n".join(lines)
 
 
