@@ -25,19 +25,34 @@ def interleaved_medians(
     The order rotates from round to round, so no variant always runs right after the same
     neighbour (whose cache and predictor footprint it would otherwise always inherit).
     """
+    return {name: wall for name, (wall, _) in interleaved_times(variants, runs, warmup).items()}
+
+
+def interleaved_times(
+    variants: dict[str, Callable[[], object]], runs: int, warmup: int = 5
+) -> dict[str, tuple[float, float]]:
+    """Median wall-clock and thread-CPU milliseconds of each variant, from the same rounds.
+
+    On a shared machine a call is often descheduled midway: its wall time then counts other
+    jobs' time slices, its thread CPU time does not (one thread: the work runs on the calling
+    thread). The CPU-time ratio is the steadier figure under load; caches and the other
+    hyperthread are still shared, so it is not load-free either.
+    """
     names = list(variants)
     with torch.inference_mode():
         for fn in variants.values():
             for _ in range(warmup):
                 fn()
-        times: dict[str, list[float]] = {name: [] for name in variants}
+        wall: dict[str, list[float]] = {name: [] for name in variants}
+        cpu: dict[str, list[float]] = {name: [] for name in variants}
         for round_ in range(runs):
             shift = round_ % len(names)
             for name in names[shift:] + names[:shift]:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.thread_time()
                 variants[name]()
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+                cpu[name].append((time.thread_time() - start_cpu) * 1e3)
+                wall[name].append((time.perf_counter() - start) * 1e3)
+    return {name: (statistics.median(wall[name]), statistics.median(cpu[name])) for name in names}
 
 
 def table(title: str, columns: list[str], rows: list[tuple[str, dict[str, float | None]]]) -> str:

@@ -4,8 +4,9 @@ Quantizing every activation keeps int8 end to end between kernels, which is what
 recurrent models want. Transformers are different: their residual stream and layer-norm
 inputs carry outliers an 8-bit grid cannot hold, and elementwise chains (GPT-2's tanh GELU,
 softmax, the residual add) lose 10-17 dB when each step is rounded, for no speed (the
-backend runs them in float anyway). There the recipe quantizes what linear, conv and
-matmul read, as torchao's X86 recipe does, and leaves the rest float.
+backend runs them in float anyway). There the recipe quantizes what layers with weights
+read (linear, conv, a matrix product with a constant operand, embeddings), as torchao's X86
+recipe does, and leaves the rest float, products of two activations (attention) included.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ aten = torch.ops.aten
 
 class ActivationPoints(enum.Enum):
     """EVERY_OP: inputs and outputs of every op the recipe knows. WEIGHTED_INPUTS: only the
-    inputs of linear/conv/matmul (with their weights and biases), embeddings and recurrent
-    layers. AUTO: WEIGHTED_INPUTS in a graph with layer norm, group norm or attention,
-    EVERY_OP elsewhere."""
+    inputs of linear/conv and of matrix products with a constant operand (with their weights
+    and biases), embeddings and recurrent layers; a product of two activations stays float.
+    AUTO: WEIGHTED_INPUTS in a graph with layer norm, group norm or attention, EVERY_OP
+    elsewhere."""
 
     EVERY_OP = "every_op"
     WEIGHTED_INPUTS = "weighted_inputs"
@@ -102,6 +104,14 @@ def weighted_inputs_rules(
         return weighted_annotation(node, act, weight, None)
 
     def matmul(node: fx.Node) -> Annotation:
+        """A product with a constant operand is a layer with a weight: its inputs are
+        quantized. A product of two activations (attention's ``q @ k^T`` and ``p @ v``)
+        stays float, as in torchao's X86 recipe: rounding the softmax and both operands cost
+        a small GPT-2 1.4 dB, and quantizing both operands on every call made it slower than
+        the float product (measured 0.91-0.95x float against 0.66-0.78x, load 17)."""
+        operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if not any(a.op == "get_attr" for a in operands):
+            return Annotation()
         inputs = {
             (i,): act
             for i, a in enumerate(node.args[:2])

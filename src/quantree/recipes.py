@@ -142,7 +142,9 @@ def cell_state_spec(dtype: QDtype, act: QuantSpec) -> QuantSpec:
 class Int8Quantizer(Quantizer):
     """int8 static quantization of the common ops; anything else stays in float.
 
-    ``activation_observer`` picks how activation ranges are calibrated; ``per_channel``
+    ``activation_observer`` picks how activation ranges are calibrated (by default min-max,
+    and the histogram's error-minimising range where only what weights read is quantized,
+    see ``ActivationPoints``); ``per_channel``
     quantizes weights per output channel (else per tensor). ``recurrent`` chooses whole or
     cells mode for LSTM/GRU/RNN; in cells mode ``split_gates``, ``cell_state_dtype`` (INT16
     for the integer-LSTM convention), ``gate_dtype`` (sigmoid/tanh outputs, default the
@@ -159,7 +161,7 @@ class Int8Quantizer(Quantizer):
     def __init__(
         self,
         *,
-        activation_observer: ObserverKind = ObserverKind.MINMAX,
+        activation_observer: ObserverKind | None = None,
         per_channel: bool = True,
         activation: QuantSpec | None = None,
         weight: QuantSpec | None = None,
@@ -177,14 +179,17 @@ class Int8Quantizer(Quantizer):
             raise QuantreeError(f"recurrent must be a RecurrentMode, got {recurrent!r}")
         if not isinstance(activations, ActivationPoints):
             raise QuantreeError(f"activations must be an ActivationPoints, got {activations!r}")
-        act = activation or int8_activation(activation_observer)
+        act = activation or int8_activation(activation_observer or ObserverKind.MINMAX)
+        # what weights read, alone quantized in a transformer: long-tailed (layer-norm,
+        # GELU and attention outputs), so by default the range minimising expected error
+        weighted_act = activation or int8_activation(activation_observer or ObserverKind.HISTOGRAM)
         wgt = weight or int8_weight(0 if per_channel else None)
         if not isinstance(share_recurrent_state, bool):
             raise QuantreeError(
                 f"share_recurrent_state must be True or False, got {share_recurrent_state!r}"
             )
         recipe = int8_rules(act, wgt, share_recurrent_state) + weighted_inputs_rules(
-            act, wgt, activations, FLOAT_UNDER_WEIGHTED_INPUTS
+            weighted_act, wgt, activations, FLOAT_UNDER_WEIGHTED_INPUTS
         )
         if recurrent is RecurrentMode.CELLS:
             cell_state = cell_state_spec(cell_state_dtype or act.dtype, act)
