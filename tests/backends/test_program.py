@@ -157,6 +157,20 @@ def test_float_inside_is_reported_by_lowering_and_inspect() -> None:
     assert "layer_norm 12" in status.detail and "sigmoid 18" in status.detail
 
 
+def test_an_op_a_program_runs_is_named_by_one_warning_only() -> None:
+    """The simulated-op warning looks at the graph after fusion: ops now inside a program
+    are the float-op warning's ("in native program"), not called simulated as well."""
+    torch.manual_seed(0)
+    data = _data()
+    ref = qt.quantize(NormedLSTM().eval(), data[0], data, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qt.lower(ref, CPU)
+    said = [str(w.message) for w in caught if issubclass(w.category, qt.QuantreeWarning)]
+    assert any("in native program" in text for text in said)
+    assert not any("between quantize/dequantize" in text for text in said), said
+
+
 def test_save_load_and_other_shapes(tmp_path) -> None:
     torch.manual_seed(0)
     _, low = _lowered(NormedLSTM())

@@ -58,8 +58,9 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
         lower_nested(gm, nested)
     native_quantize_dequantize(gm)
     if nested is not None:  # the top-level graph: one warning for the model
-        warn_simulated(gm, "cpu")
         fuse_regions(gm)  # runs of small ops, one native call each (cell bodies have theirs)
+        # after fusion: an op a program now runs is named once, by the float-op warning
+        warn_simulated(gm, "cpu")
     share_identical(gm)  # an unrolled decoder's per-call-site weights, stored once
     gm.graph.lint()
     gm.recompile()
