@@ -18,24 +18,9 @@ void qt_cell_loop(const float* xs, float* ys, int64_t T, int reverse, float** st
                   int64_t n_states, const int64_t* outs, const int64_t* slots, int64_t n_slots,
                   int64_t B, const int64_t* code, const float* fcode,
                   int64_t n_code, void** consts) {
-    std::vector<int64_t> start(static_cast<size_t>(n_slots));
-    int64_t bytes = 0;
-    for (int64_t i = 0; i < n_slots; ++i) {  // owners first: a view follows its source
-        const int64_t* d = slots + NS * i;
-        if (d[1] == i) {
-            start[i] = bytes;
-            bytes += (B * d[4] * (d[0] == 0 ? 4 : 1) + 63) / 64 * 64;
-        } else {
-            start[i] = start[d[1]] + d[2];
-        }
-    }
-    std::vector<char> ws(static_cast<size_t>(bytes) + 64);
-    std::vector<Slot> s(static_cast<size_t>(n_slots));
-    for (int64_t i = 0; i < n_slots; ++i) {
-        const int64_t* d = slots + NS * i;
-        s[i] = Slot{ws.data() + start[i], B, d[3], d[4], d[0] == 0 ? 4 : 1};
-        (void)s[i].size;
-    }
+    std::vector<char> ws;
+    const std::vector<Slot> s =
+        lay_out(ws, slots, n_slots, NS, [B](const int64_t*) { return B; });
     int64_t scratch_k = 0;
     for (int64_t n = 0; n < n_code; ++n)
         if (code[NI * n] == LINEAR && code[NI * n + 9] > scratch_k) scratch_k = code[NI * n + 9];

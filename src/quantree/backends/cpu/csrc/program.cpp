@@ -21,24 +21,10 @@ extern "C" {
 void qt_program_run(void** inputs, const int64_t* in_slots, int64_t n_in, void** outputs,
                     const int64_t* out_slots, int64_t n_out, const int64_t* slots, int64_t n_slots,
                     const int64_t* code, const float* fcode, int64_t n_code, void** consts) {
-    std::vector<int64_t> start(static_cast<size_t>(n_slots));
-    int64_t bytes = 0;
-    for (int64_t i = 0; i < n_slots; ++i) {  // owners first: a view follows its source
-        const int64_t* d = slots + NSR * i;
-        if (d[1] == i) {
-            start[i] = bytes;
-            bytes += (d[5] * d[4] * (d[0] == 0 ? 4 : 1) + 63) / 64 * 64;
-        } else {
-            start[i] = start[d[1]] + d[2];
-        }
-    }
-    std::vector<char> ws(static_cast<size_t>(bytes) + 64);
-    std::vector<Slot> s(static_cast<size_t>(n_slots));
+    std::vector<char> ws;
+    const std::vector<Slot> s =
+        lay_out(ws, slots, n_slots, NSR, [](const int64_t* d) { return d[5]; });
     int64_t scratch = 0;
-    for (int64_t i = 0; i < n_slots; ++i) {
-        const int64_t* d = slots + NSR * i;
-        s[i] = Slot{ws.data() + start[i], d[5], d[3], d[4], d[0] == 0 ? 4 : 1};
-    }
     for (int64_t n = 0; n < n_code; ++n) {
         const int64_t* c = code + NI * n;
         if (c[0] == LINEAR) {

@@ -38,6 +38,33 @@ struct Slot {
     int8_t* q(int64_t r) const { return reinterpret_cast<int8_t*>(base) + r * ld; }
 };
 
+// The workspace both runners (a cell loop, a region program) lay out from their slot table:
+// each owner slot 64-byte aligned, a view at its source's start plus its byte offset
+// (owners come first: a view follows its source). ``fields`` is the slot record's length;
+// ``rows(d)`` a slot's row count (the batch of a cell loop, the record's own for a region).
+template <class Rows>
+inline std::vector<Slot> lay_out(std::vector<char>& ws, const int64_t* slots, int64_t n_slots,
+                                 int fields, Rows rows) {
+    std::vector<int64_t> start(static_cast<size_t>(n_slots));
+    int64_t bytes = 0;
+    for (int64_t i = 0; i < n_slots; ++i) {
+        const int64_t* d = slots + fields * i;
+        if (d[1] == i) {
+            start[i] = bytes;
+            bytes += (rows(d) * d[4] * (d[0] == 0 ? 4 : 1) + 63) / 64 * 64;
+        } else {
+            start[i] = start[d[1]] + d[2];
+        }
+    }
+    ws.assign(static_cast<size_t>(bytes) + 64, 0);
+    std::vector<Slot> s(static_cast<size_t>(n_slots));
+    for (int64_t i = 0; i < n_slots; ++i) {
+        const int64_t* d = slots + fields * i;
+        s[i] = Slot{ws.data() + start[i], rows(d), d[3], d[4], d[0] == 0 ? 4 : 1};
+    }
+    return s;
+}
+
 // Row kernels with restrict pointers, so that the compiler vectorizes them (the workspace is
 // one char buffer: without restrict every int8 store may alias every float load).
 static inline void quantize_row(const float* __restrict a, int8_t* __restrict out, int64_t n, float inv,
