@@ -231,8 +231,7 @@ def corpus():
     from quantree.workloads import batches as lm_batches
     from quantree.workloads import load_corpus, weights_path
 
-    if not weights_path("lstm").is_file():
-        pytest.skip("no bundled char-LM weights")
+    assert weights_path("lstm").is_file(), "the char-LM weights ship with the package"
     train = load_corpus("train", max_chars=200_000)
     return lm_batches(train, batch_size=4, seq_len=16, n_batches=6, seed=0)
 

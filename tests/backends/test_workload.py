@@ -18,8 +18,7 @@ VALIDATION_CHARS = 20_000
 
 @pytest.fixture(scope="module", params=["lstm", "gru"])
 def lowered(request, tmp_path_factory) -> dict[str, object]:
-    if not weights_path(request.param).is_file():
-        pytest.skip(f"no bundled {request.param} weights")
+    assert weights_path(request.param).is_file(), "the char-LM weights ship with the package"
     model = load_charlm(request.param)
     train = load_corpus("train", max_chars=300_000)
     calib = batches(train, batch_size=32, seq_len=128, n_batches=8, seed=0)

@@ -158,8 +158,6 @@ def test_any_module_gets_output_rows() -> None:
 
 
 def test_cells_mode_rows_follow_the_surviving_leaves() -> None:
-    if not hasattr(qt, "RecurrentMode"):
-        pytest.skip("cells mode not in this build")
     torch.manual_seed(0)
     model = LSTMThreeHeads().eval()
     data = _data(5, 3, 12)
@@ -172,8 +170,6 @@ def test_cells_mode_rows_follow_the_surviving_leaves() -> None:
 
 
 def test_cells_are_compared_step_by_step_against_the_prepared_model() -> None:
-    if not hasattr(qt, "RecurrentMode"):
-        pytest.skip("cells mode not in this build")
     torch.manual_seed(0)
     model = LSTMThreeHeads().eval()
     data = _data(5, 3, 12)
