@@ -28,7 +28,7 @@ SOURCES = (
 )
 HEADERS = (
     *("qt_kernels.h", "qt_vmath.h", "qt_x86_256.h", "gemm_vnni256.h", "qt_neon.h"),
-    "qt_program.h",
+    *("qt_neon_math.h", "qt_program.h"),
 )
 MACHINE = platform.machine().lower()
 X86 = MACHINE in ("x86_64", "amd64")

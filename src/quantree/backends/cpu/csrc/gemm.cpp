@@ -146,10 +146,10 @@ int qt_select_isa(int cap) {
     const bool dot = false;
 #endif
     if (cap >= NEONDOT && dot) {
-        kernels.gemm = gemm_neondot;
+        kernels = Kernels{gemm_neondot, cell_neon, activation_neon};
         isa = NEONDOT;
     } else if (cap >= NEON) {
-        kernels.gemm = gemm_neon;
+        kernels = Kernels{gemm_neon, cell_neon, activation_neon};
         isa = NEON;
     }
 #else

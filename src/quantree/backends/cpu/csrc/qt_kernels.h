@@ -152,6 +152,9 @@ void gemm_neon(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*
                const Epilogue&, const uint8_t*);
 void gemm_neondot(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
                   const Epilogue&, const uint8_t*);
+void cell_neon(const RnnStep&, const float*, const float*, float*, float*, uint8_t*, int8_t*,
+               float*, float*);
+void activation_neon(int, const float*, float*, int64_t);
 #endif
 
 inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,

@@ -8,11 +8,13 @@
 // tests/backends/test_kernel_check.py (natively, and cross-compiled for aarch64 and run under
 // qemu). Prints "path P KERNEL cases N mismatches M" per path and kernel.
 //
-// The float gate math (sigmoid, tanh) of the x86 vector paths is a polynomial, not libm's
-// expf / tanhf, so their recurrent layers and float activations cannot equal the portable
-// path bit for bit; there those cases are reported as "inexact" and only the kernels whose
-// arithmetic is the same by construction must match. The aarch64 paths share the portable
-// gate math, so every case must match there.
+// The float gate math (sigmoid, tanh) of the vector paths (x86 and aarch64) is a polynomial,
+// not libm's expf / tanhf, so their recurrent layers and float activations cannot equal the
+// portable path bit for bit; there those cases are reported as "inexact" and only the
+// kernels whose arithmetic is the same by construction must match bit for bit. The gate math
+// itself ("gate_math": the path's cell and activation functions against the portable ones,
+// every cell kind, int8 and int16 feedback, random and saturating pre-activations) must stay
+// within GATE_ABS + GATE_REL |x| of the portable floats and one step of its integers.
 //   kernel_check [cases] [bench M N K]
 #include <chrono>
 #include <cmath>
@@ -475,6 +477,69 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
     return all;
 }
 
+// ---- the gate math of a path against the portable one, to a tolerance -------------------
+
+constexpr float GATE_ABS = 2e-6f, GATE_REL = 2e-6f;
+
+bool close(float a, float b) {
+    return std::fabs(a - b) <= GATE_ABS + GATE_REL * std::fabs(b);
+}
+
+// One random cell (kind, H, feedback width, output kind) or activation; true when the
+// path's result is within tolerance of the portable one.
+bool gate_case(int which) {
+    static const int64_t hs[] = {1, 3, 4, 7, 8, 15, 16, 17, 33, 64, 70};
+    const int64_t H = pick(hs, 11);
+    const float spread = rnd() % 4 == 0 ? 60.0f : 6.0f;  // saturating pre-activations too
+    if (which == 4) {  // the activations
+        const int kind = static_cast<int>(rnd() % 2);
+        auto a = f32(H, -spread, spread);
+        std::vector<float> got(static_cast<size_t>(H)), want(got.size());
+        qt::kernels.activation(kind, a.data(), got.data(), H);
+        qt::activation_portable(kind, a.data(), want.data(), H);
+        for (int64_t j = 0; j < H; ++j)
+            if (!close(got[j], want[j])) return false;
+        return true;
+    }
+    qt::RnnStep st{which, H, 1.0f / 0.01f, 3.0f, 1.0f / 0.02f, -2.0f, 0};
+    const bool wide = rnd() % 2 == 0, to_float = rnd() % 2 == 0;
+    const bool raw = which == qt::LSTM && rnd() % 4 == 0;
+    if (wide) {
+        st.h_inv = 1.0f / 5e-5f;
+        st.lo_offset = H;
+    }
+    const int64_t G = which == qt::LSTM ? 4 : (which == qt::GRU ? 3 : 1);
+    auto gx = f32(G * H, -spread, spread), gh = f32(G * H, -spread, spread);
+    const auto h0 = f32(H, -1.0f, 1.0f), c0 = f32(H, -3.0f, 3.0f);
+    struct Result {
+        std::vector<float> h, c, yf, raw;
+        std::vector<uint8_t> hu8;
+        std::vector<int8_t> y;
+    };
+    auto one = [&](qt::CellFn fn) {
+        Result r{h0, c0, std::vector<float>(H), std::vector<float>(H),
+                 std::vector<uint8_t>(2 * H), std::vector<int8_t>(H)};
+        fn(st, gx.data(), gh.data(), r.h.data(), r.c.data(), r.hu8.data(), r.y.data(),
+           to_float ? r.yf.data() : nullptr, raw ? r.raw.data() : nullptr);
+        return r;
+    };
+    const Result got = one(qt::kernels.cell), want = one(qt::cell_portable);
+    for (int64_t j = 0; j < H; ++j) {
+        if (!close(got.c[j], want.c[j])) return false;
+        if (raw) {
+            if (!close(got.raw[j], want.raw[j])) return false;
+            continue;
+        }
+        if (!close(got.h[j], want.h[j])) return false;
+        const int32_t gq = wide ? 256 * (got.hu8[j] - 128) + got.hu8[H + j] : got.hu8[j];
+        const int32_t wq = wide ? 256 * (want.hu8[j] - 128) + want.hu8[H + j] : want.hu8[j];
+        if (std::abs(gq - wq) > 1) return false;
+        if (to_float ? !close(got.yf[j], want.yf[j]) : std::abs(got.y[j] - want.y[j]) > 1)
+            return false;
+    }
+    return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -531,8 +596,14 @@ int main(int argc, char** argv) {
         }
         std::printf("path %d gemm cases %d mismatches %d\n", isa, cases, bad);
         failures += bad;
-        // the x86 vector paths have their own (polynomial) gate math; the aarch64 ones do not
-        const bool own_gates = isa == qt::AVX2 || isa == qt::AVXVNNI || isa == qt::AVX512VNNI;
+        // every vector path has its own (polynomial) gate math: within tolerance, not equal
+        const bool own_gates = isa != qt::PORTABLE;
+        if (own_gates) {
+            int beyond = 0;
+            for (int i = 0; i < cases; ++i) beyond += !gate_case(static_cast<int>(rnd() % 5));
+            std::printf("path %d gate_math cases %d mismatches %d\n", isa, cases, beyond);
+            failures += beyond;
+        }
         for (size_t k = 0; k < others.size(); ++k) {
             int differ = 0;
             for (size_t i = 0; i < others[k].cases.size(); ++i)
