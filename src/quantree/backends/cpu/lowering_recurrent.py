@@ -23,6 +23,7 @@ import torch.fx as fx
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
 from quantree.backends.cpu.packing import pack, row_sums
 from quantree.backends.patterns import (
+    Activation,
     activation,
     constant,
     float_constant,
@@ -31,7 +32,9 @@ from quantree.backends.patterns import (
     weight,
 )
 from quantree.core.errors import QuantreeError
+from quantree.core.graphs import fetch_attr
 from quantree.core.lower import LoweringContext, LoweringRule, Quantized
+from quantree.core.qdq import QUANTIZE_OPS
 from quantree.core.values import Path, arg_at
 from quantree.recurrent.call import RECURRENT_OPS, RecurrentCall
 
@@ -40,6 +43,7 @@ aten = torch.ops.aten
 # LSTM h = o * tanh(c) and tanh RNN h = tanh(...). A GRU's h = (1 - z) * n + z * h_prev is
 # a convex mix with the previous state, so an initial state outside [-1, 1] carries over.
 BOUNDED = ("lstm", "rnn_tanh")
+ZEROS = (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default)
 
 
 def inner_params(ranges: list[tuple[float, float]]) -> tuple[float, int]:
@@ -120,6 +124,21 @@ def _outputs(ctx: LoweringContext, node: fx.Node) -> dict[int, Quantized] | None
             return None
         found[int(user.args[1])] = q  # type: ignore[arg-type]
     return found if 0 in found else None
+
+
+def _is_zeros(ctx: LoweringContext, state: Activation) -> bool:
+    """Whether an initial state is all zeros: ``quantize(zeros)`` (what ``nn.LSTM`` without
+    ``hx`` exports to), or a folded constant of zero points. Either dequantizes to exact
+    zeros (a zero point is on the int8 grid), which is what the kernel starts from when it
+    is given no state; the state's grid still sets the first step's arithmetic."""
+    source = state.node
+    if source.op == "get_attr":
+        values = fetch_attr(ctx.gm, str(source.target))
+        return bool((values == state.zero_point).all())
+    if source.target not in QUANTIZE_OPS or not isinstance(source.args[0], fx.Node):
+        return False
+    made = source.args[0]
+    return made.target in ZEROS
 
 
 def _layer_params(
@@ -205,6 +224,8 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
             else [state.scale, state.zero_point]
         )
     hx = [s.node for s in states if s is not None]
+    if call.batch_sizes_path is None and all(_is_zeros(ctx, s) for s in states if s):
+        hx = []  # zero initial states: the kernel starts from zeros, no tensor is made for them
     graph = ctx.gm.graph
     with graph.inserting_before(node):
         shape: tuple = (hidden, call.num_layers, call.bidirectional)
