@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -86,7 +87,9 @@ class RnnRunner:
 
     def __init__(self) -> None:
         self.key: tuple | None = None
+        self.qparams: list[float] = []
         self.params: list[Tensor] = []
+        self.run: Callable[..., None] = library().qt_rnn
         self.plan: RnnPlan | None = None
         self.address = 0
         self.keep: tuple = ()
@@ -111,13 +114,14 @@ class RnnRunner:
         hidden_bits: int,
         proj_size: int,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        key = (kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, *qparams)
+        key = (kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, x.shape[-1])
         if (
             key != self.key
+            or qparams != self.qparams
             or len(params) != len(self.params)
             or not all(map(operator.is_, params, self.params))
         ):
-            self.prepare(key, x, params)
+            self.prepare(key, params, qparams)
         dirs = 2 if bidirectional else 1
         width = proj_size or hidden
         inp = (x.transpose(0, 1) if batch_first else x).contiguous()
@@ -126,17 +130,16 @@ class RnnRunner:
         h_n = torch.empty(num_layers * dirs, batch, width, dtype=torch.int8)
         lstm = kind == "lstm"
         c_n = torch.empty(num_layers * dirs, batch, hidden, dtype=torch.int8) if lstm else None
-        library().qt_rnn(
-            self.address, steps, batch, inp.data_ptr(), ptr(hx[0]) if hx else None,
-            ptr(hx[1]) if hx and lstm else None, out.data_ptr(), h_n.data_ptr(),
+        self.run(
+            self.address, steps, batch, inp.data_ptr(), ptr(hx[0].contiguous()) if hx else None,
+            ptr(hx[1].contiguous()) if hx and lstm else None, out.data_ptr(), h_n.data_ptr(),
             None if c_n is None else c_n.data_ptr(),
         )  # fmt: skip
         out = out.transpose(0, 1).contiguous() if batch_first else out
         return out, h_n, x.new_empty((0,)) if c_n is None else c_n
 
-    def prepare(self, key: tuple, x: Tensor, params: list[Tensor]) -> None:
-        kind, hidden, num_layers, bidirectional, hidden_bits, proj_size = key[:6]
-        qparams = list(key[6:])
+    def prepare(self, key: tuple, params: list[Tensor], qparams: list[float]) -> None:
+        kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, features = key
         per_layer = PER_LAYER + (PER_PROJECTION if proj_size else 0)
         pointers = (ctypes.c_void_p * max(1, len(params)))(*(ptr(p) for p in params))
         depth = (ctypes.c_int64 * max(1, 2 * len(params) // per_layer))(
@@ -151,11 +154,12 @@ class RnnRunner:
         values["hn_inv"], values["cn_inv"] = 1.0 / qparams[14], 1.0 / qparams[16]
         plan = RnnPlan(
             kind=RNN_KINDS[kind], layers=num_layers, dirs=2 if bidirectional else 1,
-            K=x.shape[-1], H=hidden, P=proj_size, wide=int(hidden_bits == 16),
+            K=features, H=hidden, P=proj_size, wide=int(hidden_bits == 16),
             params=ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)),
             depth=ctypes.cast(depth, ctypes.POINTER(ctypes.c_int64)), **values,
         )  # fmt: skip
-        self.key, self.params, self.plan = key, list(params), plan
+        self.key, self.qparams, self.params, self.plan = key, list(qparams), list(params), plan
+        self.run = library().qt_rnn
         self.address = ctypes.addressof(plan)
         self.keep = (pointers, depth)
 
