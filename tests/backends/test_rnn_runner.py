@@ -18,7 +18,7 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu.direct import DirectCall
-from quantree.backends.cpu.ops_elementwise import quantize
+from quantree.backends.cpu.ops_elementwise import dequantize, quantize
 from quantree.backends.cpu.ops_rnn import RnnRunner
 
 
@@ -108,3 +108,19 @@ def test_copied_graph_runs_on_its_own_weights():
     assert torch.equal(twin(x), expected)
     del gm
     assert torch.equal(twin(x), expected)
+
+
+def test_quantize_and_dequantize_around_the_layer_run_inside_it_exactly():
+    gm, x = lowered(nn.LSTM(12, 10, 2), (6, 3, 12))
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "quantree.quantize.default" not in targets
+    assert "quantree.dequantize.default" not in targets
+    args = list(spy_args(gm, x))
+    assert args[1].dtype == torch.float32 and args[-2:] == [True, True]
+    fused = torch.ops.quantree.rnn.default(*args)
+    x_s, x_z, y_s, y_z = args[8][0], int(args[8][1]), args[8][4], int(args[8][5])
+    args[1], args[-2:] = quantize(x, x_s, x_z), [False, False]
+    apart = torch.ops.quantree.rnn.default(*args)
+    assert fused[0].dtype == torch.float32
+    assert torch.equal(fused[0], dequantize(apart[0], y_s, y_z))
+    assert torch.equal(fused[1], apart[1]) and torch.equal(fused[2], apart[2])

@@ -25,8 +25,8 @@ QPARAM_NAMES = (
 
 @op(
     "rnn(str kind, Tensor x, Tensor[] hx, Tensor[] params, int hidden, int num_layers, "
-    "bool bidirectional, bool batch_first, float[] qparams, int hidden_bits, int proj_size) "
-    "-> (Tensor, Tensor, Tensor)"
+    "bool bidirectional, bool batch_first, float[] qparams, int hidden_bits, int proj_size, "
+    "bool float_input=False, bool float_output=False) -> (Tensor, Tensor, Tensor)"
 )
 def rnn(
     kind: str,
@@ -40,6 +40,8 @@ def rnn(
     qparams: list[float],
     hidden_bits: int,
     proj_size: int,
+    float_input: bool = False,
+    float_output: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A whole int8 LSTM/GRU/RNN: ``(output, h_n, c_n)``, all int8 (``c_n`` empty if no cell).
 
@@ -54,12 +56,15 @@ def rnn(
     ``hh``: packed int8 weights, their int32 row sums, per-channel scales, float biases;
     with ``proj_size``, then ``w_hr, rowsum_hr, scale_hr``. ``hx`` empty: zero initial
     states, which the kernel starts from without a tensor of zeros being made and read.
+    ``float_input``: ``x`` is float, quantized on its grid inside the kernel;
+    ``float_output``: the output is dequantized there (the graph's quantize and dequantize
+    around the op, fused: two op calls fewer per call, the same bits).
     Through the dispatcher each call builds its argument block; a lowered graph calls one
     ``RnnRunner`` per node, which builds it once.
     """
     return RnnRunner()(
         kind, x, hx, params, hidden, num_layers, bidirectional, batch_first, qparams,
-        hidden_bits, proj_size,
+        hidden_bits, proj_size, float_input, float_output,
     )  # fmt: skip
 
 
@@ -91,6 +96,7 @@ class RnnRunner:
         self.params: list[Tensor] = []
         self.run: Callable[..., None] = library().qt_rnn
         self.plan: RnnPlan | None = None
+        self.x_inv = 0.0
         self.address = 0
         self.keep: tuple = ()
 
@@ -113,6 +119,8 @@ class RnnRunner:
         qparams: list[float],
         hidden_bits: int,
         proj_size: int,
+        float_input: bool = False,
+        float_output: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         key = (kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, x.shape[-1])
         if (
@@ -124,15 +132,20 @@ class RnnRunner:
             self.prepare(key, params, qparams)
         dirs = 2 if bidirectional else 1
         width = proj_size or hidden
-        inp = (x.transpose(0, 1) if batch_first else x).contiguous()
+        inp = x.transpose(0, 1) if batch_first else x
+        inp = (inp.float() if float_input else inp).contiguous()
         steps, batch = inp.shape[0], inp.shape[1]
-        out = torch.empty(steps, batch, dirs * width, dtype=torch.int8)
+        out_dtype = torch.float32 if float_output else torch.int8
+        out = torch.empty(steps, batch, dirs * width, dtype=out_dtype)
         h_n = torch.empty(num_layers * dirs, batch, width, dtype=torch.int8)
         lstm = kind == "lstm"
         c_n = torch.empty(num_layers * dirs, batch, hidden, dtype=torch.int8) if lstm else None
+        x8, xf = (None, inp.data_ptr()) if float_input else (inp.data_ptr(), None)
+        y8, yf = (None, out.data_ptr()) if float_output else (out.data_ptr(), None)
         self.run(
-            self.address, steps, batch, inp.data_ptr(), ptr(hx[0].contiguous()) if hx else None,
-            ptr(hx[1].contiguous()) if hx and lstm else None, out.data_ptr(), h_n.data_ptr(),
+            self.address, steps, batch, x8, xf, self.x_inv,
+            ptr(hx[0].contiguous()) if hx else None,
+            ptr(hx[1].contiguous()) if hx and lstm else None, y8, yf, h_n.data_ptr(),
             None if c_n is None else c_n.data_ptr(),
         )  # fmt: skip
         out = out.transpose(0, 1).contiguous() if batch_first else out
@@ -160,6 +173,7 @@ class RnnRunner:
         )  # fmt: skip
         self.key, self.qparams, self.params, self.plan = key, list(qparams), list(params), plan
         self.run = library().qt_rnn
+        self.x_inv = 1.0 / qparams[0]  # as ``quantize`` computes it
         self.address = ctypes.addressof(plan)
         self.keep = (pointers, depth)
 
@@ -167,11 +181,12 @@ class RnnRunner:
 @torch.library.register_fake("quantree::rnn")
 def _(
     kind, x, hx, params, hidden, num_layers, bidirectional, batch_first, qparams, hidden_bits,
-    proj_size,
+    proj_size, float_input=False, float_output=False,
 ):  # fmt: skip
     dirs = 2 if bidirectional else 1
     width = proj_size or hidden
-    out = x.new_empty((*x.shape[:2], dirs * width), dtype=torch.int8)
+    out_dtype = torch.float32 if float_output else torch.int8
+    out = x.new_empty((*x.shape[:2], dirs * width), dtype=out_dtype)
     batch = x.shape[0] if batch_first else x.shape[1]
     h_n = x.new_empty((num_layers * dirs, batch, width), dtype=torch.int8)
     c_n = x.new_empty((num_layers * dirs, batch, hidden), dtype=torch.int8)

@@ -285,16 +285,33 @@ struct QtRnnPlan {
     const int64_t* depth;       // per layer and direction: Kp of w_ih and of w_hh
 };
 
-// A whole stacked (bidirectional) LSTM / GRU / RNN: x int8 [T, B, K] time-major, y int8
-// [T, B, dirs * width]; h0 / c0 int8 initial states [layers * dirs, B, width / H] on the
+// A whole stacked (bidirectional) LSTM / GRU / RNN: x int8 [T, B, K] time-major (or
+// x_float, float), y int8 [T, B, dirs * width] (or y_float, float); h0 / c0 int8 initial states [layers * dirs, B, width / H] on the
 // plan's h / c grids, or null for zeros; hn / cn the final states on their own grids (null:
 // not wanted). The layers before the last write float, which becomes the next layer's int16
 // input on the range it took (two byte planes, quantized chunk by chunk inside the layer),
 // exactly as quantize16 of that range did when each layer was its own call.
-void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const int8_t* h0,
-            const int8_t* c0, int8_t* y, int8_t* hn, int8_t* cn) {
+void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out);
+void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out);
+
+void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const float* x_float,
+            float x_inv, const int8_t* h0, const int8_t* c0, int8_t* y, float* y_float,
+            int8_t* hn, int8_t* cn) {
     const int64_t L = p->layers, D = p->dirs, H = p->H, W = p->P ? p->P : H;
     const int64_t per = 8 + (p->P ? 3 : 0), rows = T * B, width = D * W;
+    // a float input is quantized here as the graph's quantize did (x_inv = 1 / x_s, computed
+    // by the caller as that op does), and a float output dequantized here as its dequantize
+    // did: two op calls fewer around the kernel, the same bits
+    std::unique_ptr<int8_t[]> x_own, y_own;
+    if (x_float) {
+        x_own.reset(new int8_t[static_cast<size_t>(std::max<int64_t>(1, rows * p->K))]);
+        qt_quantize(x_float, rows * p->K, x_inv, p->x_z, x_own.get());
+        x = x_own.get();
+    }
+    if (y_float) {
+        y_own.reset(new int8_t[static_cast<size_t>(std::max<int64_t>(1, rows * width))]);
+        y = y_own.get();
+    }
     const bool lstm = p->kind == 0;
     std::vector<float> h(static_cast<size_t>(L * D * B * W), 0.0f);
     std::vector<float> c(lstm ? static_cast<size_t>(L * D * B * H) : 0, 0.0f);
@@ -350,6 +367,7 @@ void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const int
             xf = out;
         }
     }
+    if (y_float) qt_dequantize(y, rows * width, p->y_s, p->y_z, y_float);
     if (hn)
         for (size_t i = 0; i < h.size(); ++i)
             hn[i] = static_cast<int8_t>(qt::quantize_value(h[i], p->hn_inv, p->hn_z, -128.0f, 127.0f));

@@ -66,8 +66,8 @@ struct QtRnnPlan {  // as rnn.cpp lays it out
     const void* const* params;
     const int64_t* depth;
 };
-void qt_rnn(const QtRnnPlan*, int64_t, int64_t, const int8_t*, const int8_t*, const int8_t*,
-            int8_t*, int8_t*, int8_t*);
+void qt_rnn(const QtRnnPlan*, int64_t, int64_t, const int8_t*, const float*, float,
+            const int8_t*, const int8_t*, int8_t*, float*, int8_t*, int8_t*);
 void qt_cell_loop(const float*, float*, int64_t, int, float**, int64_t, const int64_t*,
                   const int64_t*, int64_t, int64_t, const int64_t*, const float*, int64_t,
                   void**);
@@ -397,7 +397,8 @@ Run rnn_case(int kind) {
 
 // A whole stacked op (qt_rnn): 2-3 layers, one or two directions, the layers before the
 // last handing their float output on as int16 byte planes on the range it took, int8 or
-// int16 feedback, given or zero initial states, LSTM with a projection; batch 0 too.
+// int16 feedback, given or zero initial states, int8 or float input and output, LSTM with a
+// projection; batch 0 too.
 Run rnn_stack_case(int kind) {
     const int64_t T = 1 + rnd() % 5, B = rnd() % 6 == 0 ? 0 : 1 + rnd() % 4;
     const int64_t K = 1 + rnd() % 29, H = 1 + rnd() % 29, L = 2 + rnd() % 2, D = 1 + rnd() % 2;
@@ -429,14 +430,19 @@ Run rnn_stack_case(int kind) {
     plan->params = pointers->data();
     plan->depth = depth->data();
     auto x = i8(T * B * K), h0 = i8(L * D * B * W), c0 = i8(L * D * B * H);
+    auto xf = f32(T * B * K, -8.0f, 8.0f);
+    const bool float_in = rnd() % 3 == 0, float_out = rnd() % 3 == 0;  // quantize / dequantize inside
     return [=] {
         (void)keep, (void)pointers, (void)depth;  // the plan points into them
         std::vector<int8_t> y(static_cast<size_t>(T * B * D * W)), hn(h0.size()), cn(c0.size());
-        qt_rnn(plan.get(), T, B, x.data(), given ? h0.data() : nullptr,
-               given && kind == 0 ? c0.data() : nullptr, y.data(), hn.data(),
+        std::vector<float> yf(float_out ? y.size() : 0);
+        qt_rnn(plan.get(), T, B, float_in ? nullptr : x.data(), float_in ? xf.data() : nullptr,
+               20.0f, given ? h0.data() : nullptr, given && kind == 0 ? c0.data() : nullptr,
+               float_out ? nullptr : y.data(), float_out ? yf.data() : nullptr, hn.data(),
                kind == 0 ? cn.data() : nullptr);
         std::vector<uint8_t> r;
         append(r, y);
+        append(r, yf);
         append(r, hn);
         if (kind == 0) append(r, cn);
         return r;
