@@ -156,15 +156,17 @@ def _float_input(x: Activation, node: fx.Node) -> fx.Node | None:
 
 
 def _float_readers(output: Quantized) -> list[fx.Node]:
-    """The dequantizes reading the layer's output, when nothing else reads it and they
-    dequantize on the grid it is quantized on: the kernel then writes float, exactly what
-    they compute (none when some reader needs the int8 output)."""
+    """The dequantizes reading the layer's output, when nothing else reads it, they
+    dequantize on the grid it is quantized on and only the graph's outputs read them: the
+    kernel then writes float, exactly what they compute. Any other reader of a dequantize
+    may be an int8 kernel's pattern (a second LSTM, a linear), which must still find it."""
     q = output.node
     readers = list(q.users)
     if not readers or any(
         r.target != DEQUANTIZE_PER_TENSOR
         or r.args[1:] != q.args[1:]
         or r.kwargs.get("out_dtype", torch.float32) != torch.float32
+        or any(u.op != "output" for u in r.users)
         for r in readers
     ):
         return []
