@@ -45,9 +45,10 @@ def build_check(tmp: Path, compiler: str, march: str, isa: dict[str, tuple[str, 
 KERNELS = {
     "gemm", "linear", "conv2d", "conv2d_grouped", "conv2d_depthwise", "matmul", "max_pool2d",
     "softmax", "binary", "lookup", "quantize", "dequantize", "quantize16", "rnn_lstm", "rnn_gru",
-    "rnn_tanh", "rnn_relu", "cell_loop_tanh", "cell_loop_relu",
+    "rnn_tanh", "rnn_relu", "cell_loop_tanh", "cell_loop_relu", "rnn_stack_lstm",
+    "rnn_stack_relu",
 }  # fmt: skip
-FLOAT_GATES = {"rnn_lstm", "rnn_gru", "rnn_tanh", "cell_loop_tanh"}
+FLOAT_GATES = {"rnn_lstm", "rnn_gru", "rnn_tanh", "cell_loop_tanh", "rnn_stack_lstm"}
 PORTABLE = 0  # qt::Isa
 
 

@@ -35,6 +35,7 @@ from quantree.backends.cpu.ops import (
     rnn_cell,
     softmax,
 )
+from quantree.backends.cpu.ops_rnn import RnnRunner
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
@@ -42,6 +43,9 @@ IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
                matmul, max_pool2d, program, quantize, rnn, rnn_cell, softmax)
 }  # fmt: skip
 """Each ``torch.ops.quantree.<name>``'s CPU implementation, by name (read only)."""
+PER_NODE: dict[str, Callable[[], Callable[..., Any]]] = {"rnn": RnnRunner}
+"""Ops whose implementation keeps state for one graph node (an argument block built at its
+first call): a fresh implementation per node, made by the factory."""
 
 
 class DirectCall:
@@ -90,7 +94,9 @@ def call_directly(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         target = node.target
         if isinstance(target, OpOverload) and target.namespace == "quantree":
-            implementation = IMPLEMENTATIONS.get(target._schema.name.split("::")[1])
+            name = target._schema.name.split("::")[1]
+            factory = PER_NODE.get(name)
+            implementation = factory() if factory else IMPLEMENTATIONS.get(name)
             if implementation is not None:
                 node.target = DirectCall(target, implementation)
                 changed = True

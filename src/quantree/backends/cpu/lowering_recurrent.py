@@ -23,6 +23,7 @@ import torch.fx as fx
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
 from quantree.backends.cpu.packing import pack, row_sums
 from quantree.backends.patterns import (
+    Activation,
     activation,
     constant,
     float_constant,
@@ -31,7 +32,10 @@ from quantree.backends.patterns import (
     weight,
 )
 from quantree.core.errors import QuantreeError
+from quantree.core.graphs import fetch_attr
 from quantree.core.lower import LoweringContext, LoweringRule, Quantized
+from quantree.core.qdq import DEQUANTIZE_PER_TENSOR, QUANTIZE_OPS, QUANTIZE_PER_TENSOR
+from quantree.core.stages import OUTPUT_GRID_KEY
 from quantree.core.values import Path, arg_at
 from quantree.recurrent.call import RECURRENT_OPS, RecurrentCall
 
@@ -40,6 +44,7 @@ aten = torch.ops.aten
 # LSTM h = o * tanh(c) and tanh RNN h = tanh(...). A GRU's h = (1 - z) * n + z * h_prev is
 # a convex mix with the previous state, so an initial state outside [-1, 1] carries over.
 BOUNDED = ("lstm", "rnn_tanh")
+ZEROS = (aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default)
 
 
 def inner_params(ranges: list[tuple[float, float]]) -> tuple[float, int]:
@@ -120,6 +125,52 @@ def _outputs(ctx: LoweringContext, node: fx.Node) -> dict[int, Quantized] | None
             return None
         found[int(user.args[1])] = q  # type: ignore[arg-type]
     return found if 0 in found else None
+
+
+def _is_zeros(ctx: LoweringContext, state: Activation) -> bool:
+    """Whether an initial state is all zeros: ``quantize(zeros)`` (what ``nn.LSTM`` without
+    ``hx`` exports to), or a folded constant of zero points. Either dequantizes to exact
+    zeros (a zero point is on the int8 grid), which is what the kernel starts from when it
+    is given no state; the state's grid still sets the first step's arithmetic."""
+    source = state.node
+    if source.op == "get_attr":
+        values = fetch_attr(ctx.gm, str(source.target))
+        return bool((values == state.zero_point).all())
+    if source.target not in QUANTIZE_OPS or not isinstance(source.args[0], fx.Node):
+        return False
+    made = source.args[0]
+    return made.target in ZEROS
+
+
+def _float_input(x: Activation, node: fx.Node) -> fx.Node | None:
+    """The float tensor the layer's int8 input is quantized from, when that quantize and its
+    dequantize exist for this layer alone: the kernel then quantizes it itself, on the same
+    grid, and the graph makes one op call fewer."""
+    q, dq = x.node, node.args[0]
+    if q.target != QUANTIZE_PER_TENSOR or not isinstance(q.args[0], fx.Node):
+        return None
+    if list(q.users) != [dq] or not isinstance(dq, fx.Node) or list(dq.users) != [node]:
+        return None
+    same_grid = float(q.args[1]) == x.scale and int(q.args[2]) == x.zero_point  # type: ignore[arg-type]
+    return q.args[0] if same_grid else None
+
+
+def _float_readers(output: Quantized) -> list[fx.Node]:
+    """The dequantizes reading the layer's output, when nothing else reads it, they
+    dequantize on the grid it is quantized on and only the graph's outputs read them: the
+    kernel then writes float, exactly what they compute. Any other reader of a dequantize
+    may be an int8 kernel's pattern (a second LSTM, a linear), which must still find it."""
+    q = output.node
+    readers = list(q.users)
+    if not readers or any(
+        r.target != DEQUANTIZE_PER_TENSOR
+        or r.args[1:] != q.args[1:]
+        or r.kwargs.get("out_dtype", torch.float32) != torch.float32
+        or any(u.op != "output" for u in r.users)
+        for r in readers
+    ):
+        return []
+    return readers
 
 
 def _layer_params(
@@ -205,14 +256,19 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
             else [state.scale, state.zero_point]
         )
     hx = [s.node for s in states if s is not None]
+    if call.batch_sizes_path is None and all(_is_zeros(ctx, s) for s in states if s):
+        hx = []  # zero initial states: the kernel starts from zeros, no tensor is made for them
     graph = ctx.gm.graph
+    float_x = _float_input(x, node) if call.batch_sizes_path is None else None
+    readers = _float_readers(outputs[0]) if call.batch_sizes_path is None else []
     with graph.inserting_before(node):
         shape: tuple = (hidden, call.num_layers, call.bidirectional)
-        rest = ([float(v) for v in qparams], hidden_bits, proj_size)
+        rest: tuple = ([float(v) for v in qparams], hidden_bits, proj_size)
         if call.batch_sizes_path is None:
+            rest = (*rest, float_x is not None, bool(readers))
             op, args = (
                 torch.ops.quantree.rnn.default,
-                (x.node, hx, params, *shape, call.batch_first),
+                (float_x or x.node, hx, params, *shape, call.batch_first),
             )
         else:  # a packed sequence: one native call per distinct sequence length
             batch_sizes = arg_at(node, call.batch_sizes_path)
@@ -226,6 +282,11 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
         with graph.inserting_before(q.node):
             leaf = graph.call_function(operator.getitem, (new, index))
         mark_provenance(q.node, leaf)
+        if index == 0 and readers:  # float out: the dequantizes that read it are the leaf
+            leaf.meta.pop(OUTPUT_GRID_KEY, None)
+            for dq in readers:
+                dq.replace_all_uses_with(leaf)
+                graph.erase_node(dq)
         q.node.replace_all_uses_with(leaf)
         graph.erase_node(q.node)
     for user in list(node.users):

@@ -6,6 +6,7 @@
 // (h = 256 * (hi - 128) + lo), two VNNI passes over the same int8 weights. The cell state
 // and the float hidden state never leave the kernel.
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <memory>
 #include <type_traits>
@@ -124,28 +125,35 @@ static void quantize_rows(const float* h, int64_t B, int64_t H, float inv, float
                 qt::quantize_value(h[b * H + j], inv, zp, -128.0f, 127.0f) + 128.0f);
 }
 
-extern "C" {
 
-// Symmetric int16 of a float buffer (the output of a layer another layer reads).
-void qt_quantize16(const float* __restrict x, int64_t n, float inv, int16_t* __restrict out) {
-    for (int64_t i = 0; i < n; ++i)
-        out[i] = static_cast<int16_t>(qt::quantize_value(x[i], inv, 0.0f, -32767.0f, 32767.0f));
+// The float output of a layer as the next layer's int16 input, two uint8 planes zero padded
+// from K to Kp: quantize16 and split_planes in one pass, a chunk at a time so that the planes
+// are read from L2 right after they are written.
+static void float_planes(const float* x, int64_t M, int64_t K, float inv, uint8_t* hi,
+                         uint8_t* lo, int64_t Kp) {
+    for (int64_t m = 0; m < M; ++m) {
+        for (int64_t k = 0; k < K; ++k) {
+            const int32_t q = static_cast<int32_t>(
+                qt::quantize_value(x[m * K + k], inv, 0.0f, -32767.0f, 32767.0f));
+            hi[m * Kp + k] = static_cast<uint8_t>((q >> 8) + 128);
+            lo[m * Kp + k] = static_cast<uint8_t>(q & 255);
+        }
+        for (int64_t k = K; k < Kp; ++k) hi[m * Kp + k] = lo[m * Kp + k] = 0;
+    }
 }
 
-// x: int8 [T*B, K] time-major (scale x_s, zero point x_z); y: int8 rows of stride y_ld
-// (or, when yf is given, float rows there instead: a layer whose output another layer reads)
-// (already offset to this direction's columns); h/c: float [B, H] initial states,
-// overwritten by the final ones. The first step reads h exactly on the state's own int8
-// grid (h0_s, h0_z); later steps requantize h to the inner grid: int8 (in_s, in_z), or with
-// wide != 0 symmetric int16 with scale in_s (in_z unused).
-void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
-                  const int8_t* x, float x_s, float x_z, const int8_t* w_ih, int64_t kp_ih,
-                  const int32_t* colsum_ih, const float* ws_ih, const float* b_ih,
-                  const int8_t* w_hh, int64_t kp_hh, const int32_t* colsum_hh,
-                  const float* ws_hh, const float* b_hh, float h0_s, float h0_z, float in_s,
-                  float in_z, int wide, int8_t* y, int64_t y_ld, float y_s, float y_z,
-                  float* h, float* c, const int8_t* w_hr, int64_t P, const int32_t* colsum_hr,
-                  const float* ws_hr, float* yf, const int16_t* x16) {
+namespace {
+
+// One layer and direction (see qt_rnn_layer); the input is int8 x, int16 x16, or float xf
+// quantized to int16 with inverse step xf_inv on the fly (a stacked layer inside qt_rnn).
+void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
+           const int8_t* x, float x_s, float x_z, const int8_t* w_ih, int64_t kp_ih,
+           const int32_t* colsum_ih, const float* ws_ih, const float* b_ih,
+           const int8_t* w_hh, int64_t kp_hh, const int32_t* colsum_hh,
+           const float* ws_hh, const float* b_hh, float h0_s, float h0_z, float in_s,
+           float in_z, int wide, int8_t* y, int64_t y_ld, float y_s, float y_z,
+           float* h, float* c, const int8_t* w_hr, int64_t P, const int32_t* colsum_hr,
+           const float* ws_hr, float* yf, const int16_t* x16, const float* xf, float xf_inv) {
     if (T <= 0 || B <= 0) return;  // nothing to compute (and no chunk size to derive)
     const int64_t G = kind == 0 ? 4 : (kind == 1 ? 3 : 1), N = G * H;
     // Input projection of a chunk of time steps at once, sized to stay in L2.
@@ -157,7 +165,7 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
         return std::unique_ptr<T[]>(new T[static_cast<size_t>(n)]);
     };
     const auto xu = scratch(chunk * B * kp_ih, static_cast<uint8_t*>(nullptr));
-    const auto xlo = scratch(x16 ? chunk * B * kp_ih : 0, static_cast<uint8_t*>(nullptr));
+    const auto xlo = scratch(x16 || xf ? chunk * B * kp_ih : 0, static_cast<uint8_t*>(nullptr));
     const auto gx = scratch(chunk * B * N, static_cast<float*>(nullptr));
     const auto gh = scratch(B * N, static_cast<float*>(nullptr));
     const std::vector<int32_t> off_ih = offsets(colsum_ih, N, x_z);
@@ -184,13 +192,16 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
     for (int64_t c0 = 0; c0 < T; c0 += chunk) {
         const int64_t n = std::min(chunk, T - c0);
         const int64_t t0 = reverse ? T - c0 - n : c0;  // first time index of this chunk
-        if (x16)
+        if (xf)
+            float_planes(xf + t0 * B * K, n * B, K, xf_inv, xu.get(), xlo.get(), kp_ih);
+        else if (x16)
             split_planes(x16 + t0 * B * K, n * B, K, xu.get(), xlo.get(), kp_ih);
         else
             qt::to_u8(x + t0 * B * K, n * B, K, K, xu.get(), kp_ih);
         const qt::Epilogue ex{off_ih.data(), sc_ih.data(), b_ih, gx.get(), nullptr, N,
                               0, 0, 0, 0};
-        qt::gemm_u8s8(n * B, N, kp_ih, xu.get(), kp_ih, w_ih, ex, x16 ? xlo.get() : nullptr);
+        qt::gemm_u8s8(n * B, N, kp_ih, xu.get(), kp_ih, w_ih, ex,
+                      x16 || xf ? xlo.get() : nullptr);
         for (int64_t i = 0; i < n; ++i) {
             const int64_t local = reverse ? n - 1 - i : i, t = t0 + local;
             const bool first = c0 == 0 && i == 0;
@@ -231,4 +242,137 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
     }
 }
 
+}  // namespace
+
+extern "C" {
+
+// Symmetric int16 of a float buffer (the output of a layer another layer reads).
+void qt_quantize16(const float* __restrict x, int64_t n, float inv, int16_t* __restrict out) {
+    for (int64_t i = 0; i < n; ++i)
+        out[i] = static_cast<int16_t>(qt::quantize_value(x[i], inv, 0.0f, -32767.0f, 32767.0f));
+}
+
+// x: int8 [T*B, K] time-major (scale x_s, zero point x_z); y: int8 rows of stride y_ld
+// (or, when yf is given, float rows there instead: a layer whose output another layer reads)
+// (already offset to this direction's columns); h/c: float [B, H] initial states,
+// overwritten by the final ones. The first step reads h exactly on the state's own int8
+// grid (h0_s, h0_z); later steps requantize h to the inner grid: int8 (in_s, in_z), or with
+// wide != 0 symmetric int16 with scale in_s (in_z unused).
+void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
+                  const int8_t* x, float x_s, float x_z, const int8_t* w_ih, int64_t kp_ih,
+                  const int32_t* colsum_ih, const float* ws_ih, const float* b_ih,
+                  const int8_t* w_hh, int64_t kp_hh, const int32_t* colsum_hh,
+                  const float* ws_hh, const float* b_hh, float h0_s, float h0_z, float in_s,
+                  float in_z, int wide, int8_t* y, int64_t y_ld, float y_s, float y_z,
+                  float* h, float* c, const int8_t* w_hr, int64_t P, const int32_t* colsum_hr,
+                  const float* ws_hr, float* yf, const int16_t* x16) {
+    layer(kind, T, B, K, H, reverse, x, x_s, x_z, w_ih, kp_ih, colsum_ih, ws_ih, b_ih, w_hh,
+          kp_hh, colsum_hh, ws_hh, b_hh, h0_s, h0_z, in_s, in_z, wide, y, y_ld, y_s, y_z, h, c,
+          w_hr, P, colsum_hr, ws_hr, yf, x16, nullptr, 0.0f);
+}
+
+// Everything constant about one lowered recurrent op, laid out once by ops_rnn.py (a
+// ctypes.Structure): a call then passes one pointer and the activations, not ~40 converted
+// arguments per layer and direction.
+struct QtRnnPlan {
+    int64_t kind, layers, dirs, K, H, P;  // P: proj_size, 0 for none
+    int64_t wide;                         // the last layer feeds its hidden state back as int16
+    float x_s, x_z, inner_s, inner_z, y_s, y_z, h_s, h_z, c_s, c_z, inner_fb, last_s, last_z,
+        last_fb;
+    float hn_inv, hn_z, cn_inv, cn_z;  // grids of the final states (inverse scales)
+    const void* const* params;  // per layer and direction: w_ih, colsum_ih, ws_ih, b_ih, w_hh,
+                                // colsum_hh, ws_hh, b_hh (then w_hr, colsum_hr, ws_hr with P)
+    const int64_t* depth;       // per layer and direction: Kp of w_ih and of w_hh
+};
+
+// A whole stacked (bidirectional) LSTM / GRU / RNN: x int8 [T, B, K] time-major (or
+// x_float, float), y int8 [T, B, dirs * width] (or y_float, float); h0 / c0 int8 initial states [layers * dirs, B, width / H] on the
+// plan's h / c grids, or null for zeros; hn / cn the final states on their own grids (null:
+// not wanted). The layers before the last write float, which becomes the next layer's int16
+// input on the range it took (two byte planes, quantized chunk by chunk inside the layer),
+// exactly as quantize16 of that range did when each layer was its own call.
+void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out);
+void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out);
+
+void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const float* x_float,
+            float x_inv, const int8_t* h0, const int8_t* c0, int8_t* y, float* y_float,
+            int8_t* hn, int8_t* cn) {
+    const int64_t L = p->layers, D = p->dirs, H = p->H, W = p->P ? p->P : H;
+    const int64_t per = 8 + (p->P ? 3 : 0), rows = T * B, width = D * W;
+    // a float input is quantized here as the graph's quantize did (x_inv = 1 / x_s, computed
+    // by the caller as that op does), and a float output dequantized here as its dequantize
+    // did: two op calls fewer around the kernel, the same bits
+    std::unique_ptr<int8_t[]> x_own, y_own;
+    if (x_float) {
+        x_own.reset(new int8_t[static_cast<size_t>(std::max<int64_t>(1, rows * p->K))]);
+        qt_quantize(x_float, rows * p->K, x_inv, p->x_z, x_own.get());
+        x = x_own.get();
+    }
+    if (y_float) {
+        y_own.reset(new int8_t[static_cast<size_t>(std::max<int64_t>(1, rows * width))]);
+        y = y_own.get();
+    }
+    const bool lstm = p->kind == 0;
+    std::vector<float> h(static_cast<size_t>(L * D * B * W), 0.0f);
+    std::vector<float> c(lstm ? static_cast<size_t>(L * D * B * H) : 0, 0.0f);
+    // initial states dequantized as the reference's dequantize does (none: zeros)
+    if (h0)
+        for (size_t i = 0; i < h.size(); ++i) h[i] = (static_cast<float>(h0[i]) - p->h_z) * p->h_s;
+    if (c0)
+        for (size_t i = 0; i < c.size(); ++i) c[i] = (static_cast<float>(c0[i]) - p->c_z) * p->c_s;
+    // float outputs of the layers before the last: one buffer read while the next is written
+    std::vector<float> inner[2];
+    for (int64_t b = 0; b < std::min<int64_t>(L - 1, 2); ++b)
+        inner[b].resize(static_cast<size_t>(rows * width));
+    float in_s = p->x_s, in_z = p->x_z, in_inv = 0.0f;
+    const float* xf = nullptr;
+    for (int64_t l = 0; l < L; ++l) {
+        const bool last = l == L - 1;
+        const float grid_s = last ? p->last_s : p->inner_s, grid_z = last ? p->last_z : p->inner_z;
+        const float grid_fb = last ? p->last_fb : p->inner_fb;
+        // the layers before the last feed back int16 whatever the plan says: their grid is a
+        // bound on states never observed, too coarse for int8 where the states are small
+        const int layer_wide = p->wide || !last ? 1 : 0;
+        const float fb_s = layer_wide ? grid_fb : grid_s, fb_z = layer_wide ? 0.0f : grid_z;
+        float* out = last ? nullptr : inner[l % 2].data();
+        for (int64_t d = 0; d < D; ++d) {
+            const int64_t i = l * D + d;
+            const void* const* q = p->params + i * per;
+            layer(static_cast<int>(p->kind), T, B, l == 0 ? p->K : width, H, static_cast<int>(d),
+                  l == 0 ? x : nullptr, in_s, in_z, static_cast<const int8_t*>(q[0]),
+                  p->depth[2 * i], static_cast<const int32_t*>(q[1]),
+                  static_cast<const float*>(q[2]), static_cast<const float*>(q[3]),
+                  static_cast<const int8_t*>(q[4]), p->depth[2 * i + 1],
+                  static_cast<const int32_t*>(q[5]), static_cast<const float*>(q[6]),
+                  static_cast<const float*>(q[7]), p->h_s, p->h_z, fb_s, fb_z, layer_wide,
+                  last ? y + d * W : nullptr, width, p->y_s, p->y_z, h.data() + i * B * W,
+                  lstm ? c.data() + i * B * H : nullptr,
+                  p->P ? static_cast<const int8_t*>(q[8]) : nullptr, p->P,
+                  p->P ? static_cast<const int32_t*>(q[9]) : nullptr,
+                  p->P ? static_cast<const float*>(q[10]) : nullptr,
+                  last ? nullptr : out + d * W, nullptr, xf, in_inv);
+        }
+        if (!last) {  // the next layer's input: symmetric int16 on the range this one took
+            float lo = 0.0f, hi = 0.0f;
+            if (rows * width > 0) lo = hi = out[0];
+            for (int64_t k = 1; k < rows * width; ++k) {
+                lo = std::min(lo, out[k]);
+                hi = std::max(hi, out[k]);
+            }
+            // in double, as the Python wrapper computed it, then rounded to float once
+            const double step = std::max({-static_cast<double>(lo), static_cast<double>(hi), 1e-8}) / 32767.0;
+            in_s = static_cast<float>(step);
+            in_z = 0.0f;
+            in_inv = static_cast<float>(1.0 / step);
+            xf = out;
+        }
+    }
+    if (y_float) qt_dequantize(y, rows * width, p->y_s, p->y_z, y_float);
+    if (hn)
+        for (size_t i = 0; i < h.size(); ++i)
+            hn[i] = static_cast<int8_t>(qt::quantize_value(h[i], p->hn_inv, p->hn_z, -128.0f, 127.0f));
+    if (cn)
+        for (size_t i = 0; i < c.size(); ++i)
+            cn[i] = static_cast<int8_t>(qt::quantize_value(c[i], p->cn_inv, p->cn_z, -128.0f, 127.0f));
+}
 }  // extern "C"

@@ -61,6 +61,15 @@ void qt_rnn_layer(int, int64_t, int64_t, int64_t, int64_t, int, const int8_t*, f
                   const int8_t*, int64_t, const int32_t*, const float*, const float*, float,
                   float, float, float, int, int8_t*, int64_t, float, float, float*, float*,
                   const int8_t*, int64_t, const int32_t*, const float*, float*, const int16_t*);
+struct QtRnnPlan {  // as rnn.cpp lays it out
+    int64_t kind, layers, dirs, K, H, P, wide;
+    float x_s, x_z, inner_s, inner_z, y_s, y_z, h_s, h_z, c_s, c_z, inner_fb, last_s, last_z,
+        last_fb, hn_inv, hn_z, cn_inv, cn_z;
+    const void* const* params;
+    const int64_t* depth;
+};
+void qt_rnn(const QtRnnPlan*, int64_t, int64_t, const int8_t*, const float*, float,
+            const int8_t*, const int8_t*, int8_t*, float*, int8_t*, int8_t*);
 void qt_cell_loop(const float*, float*, int64_t, int, float**, int64_t, const int64_t*,
                   const int64_t*, int64_t, int64_t, const int64_t*, const float*, int64_t,
                   void**);
@@ -388,6 +397,60 @@ Run rnn_case(int kind) {
     };
 }
 
+// A whole stacked op (qt_rnn): 2-3 layers, one or two directions, the layers before the
+// last handing their float output on as int16 byte planes on the range it took, int8 or
+// int16 feedback, given or zero initial states, int8 or float input and output, LSTM with a
+// projection; batch 0 too.
+Run rnn_stack_case(int kind) {
+    const int64_t T = 1 + rnd() % 5, B = rnd() % 6 == 0 ? 0 : 1 + rnd() % 4;
+    const int64_t K = 1 + rnd() % 29, H = 1 + rnd() % 29, L = 2 + rnd() % 2, D = 1 + rnd() % 2;
+    const int64_t G = kind == 0 ? 4 : (kind == 1 ? 3 : 1), N = G * H;
+    const int64_t P = kind == 0 && rnd() % 3 == 0 ? 1 + rnd() % 15 : 0, W = P ? P : H;
+    const bool given = rnd() % 2 == 0;
+    auto plan = std::make_shared<QtRnnPlan>();
+    *plan = QtRnnPlan{kind, L, D, K, H, P, static_cast<int64_t>(rnd() % 2),
+                      0.05f, 3.0f, 1.0f / 127.0f, -1.0f, 1.0f / 100.0f, -3.0f, 1.0f / 127.0f,
+                      2.0f, 1.0f / 60.0f, 5.0f, 1.0f / 32767.0f, 1.0f / 120.0f, 4.0f,
+                      1.0f / 32000.0f, 127.0f, -2.0f, 60.0f, 1.0f, nullptr, nullptr};
+    auto keep = std::make_shared<std::vector<std::vector<uint8_t>>>();
+    auto pointers = std::make_shared<std::vector<const void*>>();
+    auto depth = std::make_shared<std::vector<int64_t>>();
+    const auto hold = [&](auto v) {
+        std::vector<uint8_t> bytes(reinterpret_cast<const uint8_t*>(v.data()),
+                                   reinterpret_cast<const uint8_t*>(v.data() + v.size()));
+        keep->push_back(std::move(bytes));
+    };
+    for (int64_t i = 0; i < L * D; ++i) {
+        const int64_t k_in = i < D ? K : D * W;
+        hold(packed(N, k_in)); hold(i32(N, 2000)); hold(f32(N, 1e-3f, 2e-2f)); hold(f32(N, -0.5f, 0.5f));
+        hold(packed(N, W)); hold(i32(N, 2000)); hold(f32(N, 1e-3f, 2e-2f)); hold(f32(N, -0.5f, 0.5f));
+        if (P) { hold(packed(P, H)); hold(i32(P, 2000)); hold(f32(P, 1e-3f, 2e-2f)); }
+        depth->push_back(kp_of(k_in));
+        depth->push_back(kp_of(W));
+    }
+    for (const auto& v : *keep) pointers->push_back(v.data());
+    plan->params = pointers->data();
+    plan->depth = depth->data();
+    auto x = i8(T * B * K), h0 = i8(L * D * B * W), c0 = i8(L * D * B * H);
+    auto xf = f32(T * B * K, -8.0f, 8.0f);
+    const bool float_in = rnd() % 3 == 0, float_out = rnd() % 3 == 0;  // quantize / dequantize inside
+    return [=] {
+        (void)keep, (void)pointers, (void)depth;  // the plan points into them
+        std::vector<int8_t> y(static_cast<size_t>(T * B * D * W)), hn(h0.size()), cn(c0.size());
+        std::vector<float> yf(float_out ? y.size() : 0);
+        qt_rnn(plan.get(), T, B, float_in ? nullptr : x.data(), float_in ? xf.data() : nullptr,
+               20.0f, given ? h0.data() : nullptr, given && kind == 0 ? c0.data() : nullptr,
+               float_out ? nullptr : y.data(), float_out ? yf.data() : nullptr, hn.data(),
+               kind == 0 ? cn.data() : nullptr);
+        std::vector<uint8_t> r;
+        append(r, y);
+        append(r, yf);
+        append(r, hn);
+        if (kind == 0) append(r, cn);
+        return r;
+    };
+}
+
 // A cells-mode program of an LSTM-like cell on int8 values (see cells.cpp for the record
 // layout): quantize x and h, two int8 linears into the gates, an int8 add, a lookup table,
 // dequantize, float c * f + i, a float activation (tanh, or relu where the gate math may
@@ -464,6 +527,7 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         {"quantize", false, {}}, {"dequantize", false, {}}, {"quantize16", false, {}},
         {"rnn_lstm", true, {}}, {"rnn_gru", true, {}}, {"rnn_tanh", true, {}},
         {"rnn_relu", false, {}}, {"cell_loop_tanh", true, {}}, {"cell_loop_relu", false, {}},
+        {"rnn_stack_lstm", true, {}}, {"rnn_stack_relu", false, {}},
     };
     for (int i = 0; i < few; ++i) {
         all[0].cases.push_back(linear_case());
@@ -473,6 +537,8 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         for (int k = 0; k < 4; ++k) all[12 + k].cases.push_back(rnn_case(k));
         all[16].cases.push_back(cell_loop_case(true));
         all[17].cases.push_back(cell_loop_case(false));
+        all[18].cases.push_back(rnn_stack_case(0));
+        all[19].cases.push_back(rnn_stack_case(3));
     }
     return all;
 }
