@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from quantree.backends.cpu.compact import drop_provenance, one_name_per_tensor
 from quantree.backends.cpu.direct import call_directly
 from quantree.core.capture import export_batch_dynamic
 from quantree.core.shape_guards import explain_shape_guards
@@ -30,7 +31,10 @@ def save(
     """Export ``lowered`` with ``example_args`` to ``path``: the first dimension of each
     input stays dynamic where the lowered graph allows it (``dynamic_batch=False``: every
     dimension fixed to the example's)."""
+    if isinstance(lowered, torch.fx.GraphModule):
+        lowered = one_name_per_tensor(lowered)
     program = export_batch_dynamic(lowered, tuple(example_args), dynamic_batch)
+    drop_provenance(program)
     torch.export.save(program, str(path))
 
 
