@@ -21,10 +21,10 @@ import torch
 import torch.fx as fx
 
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
+from quantree.backends.cpu.derived import Recipe, bias_source, derived_constant
 from quantree.backends.cpu.packing import pack, row_sums
 from quantree.backends.patterns import (
     activation,
-    constant,
     float_constant,
     is_int8_per_tensor,
     mark_provenance,
@@ -152,8 +152,21 @@ def _layer_params(
             if w_hr is None:
                 return None
             tensors += [pack(w_hr.values), row_sums(w_hr.values), w_hr.scale]
-        params += [constant(ctx, f"_cpu_{call.kind}_", t, node) for t in tensors]
+        # each call site's biases sit on its own input grid: saved as their recipe
+        recipes = {3: _bias_recipe(ctx, node, p.b_ih), 7: _bias_recipe(ctx, node, p.b_hh)}
+        params += [
+            derived_constant(ctx, f"_cpu_{call.kind}_", t, node, recipes.get(i))
+            for i, t in enumerate(tensors)
+        ]
     return params
+
+
+def _bias_recipe(ctx: LoweringContext, node: fx.Node, path: Path | None) -> Recipe | None:
+    source = None if path is None else bias_source(ctx, arg_at(node, path))
+    if source is None:
+        return None
+    args = (source.bias, source.weight_scale, source.input_scale)
+    return Recipe(torch.ops.quantree.derived_bias.default, args)
 
 
 def recurrent_rule(hidden_bits: int = 8) -> LoweringRule:

@@ -3,7 +3,9 @@
 ``save`` exports the lowered GraphModule with example arguments and writes a ``.pt2``
 archive; ``load`` reads it back as a callable module. The archive holds the graph and the
 packed int8 tensors; running it needs only torch and ``import quantree.backends`` (which
-registers ``torch.ops.quantree.*``), none of quantree's passes. ``load`` reads through
+registers ``torch.ops.quantree.*``), none of quantree's passes. Constants that differ per call
+site only by the call site's input grid are saved as the op deriving them from shared tensors
+(``derived.py``); ``load`` computes each once. ``load`` reads through
 ``quantree.tools.files.load_program``, which refuses any archive that would make torch
 unpickle something or run code (a :class:`~quantree.tools.files.BadFile`).
 """
@@ -16,8 +18,11 @@ from typing import Any
 import torch
 
 from quantree.backends.cpu.compact import drop_provenance, one_name_per_tensor
+from quantree.backends.cpu.deflate import deflate_descriptions
+from quantree.backends.cpu.derived import as_recipes, fold_recipes
 from quantree.backends.cpu.direct import call_directly
 from quantree.core.capture import export_batch_dynamic
+from quantree.core.errors import QuantreeError
 from quantree.core.shape_guards import explain_shape_guards
 
 
@@ -32,10 +37,12 @@ def save(
     input stays dynamic where the lowered graph allows it (``dynamic_batch=False``: every
     dimension fixed to the example's)."""
     if isinstance(lowered, torch.fx.GraphModule):
-        lowered = one_name_per_tensor(lowered)
+        lowered = one_name_per_tensor(lowered)  # a copy: ``lowered`` itself is not changed
+        as_recipes(lowered)  # per-call-site constants as the ops deriving them
     program = export_batch_dynamic(lowered, tuple(example_args), dynamic_batch)
     drop_provenance(program)
     torch.export.save(program, str(path))
+    deflate_descriptions(path)
 
 
 def load(path: str | Path) -> torch.nn.Module:
@@ -43,9 +50,13 @@ def load(path: str | Path) -> torch.nn.Module:
 
     Raises ``BadFile`` for a file that is missing, broken or would run code when loaded.
     """
-    from quantree.tools.files import load_program  # the one safe way a .pt2 is read
+    from quantree.tools.files import BadFile, load_program  # the one safe way to read a .pt2
 
     module = load_program(path).module()
     if not isinstance(module, torch.fx.GraphModule):
         return module
+    try:
+        fold_recipes(module)  # each derived constant computed once, as lowering did
+    except QuantreeError as error:
+        raise BadFile(f"{path}: {error}") from None
     return explain_shape_guards(call_directly(module))
