@@ -81,6 +81,15 @@ def bias_source(ctx: LoweringContext, bias_arg: object) -> BiasSource | None:
     return BiasSource(bias.detach().reshape(-1), weight_params.scale.detach(), scale)
 
 
+def bias_recipe(ctx: LoweringContext, bias_arg: object) -> Recipe | None:
+    """The recipe of the float bias a kernel adds (the int32 bias, dequantized), if any."""
+    source = bias_source(ctx, bias_arg)
+    if source is None:
+        return None
+    args = (source.bias, source.weight_scale, source.input_scale)
+    return Recipe(torch.ops.quantree.derived_bias.default, args)
+
+
 def derived_constant(
     ctx: LoweringContext, prefix: str, value: Tensor, before: fx.Node, recipe: Recipe | None
 ) -> fx.Node:

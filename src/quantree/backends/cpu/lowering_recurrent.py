@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
-from quantree.backends.cpu.derived import Recipe, bias_source, derived_constant
+from quantree.backends.cpu.derived import bias_recipe, derived_constant
 from quantree.backends.cpu.packing import pack, row_sums
 from quantree.backends.patterns import (
     activation,
@@ -153,20 +153,15 @@ def _layer_params(
                 return None
             tensors += [pack(w_hr.values), row_sums(w_hr.values), w_hr.scale]
         # each call site's biases sit on its own input grid: saved as their recipe
-        recipes = {3: _bias_recipe(ctx, node, p.b_ih), 7: _bias_recipe(ctx, node, p.b_hh)}
+        recipes = {
+            i: None if path is None else bias_recipe(ctx, arg_at(node, path))
+            for i, path in ((3, p.b_ih), (7, p.b_hh))
+        }
         params += [
             derived_constant(ctx, f"_cpu_{call.kind}_", t, node, recipes.get(i))
             for i, t in enumerate(tensors)
         ]
     return params
-
-
-def _bias_recipe(ctx: LoweringContext, node: fx.Node, path: Path | None) -> Recipe | None:
-    source = None if path is None else bias_source(ctx, arg_at(node, path))
-    if source is None:
-        return None
-    args = (source.bias, source.weight_scale, source.input_scale)
-    return Recipe(torch.ops.quantree.derived_bias.default, args)
 
 
 def recurrent_rule(hidden_bits: int = 8) -> LoweringRule:
