@@ -351,6 +351,7 @@ def test_recipes_that_do_not_fit_are_refused_in_one_line(lowered_file, tmp_path)
             load(path)
         assert str(caught.value).startswith(str(path)), case
         assert len(str(caught.value).splitlines()) == 1, case
+        assert main(["inspect", str(path)]) == EXIT_BAD_INPUT, case
 
 
 def test_only_json_members_may_be_deflated(lowered_file, tmp_path, monkeypatch) -> None:

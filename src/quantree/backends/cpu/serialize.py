@@ -50,13 +50,21 @@ def load(path: str | Path) -> torch.nn.Module:
 
     Raises ``BadFile`` for a file that is missing, broken or would run code when loaded.
     """
-    from quantree.tools.files import BadFile, load_program  # the one safe way to read a .pt2
+    from quantree.tools.files import load_program  # the one safe way to read a .pt2
 
     module = load_program(path).module()
     if not isinstance(module, torch.fx.GraphModule):
         return module
+    fold_saved_recipes(module, path)
+    return explain_shape_guards(call_directly(module))
+
+
+def fold_saved_recipes(module: torch.fx.GraphModule, path: str | Path) -> None:
+    """Compute each derived constant of a loaded ``module`` once, as lowering did
+    (``derived.py``); a recipe that does not fit is a ``BadFile`` naming ``path``."""
+    from quantree.tools.files import BadFile
+
     try:
-        fold_recipes(module)  # each derived constant computed once, as lowering did
+        fold_recipes(module)
     except QuantreeError as error:
         raise BadFile(f"{path}: {error}") from None
-    return explain_shape_guards(call_directly(module))
