@@ -36,11 +36,24 @@ def save(
     """Export ``lowered`` with ``example_args`` to ``path``: the first dimension of each
     input stays dynamic where the lowered graph allows it (``dynamic_batch=False``: every
     dimension fixed to the example's)."""
-    if isinstance(lowered, torch.fx.GraphModule):
-        lowered = one_name_per_tensor(lowered)  # a copy: ``lowered`` itself is not changed
-        as_recipes(lowered)  # per-call-site constants as the ops deriving them
-    program = export_batch_dynamic(lowered, tuple(example_args), dynamic_batch)
+    write_program(saved_program(lowered, example_args, dynamic_batch), path)
+
+
+def saved_program(
+    module: torch.nn.Module, example_args: tuple[Any, ...], dynamic_batch: bool = True
+) -> torch.export.ExportedProgram:
+    """``module`` exported as ``save`` writes it: one name per tensor, per-call-site
+    constants as their recipes, no tracing provenance (``module`` itself is not changed)."""
+    if isinstance(module, torch.fx.GraphModule):
+        module = one_name_per_tensor(module)  # a copy that shares the tensors
+        as_recipes(module)
+    program = export_batch_dynamic(module, tuple(example_args), dynamic_batch)
     drop_provenance(program)
+    return program
+
+
+def write_program(program: torch.export.ExportedProgram, path: str | Path) -> None:
+    """``torch.export.save``, then the graph description deflated."""
     torch.export.save(program, str(path))
     deflate_descriptions(path)
 
