@@ -7,10 +7,11 @@ Random weights, nothing downloaded. Per model: batch norm statistics warmed on d
 calibration batches, 8 held-out inputs. Columns: input-dependent SQNR of the outputs against
 float (the per-position mean over the held-out inputs is removed from the signal first: with
 random weights most of an output does not depend on the input), latency ratio to float on one
-thread (interleaved rounds, medians of wall-clock and of thread CPU time), and the aten ops the
-lowered graph still computes in float. Recurrent models run in whole and cells mode;
-non-recurrent ones also through torchao's X86InductorQuantizer + prepare_pt2e/convert_pt2e +
-torch.compile (the anchor).
+thread (interleaved rounds, medians of wall-clock and of thread CPU time), the aten ops the
+lowered graph still computes in float, and the size of the saved ``.pt2`` against the float
+weights at one byte each (``saved_size.py``: its tensors and graph description apart).
+Recurrent models run in whole and cells mode; non-recurrent ones also through torchao's
+X86InductorQuantizer + prepare_pt2e/convert_pt2e + torch.compile (the anchor).
 Install the model libraries without pulling another torch: see benchmarks/README.md."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from common import interleaved_times, load_note, one_thread
+from saved_size import saved_size
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
@@ -302,7 +304,11 @@ def quantree_variant(case: Case, calib: list[tuple], mode: qt.RecurrentMode):
             backend=CPU, progress=False,
         )  # fmt: skip
     notes = [str(w.message) for w in caught if issubclass(w.category, qt.QuantreeWarning)]
-    return lowered, float_ops(lowered), notes
+    try:
+        size = saved_size(case.model, lowered, calib[0]).render()
+    except Exception as err:  # a lowered model that does not save is a result, not a crash
+        size = f"save fails: {one_line(err)}"
+    return lowered, float_ops(lowered), notes, size
 
 
 def unshare_activation_partitions(gm: torch.fx.GraphModule) -> None:
@@ -364,7 +370,7 @@ def torchao_variant(case: Case, calib: list[tuple]):
     with torch.no_grad():
         for args in calib:
             prepared(*args)
-    return torch.compile(convert_pt2e(prepared)), None, []
+    return torch.compile(convert_pt2e(prepared)), None, [], None
 
 
 def run_model(name: str, args: argparse.Namespace) -> list[dict]:
@@ -396,7 +402,7 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
         row: dict = {"model": name, "variant": variant}
         rows.append(row)
         try:
-            qmodel, left, notes = make()
+            qmodel, left, notes, row["size"] = make()
             with torch.no_grad():
                 row["sqnr"] = input_dependent_sqnr(ref, outputs(qmodel, held))
         except Exception as err:
@@ -404,7 +410,7 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
             continue
         row["left"], row["notes"] = left, notes
         timed[variant] = lambda q=qmodel: q(*held[0])
-    if len(timed) > 1:
+    if len(timed) > 1 and args.runs > 0:
         ms = interleaved_times(timed, args.runs, warmup=3)
         for row in rows:
             if row["variant"] in ms:
@@ -418,20 +424,25 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
 def render(rows: list[dict]) -> str:
     lines = [
         "| model | variant | ratio to float (ms) | CPU-time ratio | input-dep. SQNR "
-        "| ops left in float (lowered) |",
-        "|---|---|---|---|---|---|",
+        "| ops left in float (lowered) | saved size (x int8 weight bytes) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['variant']} | fails: {r['error']} | | | |")
+            lines.append(f"| {r['model']} | {r['variant']} | fails: {r['error']} | | | | |")
             continue
-        ratio = f"{r['ms'] / r['float_ms']:.2f}x ({r['ms']:.1f} / {r['float_ms']:.1f})"
+        timed = "ms" in r
+        ratio = "not timed"
+        if timed:
+            ratio = f"{r['ms'] / r['float_ms']:.2f}x ({r['ms']:.1f} / {r['float_ms']:.1f})"
         left = r.get("left") or {}
         ops = ", ".join(f"{k} {v}" for k, v in left.most_common()) if left else "none"
         ops = "n/a" if r.get("left") is None else f"{sum(left.values())}: {ops}"
-        cpu = f"{r['cpu'] / r['float_cpu']:.2f}x"
+        cpu = f"{r['cpu'] / r['float_cpu']:.2f}x" if timed else "-"
+        size = r.get("size") or "n/a"
         lines.append(
-            f"| {r['model']} | {r['variant']} | {ratio} | {cpu} | {r['sqnr']:.1f} dB | {ops} |"
+            f"| {r['model']} | {r['variant']} | {ratio} | {cpu} | {r['sqnr']:.1f} dB | {ops} "
+            f"| {size} |"
         )
     return "\n".join(lines)
 
@@ -439,7 +450,9 @@ def render(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated")
-    parser.add_argument("--runs", type=int, default=20, help="timed interleaved rounds")
+    parser.add_argument(
+        "--runs", type=int, default=20, help="timed interleaved rounds (0: not timed)"
+    )
     parser.add_argument("--anchor", choices=("auto", "all", "none"), default="auto")
     parser.add_argument("--warnings", action="store_true", help="print QuantreeWarnings")
     args = parser.parse_args()

@@ -13,6 +13,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
+from quantree.backends.cpu.derived import RECIPE_KEY
 from quantree.tools.metrics import sqnr
 
 from support import calls
@@ -89,6 +90,8 @@ def test_unbatched_cell_and_save_load(tmp_path) -> None:
     ref = qt.quantize(One().eval(), data[0], data, progress=False)
     low = qt.lower(ref, CPU)
     assert len(calls(low, torch.ops.quantree.rnn_cell.default)) == 1
+    # both biases are saved as recipes on the float biases (derived.py)
+    assert sum(RECIPE_KEY in n.meta for n in low.graph.nodes if n.op == "get_attr") == 2
     with torch.no_grad():
         for args in data:
             for r, q in zip(ref(*args), low(*args), strict=True):

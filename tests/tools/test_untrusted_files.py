@@ -295,3 +295,76 @@ def test_a_dynamic_shape_program_with_guards_still_loads(tmp_path) -> None:
     torch.export.save(program, str(path))
     loaded = load_program(path).module()
     assert torch.equal(loaded(torch.ones(5, 6), torch.ones(5, 4)), torch.full((4,), 10.0))
+
+
+@pytest.fixture(scope="module")
+def lowered_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved CPU-lowered model whose linear offsets and scales are recipes."""
+    from quantree.backends import CPU, save
+
+    torch.manual_seed(0)
+    model = Small().eval()
+    data = batches((3, 6), n=4)
+    low = qt.quantize(model, data[0], data, backend=CPU, progress=False)
+    path = tmp_path_factory.mktemp("lowered") / "low.pt2"
+    save(low, path, data[0])
+    return path
+
+
+def _recipe_arg(edit: Callable[[dict, dict], None]) -> Callable[[str, bytes], bytes]:
+    """Change the arguments of the file's first ``quantree.derived_offset`` node."""
+
+    def change_program(program: dict) -> None:
+        graph = program["graph_module"]["graph"]
+        node = next(n for n in graph["nodes"] if "derived_offset" in n["target"])
+        edit(node, graph)
+
+    return _model_json(change_program)
+
+
+def _argument(node: dict, name: str) -> dict:
+    return next(i for i in node["inputs"] if i["name"] == name)
+
+
+def _row_sums_from_packed_weight(node: dict, graph: dict) -> None:
+    linear = next(n for n in graph["nodes"] if n["target"].endswith("quantree.linear.default"))
+    _argument(node, "row_sums")["arg"] = _argument(linear, "weight")["arg"]
+
+
+def _bias_from_input(node: dict, graph: dict) -> None:
+    _argument(node, "bias")["arg"] = {
+        "as_tensor": {"name": graph["inputs"][-1]["as_tensor"]["name"]}
+    }
+
+
+def test_recipes_that_do_not_fit_are_refused_in_one_line(lowered_file, tmp_path) -> None:
+    from quantree.backends import load
+
+    assert load(lowered_file) is not None
+    cases = {
+        "row sums of another shape": _recipe_arg(_row_sums_from_packed_weight),
+        "a bias that is an input": _recipe_arg(_bias_from_input),
+    }
+    for case, change in cases.items():
+        path = rewrite(lowered_file, tmp_path / f"{len(case)}.pt2", change)
+        with pytest.raises(BadFile, match=r"derived_offset") as caught:
+            load(path)
+        assert str(caught.value).startswith(str(path)), case
+        assert len(str(caught.value).splitlines()) == 1, case
+        assert main(["inspect", str(path)]) == EXIT_BAD_INPUT, case
+
+
+def test_only_json_members_may_be_deflated(lowered_file, tmp_path, monkeypatch) -> None:
+    from quantree.backends import load
+    from quantree.tools import archive
+
+    deflated_weight = tmp_path / "deflated_weight.pt2"
+    with zipfile.ZipFile(lowered_file) as src, zipfile.ZipFile(deflated_weight, "w") as dst:
+        for info in src.infolist():
+            method = zipfile.ZIP_DEFLATED if "/data/weights/weight_" in info.filename else None
+            dst.writestr(info.filename, src.read(info), compress_type=method or info.compress_type)
+    with pytest.raises(BadFile, match="compressed with method 8"):
+        load(deflated_weight)
+    monkeypatch.setattr(archive, "MAX_INFLATED_JSON", 100)  # the model's JSON is larger
+    with pytest.raises(BadFile, match="once inflated"):
+        load(lowered_file)

@@ -43,10 +43,11 @@ from quantree.core.qdq import (
 )
 from quantree.core.qparams import SCALE_FLOOR, per_channel_mismatch
 from quantree.core.sharing import Group
-from quantree.core.specs import QParams
+from quantree.core.specs import QDtype, QParams
 from quantree.core.stages import (
     CONVERTED,
     DEQUANTIZED_GROUP_KEY,
+    FOLDED_FROM_KEY,
     GROUPS_KEY,
     OBSERVER_KEY,
     PREPARED,
@@ -113,6 +114,8 @@ class _Rewriter:
                 stored = quantize_tensor(fetch_attr(self.gm, str(source.target)), p)
                 quantized = graph.get_attr(register_constant(self.gm, "_quantized_", stored))
                 quantized.meta["val"] = stored
+                if p.dtype == QDtype.INT32:
+                    quantized.meta[FOLDED_FROM_KEY] = fetch_attr(self.gm, str(source.target))
             else:
                 quantized = graph.call_function(q_op, (source, *qargs, *bounds))
         with graph.inserting_after(quantized):

@@ -34,6 +34,11 @@ DEQUANTIZED_GROUP_KEY = "quantree_group"
 REPLACES_KEY = "quantree_replaces"
 """``node.meta`` key on a backend's kernel: ``(name, leaf path)`` of the reference-graph
 Value its output holds, so tools compare a lowered model's kernels with the float model."""
+FOLDED_FROM_KEY = "quantree_folded_from"
+"""``node.meta`` key on the ``get_attr`` of a folded int32 constant (a derived bias): the
+float tensor it quantizes. One float bias serves every call site of an unrolled layer, while
+its int32 grid follows each call site's input scale, so a backend may store the float tensor
+once and derive each call site's integers from it."""
 OUTPUT_GRID_KEY = "quantree_output_grid"
 """``node.meta`` key on a kernel with an int8 output: its ``(scale, zero_point)``."""
 

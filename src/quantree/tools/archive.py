@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import warnings
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,8 @@ _CONSTANTS_CONFIG = re.compile(r"data/constants/(\w+)_constants_config\.json")
 _RAW_WEIGHT = re.compile(r"weight_\d+")
 _RAW_CONSTANT = re.compile(r"tensor_\d+")
 _EXTRA = re.compile(r"extra/[^/]+")  # read as text by torch
+MAX_INFLATED_JSON = 1 << 30
+"""The largest a deflated JSON member may declare itself: torch inflates it whole in memory."""
 _REFUSED_PREFIXES = {
     "data/aotinductor/": "compiled AOTInductor code (a shared library torch would load)",
     "data/executorch/": "an ExecuTorch payload",
@@ -406,6 +409,26 @@ def identify(path: str | Path) -> str | None:
     return f"a torch.save file, not a torch.export program; {EXPORT_HOWTO}"
 
 
+def _check_compression(path: Path) -> None:
+    """Only JSON members may be deflated (``quantree.backends.save`` deflates the graph
+    description), each to at most :data:`MAX_INFLATED_JSON`: a small file must not make
+    torch inflate gigabytes. Tensor members stay stored, as torch writes them."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as error:
+        raise BadFile(f"{path}: not a readable zip archive ({first_line(error)})") from None
+    for info in members:
+        if info.compress_type == zipfile.ZIP_STORED:
+            continue
+        if info.compress_type != zipfile.ZIP_DEFLATED or not info.filename.endswith(".json"):
+            raise _refuse(path, info.filename, f"data compressed with method {info.compress_type}")
+        if info.file_size > MAX_INFLATED_JSON:
+            raise _refuse(
+                path, info.filename, f"{info.file_size} bytes once inflated (a zip bomb?)"
+            )
+
+
 def check_archive(path: str | Path) -> None:
     """Raise :class:`BadFile` unless ``torch.export.load`` of ``path`` could never run code.
 
@@ -425,6 +448,7 @@ def check_archive(path: str | Path) -> None:
         what = identify(p)
         if what is not None:
             raise BadFile(f"{p}: {what}")
+    _check_compression(p)
     models = set()
     for member in sorted(records):
         if member in _FIXED_MEMBERS or _EXTRA.fullmatch(member):

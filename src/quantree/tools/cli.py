@@ -286,10 +286,14 @@ def _write_report(
 
 
 def inspect_command(args: argparse.Namespace) -> int:
+    from quantree.backends.cpu.serialize import fold_saved_recipes
     from quantree.tools.inspection import summary
 
     program = load_program(args.model)
-    print(summary(program.module(), str(args.model)))
+    module = program.module()
+    if isinstance(module, fx.GraphModule):  # derived constants read as constants, not ops
+        fold_saved_recipes(module, args.model)
+    print(summary(module, str(args.model)))
     return 0
 
 

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from quantree.core.calibrate import as_args
-from quantree.core.capture import export_batch_dynamic
 from quantree.core.errors import QuantreeError
 from quantree.tools.archive import (
     NEVER_UNPICKLED,
@@ -176,12 +175,15 @@ def save_program(
     protect: tuple[str | Path, ...] = (),
     dynamic_batch: bool = True,
 ) -> Path:
-    """Export ``module`` with ``example_args`` and write it with ``torch.export.save``; the
-    first dimensions stay dynamic where the module allows it."""
+    """Export ``module`` with ``example_args`` and write it as ``quantree.backends.save``
+    does (compacted, graph description deflated); the first dimensions stay dynamic where
+    the module allows it."""
+    from quantree.backends.cpu.serialize import saved_program, write_program
+
     try:
-        program = export_batch_dynamic(module, tuple(example_args), dynamic_batch)
+        program = saved_program(module, tuple(example_args), dynamic_batch)
     except Exception as error:
         raise QuantreeError(
             f"torch.export could not re-export the quantized model: {first_line(error)}"
         ) from error
-    return atomic_write(path, lambda tmp: torch.export.save(program, tmp), protect=protect)
+    return atomic_write(path, lambda tmp: write_program(program, tmp), protect=protect)

@@ -15,11 +15,11 @@ import torch
 import torch.fx as fx
 
 from quantree.backends.cpu import ops_rnn_cell  # noqa: F401  (registers the op)
+from quantree.backends.cpu.derived import bias_recipe, derived_constant
 from quantree.backends.cpu.packing import pack, row_sums
 from quantree.backends.patterns import (
     Activation,
     activation,
-    constant,
     float_constant,
     is_int8_per_tensor,
     mark_provenance,
@@ -92,7 +92,11 @@ def lower_cell(ctx: LoweringContext, node: fx.Node) -> bool:
         pack(w_hh.values), row_sums(w_hh.values), w_hh.scale, b_hh,
     ]  # fmt: skip
     graph = ctx.gm.graph
-    params = [constant(ctx, f"_cpu_{kind}_cell_", t, node) for t in tensors]
+    recipes = {3: bias_recipe(ctx, args[4]), 7: bias_recipe(ctx, args[5])}  # per call site
+    params = [
+        derived_constant(ctx, f"_cpu_{kind}_cell_", t, node, recipes.get(i))
+        for i, t in enumerate(tensors)
+    ]
     qparams = [float(v) for grid in grids for v in grid]
     with graph.inserting_before(node):
         new = graph.call_function(

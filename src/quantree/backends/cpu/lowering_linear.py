@@ -3,19 +3,23 @@
 Pattern: ``dq(x int8) -> linear/conv(dq(W int8), dq(b int32)) [-> relu] -> q``. The
 replacement reads the int8 ``x`` directly and writes the int8 result, so a chain of lowered
 layers never leaves int8. Integer biases whose scale is exactly input x weight scale are
-added to the int32 accumulator (the kernel is then exact); others are added in float.
+added to the int32 accumulator (the kernel is then exact); others are added in float. The
+offset and scale of each call site are saved as recipes on the shared float bias, weight
+scales and row sums (``derived.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
+from quantree.backends.cpu.derived import Recipe, bias_source, derived_constant
 from quantree.backends.cpu.ops_gemm import is_depthwise
-from quantree.backends.cpu.packing import pack, zero_point_offset
+from quantree.backends.cpu.packing import pack, row_sums, zero_point_offset
 from quantree.backends.patterns import (
     Activation,
     Output,
@@ -34,23 +38,59 @@ aten = torch.ops.aten
 quantree_ops = torch.ops.quantree
 
 
+@dataclass(frozen=True)
+class _Terms:
+    """``y = (acc + offset) * scale (+ bias)``, and the recipes of offset and scale when they
+    derive from tensors every call site shares (``derived.py``)."""
+
+    offset: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    offset_recipe: Recipe | None
+    scale_recipe: Recipe
+
+
 def _accumulator_terms(
     ctx: LoweringContext, x: Activation, w: Weight, bias_arg: object
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+) -> _Terms | None:
     """(int32 offset, float32 scale, float bias or None) of ``y = (acc + offset) * scale``."""
     n = w.values.shape[0]
     scale = (x.scale * w.scale).float()
+    scale_recipe = Recipe(quantree_ops.derived_scale.default, (w.scale, x.scale))
     offset = zero_point_offset(w.values, x.zero_point)
+    sums = row_sums(w.values)
     dq = ctx.dequantized(bias_arg) if bias_arg is not None else None
     if dq is not None and dq.is_constant and dq.params.dtype.torch_dtype == torch.int32:
         bias_scale = dq.params.scale.float().reshape(-1).expand(n)
         if torch.equal(bias_scale, scale) and bool((dq.params.zero_point == 0).all()):
             stored = fetch_attr(ctx.gm, str(dq.source.target)).reshape(n).to(torch.int32)
-            return offset + stored, scale, None
+            source = bias_source(ctx, bias_arg)
+            recipe = None
+            if source is not None:
+                recipe = Recipe(
+                    quantree_ops.derived_offset.default,
+                    (sums, source.bias, source.weight_scale, source.input_scale, x.zero_point),
+                )
+            return _Terms(offset + stored, scale, None, recipe, scale_recipe)
     bias = float_constant(ctx, bias_arg, n)
     if bias is None:
         return None
-    return offset, scale, bias if bias_arg is not None else None
+    recipe = Recipe(
+        quantree_ops.derived_offset.default, (sums, None, w.scale, x.scale, x.zero_point)
+    )
+    return _Terms(offset, scale, bias if bias_arg is not None else None, recipe, scale_recipe)
+
+
+def _constants(
+    ctx: LoweringContext, node: fx.Node, packed: torch.Tensor, terms: _Terms
+) -> list[fx.Node | None]:
+    """The kernel's weight, offset, scale and bias arguments, stored on the module."""
+    return [
+        constant(ctx, "_cpu_weight_", packed, node),
+        derived_constant(ctx, "_cpu_offset_", terms.offset, node, terms.offset_recipe),
+        derived_constant(ctx, "_cpu_scale_", terms.scale, node, terms.scale_recipe),
+        None if terms.bias is None else constant(ctx, "_cpu_bias_", terms.bias, node),
+    ]
 
 
 def _chain(node: fx.Node, out: Output) -> list[fx.Node]:
@@ -72,13 +112,7 @@ def lower_linear(ctx: LoweringContext, node: fx.Node) -> bool:
     terms = _accumulator_terms(ctx, x, w, node.args[2] if len(node.args) > 2 else None)
     if terms is None:
         return False
-    offset, scale, bias = terms
-    args = [
-        constant(ctx, "_cpu_weight_", pack(w.values), node),
-        constant(ctx, "_cpu_offset_", offset, node),
-        constant(ctx, "_cpu_scale_", scale, node),
-        None if bias is None else constant(ctx, "_cpu_bias_", bias, node),
-    ]
+    args = _constants(ctx, node, pack(w.values), terms)
     with ctx.gm.graph.inserting_before(node):
         new = ctx.gm.graph.call_function(
             quantree_ops.linear.default,
@@ -171,13 +205,7 @@ def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
     terms = _accumulator_terms(ctx, x, w, a[2])
     if terms is None or padding is None:
         return False
-    offset, scale, bias = terms
-    args = [
-        constant(ctx, "_cpu_weight_", pack_conv_weight(w.values, groups), node),
-        constant(ctx, "_cpu_offset_", offset, node),
-        constant(ctx, "_cpu_scale_", scale, node),
-        None if bias is None else constant(ctx, "_cpu_bias_", bias, node),
-    ]
+    args = _constants(ctx, node, pack_conv_weight(w.values, groups), terms)
     geometry = (out_channels, kernel, _ints(a[3], dims, 1), padding, dilation, x.zero_point)
     target = quantree_ops.conv1d if dims == 1 else quantree_ops.conv2d
     with ctx.gm.graph.inserting_before(node):

@@ -21,11 +21,11 @@ import torch
 import torch.fx as fx
 
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
+from quantree.backends.cpu.derived import bias_recipe, derived_constant
 from quantree.backends.cpu.packing import pack, row_sums
 from quantree.backends.patterns import (
     Activation,
     activation,
-    constant,
     float_constant,
     is_int8_per_tensor,
     mark_provenance,
@@ -203,7 +203,15 @@ def _layer_params(
             if w_hr is None:
                 return None
             tensors += [pack(w_hr.values), row_sums(w_hr.values), w_hr.scale]
-        params += [constant(ctx, f"_cpu_{call.kind}_", t, node) for t in tensors]
+        # each call site's biases sit on its own input grid: saved as their recipe
+        recipes = {
+            i: None if path is None else bias_recipe(ctx, arg_at(node, path))
+            for i, path in ((3, p.b_ih), (7, p.b_hh))
+        }
+        params += [
+            derived_constant(ctx, f"_cpu_{call.kind}_", t, node, recipes.get(i))
+            for i, t in enumerate(tensors)
+        ]
     return params
 
 

@@ -6,6 +6,7 @@ float scales), have fake implementations, and so survive ``torch.export`` and
 them, nothing else of quantree is needed to run a loaded model.
 """
 
+from quantree.backends.cpu.ops_derived import derived_bias, derived_offset, derived_scale
 from quantree.backends.cpu.ops_elementwise import binary, dequantize, lookup, quantize, softmax
 from quantree.backends.cpu.ops_embedding import embedding_rows
 from quantree.backends.cpu.ops_gemm import conv1d, conv2d, linear, matmul
@@ -21,6 +22,9 @@ __all__ = [
     "binary",
     "conv1d",
     "conv2d",
+    "derived_bias",
+    "derived_offset",
+    "derived_scale",
     "dequantize",
     "embedding_rows",
     "linear",

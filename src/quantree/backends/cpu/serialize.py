@@ -3,7 +3,9 @@
 ``save`` exports the lowered GraphModule with example arguments and writes a ``.pt2``
 archive; ``load`` reads it back as a callable module. The archive holds the graph and the
 packed int8 tensors; running it needs only torch and ``import quantree.backends`` (which
-registers ``torch.ops.quantree.*``), none of quantree's passes. ``load`` reads through
+registers ``torch.ops.quantree.*``), none of quantree's passes. Constants that differ per call
+site only by the call site's input grid are saved as the op deriving them from shared tensors
+(``derived.py``); ``load`` computes each once. ``load`` reads through
 ``quantree.tools.files.load_program``, which refuses any archive that would make torch
 unpickle something or run code (a :class:`~quantree.tools.files.BadFile`).
 """
@@ -15,8 +17,12 @@ from typing import Any
 
 import torch
 
+from quantree.backends.cpu.compact import drop_provenance, one_name_per_tensor
+from quantree.backends.cpu.deflate import deflate_descriptions
+from quantree.backends.cpu.derived import as_recipes, fold_recipes
 from quantree.backends.cpu.direct import call_directly
 from quantree.core.capture import export_batch_dynamic
+from quantree.core.errors import QuantreeError
 from quantree.core.shape_guards import explain_shape_guards
 
 
@@ -30,8 +36,26 @@ def save(
     """Export ``lowered`` with ``example_args`` to ``path``: the first dimension of each
     input stays dynamic where the lowered graph allows it (``dynamic_batch=False``: every
     dimension fixed to the example's)."""
-    program = export_batch_dynamic(lowered, tuple(example_args), dynamic_batch)
+    write_program(saved_program(lowered, example_args, dynamic_batch), path)
+
+
+def saved_program(
+    module: torch.nn.Module, example_args: tuple[Any, ...], dynamic_batch: bool = True
+) -> torch.export.ExportedProgram:
+    """``module`` exported as ``save`` writes it: one name per tensor, per-call-site
+    constants as their recipes, no tracing provenance (``module`` itself is not changed)."""
+    if isinstance(module, torch.fx.GraphModule):
+        module = one_name_per_tensor(module)  # a copy that shares the tensors
+        as_recipes(module)
+    program = export_batch_dynamic(module, tuple(example_args), dynamic_batch)
+    drop_provenance(program)
+    return program
+
+
+def write_program(program: torch.export.ExportedProgram, path: str | Path) -> None:
+    """``torch.export.save``, then the graph description deflated."""
     torch.export.save(program, str(path))
+    deflate_descriptions(path)
 
 
 def load(path: str | Path) -> torch.nn.Module:
@@ -39,9 +63,21 @@ def load(path: str | Path) -> torch.nn.Module:
 
     Raises ``BadFile`` for a file that is missing, broken or would run code when loaded.
     """
-    from quantree.tools.files import load_program  # the one safe way a .pt2 is read
+    from quantree.tools.files import load_program  # the one safe way to read a .pt2
 
     module = load_program(path).module()
     if not isinstance(module, torch.fx.GraphModule):
         return module
+    fold_saved_recipes(module, path)
     return explain_shape_guards(call_directly(module))
+
+
+def fold_saved_recipes(module: torch.fx.GraphModule, path: str | Path) -> None:
+    """Compute each derived constant of a loaded ``module`` once, as lowering did
+    (``derived.py``); a recipe that does not fit is a ``BadFile`` naming ``path``."""
+    from quantree.tools.files import BadFile
+
+    try:
+        fold_recipes(module)
+    except QuantreeError as error:
+        raise BadFile(f"{path}: {error}") from None
