@@ -152,6 +152,49 @@ def rnnt(predictor_only: bool) -> Case:
     return Case(First(model), sample, recurrent=True)
 
 
+class CRNN(nn.Module):
+    """The text-recognition CRNN (Shi et al.): a VGG-style conv front with batch norm and max
+    pooling that folds the image height away, a 2-layer bidirectional GRU over the width, a
+    per-column classifier and log-softmax (CTC-ready), written in plain torch as deployed."""
+
+    def __init__(self, classes: int = 37, hidden: int = 128) -> None:
+        super().__init__()
+
+        def block(cin: int, cout: int, pool: tuple[int, int] | None) -> list[nn.Module]:
+            layers: list[nn.Module] = [
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(inplace=True),
+            ]
+            return layers + ([nn.MaxPool2d(pool, pool)] if pool else [])
+
+        self.features = nn.Sequential(
+            *block(1, 32, (2, 2)), *block(32, 64, (2, 2)), *block(64, 128, None),
+            *block(128, 128, (2, 1)), *block(128, 256, (4, 1)),
+        )  # fmt: skip
+        self.rnn = nn.GRU(256, hidden, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(2 * hidden, classes)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        columns = self.features(image).squeeze(2).transpose(1, 2)  # [batch, width, channels]
+        return self.head(self.rnn(columns)[0]).log_softmax(-1)
+
+
+def conformer() -> Case:
+    """torchaudio's Conformer (the ASR encoder: feed-forward halves, attention with a padding
+    mask built from the lengths, depthwise conv module with batch norm and GLU, layer norms)."""
+    from torchaudio.models import Conformer
+
+    model = Conformer(
+        input_dim=80, num_heads=4, ffn_dim=256, num_layers=2, depthwise_conv_kernel_size=15
+    )
+    n_frames = 100
+    return Case(
+        First(model),
+        lambda g: (torch.randn(1, n_frames, 80, generator=g), torch.tensor([n_frames])),
+    )
+
+
 def build(name: str) -> Case:
     import_model_libraries()
     if name in ("resnet18", "mobilenet_v2", "squeezenet"):
@@ -159,10 +202,16 @@ def build(name: str) -> Case:
 
         ctor = {"squeezenet": torchvision.models.squeezenet1_1}.get(name)
         return Case((ctor or getattr(torchvision.models, name))(), randn(1, 3, 224, 224))
-    if name == "efficientnet_b0":
+    if name in ("efficientnet_b0", "mobilevitv2_050", "convnext_atto", "vit_tiny"):
         import timm
 
-        return Case(timm.create_model(name, pretrained=False), randn(1, 3, 224, 224))
+        arch = {"vit_tiny": "vit_tiny_patch16_224"}.get(name, name)
+        size = 256 if name == "mobilevitv2_050" else 224  # timm's default input sizes
+        return Case(timm.create_model(arch, pretrained=False), randn(1, 3, size, size))
+    if name == "crnn":
+        return Case(CRNN(), randn(1, 1, 32, 128), recurrent=True)
+    if name == "conformer":
+        return conformer()
     if name == "bert":
         from transformers import BertConfig, BertModel
 
@@ -221,6 +270,7 @@ MODELS = (
     *("resnet18", "mobilenet_v2", "squeezenet", "efficientnet_b0", "bert", "gpt2"),
     *("transformer_encoder", "deepspeech", "wavernn", "wav2letter", "tacotron2"),
     *("tacotron2_unpacked", "rnnt", "rnnt_predictor", "seq2seq"),
+    *("mobilevitv2_050", "convnext_atto", "vit_tiny", "conformer", "crnn"),
 )
 
 # aten ops that only move or view data: not counted as "left in float"
