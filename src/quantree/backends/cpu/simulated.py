@@ -1,10 +1,13 @@
 """Say which ops a CPU-lowered model still computes in float from quantized inputs.
 
-Such an op reads a dequantized tensor (or writes one a quantize reads) and runs as the
-reference graph does: the model is correct, but that part gains nothing from int8 and pays
-for the conversions. A user who asked for the CPU backend should hear which ops those are
-(an A16W8 model, whose int16 activations have no kernel, would otherwise come back as a
-silent reference graph).
+Such an op reads a dequantized tensor and runs as the reference graph does: the model is
+correct, but that part gains nothing from int8 and pays for the conversions. A user who
+asked for the CPU backend should hear which ops those are (an A16W8 model, whose int16
+activations have no kernel, would otherwise come back as a silent reference graph).
+
+An op that reads float and only feeds a quantize is not one of them: under
+``WEIGHTED_INPUTS`` a residual add whose sum a convolution reads (ConvNeXt's blocks) computes
+in float exactly as the float model does, and the float-op report names it as such.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def _is_qdq(node: object, reference_ops: tuple[object, ...]) -> bool:
 
 
 def simulated_ops(gm: fx.GraphModule) -> list[fx.Node]:
-    """Compute ops of ``gm`` that read a dequantize of an activation or feed a quantize."""
+    """Compute ops of ``gm`` that read a dequantize of an activation."""
     found = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or is_getitem(node):
@@ -39,12 +42,10 @@ def simulated_ops(gm: fx.GraphModule) -> list[fx.Node]:
             continue
         if str(node.target).startswith("quantree."):
             continue
-        reads = any(
+        if any(
             _is_qdq(a, DEQUANTIZE_OPS) and a.args and a.args[0].op != "get_attr"  # type: ignore[union-attr]
             for a in node.all_input_nodes
-        )
-        writes = any(_is_qdq(u, QUANTIZE_OPS) for u in node.users)
-        if reads or writes:
+        ):
             found.append(node)
     return found
 
