@@ -8,9 +8,10 @@ calibration batches, 8 held-out inputs. Columns: input-dependent SQNR of the out
 float (the per-position mean over the held-out inputs is removed from the signal first: with
 random weights most of an output does not depend on the input), latency ratio to float on one
 thread (interleaved rounds, medians of wall-clock and of thread CPU time), and the aten ops the
-lowered graph still computes in float. Recurrent models run in whole and cells mode;
-non-recurrent ones also through torchao's X86InductorQuantizer + prepare_pt2e/convert_pt2e +
-torch.compile (the anchor).
+lowered graph still computes in float, and the lowered model's bytes (``torch.save`` of its
+tensors) against every parameter at one byte (issue 10's size goal: within +10%). Recurrent
+models run in whole and cells mode; non-recurrent ones also through torchao's
+X86InductorQuantizer + prepare_pt2e/convert_pt2e + torch.compile (the anchor).
 Install the model libraries without pulling another torch: see benchmarks/README.md."""
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu.float_report import program_float_ops
+from quantree.tools.measure import model_bytes
 
 
 def import_model_libraries() -> None:
@@ -353,7 +355,7 @@ def quantree_variant(case: Case, calib: list[tuple], mode: qt.RecurrentMode):
             backend=CPU, progress=False,
         )  # fmt: skip
     notes = [str(w.message) for w in caught if issubclass(w.category, qt.QuantreeWarning)]
-    return lowered, float_ops(lowered), notes
+    return lowered, float_ops(lowered), notes, model_bytes(lowered)
 
 
 def unshare_activation_partitions(gm: torch.fx.GraphModule) -> None:
@@ -418,7 +420,7 @@ def torchao_variant(case: Case, calib: list[tuple]):
     with torch.no_grad():
         for args in calib:
             prepared(*args)
-    return torch.compile(convert_pt2e(prepared)), None, []
+    return torch.compile(convert_pt2e(prepared)), None, [], None
 
 
 def run_model(name: str, args: argparse.Namespace) -> list[dict]:
@@ -445,12 +447,14 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
             variants["torchao+inductor, Conv1D as Linear"] = lambda: torchao_variant(
                 relinked, calib
             )
+    # the size goal: every parameter at one byte (int8 weights), the rest within 10%
+    int8_bytes = sum(p.numel() for p in case.model.parameters())
     rows, timed = [], {"float": lambda: case.model(*held[0])}
     for variant, make in variants.items():
-        row: dict = {"model": name, "variant": variant}
+        row: dict = {"model": name, "variant": variant, "int8_bytes": int8_bytes}
         rows.append(row)
         try:
-            qmodel, left, notes = make()
+            qmodel, left, notes, row["bytes"] = make()
             with torch.no_grad():
                 row["sqnr"] = input_dependent_sqnr(ref, outputs(qmodel, held))
         except Exception as err:
@@ -472,20 +476,25 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
 def render(rows: list[dict]) -> str:
     lines = [
         "| model | variant | ratio to float (ms) | CPU-time ratio | input-dep. SQNR "
-        "| ops left in float (lowered) |",
-        "|---|---|---|---|---|---|",
+        "| lowered size / int8 weights (MB) | ops left in float (lowered) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['variant']} | fails: {r['error']} | | | |")
+            lines.append(f"| {r['model']} | {r['variant']} | fails: {r['error']} | | | | |")
             continue
+        size = "n/a"
+        if r.get("bytes") is not None:
+            mb, int8_mb = r["bytes"] / 1e6, r["int8_bytes"] / 1e6
+            size = f"{r['bytes'] / r['int8_bytes']:.2f}x ({mb:.2f} / {int8_mb:.2f})"
         ratio = f"{r['ms'] / r['float_ms']:.2f}x ({r['ms']:.1f} / {r['float_ms']:.1f})"
         left = r.get("left") or {}
         ops = ", ".join(f"{k} {v}" for k, v in left.most_common()) if left else "none"
         ops = "n/a" if r.get("left") is None else f"{sum(left.values())}: {ops}"
         cpu = f"{r['cpu'] / r['float_cpu']:.2f}x"
         lines.append(
-            f"| {r['model']} | {r['variant']} | {ratio} | {cpu} | {r['sqnr']:.1f} dB | {ops} |"
+            f"| {r['model']} | {r['variant']} | {ratio} | {cpu} | {r['sqnr']:.1f} dB | {size} "
+            f"| {ops} |"
         )
     return "\n".join(lines)
 
