@@ -403,6 +403,48 @@ def conv1d_as_linear(model: nn.Module) -> nn.Module | None:
     return model.eval()
 
 
+class Conv1dAsConv2d(nn.Module):
+    """``nn.Conv1d`` computed as the ``nn.Conv2d`` of height 1 on the same weights."""
+
+    def __init__(self, conv: nn.Conv1d) -> None:
+        super().__init__()
+        assert isinstance(conv.padding, tuple)  # a string padding has no conv2d twin here
+        self.conv = nn.Conv2d(
+            conv.in_channels, conv.out_channels, (1, conv.kernel_size[0]),
+            stride=(1, conv.stride[0]), padding=(0, conv.padding[0]),
+            dilation=(1, conv.dilation[0]), groups=conv.groups, bias=conv.bias is not None,
+        )  # fmt: skip
+        with torch.no_grad():
+            self.conv.weight.copy_(conv.weight.unsqueeze(2))
+            if conv.bias is not None:
+                self.conv.bias.copy_(conv.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.unsqueeze(2)).squeeze(2)
+
+
+def conv1d_as_conv2d(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` with each ``nn.Conv1d`` run as a ``Conv2d`` of height 1; None when
+    it has none or the graph is not transformer-like.
+
+    X86InductorQuantizer annotates ``conv2d`` and ``linear`` only, so on Conformer it leaves
+    the convolution module (pointwise, depthwise, pointwise) float, which quantree quantizes.
+    This copy gives the anchor the same layers to quantize. CNN-only models (Wav2Letter) are
+    left as they are: their rows compare speed, not accuracy."""
+    import copy
+
+    if not any(isinstance(m, nn.Conv1d) for m in model.modules()):
+        return None
+    if not any(isinstance(m, nn.LayerNorm | nn.MultiheadAttention) for m in model.modules()):
+        return None
+    model = copy.deepcopy(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Conv1d):
+                setattr(parent, name, Conv1dAsConv2d(child))
+    return model.eval()
+
+
 def torchao_variant(case: Case, calib: list[tuple]):
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -447,6 +489,10 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
             variants["torchao+inductor, Conv1D as Linear"] = lambda: torchao_variant(
                 relinked, calib
             )
+        as_conv2d = conv1d_as_conv2d(case.model)
+        if as_conv2d is not None:
+            twin = Case(as_conv2d, case.sample, case.recurrent)
+            variants["torchao+inductor, conv1d as conv2d"] = lambda: torchao_variant(twin, calib)
     # the size goal: every parameter at one byte (int8 weights), the rest within 10%
     int8_bytes = sum(p.numel() for p in case.model.parameters())
     rows, timed = [], {"float": lambda: case.model(*held[0])}
