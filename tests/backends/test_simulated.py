@@ -60,5 +60,6 @@ def test_a_float_add_whose_sum_a_conv_reads_is_not_named_simulated() -> None:
     with torch.no_grad():
         (x,) = data[1]
         change, err = model(x) - x, lowered(x) - model(x)
+    # measured 2.6e-3 (25.8 dB on the branch) and 156 dB on the output
     assert float(err.pow(2).sum() / change.pow(2).sum()) < 1e-2  # >= 20 dB on the branch
     assert min(output_sqnrs(model, ref, data[0])) >= 80.0
