@@ -28,6 +28,7 @@ import torch
 from common import interleaved_times, load_note, one_thread
 from saved_size import saved_size
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_leaves
 
 import quantree as qt
@@ -154,6 +155,49 @@ def rnnt(predictor_only: bool) -> Case:
     return Case(First(model), sample, recurrent=True)
 
 
+class CRNN(nn.Module):
+    """The text-recognition CRNN (Shi et al.): a VGG-style conv front with batch norm and max
+    pooling that folds the image height away, a 2-layer bidirectional GRU over the width, a
+    per-column classifier and log-softmax (CTC-ready), written in plain torch as deployed."""
+
+    def __init__(self, classes: int = 37, hidden: int = 128) -> None:
+        super().__init__()
+
+        def block(cin: int, cout: int, pool: tuple[int, int] | None) -> list[nn.Module]:
+            layers: list[nn.Module] = [
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(inplace=True),
+            ]
+            return layers + ([nn.MaxPool2d(pool, pool)] if pool else [])
+
+        self.features = nn.Sequential(
+            *block(1, 32, (2, 2)), *block(32, 64, (2, 2)), *block(64, 128, None),
+            *block(128, 128, (2, 1)), *block(128, 256, (4, 1)),
+        )  # fmt: skip
+        self.rnn = nn.GRU(256, hidden, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(2 * hidden, classes)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        columns = self.features(image).squeeze(2).transpose(1, 2)  # [batch, width, channels]
+        return self.head(self.rnn(columns)[0]).log_softmax(-1)
+
+
+def conformer() -> Case:
+    """torchaudio's Conformer (the ASR encoder: feed-forward halves, attention with a padding
+    mask built from the lengths, depthwise conv module with batch norm and GLU, layer norms)."""
+    from torchaudio.models import Conformer
+
+    model = Conformer(
+        input_dim=80, num_heads=4, ffn_dim=256, num_layers=2, depthwise_conv_kernel_size=15
+    )
+    n_frames = 100
+    return Case(
+        First(model),
+        lambda g: (torch.randn(1, n_frames, 80, generator=g), torch.tensor([n_frames])),
+    )
+
+
 def build(name: str) -> Case:
     import_model_libraries()
     if name in ("resnet18", "mobilenet_v2", "squeezenet"):
@@ -161,10 +205,16 @@ def build(name: str) -> Case:
 
         ctor = {"squeezenet": torchvision.models.squeezenet1_1}.get(name)
         return Case((ctor or getattr(torchvision.models, name))(), randn(1, 3, 224, 224))
-    if name == "efficientnet_b0":
+    if name in ("efficientnet_b0", "mobilevitv2_050", "convnext_atto", "vit_tiny"):
         import timm
 
-        return Case(timm.create_model(name, pretrained=False), randn(1, 3, 224, 224))
+        arch = {"vit_tiny": "vit_tiny_patch16_224"}.get(name, name)
+        size = 256 if name == "mobilevitv2_050" else 224  # timm's default input sizes
+        return Case(timm.create_model(arch, pretrained=False), randn(1, 3, size, size))
+    if name == "crnn":
+        return Case(CRNN(), randn(1, 1, 32, 128), recurrent=True)
+    if name == "conformer":
+        return conformer()
     if name == "bert":
         from transformers import BertConfig, BertModel
 
@@ -223,6 +273,7 @@ MODELS = (
     *("resnet18", "mobilenet_v2", "squeezenet", "efficientnet_b0", "bert", "gpt2"),
     *("transformer_encoder", "deepspeech", "wavernn", "wav2letter", "tacotron2"),
     *("tacotron2_unpacked", "rnnt", "rnnt_predictor", "seq2seq"),
+    *("mobilevitv2_050", "convnext_atto", "vit_tiny", "conformer", "crnn"),
 )
 
 # aten ops that only move or view data: not counted as "left in float"
@@ -356,6 +407,48 @@ def conv1d_as_linear(model: nn.Module) -> nn.Module | None:
     return model.eval()
 
 
+class Conv1dAsConv2d(nn.Module):
+    """``nn.Conv1d`` computed as the ``nn.Conv2d`` of height 1 on the same weights."""
+
+    def __init__(self, conv: nn.Conv1d) -> None:
+        super().__init__()
+        assert isinstance(conv.padding, tuple)  # a string padding has no conv2d twin here
+        self.conv = nn.Conv2d(
+            conv.in_channels, conv.out_channels, (1, conv.kernel_size[0]),
+            stride=(1, conv.stride[0]), padding=(0, conv.padding[0]),
+            dilation=(1, conv.dilation[0]), groups=conv.groups, bias=conv.bias is not None,
+        )  # fmt: skip
+        with torch.no_grad():
+            self.conv.weight.copy_(conv.weight.unsqueeze(2))
+            if conv.bias is not None:
+                self.conv.bias.copy_(conv.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.unsqueeze(2)).squeeze(2)
+
+
+def conv1d_as_conv2d(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` with each ``nn.Conv1d`` run as a ``Conv2d`` of height 1; None when
+    it has none or the graph is not transformer-like.
+
+    X86InductorQuantizer annotates ``conv2d`` and ``linear`` only, so on Conformer it leaves
+    the convolution module (pointwise, depthwise, pointwise) float, which quantree quantizes.
+    This copy gives the anchor the same layers to quantize. CNN-only models (Wav2Letter) are
+    left as they are: their rows compare speed, not accuracy."""
+    import copy
+
+    if not any(isinstance(m, nn.Conv1d) for m in model.modules()):
+        return None
+    if not any(isinstance(m, nn.LayerNorm | nn.MultiheadAttention) for m in model.modules()):
+        return None
+    model = copy.deepcopy(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Conv1d):
+                setattr(parent, name, Conv1dAsConv2d(child))
+    return model.eval()
+
+
 def torchao_variant(case: Case, calib: list[tuple]):
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -363,7 +456,10 @@ def torchao_variant(case: Case, calib: list[tuple]):
     quantizer = xiq.X86InductorQuantizer().set_global(
         xiq.get_default_x86_inductor_quantization_config()
     )
-    gm = torch.export.export(case.model, calib[0]).module()
+    try:
+        gm = torch.export.export(case.model, calib[0]).module()
+    except GuardOnDataDependentSymNode:  # Conformer's int(lengths.max()): as quantree does
+        gm = torch.export.draft_export(case.model, calib[0]).module()
     unshare_activation_partitions(gm)
     drop_dead_code(gm)
     prepared = prepare_pt2e(gm, quantizer)
@@ -397,6 +493,10 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
             variants["torchao+inductor, Conv1D as Linear"] = lambda: torchao_variant(
                 relinked, calib
             )
+        as_conv2d = conv1d_as_conv2d(case.model)
+        if as_conv2d is not None:
+            twin = Case(as_conv2d, case.sample, case.recurrent)
+            variants["torchao+inductor, conv1d as conv2d"] = lambda: torchao_variant(twin, calib)
     rows, timed = [], {"float": lambda: case.model(*held[0])}
     for variant, make in variants.items():
         row: dict = {"model": name, "variant": variant}

@@ -145,3 +145,38 @@ def test_softmax_of_energies_masked_with_infinity_reads_them_in_float():
         out = ref(*data[1])
         assert torch.isfinite(out).all()
         assert qt.sqnr(model(*data[1]), out) > 25.0
+
+
+class SeparableAttention(nn.Module):
+    """MobileViT-v2's block: conv, group norm over all channels, a context vector summed
+    over the patches (softmax-weighted), no matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(1, 8)
+        self.qkv = nn.Conv2d(8, 17, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(self.conv(x))).split([1, 8, 8], dim=1)
+        context = (k * torch.softmax(q, dim=-1)).sum(dim=-1, keepdim=True)
+        return torch.relu(v) * context
+
+
+def test_group_norm_and_sum_have_rules_under_both_activation_points():
+    """Both were once named as ops no rule matches (MobileViT-v2: 30 of them)."""
+    torch.manual_seed(0)
+    model, data = SeparableAttention().eval(), batches((2, 4, 6, 6), n=6)
+    every = qt.Int8Quantizer(activations=qt.ActivationPoints.EVERY_OP)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qt.QuantreeWarning)  # every op has a rule
+        _, auto = run(model, data)  # group norm: what weights read, the rest float
+        _, ref = run(model, data, every)
+    dq, q = qd.dequantize_per_tensor.default, qd.quantize_per_tensor.default
+    for target in (torch.ops.aten.group_norm.default, torch.ops.aten.sum.dim_IntList):
+        (float_node,) = calls(auto, target)
+        assert float_node.args[0].target is not dq
+        (node,) = calls(ref, target)
+        assert node.args[0].target is dq
+        assert [u.target for u in node.users] == [q]
+    assert min(output_sqnrs(model, ref, data[0])) >= 25.0  # measured 30.0 dB

@@ -81,6 +81,7 @@ SAME_AS_INPUT_OPS = (
 """Ops whose float outputs keep exactly the input's grid (max, clamp, splits, packing)."""
 UNARY_OPS = (
     aten.layer_norm,
+    aten.group_norm,
     aten.avg_pool2d,
     aten.adaptive_avg_pool2d,
     aten.mean,
@@ -99,6 +100,9 @@ UNARY_OPS = (
     aten.leaky_relu_,
 )
 """Ops that change the range: input and output quantized separately."""
+SUM_OPS = (aten.sum,)
+"""A sum over float values changes the range like a mean (MobileViT's separable attention
+sums its context vector); a count over a mask is an integer and stays as it is."""
 RELU_OPS = (aten.relu, aten.relu_)
 CAT_OPS = (aten.cat, aten.concat, aten.stack)
 FLOAT_UNDER_WEIGHTED_INPUTS = (
@@ -109,6 +113,7 @@ FLOAT_UNDER_WEIGHTED_INPUTS = (
     *SAME_AS_INPUT_OPS,
     *CAT_OPS,
     *UNARY_OPS,
+    *SUM_OPS,
     aten.softmax,
     aten._softmax,
 )
@@ -287,6 +292,7 @@ def int8_rules(
         Rule(SAME_AS_INPUT_OPS, same_as_input),
         Rule(CAT_OPS, cat),
         Rule(UNARY_OPS, unary),
+        Rule(SUM_OPS, lambda node: unary(node) if _is_float_node(node.args[0]) else None),
         Rule((aten.softmax, aten._softmax), softmax),
         Rule((aten.log_softmax, aten._log_softmax), input_only),
         Rule((aten.embedding,), embedding),

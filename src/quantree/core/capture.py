@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from quantree.core.data_dependent import export_on_example_values
 from quantree.core.errors import QuantreeError
 from quantree.core.shape_guards import explain_shape_guards
 
@@ -59,9 +61,13 @@ def capture(
         with warnings.catch_warnings():
             # nn.RNNBase keeps a list of its weights that export reports as reassigned.
             warnings.filterwarnings("ignore", message=".*_flat_weights.*")
-            program = _export(
-                model, example_args, dict(example_kwargs or {}), dynamic_shapes, dynamic_batch
-            )
+            kwargs = dict(example_kwargs or {})
+            try:
+                program = _export(model, example_args, kwargs, dynamic_shapes, dynamic_batch)
+            except GuardOnDataDependentSymNode as refused:  # Python read a tensor's value
+                program = export_on_example_values(
+                    model, example_args, kwargs, dynamic_shapes, refused
+                )
     except QuantreeError:
         raise  # raised by a capture-time hook inside the model: already says what to do
     except Exception as error:

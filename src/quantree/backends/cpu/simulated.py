@@ -1,10 +1,14 @@
 """Say which ops a CPU-lowered model still computes in float from quantized inputs.
 
-Such an op reads a dequantized tensor (or writes one a quantize reads) and runs as the
-reference graph does: the model is correct, but that part gains nothing from int8 and pays
-for the conversions. A user who asked for the CPU backend should hear which ops those are
-(an A16W8 model, whose int16 activations have no kernel, would otherwise come back as a
-silent reference graph).
+Such an op reads a dequantized tensor and runs as the reference graph does: the model is
+correct, but that part gains nothing from int8 and pays for the conversions. A user who
+asked for the CPU backend should hear which ops those are (an A16W8 model, whose int16
+activations have no kernel, would otherwise come back as a silent reference graph).
+
+An op that writes its own quantized output is one too (an A16W8 relu after a linear). An op
+that reads float and whose result is quantized only on the edge into a kernel is not: under
+``WEIGHTED_INPUTS`` a residual add whose sum a convolution reads (ConvNeXt's blocks) computes
+in float exactly as the float model does, and the float-op report names it as such.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch.fx as fx
 from quantree.core.annotate import LAYOUT_OPS
 from quantree.core.errors import QuantreeWarning
 from quantree.core.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS
+from quantree.core.stages import node_quant
 from quantree.core.values import is_getitem
 
 _NATIVE_QDQ = ("quantree.quantize.default", "quantree.dequantize.default")
@@ -28,7 +33,8 @@ def _is_qdq(node: object, reference_ops: tuple[object, ...]) -> bool:
 
 
 def simulated_ops(gm: fx.GraphModule) -> list[fx.Node]:
-    """Compute ops of ``gm`` that read a dequantize of an activation or feed a quantize."""
+    """Compute ops of ``gm`` that read a dequantize of an activation or whose own output the
+    recipe quantized (a quantize reads it)."""
     found = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or is_getitem(node):
@@ -43,7 +49,9 @@ def simulated_ops(gm: fx.GraphModule) -> list[fx.Node]:
             _is_qdq(a, DEQUANTIZE_OPS) and a.args and a.args[0].op != "get_attr"  # type: ignore[union-attr]
             for a in node.all_input_nodes
         )
-        writes = any(_is_qdq(u, QUANTIZE_OPS) for u in node.users)
+        info = node_quant(node)
+        own_output = info is not None and bool(info.output_groups)
+        writes = own_output and any(_is_qdq(u, QUANTIZE_OPS) for u in node.users)
         if reads or writes:
             found.append(node)
     return found
