@@ -41,9 +41,9 @@ def build_check(tmp: Path, compiler: str, march: str, isa: dict[str, tuple[str, 
 
 
 KERNELS = {
-    "gemm", "linear", "conv2d", "conv2d_grouped", "conv2d_depthwise", "matmul", "max_pool2d",
-    "softmax", "binary", "lookup", "quantize", "dequantize", "quantize16", "rnn_lstm", "rnn_gru",
-    "rnn_tanh", "rnn_relu", "cell_loop_tanh", "cell_loop_relu",
+    "gemm", "gemm_prepared", "linear", "conv2d", "conv2d_grouped", "conv2d_depthwise", "matmul",
+    "max_pool2d", "softmax", "binary", "lookup", "quantize", "dequantize", "quantize16",
+    "rnn_lstm", "rnn_gru", "rnn_tanh", "rnn_relu", "cell_loop_tanh", "cell_loop_relu",
 }  # fmt: skip
 FLOAT_GATES = {"rnn_lstm", "rnn_gru", "rnn_tanh", "cell_loop_tanh"}
 
@@ -75,6 +75,7 @@ def test_native_paths_equal_portable(tmp_path):
     for kernels in found.values():
         assert set(kernels) == KERNELS, out.stdout
         assert kernels["gemm"] == (CASES, 0), out.stdout
+        assert kernels["gemm_prepared"] == (CASES, 0), out.stdout
         for name, (cases, bad) in kernels.items():
             assert cases > 0 and (bad == 0 or (bad is None and name in FLOAT_GATES)), out.stdout
 
@@ -108,5 +109,6 @@ def test_aarch64_paths_equal_portable_under_qemu(tmp_path):
         for kernels in found.values():
             assert set(kernels) == KERNELS, (cpu, out.stdout)
             assert kernels["gemm"] == (CASES, 0), (cpu, out.stdout)
+            assert kernels["gemm_prepared"] == (CASES, 0), (cpu, out.stdout)
             assert all(cases > 0 and bad == 0 for cases, bad in kernels.values()), (cpu, out.stdout)
         print(f"qemu -cpu {cpu}: {compared(found)} cases bit-equal to the portable path")

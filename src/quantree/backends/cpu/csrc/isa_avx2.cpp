@@ -313,10 +313,14 @@ void panel_rows(PanelMode mode, const int16_t* A, const int16_t* A2, int64_t lda
     }
 }
 
-}  // namespace
+// A prepared B (prepare_avx2): every panel widened, each followed by its PanelInfo.
+int64_t prepared_panel_bytes(int64_t kq) {
+    return kq * 64 + static_cast<int64_t>(sizeof(PanelInfo));
+}
 
-void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t lda_u8,
-               const int8_t* B, const Epilogue& ep, const uint8_t* A_lo_u8) {
+void gemm_impl(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t lda_u8,
+               const int8_t* B, const Epilogue& ep, const uint8_t* A_lo_u8,
+               const void* prepared) {
     const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
     const bool dual = A_lo_u8 != nullptr;
     const size_t plane = static_cast<size_t>(M * Kp);
@@ -371,8 +375,11 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
         std::free(wide);
         return;
     }
-    int16_t* bw = static_cast<int16_t*>(std::aligned_alloc(32, static_cast<size_t>(kq) * 64 + 32));
-    if (!bw) std::abort();
+    int16_t* bw = nullptr;
+    if (!prepared) {
+        bw = static_cast<int16_t*>(std::aligned_alloc(32, static_cast<size_t>(kq) * 64 + 32));
+        if (!bw) std::abort();
+    }
     // Panels of rows whose int16 operands (up to 2 planes) stay in L2 while every panel of
     // columns passes over them; a multiple of the tiles' 6 (and 3) rows.
     const int64_t panel = std::max<int64_t>(6, (256 * 1024) / (4 * Kp) / 6 * 6);
@@ -380,19 +387,56 @@ void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
         const int64_t r1 = r0 + panel < M ? r0 + panel : M;
         for (int64_t n8 = 0; n8 < (N + 7) / 8; ++n8) {
             PanelInfo info;
-            widen_panel(B, kq, n8, bw, dual ? &info : nullptr);
+            const int16_t* pw = bw;
+            if (prepared) {
+                const char* at =
+                    static_cast<const char*>(prepared) + n8 * prepared_panel_bytes(kq);
+                pw = reinterpret_cast<const int16_t*>(at);
+                std::memcpy(&info, at + kq * 64, sizeof info);
+            } else {
+                widen_panel(B, kq, n8, bw, dual ? &info : nullptr);
+            }
             PanelMode mode = PLAIN;
             if (dual)
                 mode = joined && !info.has_min && 256 * int64_t{info.abs_max} < slack ? JOINED
                                                                                       : PLANES;
             const int16_t* a = mode == JOINED ? joint_rows() : int16_rows();
-            panel_rows(mode, a, mode == PLANES ? a + plane : nullptr, Kp, bw, kq, r0, r1, 8 * n8, N, ep,
+            panel_rows(mode, a, mode == PLANES ? a + plane : nullptr, Kp, pw, kq, r0, r1, 8 * n8, N, ep,
                        &info.w128);
         }
     }
     std::free(bw);
     std::free(joint);
     std::free(wide);
+}
+
+}  // namespace
+
+void gemm_avx2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t lda_u8,
+               const int8_t* B, const Epilogue& ep, const uint8_t* A_lo_u8) {
+    gemm_impl(M, N, Kp, A_u8, lda_u8, B, ep, A_lo_u8, nullptr);
+}
+
+void gemm_avx2_prepared(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t lda_u8,
+                        const int8_t* B, const Epilogue& ep, const uint8_t* A_lo_u8,
+                        const void* prepared) {
+    gemm_impl(M, N, Kp, A_u8, lda_u8, B, ep, A_lo_u8, prepared);
+}
+
+// Every panel of B widened once, with its facts, for products of more than 2 rows (GEMVs
+// widen on the fly: the int16 copy, twice the bytes, would only be read back once per call).
+int64_t prepare_avx2(const int8_t* B, int64_t N, int64_t Kp, int64_t rows, void* out) {
+    const int64_t kq = Kp / 4, panels = (N + 7) / 8;
+    if (rows <= 2) return 0;
+    if (out) {
+        for (int64_t n8 = 0; n8 < panels; ++n8) {
+            char* at = static_cast<char*>(out) + n8 * prepared_panel_bytes(kq);
+            PanelInfo info;
+            widen_panel(B, kq, n8, reinterpret_cast<int16_t*>(at), &info);
+            std::memcpy(at + kq * 64, &info, sizeof info);
+        }
+    }
+    return panels * prepared_panel_bytes(kq);
 }
 
 using x86_256::load8;
