@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 
 import torch
-from common import interleaved_medians, load_note, one_thread, table  # benchmarks/ is on the path
+from common import interleaved_times, load_note, one_thread, table  # benchmarks/ is on the path
 from torch import nn
 
 import quantree as qt
@@ -97,6 +97,11 @@ def variants(model: nn.Module, shape: tuple[int, ...]) -> dict[str, Callable[[],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=25, help="timed rounds (median of these)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="also print the thread-CPU-time table of the same rounds (steadier under load)",
+    )
     args = parser.parse_args()
     one_thread()
     cases = [
@@ -105,11 +110,17 @@ def main() -> None:
         ("MLP 784-1024-1024-10, batch 64", Mlp(), (64, 784)),
         ("MLP 784-1024-1024-10, batch 1", Mlp(), (1, 784)),
     ]
-    rows = []
+    rows, cpu_rows = [], []
     for label, model, shape in cases:
-        rows.append((label, interleaved_medians(variants(model, shape), args.runs)))
+        times = interleaved_times(variants(model, shape), args.runs)
+        rows.append((label, {name: wall for name, (wall, _) in times.items()}))
+        cpu_rows.append((label, {name: cpu for name, (_, cpu) in times.items()}))
         print(f"measured {label}", file=sys.stderr)
     print(table("conv / linear (1 thread, median ms, ratio to float)", COLUMNS, rows))
+    if args.cpu_time:
+        title = "conv / linear (1 thread, median thread-CPU ms, ratio to float)"
+        print()
+        print(table(title, COLUMNS, cpu_rows))
     print(f"\n{load_note()}; torch {torch.__version__}; {args.runs} interleaved rounds")
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import interleaved_medians, load_note, one_thread, table  # benchmarks/ is on the path
+from common import interleaved_times, load_note, one_thread, table  # benchmarks/ is on the path
 from torch import nn
 
 import quantree as qt
@@ -158,16 +158,26 @@ def calibrated(model, x, calib, quantizer):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=25, help="timed rounds (median of these)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="also print the thread-CPU-time table of the same rounds (steadier under load)",
+    )
     args = parser.parse_args()
     one_thread()
-    rows = []
+    rows, cpu_rows = [], []
     for shape in SHAPES:
         i, h, layers, seq, batch = shape
         label = f"{i}x{h}, {layers} layer(s), seq {seq}, batch {batch}"
-        rows.append((label, interleaved_medians(variants(shape), args.runs)))
+        times = interleaved_times(variants(shape), args.runs)
+        rows.append((label, {name: wall for name, (wall, _) in times.items()}))
+        cpu_rows.append((label, {name: cpu for name, (_, cpu) in times.items()}))
         print(f"measured {label}", file=sys.stderr)
     columns = [c for c in COLUMNS if any(c in ms for _, ms in rows)]
     print(table("LSTM (1 thread, median ms, ratio to float)", columns, rows))
+    if args.cpu_time:
+        print()
+        print(table("LSTM (1 thread, median thread-CPU ms, ratio to float)", columns, cpu_rows))
     print(f"\n{load_note()}; torch {torch.__version__}; {args.runs} interleaved rounds")
 
 

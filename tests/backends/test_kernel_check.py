@@ -43,10 +43,10 @@ def build_check(tmp: Path, compiler: str, march: str, isa: dict[str, tuple[str, 
 
 
 KERNELS = {
-    "gemm", "linear", "conv2d", "conv2d_grouped", "conv2d_depthwise", "matmul", "max_pool2d",
-    "softmax", "binary", "lookup", "quantize", "dequantize", "quantize16", "rnn_lstm", "rnn_gru",
-    "rnn_tanh", "rnn_relu", "cell_loop_tanh", "cell_loop_relu", "rnn_stack_lstm",
-    "rnn_stack_relu",
+    "gemm", "gemm_prepared", "linear", "conv2d", "conv2d_grouped", "conv2d_depthwise", "matmul",
+    "max_pool2d", "softmax", "binary", "lookup", "quantize", "dequantize", "quantize16",
+    "rnn_lstm", "rnn_gru", "rnn_tanh", "rnn_relu", "cell_loop_tanh", "cell_loop_relu",
+    "rnn_stack_lstm", "rnn_stack_relu",
 }  # fmt: skip
 FLOAT_GATES = {"rnn_lstm", "rnn_gru", "rnn_tanh", "cell_loop_tanh", "rnn_stack_lstm"}
 PORTABLE = 0  # qt::Isa
@@ -58,6 +58,7 @@ def check_path(path: int, kernels: dict[str, tuple[int, int | None]], report: st
     expected = KERNELS if path == PORTABLE else KERNELS | {"gate_math"}
     assert set(kernels) == expected, report
     assert kernels["gemm"] == (CASES, 0), report
+    assert kernels["gemm_prepared"] == (CASES, 0), report
     if path != PORTABLE:
         assert kernels["gate_math"] == (CASES, 0), report
     for name, (cases, bad) in kernels.items():

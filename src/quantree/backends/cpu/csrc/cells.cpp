@@ -4,6 +4,8 @@
 // Values are 2-d [batch, cols] slices (row stride ld) of one workspace laid out per call for
 // the batch at hand; a chunk's pieces are views of their source. The instructions are
 // qt_program.h's.
+#include <memory>
+
 #include "qt_program.h"
 
 using namespace qt::prog;
@@ -40,6 +42,14 @@ void qt_cell_loop(const float* xs, float* ys, int64_t T, int reverse, float** st
             add[n].push_back(bias ? bias[j] * inv : 0.0f);
         }
     }
+    // every linear's weights, multiplied at each step, prepared once for the GEMM path
+    std::vector<std::unique_ptr<qt::PreparedB>> prepared(static_cast<size_t>(n_code));
+    for (int64_t n = 0; n < n_code && T > 1; ++n) {
+        const int64_t* c = code + NI * n;
+        if (c[0] == LINEAR)
+            prepared[n] = std::make_unique<qt::PreparedB>(
+                static_cast<const int8_t*>(consts[c[3]]), c[8], c[9], s[c[2]].rows);
+    }
     for (int64_t k = 0; k < n_states; ++k) {  // initial states into their slots
         const Slot& st = s[1 + k];
         for (int64_t r = 0; r < st.rows; ++r)
@@ -54,7 +64,7 @@ void qt_cell_loop(const float* xs, float* ys, int64_t T, int reverse, float** st
             const float* f = fcode + NF * n;
             const float* m = f[0] > 0 && c[0] == LINEAR ? mult[n].data() : nullptr;
             const float* ad = m ? add[n].data() : nullptr;
-            run_op(c, f, s, consts, u8.data(), m, ad);
+            run_op(c, f, s, consts, u8.data(), m, ad, prepared[n].get());
         }
         const Slot& y = s[outs[0]];
         for (int64_t r = 0; r < B; ++r)

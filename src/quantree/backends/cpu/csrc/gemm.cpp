@@ -133,7 +133,7 @@ int qt_select_isa(int cap) {
         kernels = Kernels{avxvnni ? gemm_avxvnni : gemm_vnni256_evex, cell_avx2, activation_avx2};
         isa = AVXVNNI;
     } else if (cap >= AVX2 && avx2) {
-        kernels = Kernels{gemm_avx2, cell_avx2, activation_avx2};
+        kernels = Kernels{gemm_avx2, cell_avx2, activation_avx2, prepare_avx2, gemm_avx2_prepared};
         isa = AVX2;
     }
 #elif defined(__aarch64__)

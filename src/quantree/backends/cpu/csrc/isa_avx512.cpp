@@ -240,31 +240,91 @@ static inline __m512i vquant(__m512 h, float inv, float zp) {
     return _mm512_cvtps_epi32(q);
 }
 
+// h (16 lanes under mask m) of one batch row written where the step wants it: the float
+// state, the feedback operand (int8, or int16 as two uint8 planes) and the output.
+static inline void emit16(const RnnStep& s, __m512 hv, int64_t j, __mmask16 m, float* h,
+                          uint8_t* hu8, int8_t* y, float* yf) {
+    _mm512_mask_storeu_ps(h + j, m, hv);
+    if (s.lo_offset) {
+        __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(hv, _mm512_set1_ps(s.h_inv)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-32768.0f)), _mm512_set1_ps(32767.0f));
+        const __m512i qi = _mm512_cvtps_epi32(q);
+        const __m512i hi = _mm512_add_epi32(_mm512_srai_epi32(qi, 8), _mm512_set1_epi32(128));
+        const __m512i lo = _mm512_and_si512(qi, _mm512_set1_epi32(255));
+        _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hi);
+        _mm512_mask_cvtusepi32_storeu_epi8(hu8 + s.lo_offset + j, m, lo);
+    } else {
+        const __m512i hq = _mm512_add_epi32(vquant(hv, s.h_inv, s.h_zp), _mm512_set1_epi32(128));
+        _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hq);
+    }
+    if (yf)
+        _mm512_mask_storeu_ps(yf + j, m, hv);
+    else
+        _mm512_mask_cvtsepi32_storeu_epi8(y + j, m, vquant(hv, s.y_inv, s.y_zp));
+}
+
+static inline __mmask16 lanes16(int64_t left) {
+    return left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                      : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// The LSTM's gate math in two passes over blocks of 64 columns, the four gates first, then
+// the cell and hidden state: in one pass each 16 columns were a chain of dependent
+// transcendentals (gates, then tanh(c)) longer than the reorder window could overlap (as in
+// isa_avx2.cpp's lstm_avx2). Same arithmetic, same bits.
+static void lstm_avx512(const RnnStep& s, const float* gx, const float* gh, float* h, float* c,
+                        uint8_t* hu8, int8_t* y, float* yf, float* raw) {
+    const int64_t H = s.H;
+    alignas(64) float gate[4][64];
+    for (int64_t j0 = 0; j0 < H; j0 += 64) {
+        const int64_t w = H - j0 < 64 ? H - j0 : 64;
+        for (int64_t j = 0; j < w; j += 16) {
+            const __mmask16 m = lanes16(w - j);
+            auto pre = [&](int64_t g) {
+                const int64_t at = g * H + j0 + j;
+                return _mm512_add_ps(_mm512_maskz_loadu_ps(m, gx + at),
+                                     _mm512_maskz_loadu_ps(m, gh + at));
+            };
+            _mm512_store_ps(gate[0] + j, vsig(pre(0)));
+            _mm512_store_ps(gate[1] + j, vsig(pre(1)));
+            _mm512_store_ps(gate[2] + j, vtanh(pre(2)));
+            _mm512_store_ps(gate[3] + j, vsig(pre(3)));
+        }
+        for (int64_t j = 0; j < w; j += 16) {
+            const __mmask16 m = lanes16(w - j);
+            const int64_t at = j0 + j;
+            const __m512 cv = _mm512_fmadd_ps(
+                _mm512_load_ps(gate[1] + j), _mm512_maskz_loadu_ps(m, c + at),
+                _mm512_mul_ps(_mm512_load_ps(gate[0] + j), _mm512_load_ps(gate[2] + j)));
+            _mm512_mask_storeu_ps(c + at, m, cv);
+            const __m512 hv = _mm512_mul_ps(_mm512_load_ps(gate[3] + j), vtanh(cv));
+            if (raw)
+                _mm512_mask_storeu_ps(raw + at, m, hv);
+            else
+                emit16(s, hv, at, m, h, hu8, y, yf);
+        }
+    }
+}
+
 // Gate math of one batch row (qt::CellFn). With a projection (raw != null) the LSTM's
 // o * tanh(c) goes to raw, and emit() in rnn.cpp writes
 // the projected hidden state once W_hr has been applied to every row.
 void cell_avx512(const RnnStep& s, const float* gx, const float* gh, float* h, float* c, uint8_t* hu8,
           int8_t* y, float* yf, float* raw) {
+    if (s.kind == LSTM) {
+        lstm_avx512(s, gx, gh, h, c, hu8, y, yf, raw);
+        return;
+    }
     const int64_t H = s.H;
     for (int64_t j = 0; j < H; j += 16) {
-        const __mmask16 m = H - j >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                        : static_cast<__mmask16>((1u << (H - j)) - 1u);
+        const __mmask16 m = lanes16(H - j);
         auto pre = [&](int64_t g) {
             return _mm512_add_ps(_mm512_maskz_loadu_ps(m, gx + g * H + j),
                                  _mm512_maskz_loadu_ps(m, gh + g * H + j));
         };
         __m512 hv;
-        if (s.kind == LSTM) {
-            const __m512 i = vsig(pre(0)), f = vsig(pre(1)), g = vtanh(pre(2)), o = vsig(pre(3));
-            const __m512 cv = _mm512_fmadd_ps(f, _mm512_maskz_loadu_ps(m, c + j),
-                                              _mm512_mul_ps(i, g));
-            _mm512_mask_storeu_ps(c + j, m, cv);
-            hv = _mm512_mul_ps(o, vtanh(cv));
-            if (raw) {
-                _mm512_mask_storeu_ps(raw + j, m, hv);
-                continue;
-            }
-        } else if (s.kind == GRU) {
+        if (s.kind == GRU) {
             const __m512 r = vsig(pre(0)), z = vsig(pre(1));
             const __m512 n = vtanh(_mm512_fmadd_ps(r, _mm512_maskz_loadu_ps(m, gh + 2 * H + j),
                                                    _mm512_maskz_loadu_ps(m, gx + 2 * H + j)));
@@ -275,26 +335,7 @@ void cell_avx512(const RnnStep& s, const float* gx, const float* gh, float* h, f
         } else {
             hv = _mm512_max_ps(pre(0), _mm512_setzero_ps());
         }
-        _mm512_mask_storeu_ps(h + j, m, hv);
-        if (s.lo_offset) {
-            __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(hv, _mm512_set1_ps(s.h_inv)),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-32768.0f)),
-                              _mm512_set1_ps(32767.0f));
-            const __m512i qi = _mm512_cvtps_epi32(q);
-            const __m512i hi = _mm512_add_epi32(_mm512_srai_epi32(qi, 8), _mm512_set1_epi32(128));
-            const __m512i lo = _mm512_and_si512(qi, _mm512_set1_epi32(255));
-            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hi);
-            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + s.lo_offset + j, m, lo);
-        } else {
-            const __m512i hq =
-                _mm512_add_epi32(vquant(hv, s.h_inv, s.h_zp), _mm512_set1_epi32(128));
-            _mm512_mask_cvtusepi32_storeu_epi8(hu8 + j, m, hq);
-        }
-        if (yf)
-            _mm512_mask_storeu_ps(yf + j, m, hv);
-        else
-            _mm512_mask_cvtsepi32_storeu_epi8(y + j, m, vquant(hv, s.y_inv, s.y_zp));
+        emit16(s, hv, j, m, h, hu8, y, yf);
     }
 }
 

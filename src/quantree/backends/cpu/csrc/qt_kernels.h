@@ -12,6 +12,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
@@ -37,12 +38,16 @@ struct Epilogue {
     const int32_t* row_off = nullptr;  // [M] added to every accumulator of a row, or null
 };
 
+class PreparedB;
+
 // C[M, N] = epilogue(A_u8[M, Kp] x packed B); lda is A's row stride (>= Kp). With A_lo
 // (a second plane, same layout), the accumulator is 256 * (A.B + off) + A_lo.B: a 16-bit
-// operand split into its high and low bytes, in one pass over B.
+// operand split into its high and low bytes, in one pass over B. With prepared (B prepared
+// once for many products, below) the path skips what it would otherwise derive from B.
 // (Defined below, through the path chosen at load; empty products write nothing.)
 inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
-                      const int8_t* B, const Epilogue& ep, const uint8_t* A_lo = nullptr);
+                      const int8_t* B, const Epilogue& ep, const uint8_t* A_lo = nullptr,
+                      const PreparedB* prepared = nullptr);
 
 // rows of int8 x (stride ldx) -> uint8 (x + 128), zero padded from K to Kp.
 void to_u8(const int8_t* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out, int64_t Kp);
@@ -111,13 +116,47 @@ using CellFn = void (*)(const RnnStep& s, const float* gx, const float* gh, floa
                         uint8_t* hu8, int8_t* y, float* yf, float* raw);
 // kind 0: sigmoid, 1: tanh, of n floats.
 using ActivationFn = void (*)(int kind, const float* a, float* out, int64_t n);
+// What a path's GEMM derives from a packed B on every call, made once for a B that many
+// calls of `rows` rows share (a recurrent layer's W_ih and W_hh, multiplied at every step):
+// on the AVX2 path the int16 panels, whose widening took ~10% of an LSTM step at batch 32
+// (perf). Returns the bytes needed when out is null, 0 when the path would not use it;
+// writes them to out (32-byte aligned) otherwise.
+using PrepareFn = int64_t (*)(const int8_t* B, int64_t N, int64_t Kp, int64_t rows, void* out);
+// The GEMM of a path with a PrepareFn, reading what it prepared.
+using PreparedGemmFn = void (*)(int64_t M, int64_t N, int64_t Kp, const uint8_t* A,
+                                int64_t lda, const int8_t* B, const Epilogue& ep,
+                                const uint8_t* A_lo, const void* prepared);
 
 struct Kernels {
     GemmFn gemm;
     CellFn cell;
     ActivationFn activation;
+    PrepareFn prepare = nullptr;  // paths that read the packed bytes as they are have none
+    PreparedGemmFn gemm_prepared = nullptr;
 };
 extern Kernels kernels;  // set by qt_select_isa (the portable path until then)
+
+// B prepared by the current path for products of `rows` rows each (see PrepareFn), freed
+// with it; empty where the path has nothing to prepare. Used only while the path that made
+// it is the current one.
+class PreparedB {
+  public:
+    PreparedB(const int8_t* B, int64_t N, int64_t Kp, int64_t rows) : by_(kernels.prepare) {
+        const int64_t size = by_ && N > 0 && Kp > 0 ? by_(B, N, Kp, rows, nullptr) : 0;
+        if (size <= 0) return;
+        data_ = std::aligned_alloc(32, static_cast<size_t>((size + 31) / 32 * 32));
+        if (!data_) std::abort();  // as operator new would, without its exception
+        by_(B, N, Kp, rows, data_);
+    }
+    ~PreparedB() { std::free(data_); }
+    PreparedB(const PreparedB&) = delete;
+    PreparedB& operator=(const PreparedB&) = delete;
+    const void* get() const { return kernels.prepare == by_ ? data_ : nullptr; }
+
+  private:
+    PrepareFn by_;
+    void* data_ = nullptr;
+};
 
 // The portable path's GEMM: gemm_sse2 on x86-64 (SSE2 is part of every x86-64 CPU), else
 // gemm_reference, plain C++ that the compiler vectorizes. gemm_reference is also what the
@@ -143,6 +182,9 @@ void gemm_avxvnni(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8
                   const Epilogue&, const uint8_t*);
 void gemm_avx2(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
                const Epilogue&, const uint8_t*);
+int64_t prepare_avx2(const int8_t*, int64_t, int64_t, int64_t, void*);
+void gemm_avx2_prepared(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+                        const Epilogue&, const uint8_t*, const void*);
 void cell_avx2(const RnnStep&, const float*, const float*, float*, float*, uint8_t*, int8_t*,
                float*, float*);
 void activation_avx2(int, const float*, float*, int64_t);
@@ -158,8 +200,14 @@ void activation_neon(int, const float*, float*, int64_t);
 #endif
 
 inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
-                      const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
-    if (M > 0 && N > 0) kernels.gemm(M, N, Kp, A, lda, B, ep, A_lo);
+                      const int8_t* B, const Epilogue& ep, const uint8_t* A_lo,
+                      const PreparedB* prepared) {
+    if (M <= 0 || N <= 0) return;
+    const void* p = prepared ? prepared->get() : nullptr;
+    if (p)
+        kernels.gemm_prepared(M, N, Kp, A, lda, B, ep, A_lo, p);
+    else
+        kernels.gemm(M, N, Kp, A, lda, B, ep, A_lo);
 }
 
 }  // namespace qt

@@ -150,9 +150,11 @@ static inline void layer_norm_row(const float* __restrict a, float* __restrict o
 }
 
 // Runs instruction c (its float fields f) over the slots s. u8: scratch for the widest
-// linear's input rows; mult / add: the linear's int8-output multipliers (or null).
+// linear's input rows; mult / add: the linear's int8-output multipliers (or null);
+// prepared: a linear's weights prepared for the GEMM path (or null).
 static inline void run_op(const int64_t* c, const float* f, const std::vector<Slot>& s,
-                        void* const* consts, uint8_t* u8, const float* mult, const float* add) {
+                        void* const* consts, uint8_t* u8, const float* mult, const float* add,
+                        const qt::PreparedB* prepared = nullptr) {
     const Slot& dst = s[c[1]];
     const Slot& a = s[c[2]];
     switch (c[0]) {
@@ -179,7 +181,7 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
                 ep.add = add;
             }
             qt::gemm_u8s8(a.rows, N, Kp, u8, Kp,
-                          static_cast<const int8_t*>(consts[c[3]]), ep);
+                          static_cast<const int8_t*>(consts[c[3]]), ep, nullptr, prepared);
             break;
         }
         case BINARY: {
@@ -190,9 +192,15 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
         }
         case LOOKUP: {
             const int8_t* table = static_cast<const int8_t*>(consts[c[3]]);
-            for (int64_t r = 0; r < dst.rows; ++r)
-                for (int64_t j = 0; j < dst.cols; ++j)
-                    dst.q(r)[j] = table[static_cast<int>(a.q(r)[j]) + 128];
+            // rows, sizes and row pointers hoisted: a byte store may alias the slots, so
+            // written as dst.q(r)[j] the compiler reloaded them for every element (a third of
+            // the cell loop's own time at batch 32, perf)
+            const int64_t rows = dst.rows, cols = dst.cols;
+            for (int64_t r = 0; r < rows; ++r) {
+                const int8_t* __restrict src = a.q(r);
+                int8_t* __restrict out = dst.q(r);
+                for (int64_t j = 0; j < cols; ++j) out[j] = table[static_cast<int>(src[j]) + 128];
+            }
             break;
         }
         case FAKE_QUANT:

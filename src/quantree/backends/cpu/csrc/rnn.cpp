@@ -186,6 +186,10 @@ void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
     const std::vector<int32_t> off_hr = w_hr ? offsets(colsum_hr, P, 0.0f) : std::vector<int32_t>();
     std::vector<float> row_scale(static_cast<size_t>(B));
 
+    // W_hh is multiplied at every step, W_ih once per chunk: prepared once for all of them
+    // (where the path has something to prepare; a few chunks are not worth it)
+    const qt::PreparedB pw_hh(w_hh, N, kp_hh, T > 1 ? B : 0);
+    const qt::PreparedB pw_ih(w_ih, N, kp_ih, T >= 4 * chunk ? chunk * B : 0);
     std::vector<uint8_t> hu8(static_cast<size_t>(2 * B * kp_hh), 0);
     quantize_rows(h, B, HS, 1.0f / h0_s, h0_z, hu8.data(), kp_hh);
     const RnnStep s{kind, H, 1.0f / in_s, in_z, 1.0f / y_s, y_z, wide ? B * kp_hh : 0};
@@ -201,7 +205,7 @@ void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
         const qt::Epilogue ex{off_ih.data(), sc_ih.data(), b_ih, gx.get(), nullptr, N,
                               0, 0, 0, 0};
         qt::gemm_u8s8(n * B, N, kp_ih, xu.get(), kp_ih, w_ih, ex,
-                      x16 || xf ? xlo.get() : nullptr);
+                      x16 || xf ? xlo.get() : nullptr, &pw_ih);
         for (int64_t i = 0; i < n; ++i) {
             const int64_t local = reverse ? n - 1 - i : i, t = t0 + local;
             const bool first = c0 == 0 && i == 0;
@@ -209,7 +213,7 @@ void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
                                   first ? sc0.data() : sc_hh.data(), b_hh, gh.get(), nullptr,
                                   N, 0, 0, 0, 0};
             const uint8_t* lo = wide && !first ? hu8.data() + B * kp_hh : nullptr;
-            qt::gemm_u8s8(B, N, kp_hh, hu8.data(), kp_hh, w_hh, eh, lo);
+            qt::gemm_u8s8(B, N, kp_hh, hu8.data(), kp_hh, w_hh, eh, lo, &pw_hh);
             for (int64_t b = 0; b < B; ++b) {
                 qt::kernels.cell(s, gx.get() + (local * B + b) * N, gh.get() + b * N, h + b * HS,
                      c ? c + b * H : nullptr, hu8.data() + b * kp_hh,

@@ -1,7 +1,7 @@
 // C-level check of every kernel path the CPU runs against the portable path (its GEMM
 // taken from the plain C++ gemm_reference, which x86-64's SSE2 portable GEMM must equal
 // too), bit for bit, on random shapes (odd sizes included): the GEMM (every epilogue kind, with and without a low
-// plane) and every exported kernel built on it or beside it (linear, conv2d plain / grouped /
+// plane, and with weights prepared for the path: gemm_prepared) and every exported kernel built on it or beside it (linear, conv2d plain / grouped /
 // depthwise, matmul, max_pool2d, softmax, binary, lookup, quantize, dequantize, quantize16,
 // the recurrent layer in each cell kind with projection, int16 feedback and int16 input,
 // and a cells-mode program). Built from the library's sources by
@@ -146,8 +146,9 @@ Case make(bool bench_shape = false, int64_t bm = 0, int64_t bn = 0, int64_t bk =
     return c;
 }
 
-// Runs one case on the selected path; returns the output bytes.
-std::vector<uint8_t> run(const Case& c, bool bench = false) {
+// Runs one case on the selected path; returns the output bytes. With prepared, B is first
+// prepared for the path (qt::PreparedB; nothing where the path prepares nothing).
+std::vector<uint8_t> run(const Case& c, bool bench = false, bool prepared = false) {
     static std::vector<float> scratch;
     if (bench) scratch.resize(c.init.size());
     std::vector<float> of(bench ? 0 : c.init.size());
@@ -163,8 +164,10 @@ std::vector<uint8_t> run(const Case& c, bool bench = false) {
         ep.add = c.add.data();
     }
     if (c.row_off) ep.row_off = c.roff.data();
+    const std::unique_ptr<qt::PreparedB> pb =
+        prepared ? std::make_unique<qt::PreparedB>(c.B.data(), c.N, c.Kp, c.M) : nullptr;
     qt::gemm_u8s8(c.M, c.N, c.Kp, c.A.data(), c.lda, c.B.data(), ep,
-                  c.dual ? c.A2.data() : nullptr);
+                  c.dual ? c.A2.data() : nullptr, pb.get());
     std::vector<uint8_t> bytes;
     if (bench) return bytes;
     if (c.kind < 2) {
@@ -662,6 +665,10 @@ int main(int argc, char** argv) {
         }
         std::printf("path %d gemm cases %d mismatches %d\n", isa, cases, bad);
         failures += bad;
+        int bad_prepared = 0;  // the same products through weights prepared for the path
+        for (size_t i = 0; i < all.size(); ++i) bad_prepared += run(all[i], false, true) != ref[i];
+        std::printf("path %d gemm_prepared cases %d mismatches %d\n", isa, cases, bad_prepared);
+        failures += bad_prepared;
         // every vector path has its own (polynomial) gate math: within tolerance, not equal
         const bool own_gates = isa != qt::PORTABLE;
         if (own_gates) {
