@@ -59,8 +59,8 @@ def _data(n: int = 6, seed: int = 0, steps: int = 6, batch: int = 2) -> list[tup
     return [(torch.randn(steps, batch, 12, generator=g),) for _ in range(n)]
 
 
-def _lowered(model: nn.Module, fuse: bool = True, dynamic_batch: bool = True):
-    data = _data()
+def _lowered(model: nn.Module, fuse: bool = True, dynamic_batch: bool = True, batch: int = 2):
+    data = _data(batch=batch)
     ref = qt.quantize(model.eval(), data[0], data, progress=False, dynamic_batch=dynamic_batch)
     if not fuse:
         original = cpu_backend.fuse_regions
@@ -186,3 +186,52 @@ def test_save_load_and_other_shapes(tmp_path) -> None:
         consts = [fetch_attr(low, str(c.target)) for c in args[1]]
         with pytest.raises(ValueError, match="compiled for inputs of shapes"):
             torch.ops.quantree.program(inputs, consts, *tensors, *args[7:])
+
+
+class Glue(nn.Module):
+    """Emformer-like glue between int8 linears: row slices, cats along rows and columns, a
+    permute of a size-1 dimension, contiguous, zero rows, a float tanh, layer norm and gelu."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(32, 12)
+        self.norm = nn.LayerNorm(32)  # the recipe then leaves the glue float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, 1, 12]
+        y = self.a(x).permute(1, 0, 2).permute(1, 0, 2).contiguous()
+        head, tail, none = y[:2], y[2:].tanh(), y[y.shape[0] :]
+        z = self.b(torch.cat([tail, none, head], 0))
+        z = torch.cat([z, y], -1)
+        return self.c(torch.nn.functional.gelu(self.norm(z))[1:])
+
+
+class Moves(nn.Module):
+    """Int8 linears joined by data movement only: row slices and a cat along columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(32, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        return self.c(torch.cat([self.b(y[1:]), y[:-1]], -1))
+
+
+def test_slices_cats_and_views_in_a_program() -> None:
+    """Data movement copies bits: int8 linears joined by slices and cats give the unfused
+    graph's bits; with the gelu and tanh (float32, rounding only) 60 dB against it."""
+    torch.manual_seed(0)
+    for model, exact in ((Moves(), True), (Glue(), False)):
+        _, fused = _lowered(model, dynamic_batch=False, batch=1)
+        _, plain = _lowered(model, fuse=False, dynamic_batch=False, batch=1)
+        assert len(calls(fused, PROGRAM)) == 1 and not calls(plain, PROGRAM)
+        left = {n.target for n in fused.graph.nodes if n.op == "call_function"}
+        assert not left & {aten.cat.default, aten.slice.Tensor, aten.gelu.default}
+        with torch.no_grad():
+            for (x,) in _data(3, seed=5, batch=1):
+                if exact:
+                    assert torch.equal(fused(x), plain(x))
+                else:
+                    assert sqnr(plain(x), fused(x)) > 60.0
+    (status,) = [s for s in op_statuses(fused) if s.op == "quantree.program.default"]
+    assert "gelu 1" in status.detail and "tanh 1" in status.detail

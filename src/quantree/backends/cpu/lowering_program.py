@@ -57,6 +57,17 @@ INT8_OPS = {
     quantree_ops.lookup.default,
 }
 VIEWS = {aten.chunk.default, aten.unbind.int, operator.getitem, aten.dropout.default}
+SAME_SLOT = {
+    aten.alias.default, aten.contiguous.default, aten.clone.default, aten.view.default,
+    aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints,
+    aten.permute.default, aten.transpose.int,
+}  # fmt: skip
+"""Ops that keep the last dimension and the row-major order of their input (a permute only
+of size-1 dimensions): the same slot, no instruction. Values in a program are never written
+after they are made, so a clone needs no copy either."""
+GELU_KINDS = {"none": 3, "tanh": 4}
+"""FLOAT_UNARY kinds of ``aten.gelu`` by its ``approximate`` argument (csrc/qt_program.h)."""
 
 Shape = tuple[tuple[int, ...], torch.dtype]
 
@@ -91,6 +102,8 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
     for row in code.reshape(-1, NI).tolist():
         if row[0] == FLOAT_BINARY:
             names[binary[row[4]].__name__.split(".")[0]] += 1
+        elif row[0] == FLOAT_UNARY and row[3] in GELU_KINDS.values():
+            names["gelu"] += 1
         elif row[0] == FLOAT_UNARY:
             names[unary[row[3]].__name__.split(".")[0]] += 1
         elif row[0] == LAYER_NORM:
@@ -104,9 +117,7 @@ def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS) -> int:
     shapes = _infer_shapes(gm)
     fused = 0
     for region in _regions(gm, shapes):
-        if sum(1 for n in region if n.target not in VIEWS) >= min_ops and _replace(
-            gm, region, shapes
-        ):
+        if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes):
             fused += 1
     if fused:
         gm.graph.eliminate_dead_code()
@@ -124,6 +135,10 @@ def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
         a: Any = n.args
         if isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in val.shape):
             shapes[n] = (tuple(val.shape), val.dtype)
+        if n.target == aten.cat.default and n not in shapes:  # an int8 cat (lowering_cat)
+            cat_shape = _cat_shape([shapes.get(x) for x in a[0]], _cat_dim(n))
+            if cat_shape is not None:
+                shapes[n] = cat_shape
         if n.target in INT8_OPS and n not in shapes:
             source = a[1] if n.target == quantree_ops.binary.default else a[0]
             if source not in shapes:
@@ -141,6 +156,20 @@ def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
     return shapes
 
 
+def _cat_shape(parts: list[Shape | None], dim: int) -> Shape | None:
+    """What a cat of ``parts`` along ``dim`` makes (None: a part unknown or unlike)."""
+    known = [x for x in parts if x is not None]
+    if not known or len(known) != len(parts) or not known[0][0]:
+        return None
+    rank, dtype = len(known[0][0]), known[0][1]
+    if any(len(x[0]) != rank or x[1] != dtype for x in known):
+        return None
+    dim %= rank
+    shape = list(known[0][0])
+    shape[dim] = sum(x[0][dim] for x in known)
+    return tuple(shape), dtype
+
+
 def _cols(shape: Shape) -> int:
     return shape[0][-1] if shape[0] else 1
 
@@ -151,6 +180,85 @@ def _rows(shape: Shape) -> int:
     for d in shape[0]:
         numel *= d
     return numel // cols if cols else 0
+
+
+def _computes(n: fx.Node) -> bool:
+    """Whether ``n`` is an instruction, not a view the program takes for free."""
+    return n.target not in VIEWS and n.target not in SAME_SLOT and n.target != aten.slice.Tensor
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for d in shape:
+        total *= d
+    return total
+
+
+def _keeps_rows(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
+    """A ``SAME_SLOT`` op: same last dimension, same elements in the same order."""
+    a: Any = n.args
+    src, out = shapes.get(a[0]), shapes.get(n)
+    if src is None or out is None or not src[0] or not out[0] or src[1] != out[1]:
+        return False
+    if src[0][-1] != out[0][-1] or _numel(src[0]) != _numel(out[0]):
+        return False
+    if n.target in (aten.permute.default, aten.transpose.int):
+        rank = len(src[0])
+        if n.target == aten.transpose.int:
+            perm = list(range(rank))
+            d0, d1 = a[1] % rank, a[2] % rank
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+        else:
+            perm = [d % rank for d in a[1]]
+        moved = [d for d in perm if src[0][d] != 1]
+        return moved == sorted(moved) and perm[-1] == rank - 1
+    return True
+
+
+def _axis(shape: tuple[int, ...], dim: int) -> str | None:
+    """How a slice or cat along ``dim`` of ``shape`` maps onto [rows, cols]: "cols" along
+    the last dimension, "rows" where every dimension before ``dim`` is 1, else None."""
+    if not shape:
+        return None
+    dim %= len(shape)
+    if dim == len(shape) - 1:
+        return "cols"
+    return "rows" if _numel(shape[:dim]) == 1 else None
+
+
+def _bounds(size: int, start: object, end: object) -> tuple[int, int]:
+    lo = 0 if start is None else int(start)  # type: ignore[call-overload]
+    hi = size if end is None else int(end)  # type: ignore[call-overload]
+    lo, hi = (lo + size if lo < 0 else lo), (hi + size if hi < 0 else hi)
+    lo, hi = min(max(lo, 0), size), min(max(hi, 0), size)
+    return lo, max(lo, hi)
+
+
+def _cat_dim(n: fx.Node) -> int:
+    a: Any = n.args
+    dim: Any = a[1] if len(a) > 1 else n.kwargs.get("dim", 0)
+    return int(dim)
+
+
+def _gelu_kind(n: fx.Node) -> int | None:
+    a: Any = n.args
+    return GELU_KINDS.get(str(n.kwargs.get("approximate", a[1] if len(a) > 1 else "none")))
+
+
+def _cat_parts(n: fx.Node, shapes: dict[fx.Node, Shape]) -> list[fx.Node] | None:
+    """The parts of a ``cat`` that hold elements (legacy empty 1-d ones are skipped), or None
+    if one is not a value the program can read."""
+    parts = []
+    for x in n.args[0]:  # type: ignore[union-attr]
+        shape = shapes.get(x) if isinstance(x, fx.Node) else None
+        if shape is None:
+            return None
+        if _numel(shape[0]) == 0 and len(shape[0]) == 1:
+            continue
+        if x.op == "get_attr" or shape[1] != shapes[n][1] or len(shape[0]) != len(shapes[n][0]):  # type: ignore[union-attr]
+            return None
+        parts.append(x)
+    return parts  # type: ignore[return-value]
 
 
 def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> bool:
@@ -177,6 +285,22 @@ def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> 
         return bool(a[0] in shapes and (len(a) < 3 or a[2] is False or a[1] == 0))
     if n not in shapes or shapes[n][1] not in (torch.float32, torch.int8):
         return False
+    if n.target in SAME_SLOT:
+        return isinstance(a[0], fx.Node) and not n.kwargs and _keeps_rows(n, shapes)
+    if n.target == aten.slice.Tensor:
+        src = shapes.get(a[0])
+        step = a[4] if len(a) > 4 else 1
+        dim = a[1] if len(a) > 1 else 0
+        return bool(src is not None and step == 1 and _axis(src[0], dim) is not None)
+    if n.target == aten.cat.default:
+        parts = _cat_parts(n, shapes)
+        return bool(parts and _axis(shapes[n][0], _cat_dim(n)) is not None)
+    if n.target == aten.gelu.default:
+        return (
+            _gelu_kind(n) is not None
+            and shapes.get(a[0]) == shapes[n]
+            and shapes[n][1] == torch.float32
+        )
     if n.target == aten.stack.default:
         dim = a[1] if len(a) > 1 else n.kwargs.get("dim", 0)
         items = a[0]
@@ -280,7 +404,15 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
     float_ops: list[tuple[str, str, str]] = []
     for n in region:
         a: Any = n.args
-        reads = a[0] if n.target == aten.stack.default else n.all_input_nodes
+        if n.target == aten.stack.default:
+            reads = a[0]
+        elif n.target == aten.cat.default:
+            parts = _cat_parts(n, shapes)
+            if parts is None:  # a part from a region replaced since: its shape unknown
+                return False
+            reads = parts
+        else:
+            reads = n.all_input_nodes
         if not all(
             operand(x) for x in reads if not (isinstance(x, fx.Node) and x.op == "get_attr")
         ):
@@ -294,8 +426,37 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
             pieces[n] = [p.row_view(slot[a[0]], i * rows, rows) for i in range(count)]
         elif n.target is operator.getitem:
             slot[n] = pieces[a[0]][a[1]]
-        elif n.target == aten.dropout.default:
+        elif n.target == aten.dropout.default or n.target in SAME_SLOT:
             slot[n] = slot[a[0]]
+        elif n.target == aten.slice.Tensor:
+            shape = shapes[a[0]][0]
+            dim = (a[1] if len(a) > 1 else 0) % len(shape)
+            lo, hi = _bounds(shape[dim], a[2] if len(a) > 2 else None, a[3] if len(a) > 3 else None)
+            if _axis(shape, dim) == "cols":
+                slot[n] = p.view(slot[a[0]], lo, hi - lo)
+            else:
+                per = _numel(shape[dim + 1 : -1])
+                slot[n] = p.row_view(slot[a[0]], lo * per, (hi - lo) * per)
+        elif n.target == aten.cat.default:
+            dst = value_slot(n)
+            assert dst is not None
+            along = _axis(shapes[n][0], _cat_dim(n))
+            at = 0
+            for x in _cat_parts(n, shapes) or []:
+                _, _, _, cols, _, rows = p.slots[slot[x]]
+                if along == "cols":
+                    part, at = p.view(dst, at, cols), at + cols
+                else:
+                    part, at = p.row_view(dst, at, rows), at + rows
+                p.emit([COPY, part, slot[x]], [])
+            slot[n] = dst
+        elif n.target == aten.gelu.default:
+            dst = value_slot(n)
+            assert dst is not None
+            kind = _gelu_kind(n)
+            assert kind is not None
+            p.emit([FLOAT_UNARY, dst, slot[a[0]], kind], [])
+            slot[n] = dst
         elif n.target == aten.stack.default:
             dst = value_slot(n)
             assert dst is not None
@@ -316,7 +477,8 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
             return False
         elif n.target == quantree_ops.linear.default and float(a[6]) > 0:
             _requantization(gm, p, const_nodes, a, region[0])
-        if n.target not in INT8_OPS and n.target not in VIEWS and n.target != aten.stack.default:
+        moves = (aten.stack.default, aten.cat.default)
+        if n.target not in INT8_OPS and _computes(n) and n.target not in moves:
             float_ops.append((str(n.target), n.name, module_scope(n)))
     for n in outputs:
         operand(n)
@@ -385,6 +547,7 @@ def _call(
         with graph.inserting_after(last):
             last = graph.call_function(operator.getitem, (call, i))
         last.meta["val"] = n.meta.get("val")
+        shapes[last] = shapes[n]  # a later region may read it
         n.replace_all_uses_with(last)
     for n in reversed(region):
         if not n.users:
