@@ -14,8 +14,11 @@ one call. The arithmetic is each op's own: the int8 ops the same bits as their k
 float ones float32 (layer norm sums in double; sigmoid/tanh are the recurrent kernels').
 What the program computes in float stays float and is reported so (``float_report``).
 
-The program is compiled for the shapes in the graph; regions whose shapes are not all known
-are left as they are. A saved model holding one keeps static shapes.
+The program is compiled for the shapes in the graph. A size the graph leaves symbolic (a
+dynamic batch) may appear in it as ``a + b * s`` of one symbol ``s`` per program: slots'
+rows and offsets and the shapes of inputs and outputs are written so, and the call reads
+``s`` from one input's shape, so one program (saved and loaded too) serves every batch size.
+Regions with other shapes (two symbols, a symbolic last dimension) are left as they are.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import collections
 import operator
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -69,13 +73,16 @@ after they are made, so a clone needs no copy either."""
 GELU_KINDS = {"none": 3, "tanh": 4}
 """FLOAT_UNARY kinds of ``aten.gelu`` by its ``approximate`` argument (csrc/qt_program.h)."""
 
-Shape = tuple[tuple[int, ...], torch.dtype]
+Dim = Any
+"""An ``int``, or a ``sympy`` expression of the graph's size symbols (a dynamic batch)."""
+Shape = tuple[tuple[Dim, ...], torch.dtype]
 
 
 class RegionProgram(Program):
-    """A ``Program`` whose slots also record their rows (fixed: the region's shapes)."""
+    """A ``Program`` whose slots also record their rows. Rows and byte offsets may be
+    expressions of one size symbol (``Dim``); ``_call`` writes them as ``a + b * symbol``."""
 
-    def alloc_rows(self, dtype: torch.dtype, rows: int, cols: int) -> int:
+    def alloc_rows(self, dtype: torch.dtype, rows: Dim, cols: int) -> int:
         index = len(self.slots)
         self.slots.append([0 if dtype == torch.float32 else 1, index, 0, cols, cols, rows])
         return index
@@ -86,7 +93,7 @@ class RegionProgram(Program):
         self.slots.append([dtype, base, offset + first_col * elem, cols, ld, rows])
         return len(self.slots) - 1
 
-    def row_view(self, source: int, first_row: int, rows: int) -> int:
+    def row_view(self, source: int, first_row: Dim, rows: Dim) -> int:
         dtype, base, offset, cols, ld, _ = self.slots[source]
         elem = 4 if dtype == 0 else 1
         self.slots.append([dtype, base, offset + first_row * ld * elem, cols, ld, rows])
@@ -116,10 +123,11 @@ def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS) -> int:
     ``quantree.program`` call; returns how many were replaced."""
     shapes = _infer_shapes(gm)
     fused = 0
-    for region in _regions(gm, shapes):
+    regions = _regions(gm, shapes)
+    for region in regions:
         if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes):
             fused += 1
-    if fused:
+    if fused or regions:  # a region refused late may have left constants behind
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
@@ -133,8 +141,9 @@ def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         a: Any = n.args
-        if isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in val.shape):
-            shapes[n] = (tuple(val.shape), val.dtype)
+        dims = _dims(val) if isinstance(val, torch.Tensor) else None
+        if dims is not None:
+            shapes[n] = (dims, val.dtype)
         if n.target == aten.cat.default and n not in shapes:  # an int8 cat (lowering_cat)
             cat_shape = _cat_shape([shapes.get(x) for x in a[0]], _cat_dim(n))
             if cat_shape is not None:
@@ -166,20 +175,46 @@ def _cat_shape(parts: list[Shape | None], dim: int) -> Shape | None:
         return None
     dim %= rank
     shape = list(known[0][0])
-    shape[dim] = sum(x[0][dim] for x in known)
+    shape[dim] = _numel((sum(x[0][dim] for x in known),))
     return tuple(shape), dtype
 
 
+def _dims(val: torch.Tensor) -> tuple[Dim, ...] | None:
+    """``val``'s shape with each symbolic size as its ``sympy`` expression; None unless the
+    last dimension is fixed (it is a slot's columns) and the rest are linear in at most one
+    size symbol (a program resolves one symbol per call)."""
+    dims: list[Dim] = []
+    for d in val.shape:
+        if isinstance(d, int):
+            dims.append(d)
+            continue
+        expr = sympy.expand(d.node.expr)
+        dims.append(int(expr) if expr.is_Integer else expr)
+    if dims and not isinstance(dims[-1], int):
+        return None
+    symbols = set().union(*(sympy.sympify(d).free_symbols for d in dims)) if dims else set()
+    if len(symbols) > 1 or any(_linear(d) is None for d in dims):
+        return None
+    return tuple(dims)
+
+
+def _linear(d: Dim) -> tuple[int, int] | None:
+    """``d`` as ``(a, b)`` with ``d = a + b * symbol`` (integers), or None."""
+    expr = sympy.expand(sympy.sympify(d))
+    symbols = list(expr.free_symbols)
+    if not symbols:
+        return (int(expr), 0) if expr.is_Integer else None
+    (sym,) = symbols
+    a, b = expr.subs(sym, 0), sympy.diff(expr, sym)
+    return (int(a), int(b)) if a.is_Integer and b.is_Integer else None
+
+
 def _cols(shape: Shape) -> int:
-    return shape[0][-1] if shape[0] else 1
+    return int(shape[0][-1]) if shape[0] else 1
 
 
-def _rows(shape: Shape) -> int:
-    cols = _cols(shape)
-    numel = 1
-    for d in shape[0]:
-        numel *= d
-    return numel // cols if cols else 0
+def _rows(shape: Shape) -> Dim:
+    return _numel(shape[0][:-1])
 
 
 def _computes(n: fx.Node) -> bool:
@@ -187,11 +222,11 @@ def _computes(n: fx.Node) -> bool:
     return n.target not in VIEWS and n.target not in SAME_SLOT and n.target != aten.slice.Tensor
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
+def _numel(shape: tuple[Dim, ...]) -> Dim:
+    total: Dim = 1
     for d in shape:
         total *= d
-    return total
+    return sympy.expand(total) if isinstance(total, sympy.Expr) else total
 
 
 def _keeps_rows(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
@@ -280,7 +315,7 @@ def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> 
     if n.target == aten.unbind.int:
         src = shapes.get(a[0])
         dim = a[1] if len(a) > 1 else n.kwargs.get("dim", 0)
-        return bool(src is not None and len(src[0]) >= 2 and dim == 0)
+        return bool(src is not None and len(src[0]) >= 2 and dim == 0 and type(src[0][0]) is int)
     if n.target == aten.dropout.default:
         return bool(a[0] in shapes and (len(a) < 3 or a[2] is False or a[1] == 0))
     if n not in shapes or shapes[n][1] not in (torch.float32, torch.int8):
@@ -291,7 +326,12 @@ def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> 
         src = shapes.get(a[0])
         step = a[4] if len(a) > 4 else 1
         dim = a[1] if len(a) > 1 else 0
-        return bool(src is not None and step == 1 and _axis(src[0], dim) is not None)
+        return bool(
+            src is not None
+            and step == 1
+            and _axis(src[0], dim) is not None
+            and type(src[0][dim % len(src[0])]) is int  # a slice of a symbolic size: no
+        )
     if n.target == aten.cat.default:
         parts = _cat_parts(n, shapes)
         return bool(parts and _axis(shapes[n][0], _cat_dim(n)) is not None)
@@ -422,7 +462,7 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
             pieces[n] = [p.view(slot[a[0]], i * width, width) for i in range(a[1])]
         elif n.target == aten.unbind.int:
             count = shapes[a[0]][0][0]
-            rows = p.slots[slot[a[0]]][5] // count
+            rows = _numel(shapes[a[0]][0][1:-1])
             pieces[n] = [p.row_view(slot[a[0]], i * rows, rows) for i in range(count)]
         elif n.target is operator.getitem:
             slot[n] = pieces[a[0]][a[1]]
@@ -482,8 +522,7 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
             float_ops.append((str(n.target), n.name, module_scope(n)))
     for n in outputs:
         operand(n)
-    _call(gm, region, p, inputs, const_nodes, outputs, slot, shapes, float_ops)
-    return True
+    return _call(gm, region, p, inputs, const_nodes, outputs, slot, shapes, float_ops)
 
 
 def _requantization(
@@ -514,12 +553,17 @@ def _call(
     slot: dict[fx.Node, int],
     shapes: dict[fx.Node, Shape],
     float_ops: list[tuple[str, str, str]],
-) -> None:
+) -> bool:
+    """Put the call in; False (nothing changed) if its sizes need more than one symbol."""
     graph = gm.graph
+    symbolic = _symbolic(p, inputs, shapes)
+    if symbolic is None:
+        return False
+    slots, binding = symbolic
     tables = {
         "code": torch.tensor(p.code, dtype=torch.int64).reshape(-1, NI),
         "fcode": torch.tensor(p.fcode, dtype=torch.float32).reshape(-1, NF),
-        "slots": torch.tensor(p.slots, dtype=torch.int64),
+        "slots": torch.tensor(slots, dtype=torch.int64).reshape(len(slots), -1),
         "in": torch.tensor([slot[x] for x in inputs], dtype=torch.int64),
         "out": torch.tensor([slot[x] for x in outputs], dtype=torch.int64),
     }
@@ -528,8 +572,12 @@ def _call(
             k: graph.get_attr(register_constant(gm, f"_cpu_program_{k}_", v))
             for k, v in tables.items()
         }
-    in_shapes = [d for x in inputs for d in shapes[x][0]]
-    out_shapes = [d for x in outputs for d in shapes[x][0]]
+    in_dims = [_linear(d) or (0, 0) for x in inputs for d in shapes[x][0]]
+    out_dims = [_linear(d) or (0, 0) for x in outputs for d in shapes[x][0]]
+    in_shapes, out_shapes = [a for a, _ in in_dims], [a for a, _ in out_dims]
+    sizes = (  # the symbol's coefficients and where to read it, for a dynamic program only
+        ([b for _, b in in_dims], [b for _, b in out_dims], binding) if binding else ()
+    )
     with graph.inserting_after(region[-1]):
         call = graph.call_function(
             quantree_ops.program.default,
@@ -537,7 +585,7 @@ def _call(
                 inputs, const_nodes, attrs["code"], attrs["fcode"], attrs["slots"], attrs["in"],
                 attrs["out"], in_shapes, [len(shapes[x][0]) for x in inputs], out_shapes,
                 [len(shapes[x][0]) for x in outputs],
-                [0 if shapes[x][1] == torch.float32 else 1 for x in outputs],
+                [0 if shapes[x][1] == torch.float32 else 1 for x in outputs], *sizes,
             ),
         )  # fmt: skip
     call.meta[FLOAT_OPS_KEY] = float_ops
@@ -552,3 +600,32 @@ def _call(
     for n in reversed(region):
         if not n.users:
             graph.erase_node(n)
+    return True
+
+
+def _symbolic(
+    p: RegionProgram, inputs: list[fx.Node], shapes: dict[fx.Node, Shape]
+) -> tuple[list[list[int]], list[int]] | None:
+    """The slot table with rows and offsets as ``a + b * symbol`` (fields 5-7: rows' a and
+    b, the offset's b), and where the symbol is read: ``[input, dim, a, b]`` of an input
+    dimension ``a + b * symbol`` (empty for a static program). None: not one symbol."""
+    symbols: set[sympy.Symbol] = set()
+    for rec in p.slots:
+        for d in (rec[2], rec[5]):
+            symbols |= sympy.sympify(d).free_symbols
+    if len(symbols) > 1:
+        return None
+    slots = []
+    for dtype, base, offset, cols, ld, rows in p.slots:
+        off, n = _linear(offset), _linear(rows)
+        if off is None or n is None:
+            return None
+        slots.append([dtype, base, off[0], cols, ld, n[0], n[1], off[1]])
+    if not symbols:
+        return slots, []
+    for i, x in enumerate(inputs):
+        for dim, d in enumerate(shapes[x][0]):
+            a, b = _linear(d) or (0, 0)
+            if b > 0:
+                return slots, [i, dim, a, b]
+    return None
