@@ -48,3 +48,24 @@ def test_mask_built_every_call_is_folded_with_the_same_bits() -> None:
             x = torch.randn(batch, 6, 8, generator=g)
             assert torch.equal(low(x), plain(x))
     assert ref.graph is not low.graph and made & {n.target for n in ref.graph.nodes}
+
+
+class ReturnsConstant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.proj(x), torch.cat([torch.zeros(2), torch.ones(2)]) * 2
+
+
+def test_a_returned_tensor_is_not_a_stored_constant() -> None:
+    """The caller may write to what the model returns: that must not change the next call."""
+    torch.manual_seed(0)
+    data = [(torch.randn(2, 8),) for _ in range(3)]
+    low = qt.quantize(ReturnsConstant().eval(), data[0], data, backend=CPU, progress=False)
+    with torch.no_grad():
+        _, first = low(*data[0])
+        first.add_(100)
+        _, second = low(*data[0])
+    assert torch.equal(second, torch.tensor([0.0, 0.0, 2.0, 2.0]))

@@ -87,8 +87,8 @@ def fold_input_independent(gm: fx.GraphModule) -> int:
             continue
         if not isinstance(value, torch.Tensor) or not any(n in known for n in node.all_input_nodes):
             continue
-        if all(user in known for user in node.users):
-            continue
+        if all(user in known for user in node.users) or any(u.op == "output" for u in node.users):
+            continue  # (a result handed to the caller stays fresh: they may write to it)
         with graph.inserting_before(node):
             constant = graph.get_attr(register_constant(gm, "_cpu_folded_", value.detach()))
         constant.meta = dict(node.meta)
