@@ -26,6 +26,7 @@ from quantree.backends.cpu.lowering_embedding import lower_embedding
 from quantree.backends.cpu.lowering_fold import fold_input_independent
 from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.lowering_masked_fill import lower_masked_fill
+from quantree.backends.cpu.lowering_packed_qkv import split_packed_qkv
 from quantree.backends.cpu.lowering_program import fuse_regions
 from quantree.backends.cpu.lowering_qdq import (
     lower_binary,
@@ -60,6 +61,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     native_quantize_dequantize(gm)
     if nested is not None:  # the top-level graph: one warning for the model
         fold_input_independent(gm)  # masks built from zeros/ones on every call, built once
+        split_packed_qkv(gm)  # nn.MultiheadAttention's q/k/v split: column slices
         fuse_regions(gm)  # runs of small ops, one native call each (cell bodies have theirs)
         # after fusion: an op a program now runs is named once, by the float-op warning
         warn_simulated(gm, "cpu")
