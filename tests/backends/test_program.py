@@ -274,3 +274,15 @@ def test_slices_cats_and_views_in_a_program() -> None:
                     assert sqnr(plain(x), fused(x)) > 60.0
     (status,) = [s for s in op_statuses(fused) if s.op == "quantree.program.default"]
     assert "gelu 1" in status.detail and "tanh 1" in status.detail
+
+
+def test_large_layer_norms_and_gelus_stay_with_aten() -> None:
+    """A program's layer norm and gelu are scalar loops: over a transformer's activations
+    ATen's vectorized kernels are faster, so those ops are left out of programs."""
+    torch.manual_seed(0)
+    _, small = _lowered(Rowwise())
+    _, large = _lowered(Rowwise(), batch=1024)  # 1024 x 16 values an op at batch 1
+    small_ops = {n.target for n in small.graph.nodes}
+    large_ops = {n.target for n in large.graph.nodes}
+    assert not {aten.layer_norm.default, aten.gelu.default} & small_ops
+    assert {aten.layer_norm.default, aten.gelu.default} <= large_ops
