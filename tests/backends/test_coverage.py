@@ -20,6 +20,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
+from quantree.core.graphs import fetch_attr
 from quantree.core.lower import Backend
 
 from support import batches, leaves, run
@@ -47,7 +48,15 @@ def lowered(
 
 
 def targets(gm: torch.fx.GraphModule) -> set[object]:
-    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    """The ops ``gm`` calls, those a region program runs (its instructions) included."""
+    found = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    ops = ("quantize", "dequantize", "linear", "binary", "lookup")  # codes 0-4, qt_program.h
+    by_code = {i: getattr(native, name).default for i, name in enumerate(ops)}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target == native.program.default:
+            code = fetch_attr(gm, str(n.args[2].target))
+            found |= {by_code[op] for op in code[:, 0].tolist() if op in by_code}
+    return found
 
 
 def assert_matches(ref, low, data, exact: bool) -> None:

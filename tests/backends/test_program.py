@@ -59,8 +59,8 @@ def _data(n: int = 6, seed: int = 0, steps: int = 6, batch: int = 2) -> list[tup
     return [(torch.randn(steps, batch, 12, generator=g),) for _ in range(n)]
 
 
-def _lowered(model: nn.Module, fuse: bool = True, dynamic_batch: bool = True):
-    data = _data()
+def _lowered(model: nn.Module, fuse: bool = True, dynamic_batch: bool = True, batch: int = 2):
+    data = _data(batch=batch)
     ref = qt.quantize(model.eval(), data[0], data, progress=False, dynamic_batch=dynamic_batch)
     if not fuse:
         original = cpu_backend.fuse_regions
@@ -103,8 +103,47 @@ def test_int8_region_equals_the_unfused_graph_exactly() -> None:
     with torch.no_grad():
         for (x,) in _data(3, seed=2):
             assert torch.equal(fused(x), plain(x))
-    _, dynamic = _lowered(model)  # a batch that varies: shapes unknown, left to the kernels
-    assert not calls(dynamic, PROGRAM)
+    _, dynamic = _lowered(model)  # a dimension that varies: one program for every size
+    _, unfused = _lowered(model, fuse=False)
+    assert len(calls(dynamic, PROGRAM)) == 1
+    with torch.no_grad():
+        for steps in (6, 3, 1):
+            (x,) = _data(1, seed=steps, steps=steps)[0]
+            assert torch.equal(dynamic(x), unfused(x))
+
+
+class Rowwise(nn.Module):
+    """Row by row ops only (column slices and cats, a layer norm, gelu, a residual add), so
+    the first dimension may vary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(32, 12)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        z = self.norm(torch.cat([y[..., :8], torch.nn.functional.gelu(y)[..., 8:]], -1))
+        return self.c(torch.cat([self.b(z) + y, y], -1))
+
+
+def test_dynamic_program_after_save_load_runs_other_sizes(tmp_path) -> None:
+    """A saved program with a symbolic size is data (its sizes ``a + b * s`` in integer
+    lists), and the loaded model runs sizes it was not saved with, bit for bit."""
+    torch.manual_seed(0)
+    model = Rowwise()
+    _, low = _lowered(model)
+    _, unfused = _lowered(model, fuse=False)
+    (node,) = calls(low, PROGRAM)
+    assert node.args[-1], "the program reads its size from an input"
+    (x,) = _data(1, seed=7)[0]
+    save(low, tmp_path / "rowwise.pt2", (x,))
+    loaded = load(tmp_path / "rowwise.pt2")
+    with torch.no_grad():
+        for steps in (6, 4, 9):
+            (x,) = _data(1, seed=8, steps=steps)[0]
+            assert torch.equal(loaded(x), low(x))
+            assert sqnr(unfused(x), low(x)) > 60.0
 
 
 @pytest.fixture
@@ -186,3 +225,64 @@ def test_save_load_and_other_shapes(tmp_path) -> None:
         consts = [fetch_attr(low, str(c.target)) for c in args[1]]
         with pytest.raises(ValueError, match="compiled for inputs of shapes"):
             torch.ops.quantree.program(inputs, consts, *tensors, *args[7:])
+
+
+class Glue(nn.Module):
+    """Emformer-like glue between int8 linears: row slices, cats along rows and columns, a
+    permute of a size-1 dimension, contiguous, zero rows, a float tanh, layer norm and gelu."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(32, 12)
+        self.norm = nn.LayerNorm(32)  # the recipe then leaves the glue float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, 1, 12]
+        y = self.a(x).permute(1, 0, 2).permute(1, 0, 2).contiguous()
+        head, tail, none = y[:2], y[2:].tanh(), y[y.shape[0] :]
+        z = self.b(torch.cat([tail, none, head], 0))
+        z = torch.cat([z, y], -1)
+        return self.c(torch.nn.functional.gelu(self.norm(z))[1:])
+
+
+class Moves(nn.Module):
+    """Int8 linears joined by data movement only: row slices and a cat along columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(32, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        return self.c(torch.cat([self.b(y[1:]), y[:-1]], -1))
+
+
+def test_slices_cats_and_views_in_a_program() -> None:
+    """Data movement copies bits: int8 linears joined by slices and cats give the unfused
+    graph's bits; with the gelu and tanh (float32, rounding only) 60 dB against it."""
+    torch.manual_seed(0)
+    for model, exact in ((Moves(), True), (Glue(), False)):
+        _, fused = _lowered(model, dynamic_batch=False, batch=1)
+        _, plain = _lowered(model, fuse=False, dynamic_batch=False, batch=1)
+        assert len(calls(fused, PROGRAM)) == 1 and not calls(plain, PROGRAM)
+        left = {n.target for n in fused.graph.nodes if n.op == "call_function"}
+        assert not left & {aten.cat.default, aten.slice.Tensor, aten.gelu.default}
+        with torch.no_grad():
+            for (x,) in _data(3, seed=5, batch=1):
+                if exact:
+                    assert torch.equal(fused(x), plain(x))
+                else:
+                    assert sqnr(plain(x), fused(x)) > 60.0
+    (status,) = [s for s in op_statuses(fused) if s.op == "quantree.program.default"]
+    assert "gelu 1" in status.detail and "tanh 1" in status.detail
+
+
+def test_large_layer_norms_and_gelus_stay_with_aten() -> None:
+    """A program's layer norm and gelu are scalar loops: over a transformer's activations
+    ATen's vectorized kernels are faster, so those ops are left out of programs."""
+    torch.manual_seed(0)
+    _, small = _lowered(Rowwise())
+    _, large = _lowered(Rowwise(), batch=1024)  # 1024 x 16 values an op at batch 1
+    small_ops = {n.target for n in small.graph.nodes}
+    large_ops = {n.target for n in large.graph.nodes}
+    assert not {aten.layer_norm.default, aten.gelu.default} & small_ops
+    assert {aten.layer_norm.default, aten.gelu.default} <= large_ops

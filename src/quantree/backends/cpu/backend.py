@@ -23,8 +23,10 @@ from quantree.backends.cpu.float_report import warn_float_ops
 from quantree.backends.cpu.lowering_cat import lower_cat
 from quantree.backends.cpu.lowering_cell import lower_cell
 from quantree.backends.cpu.lowering_embedding import lower_embedding
+from quantree.backends.cpu.lowering_fold import fold_input_independent
 from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.lowering_masked_fill import lower_masked_fill
+from quantree.backends.cpu.lowering_packed_qkv import split_packed_qkv
 from quantree.backends.cpu.lowering_program import fuse_regions
 from quantree.backends.cpu.lowering_qdq import (
     lower_binary,
@@ -58,6 +60,8 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
         lower_nested(gm, nested)
     native_quantize_dequantize(gm)
     if nested is not None:  # the top-level graph: one warning for the model
+        fold_input_independent(gm)  # masks built from zeros/ones on every call, built once
+        split_packed_qkv(gm)  # nn.MultiheadAttention's q/k/v split: column slices
         fuse_regions(gm)  # runs of small ops, one native call each (cell bodies have theirs)
         # after fusion: an op a program now runs is named once, by the float-op warning
         warn_simulated(gm, "cpu")

@@ -82,7 +82,9 @@ SIGNATURES: dict[str, list[type]] = {
                      _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _f32, _f32, _f32, _f32, _int,
                      _ptr, _i64, _f32, _f32, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr],
     "qt_rnn": [_ptr, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
-    "qt_program_run": [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr],
+    "qt_program_run": [
+        *(_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr)
+    ],
 }  # fmt: skip
 
 

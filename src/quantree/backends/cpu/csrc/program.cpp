@@ -10,20 +10,36 @@
 using namespace qt::prog;
 
 namespace {
-constexpr int NSR = 6;  // fields per slot: dtype (0 f32, 1 i8), owner, byte offset, cols, ld, rows
+// Fields per resolved slot: dtype (0 f32, 1 i8), owner, byte offset, cols, ld, rows. A slot
+// table of 8 fields (a dynamic program's) adds the rows' and the byte offset's coefficients
+// of the size symbol: rows = f[5] + f[6] * size, offset = f[2] + f[7] * size. Tables of 6
+// fields (programs saved before) are static.
+constexpr int NSR = 6;
 }
 
 extern "C" {
 
 // inputs[i] (dense, the slot in_slots[i]'s rows x cols) are copied in, the code is run once,
 // and the slots out_slots[i] are copied out to outputs[i]. A LINEAR writing int8 reads its
-// multipliers from the constant c[11] (mult, then add: 2 N floats).
+// multipliers from the constant c[11] (mult, then add: 2 N floats). ``size``: the value of
+// the size symbol this call (1 for a static program), ``fields``: 6 or 8 per slot.
 void qt_program_run(void** inputs, const int64_t* in_slots, int64_t n_in, void** outputs,
                     const int64_t* out_slots, int64_t n_out, const int64_t* slots, int64_t n_slots,
-                    const int64_t* code, const float* fcode, int64_t n_code, void** consts) {
+                    int64_t fields, int64_t size, const int64_t* code, const float* fcode,
+                    int64_t n_code, void** consts) {
+    std::vector<int64_t> table(static_cast<size_t>(n_slots * NSR));
+    for (int64_t i = 0; i < n_slots; ++i) {
+        const int64_t* d = slots + fields * i;
+        int64_t* r = table.data() + NSR * i;
+        std::memcpy(r, d, NSR * sizeof(int64_t));
+        if (fields >= 8) {
+            r[2] = d[2] + d[7] * size;
+            r[5] = d[5] + d[6] * size;
+        }
+    }
     std::vector<char> ws;
     const std::vector<Slot> s =
-        lay_out(ws, slots, n_slots, NSR, [](const int64_t* d) { return d[5]; });
+        lay_out(ws, table.data(), n_slots, NSR, [](const int64_t* d) { return d[5]; });
     int64_t scratch = 0;
     for (int64_t n = 0; n < n_code; ++n) {
         const int64_t* c = code + NI * n;

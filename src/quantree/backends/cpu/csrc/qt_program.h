@@ -25,7 +25,7 @@ enum Op {
     COPY = 5,
     FAKE_QUANT = 6,    // float -> float through an integer grid (an int16 point, say)
     FLOAT_BINARY = 7,  // float add / mul / sub
-    FLOAT_UNARY = 8,   // float sigmoid / tanh / relu
+    FLOAT_UNARY = 8,   // float sigmoid / tanh / relu / gelu / tanh-gelu (kinds 0-4)
     LAYER_NORM = 9,    // float layer norm over each row, optional weight / bias
 };
 constexpr int NI = 12, NF = 8;  // fields per instruction
@@ -124,8 +124,16 @@ static inline void float_unary_row(int64_t kind, const float* a, float* out, int
         for (int64_t j = 0; j < n; ++j) out[j] = 1.0f / (1.0f + std::exp(-a[j]));
     } else if (kind == 1) {
         for (int64_t j = 0; j < n; ++j) out[j] = std::tanh(a[j]);
-    } else {
+    } else if (kind == 2) {
         for (int64_t j = 0; j < n; ++j) out[j] = a[j] > 0.0f ? a[j] : 0.0f;
+    } else if (kind == 3) {  // gelu: x / 2 (1 + erf(x / sqrt 2)), as ATen's
+        for (int64_t j = 0; j < n; ++j)
+            out[j] = 0.5f * a[j] * (1.0f + std::erf(a[j] * 0.70710678118654752f));
+    } else {  // gelu, approximate="tanh"
+        for (int64_t j = 0; j < n; ++j) {
+            const float x = a[j];
+            out[j] = 0.5f * x * (1.0f + std::tanh(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+        }
     }
 }
 

@@ -1,0 +1,101 @@
+"""Tensors no input reaches, computed once at lowering instead of on every call.
+
+torchaudio's Emformer builds its attention mask from scratch on every forward: about eighty
+``zeros`` / ``ones`` / ``cat`` ops, an ``rsub`` and a ``to(bool)`` on shapes fixed by the
+segment length, and three empty memory tensors. Lowered, each is a dispatcher call of a few
+microseconds whose result never changes (rnnt: 90 of the ~220 top-level nodes). This pass
+evaluates every deterministic, non-mutating op that reads no input and stores the result as
+a constant; the graph computes what it computed before, bit for bit.
+
+``core.fold.fold_constants`` folds parameter-only computations before calibration; it leaves
+ops with no input at all (``zeros``) alone, since a constant there would be observed and
+quantized like a weight. After lowering nothing is observed any more, so they fold too.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch._ops import OpOverload
+from torch.utils import _pytree as pytree
+
+from quantree.core.fold import written_to
+from quantree.core.graphs import attr_at, register_constant
+
+MAX_ELEMENTS = 1 << 16
+"""Larger results keep being computed: a folded tensor is stored in the model (and its file)."""
+
+
+def _deterministic(node: fx.Node, known: dict[fx.Node, object]) -> bool:
+    """Whether ``node`` is a pure op on ``known`` values (or on none: a ``zeros``)."""
+    if node.op != "call_function" or not all(n in known for n in node.all_input_nodes):
+        return False
+    if node.target is operator.getitem:
+        return bool(node.all_input_nodes)
+    target = node.target
+    if not isinstance(target, OpOverload) or target.namespace != "aten":
+        return False
+    if target._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _uninitialized(node: fx.Node) -> bool:
+    return isinstance(node.target, OpOverload) and node.target.__name__.startswith("empty")
+
+
+def _static(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and all(isinstance(d, int) for d in value.shape)
+
+
+def fold_input_independent(gm: fx.GraphModule) -> int:
+    """Replace each tensor no graph input reaches by a constant, in place; returns how many.
+
+    A tensor made by one op from nothing (a ``zeros`` read directly) stays: a constant saves
+    no call there. ``_assert_tensor_metadata`` checks on folded values ran here once and go.
+    """
+    graph = gm.graph
+    pinned = written_to(graph)
+    known: dict[fx.Node, object] = {}
+    for node in graph.nodes:
+        if node in pinned:
+            continue
+        if node.op == "get_attr" and isinstance(attr_at(gm, str(node.target)), torch.Tensor):
+            known[node] = attr_at(gm, str(node.target))
+        elif _deterministic(node, known):
+            args, kwargs = pytree.tree_map_only(
+                fx.Node, known.__getitem__, (node.args, node.kwargs)
+            )
+            fake = pytree.tree_leaves(node.meta.get("val"))
+            if any(isinstance(v, torch.Tensor) and not _static(v) for v in fake):
+                continue  # a symbolic shape: depends on an input after all
+            with torch.no_grad():
+                value = node.target(*args, **kwargs)  # type: ignore[operator]
+            if isinstance(value, torch.Tensor) and value.numel() > MAX_ELEMENTS:
+                continue
+            if _uninitialized(node) and not (isinstance(value, torch.Tensor) and not value.numel()):
+                continue  # its contents are whatever memory held: only an empty one is known
+            known[node] = value
+    folded = 0
+    for node, value in known.items():
+        if node.op == "get_attr":
+            continue
+        if node.target == torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+            continue
+        if not isinstance(value, torch.Tensor) or not any(n in known for n in node.all_input_nodes):
+            continue
+        if all(user in known for user in node.users) or any(u.op == "output" for u in node.users):
+            continue  # (a result handed to the caller stays fresh: they may write to it)
+        with graph.inserting_before(node):
+            constant = graph.get_attr(register_constant(gm, "_cpu_folded_", value.detach()))
+        constant.meta = dict(node.meta)
+        node.replace_all_uses_with(constant)
+        folded += 1
+    if folded:
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.recompile()
+    return folded
