@@ -139,3 +139,26 @@ def test_a_tensor_subclass_in_a_list_argument_goes_through_the_op() -> None:
     assert call(plain.as_subclass(Subclass), 3, [plain, 2]) == "op"
     assert call(plain, 3, [plain, 2], plain) == "direct"  # another arity: every argument looked at
     assert call(plain, 3, [plain, 2], plain.as_subclass(Subclass)) == "op"
+
+
+def test_buffers_read_directly_still_behave_as_buffers(lowered) -> None:
+    _, low, data = lowered
+    gm = copy.deepcopy(low)
+    from quantree.core.fast_attributes import read_buffers_directly
+
+    read_buffers_directly(gm)
+    name = next(n.target for n in gm.graph.find_nodes(op="get_attr") if "." not in n.target)
+    assert isinstance(type(gm).__dict__[name], property)
+    before = gm(*data[0])
+    weight = getattr(gm, name)
+    assert name in dict(gm.named_buffers()) and name in gm.state_dict()
+    setattr(gm, name, weight.clone())  # assigning a tensor replaces the buffer
+    assert getattr(gm, name) is gm._buffers[name] and torch.equal(gm(*data[0]), before)
+    delattr(gm, name)
+    assert not hasattr(gm, name)
+    setattr(gm, name, 3)  # a plain attribute once it is no buffer
+    assert getattr(gm, name) == 3 and name not in gm._buffers
+    delattr(gm, name)
+    gm.register_buffer(name, weight)
+    assert torch.equal(gm(*data[0]), before)
+    assert type(gm) is not type(low)  # fx gives the copy its own class
