@@ -42,6 +42,8 @@ from quantree.backends.cpu.native import library
 from quantree.backends.cpu.simulated import simulated_ops, warn_simulated
 from quantree.core.constants import share_identical
 from quantree.core.errors import QuantreeWarning
+from quantree.core.fast_attributes import read_buffers_directly
+from quantree.core.flat_inputs import bind_flat_inputs
 from quantree.core.graphs import nested_graphs, replace_submodule
 from quantree.core.lower import Backend, LoweringRule, lower
 from quantree.core.stages import GROUPS_KEY
@@ -72,7 +74,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     lean.meta = dict(gm.meta)
     if nested is not None:  # the whole model, its nested bodies included: say it once
         warn_float_ops(lean, "the CPU backend", named=set(simulated_ops(gm)))
-    return call_directly(lean)
+    return read_buffers_directly(bind_flat_inputs(call_directly(lean)))
 
 
 def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:

@@ -49,17 +49,33 @@ first call): a fresh implementation per node, made by the factory."""
 
 
 class DirectCall:
-    """``op`` as a graph target that calls its implementation straight for plain tensors."""
+    """``op`` as a graph target that calls its implementation straight for plain tensors.
 
-    def __init__(self, op: OpOverload, implementation: Callable[..., Any]) -> None:
+    ``node_args`` (the node's ``args``, when known) says where tensors can be: only an
+    argument that is a graph value (or a list of them) can hold one, the rest are constants
+    the graph spells out. Checking just those positions costs ~1 us for an LSTM's 17 tensors
+    where scanning every argument cost ~6 us, on every call.
+    """
+
+    def __init__(
+        self,
+        op: OpOverload,
+        implementation: Callable[..., Any],
+        node_args: tuple[Any, ...] | None = None,
+    ) -> None:
         self.op = op
         self.implementation = implementation
         self.namespace = op.namespace
         self.__name__ = op.__name__.replace(".", "_")
         self.__module__ = __name__
+        self.arity, self.values, self.lists = _value_positions(node_args)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if all(type(t) is torch.Tensor for t in _tensors(args)):
+        if len(args) != self.arity:  # not the node it was made for: look at everything
+            plain = all(type(t) is torch.Tensor for t in _tensors(args))
+        else:
+            plain = _plain(args, self.values, self.lists)
+        if plain:
             return self.implementation(*args, **kwargs)
         return self.op(*args, **kwargs)
 
@@ -76,6 +92,35 @@ class DirectCall:
 
     def __repr__(self) -> str:
         return f"DirectCall({self.op})"
+
+
+def _value_positions(
+    node_args: tuple[Any, ...] | None,
+) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(number of arguments, positions of graph values, positions of lists holding any)."""
+    if node_args is None:
+        return -1, (), ()
+    values = tuple(i for i, a in enumerate(node_args) if isinstance(a, fx.Node))
+    lists = tuple(
+        i
+        for i, a in enumerate(node_args)
+        if isinstance(a, list | tuple) and any(isinstance(v, fx.Node) for v in a)
+    )
+    return len(node_args), values, lists
+
+
+def _plain(args: tuple[Any, ...], values: tuple[int, ...], lists: tuple[int, ...]) -> bool:
+    """No tensor at those positions is a subclass (a fake tensor while exporting)."""
+    tensor = torch.Tensor
+    for i in values:
+        a = args[i]
+        if type(a) is not tensor and isinstance(a, tensor):
+            return False
+    for i in lists:
+        for a in args[i]:
+            if type(a) is not tensor and isinstance(a, tensor):
+                return False
+    return True
 
 
 def _tensors(args: tuple[Any, ...]) -> list[Any]:
@@ -98,7 +143,7 @@ def call_directly(gm: fx.GraphModule) -> fx.GraphModule:
             factory = PER_NODE.get(name)
             implementation = factory() if factory else IMPLEMENTATIONS.get(name)
             if implementation is not None:
-                node.target = DirectCall(target, implementation)
+                node.target = DirectCall(target, implementation, node.args)
                 changed = True
     if changed:
         gm.recompile()

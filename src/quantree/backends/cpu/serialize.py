@@ -23,6 +23,8 @@ from quantree.backends.cpu.derived import as_recipes, fold_recipes
 from quantree.backends.cpu.direct import call_directly
 from quantree.core.capture import export_batch_dynamic
 from quantree.core.errors import QuantreeError
+from quantree.core.fast_attributes import read_buffers_directly
+from quantree.core.flat_inputs import bind_flat_inputs
 from quantree.core.shape_guards import explain_shape_guards
 
 
@@ -69,7 +71,7 @@ def load(path: str | Path) -> torch.nn.Module:
     if not isinstance(module, torch.fx.GraphModule):
         return module
     fold_saved_recipes(module, path)
-    return explain_shape_guards(call_directly(module))
+    return explain_shape_guards(read_buffers_directly(bind_flat_inputs(call_directly(module))))
 
 
 def fold_saved_recipes(module: torch.fx.GraphModule, path: str | Path) -> None:
