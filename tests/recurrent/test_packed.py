@@ -129,3 +129,78 @@ def test_capture_leaves_the_model_and_torch_as_they_were() -> None:
     qt.capture(model, _batch(torch.Generator().manual_seed(0), False))
     assert "forward" not in vars(model.rnn) and "permute_hidden" not in vars(model.rnn)
     assert "_pack_padded_sequence" not in vars(torch._VF)
+
+
+@pytest.mark.parametrize("mode", list(qt.RecurrentMode), ids=lambda m: m.value)
+@pytest.mark.parametrize("case", ["lstm-bf-bidir-2layers", "gru-tf-bidir"])
+def test_lowered_packed_model_saves_and_loads_bit_equal(
+    case: str, mode: qt.RecurrentMode, tmp_path
+) -> None:
+    """Saving re-exports the lowered graph, whose packed sizes depend on the lengths' values:
+    the loaded model must give the lowered model's outputs exactly, on the example and on
+    other lengths of the same padded shape."""
+    from quantree.backends import load, save
+
+    torch.manual_seed(0)
+    model = Packed(CASES[case]()).eval()
+    generator = torch.Generator().manual_seed(1)
+    first = model.rnn.batch_first
+    calibration = [_batch(generator, first) for _ in range(6)]
+    quantizer = qt.Int8Quantizer(recurrent=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)
+        lowered = qt.quantize(
+            model, calibration[0], calibration, quantizer=quantizer, backend=CPU, progress=False
+        )
+    path = tmp_path / "packed.pt2"
+    save(lowered, path, calibration[0])
+    loaded = load(path)
+    x = calibration[0][0]
+    others = [(x, torch.tensor([STEPS, 1, 3, 3, 6])), (x, torch.tensor([2, 2, 2, STEPS, 5]))]
+    for args in [calibration[0], *others]:
+        expected, got = tree_leaves(lowered(*args)), tree_leaves(loaded(*args))
+        assert len(expected) == len(got)
+        for e, g in zip(expected, got, strict=True):
+            assert torch.equal(e, g)
+
+
+class PaddedToLongest(nn.Module):
+    """Tacotron2's encoder and attention: padded to the longest length (data-dependent),
+    then added to a broadcast query and passed through tanh, as its attention scores are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(FEATURES, HIDDEN, batch_first=True)
+        self.query = nn.Linear(FEATURES, HIDDEN)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor):
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True)
+        return torch.tanh(out + self.query(x[:, :1]))
+
+
+@pytest.mark.parametrize("mode", list(qt.RecurrentMode), ids=lambda m: m.value)
+def test_lowered_model_padded_to_the_longest_length_saves_and_loads(
+    mode: qt.RecurrentMode, tmp_path
+) -> None:
+    """The padded length is an unbacked size when saving: the int8 add and tanh after it
+    must trace without guarding on it, and the loaded model match the lowered one."""
+    from quantree.backends import load, save
+
+    torch.manual_seed(0)
+    model = PaddedToLongest().eval()
+    generator = torch.Generator().manual_seed(1)
+    calibration = [_batch(generator, True) for _ in range(6)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)
+        lowered = qt.quantize(
+            model, calibration[0], calibration, quantizer=qt.Int8Quantizer(recurrent=mode),
+            backend=CPU, progress=False,
+        )  # fmt: skip
+    targets = {str(n.target) for n in lowered.graph.nodes}
+    assert any("binary" in t for t in targets) and any("lookup" in t for t in targets)
+    save(lowered, tmp_path / "longest.pt2", calibration[0])
+    loaded = load(tmp_path / "longest.pt2")
+    x = calibration[0][0]
+    for lengths in (calibration[0][1], torch.tensor([STEPS, 1, 3, 3, 6])):
+        assert torch.equal(loaded(x, lengths), lowered(x, lengths))

@@ -39,8 +39,11 @@ class CellLoop(nn.Module):
         self,
         xs: torch.Tensor,
         state: tuple[torch.Tensor, ...],
-        batch_sizes: list[int] | None = None,
+        batch_sizes: torch.Tensor | None = None,
     ):
+        """``batch_sizes``: ``xs`` are a packed sequence's rows, ``batch_sizes`` its int64
+        per-step batch sizes (a tensor, so a backend's loop can take it whole and stay
+        traceable: its entries are data)."""
         if any(isinstance(m, Observer) for m in self.body.modules()):
             # calibrating: the steps of one batch are one observation
             with per_call(self.body):
@@ -48,10 +51,10 @@ class CellLoop(nn.Module):
         return self._run(xs, state, batch_sizes)
 
     def _run(
-        self, xs: torch.Tensor, state: tuple[torch.Tensor, ...], batch_sizes: list[int] | None
+        self, xs: torch.Tensor, state: tuple[torch.Tensor, ...], batch_sizes: torch.Tensor | None
     ):
         if batch_sizes is not None:
-            return self._packed(xs, state, batch_sizes)
+            return self._packed(xs, state, [int(n) for n in batch_sizes.tolist()])
         steps = range(xs.shape[0] - 1, -1, -1) if self.reverse else range(xs.shape[0])
         outputs: list[torch.Tensor] = [xs] * xs.shape[0]
         for t in steps:
@@ -94,11 +97,11 @@ class RecurrentCells(nn.Module):
         the output is packed the same way.
         """
         states = list(hx) if isinstance(hx, list | tuple) else [hx]
-        sizes = None if batch_sizes is None else [int(n) for n in batch_sizes.tolist()]
-        if self.batch_first and sizes is None:
+        packed = batch_sizes is not None
+        if self.batch_first and not packed:
             x = x.transpose(0, 1)
         count = self.num_layers * self.directions
-        batch = x.shape[1] if sizes is None else sizes[0]
+        batch = packed_batch(batch_sizes) if batch_sizes is not None else x.shape[1]
         states = [
             x.new_zeros(count, batch, size) if s is None else s
             for s, size in zip(states, self.state_sizes, strict=True)
@@ -109,14 +112,25 @@ class RecurrentCells(nn.Module):
             for d in range(self.directions):
                 index = layer * self.directions + d
                 loop = self.loops[loop_name(layer, d)]
-                out, final = loop(x, tuple(s[index] for s in states), sizes)
+                out, final = loop(x, tuple(s[index] for s in states), batch_sizes)
                 outs.append(out)
                 for k, s in enumerate(final):
                     finals[k].append(s)
             x = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
-        if self.batch_first and sizes is None:
+        if self.batch_first and not packed:
             x = x.transpose(0, 1)
         return (x, *(torch.stack(f) for f in finals))
+
+
+def packed_batch(batch_sizes: torch.Tensor) -> int:
+    """The number of sequences of a packed sequence: its first step's batch size.
+
+    Read with ``item()`` and checked positive, so ``torch.export`` (``quantree.backends.save``)
+    traces it as an unbacked symbol instead of failing on a data-dependent ``int()``.
+    """
+    batch = batch_sizes[0].item()
+    torch._check(batch >= 1)
+    return batch  # type: ignore[return-value]
 
 
 def loop_name(layer: int, direction: int) -> str:

@@ -16,6 +16,7 @@ computes and reads like any ATen graph.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -239,3 +240,49 @@ def restore_aten(gm: fx.GraphModule) -> None:
             node.args = (data, batch_sizes, hx if kind == "lstm" else hx[0], *rest)
     gm.graph.lint()
     gm.recompile()
+
+
+def as_capture_ops(gm: fx.GraphModule) -> None:
+    """The inverse of ``restore_aten``: for exporting a graph that already holds the ATen
+    ops again (``quantree.backends.save`` re-exports a lowered graph), whose fake kernels
+    cannot trace them (see the module docstring). ``pad`` gets the number of sequences as
+    the size of the lengths its ``pack`` read; ``restore_aten`` on the exported graph turns
+    them back."""
+    ops = torch.ops.quantree_packed
+    packs = {}
+    for node in list(gm.graph.nodes):
+        if node.target == aten._pack_padded_sequence.default:
+            node.target = ops.pack.default
+            packs[node] = node.args[1]
+        elif node.target == aten._pad_packed_sequence.default:
+            pack = _producer(node.args[1], packs)
+            if pack is None:
+                raise QuantreeError(
+                    f"{node.name}: aten._pad_packed_sequence reads batch sizes that no "
+                    f"aten._pack_padded_sequence of this graph made, so its batch is unknown "
+                    f"and the graph cannot be exported. Fix: {FIX}"
+                )
+            with gm.graph.inserting_before(node):
+                batch = gm.graph.call_function(aten.sym_size.int, (packs[pack], 0))
+            node.target = ops.pad.default
+            node.args = (*node.args[:5], batch)
+        elif node.target in DATA_OPS.values():
+            kind = next(k for k, op in DATA_OPS.items() if op == node.target)
+            data, batch_sizes, hx, *rest = node.args
+            states = list(hx) if kind == "lstm" else [hx]
+            node.target = ops.rnn.default
+            node.args = (kind, data, batch_sizes, states, *rest)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _producer(batch_sizes: Any, packs: dict[fx.Node, Any]) -> fx.Node | None:
+    """The pack node whose batch sizes ``batch_sizes`` is (through ``getitem``)."""
+    node = batch_sizes
+    while isinstance(node, fx.Node):
+        if node in packs:
+            return node
+        if node.target is not operator.getitem:
+            return None
+        node = node.args[0]
+    return None

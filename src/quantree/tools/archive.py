@@ -85,6 +85,8 @@ _SYMPY_CALLS = frozenset(
         "Min",
         "Eq",
         "Ne",
+        "Equality",  # sympy.srepr of Eq(u2, u1) (a runtime check on packed sizes)
+        "Unequality",
         "Lt",
         "Le",
         "Gt",

@@ -227,21 +227,17 @@ class NativeCellLoop(nn.Module):
         self.register_buffer("outs", torch.tensor(program.outs, dtype=torch.int64))
 
     def forward(
-        self, xs: Tensor, state: tuple[Tensor, ...], batch_sizes: list[int] | None = None
+        self, xs: Tensor, state: tuple[Tensor, ...], batch_sizes: Tensor | None = None
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """``batch_sizes``: ``xs`` are a packed sequence's rows (one native loop per length)."""
         consts = [getattr(self, f"const{i}") for i in range(self.n_consts)]
-
-        def run(xs: Tensor, state: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-            ys, *final = quantree_ops.cell_loop(
-                xs, state, consts, self.code, self.fcode, self.slots, self.outs, self.reverse
-            )
-            return ys, final
-
+        program = (self.code, self.fcode, self.slots, self.outs, self.reverse)
         if batch_sizes is None:
-            ys, final = run(xs, list(state))
+            ys, *final = quantree_ops.cell_loop(xs, list(state), consts, *program)
         else:
-            ys, final = by_length(xs, batch_sizes, list(state), 0, run)
+            ys, *final = quantree_ops.cell_loop_packed(
+                xs, batch_sizes, list(state), consts, *program
+            )
         return ys, tuple(final)
 
 
@@ -284,4 +280,40 @@ def cell_loop(
 @torch.library.register_fake("quantree::cell_loop")
 def _(xs, state, consts, code, fcode, slots, outs, reverse):
     ys = xs.new_empty((xs.shape[0], xs.shape[1], state[0].shape[-1]), dtype=torch.float32)
+    return [ys, *[torch.empty_like(s, dtype=torch.float32) for s in state]]
+
+
+@op(
+    "cell_loop_packed(Tensor xs, Tensor batch_sizes, Tensor[] state, Tensor[] consts, "
+    "Tensor code, Tensor fcode, Tensor slots, Tensor outs, bool reverse) -> Tensor[]"
+)
+def cell_loop_packed(
+    xs: Tensor,
+    batch_sizes: Tensor,
+    state: list[Tensor],
+    consts: list[Tensor],
+    code: Tensor,
+    fcode: Tensor,
+    slots: Tensor,
+    outs: Tensor,
+    reverse: bool,
+) -> list[Tensor]:
+    """``cell_loop`` on a packed sequence's rows ``xs`` [N, I]: ``[ys [N, H], *finals]``.
+
+    One op rather than Python around ``cell_loop``: how many native calls run and on which
+    rows depends on ``batch_sizes``' values, which ``torch.export`` (so
+    ``quantree.backends.save``) cannot trace; as an op with a fake kernel it is one node.
+    """
+
+    def run(xs: Tensor, state: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        ys, *final = cell_loop(xs, state, consts, code, fcode, slots, outs, reverse)
+        return ys, final
+
+    ys, finals = by_length(xs, batch_sizes, state, 0, run)
+    return [ys, *finals]
+
+
+@torch.library.register_fake("quantree::cell_loop_packed")
+def _(xs, batch_sizes, state, consts, code, fcode, slots, outs, reverse):
+    ys = xs.new_empty((xs.shape[0], state[0].shape[-1]), dtype=torch.float32)
     return [ys, *[torch.empty_like(s, dtype=torch.float32) for s in state]]

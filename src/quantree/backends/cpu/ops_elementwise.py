@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from quantree.backends.cpu.native import library, ptr
 from quantree.backends.cpu.registry import dense, op
@@ -78,6 +82,8 @@ def lookup(x: Tensor, table: Tensor) -> Tensor:
 
 @torch.library.register_fake("quantree::lookup")
 def _(x, table):
+    if free_unbacked_symbols(x.shape):  # reading strides would guard on the size (binary's)
+        return x.new_empty(x.shape)
     return torch.empty_like(dense_any_layout(x))
 
 
@@ -123,8 +129,29 @@ def binary(
     return out
 
 
+def oblivious_broadcast(a: Sequence[Any], b: Sequence[Any]) -> list[Any]:
+    """The broadcast shape where only a literal 1 broadcasts, as aten's fake kernels read
+    unbacked sizes (``torch.broadcast_shapes`` gives ``Max(1, u)``, which later ops guard
+    on); other pairs of sizes must be equal, checked at run time."""
+    a, b = [1] * (len(b) - len(a)) + list(a), [1] * (len(a) - len(b)) + list(b)
+    shape = []
+    for x, y in zip(a, b, strict=True):
+        if isinstance(y, int) and y == 1:
+            shape.append(x)
+        elif isinstance(x, int) and x == 1:
+            shape.append(y)
+        else:
+            torch._check(x == y)
+            shape.append(x)
+    return shape
+
+
 @torch.library.register_fake("quantree::binary")
 def _(kind, a, b, a_scale, a_zero_point, b_scale, b_zero_point, out_scale, out_zero_point):
+    if free_unbacked_symbols((a.shape, b.shape)):
+        # a data-dependent size (a padded packed sequence's length, when saving): comparing
+        # shapes would guard on it; broadcast_shapes decides size-obliviously, as aten.add does
+        return a.new_empty(oblivious_broadcast(a.shape, b.shape))
     return torch.empty_like(same_layout(a, b)[0])
 
 

@@ -26,6 +26,7 @@ from quantree.core.errors import QuantreeError
 from quantree.core.fast_attributes import read_buffers_directly
 from quantree.core.flat_inputs import bind_flat_inputs
 from quantree.core.shape_guards import explain_shape_guards
+from quantree.recurrent.packed import as_capture_ops, restore_aten
 
 
 def save(
@@ -49,7 +50,10 @@ def saved_program(
     if isinstance(module, torch.fx.GraphModule):
         module = one_name_per_tensor(module)  # a copy that shares the tensors
         as_recipes(module)
+        # packed sequences: exported through the ops capture traced them with, then ATen again
+        as_capture_ops(module)
     program = export_batch_dynamic(module, tuple(example_args), dynamic_batch)
+    restore_aten(program.graph_module)
     drop_provenance(program)
     return program
 
