@@ -11,7 +11,7 @@ ones.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -112,6 +112,38 @@ def _computes_from(node: fx.Node, known: dict[fx.Node, object]) -> bool:
     return torch.Tag.nondeterministic_seeded not in node.target.tags
 
 
+def run_on(node: fx.Node, known: dict[fx.Node, object]) -> object:
+    """``node``'s op run on the ``known`` values of its inputs."""
+    args, kwargs = pytree.tree_map_only(fx.Node, known.__getitem__, (node.args, node.kwargs))
+    with torch.no_grad():
+        return node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def known_values(
+    gm: fx.GraphModule, value_of: Callable[[fx.Node, dict[fx.Node, object]], object]
+) -> dict[fx.Node, object]:
+    """The values ``gm``'s graph holds before any input arrives: its tensor attributes, then,
+    in graph order, each node ``value_of`` gives a value for (None: it stays computed),
+    given the values known so far. Nodes whose output the graph writes to are never known.
+
+    The one walk behind both folding passes (parameter-only computations before calibration
+    here, input-independent tensors after lowering in the CPU backend); they differ only in
+    which ops they let run.
+    """
+    pinned = written_to(gm.graph)
+    known: dict[fx.Node, object] = {}
+    for node in gm.graph.nodes:
+        if node in pinned:
+            continue
+        if node.op == "get_attr" and isinstance(attr_at(gm, str(node.target)), torch.Tensor):
+            known[node] = attr_at(gm, str(node.target))
+            continue
+        value = value_of(node, known)
+        if value is not None:
+            known[node] = value
+    return known
+
+
 def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace every tensor computed from parameters and buffers alone by a constant, in place.
 
@@ -120,19 +152,7 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
     computes exactly what it computed before.
     """
     graph = gm.graph
-    pinned = written_to(graph)
-    known: dict[fx.Node, object] = {}
-    for node in graph.nodes:
-        if node in pinned:
-            continue
-        if node.op == "get_attr" and isinstance(attr_at(gm, str(node.target)), torch.Tensor):
-            known[node] = attr_at(gm, str(node.target))
-        elif _computes_from(node, known):
-            args, kwargs = pytree.tree_map_only(
-                fx.Node, known.__getitem__, (node.args, node.kwargs)
-            )
-            with torch.no_grad():
-                known[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+    known = known_values(gm, lambda n, k: run_on(n, k) if _computes_from(n, k) else None)
     for node, value in known.items():
         if node.op == "get_attr" or not isinstance(value, torch.Tensor):
             continue

@@ -21,8 +21,8 @@ import torch.fx as fx
 from torch._ops import OpOverload
 from torch.utils import _pytree as pytree
 
-from quantree.core.fold import written_to
-from quantree.core.graphs import attr_at, register_constant
+from quantree.core.fold import known_values, run_on
+from quantree.core.graphs import register_constant
 
 MAX_ELEMENTS = 1 << 16
 """Larger results keep being computed: a folded tensor is stored in the model (and its file)."""
@@ -50,6 +50,21 @@ def _static(value: object) -> bool:
     return isinstance(value, torch.Tensor) and all(isinstance(d, int) for d in value.shape)
 
 
+def _value(node: fx.Node, known: dict[fx.Node, object]) -> object:
+    """``node``'s value when no input reaches it and it is worth storing, else None."""
+    if not _deterministic(node, known):
+        return None
+    fake = pytree.tree_leaves(node.meta.get("val"))
+    if any(isinstance(v, torch.Tensor) and not _static(v) for v in fake):
+        return None  # a symbolic shape: depends on an input after all
+    value = run_on(node, known)
+    if isinstance(value, torch.Tensor) and value.numel() > MAX_ELEMENTS:
+        return None
+    if _uninitialized(node) and not (isinstance(value, torch.Tensor) and not value.numel()):
+        return None  # its contents are whatever memory held: only an empty one is known
+    return value
+
+
 def fold_input_independent(gm: fx.GraphModule) -> int:
     """Replace each tensor no graph input reaches by a constant, in place; returns how many.
 
@@ -57,27 +72,7 @@ def fold_input_independent(gm: fx.GraphModule) -> int:
     no call there. ``_assert_tensor_metadata`` checks on folded values ran here once and go.
     """
     graph = gm.graph
-    pinned = written_to(graph)
-    known: dict[fx.Node, object] = {}
-    for node in graph.nodes:
-        if node in pinned:
-            continue
-        if node.op == "get_attr" and isinstance(attr_at(gm, str(node.target)), torch.Tensor):
-            known[node] = attr_at(gm, str(node.target))
-        elif _deterministic(node, known):
-            args, kwargs = pytree.tree_map_only(
-                fx.Node, known.__getitem__, (node.args, node.kwargs)
-            )
-            fake = pytree.tree_leaves(node.meta.get("val"))
-            if any(isinstance(v, torch.Tensor) and not _static(v) for v in fake):
-                continue  # a symbolic shape: depends on an input after all
-            with torch.no_grad():
-                value = node.target(*args, **kwargs)  # type: ignore[operator]
-            if isinstance(value, torch.Tensor) and value.numel() > MAX_ELEMENTS:
-                continue
-            if _uninitialized(node) and not (isinstance(value, torch.Tensor) and not value.numel()):
-                continue  # its contents are whatever memory held: only an empty one is known
-            known[node] = value
+    known = known_values(gm, _value)
     folded = 0
     for node, value in known.items():
         if node.op == "get_attr":
