@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.fx as fx
 
+from quantree.backends.cpu.cells_layer import NativeRecurrentCells
 from quantree.backends.cpu.cells_native import NativeCellLoop, compile_body
 from quantree.backends.cpu.direct import call_directly
 from quantree.backends.cpu.float_report import warn_float_ops
@@ -47,7 +48,7 @@ from quantree.core.flat_inputs import bind_flat_inputs
 from quantree.core.graphs import nested_graphs, replace_submodule
 from quantree.core.lower import Backend, LoweringRule, lower
 from quantree.core.stages import GROUPS_KEY
-from quantree.recurrent.loop import CellLoop
+from quantree.recurrent.loop import CellLoop, RecurrentCells
 
 
 def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
@@ -79,7 +80,8 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
 
 def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
     """Lower every submodule graph that carries quantree's groups (cells-mode cell bodies),
-    then run each cell loop whose lowered body compiles as one native program.
+    then run each cell loop whose lowered body compiles as one native program, and each
+    layer whose loops all do so on the native layer's short call path (``cells_layer``).
 
     The modules on the path to each replaced one are copied first, so the reference model,
     which shares them, is left as it was.
@@ -100,6 +102,9 @@ def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
                 replace_submodule(gm, name, NativeCellLoop(program, module.reverse))
             else:
                 in_python.append(name)
+    for name, module in list(gm.named_modules()):
+        if type(module) is RecurrentCells and NativeRecurrentCells.covers(module):
+            replace_submodule(gm, name, NativeRecurrentCells(module))
     if in_python:
         warnings.warn(
             f"{len(in_python)} cell loop(s) run their lowered body step by step in Python, "

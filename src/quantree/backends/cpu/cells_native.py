@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from quantree.backends.cpu.cells_runner import CellLoopRunner
 from quantree.backends.cpu.native import library, ptr
 from quantree.backends.cpu.ops_rnn_packed import by_length
 from quantree.backends.cpu.packing import packed_depth
@@ -225,11 +226,32 @@ class NativeCellLoop(nn.Module):
         self.register_buffer("fcode", torch.tensor(program.fcode, dtype=torch.float32))
         self.register_buffer("slots", torch.tensor(program.slots, dtype=torch.int64))
         self.register_buffer("outs", torch.tensor(program.outs, dtype=torch.int64))
+        self.const_names = tuple(f"const{i}" for i in range(self.n_consts))
+        self.runner = CellLoopRunner()
+
+    def program(self) -> tuple[list[Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """The constants and ``(code, fcode, slots, outs)`` as the module holds them now,
+        read from ``_buffers`` (``Module.__getattr__`` costs ~0.7 us a name)."""
+        buffers: Any = self._buffers
+        consts = [buffers[name] for name in self.const_names]
+        return consts, (buffers["code"], buffers["fcode"], buffers["slots"], buffers["outs"])
+
+    def ready(self) -> tuple[int, ...]:
+        """The runner prepared for the module's tensors; the input and state widths."""
+        return self.runner.ready(*self.program())
 
     def forward(
         self, xs: Tensor, state: tuple[Tensor, ...], batch_sizes: Tensor | None = None
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """``batch_sizes``: ``xs`` are a packed sequence's rows (one native loop per length)."""
+        """``batch_sizes``: ``xs`` are a packed sequence's rows (one native loop per length).
+
+        Plain tensors run on the module's ``CellLoopRunner`` (the op's arithmetic, without
+        the dispatcher and the per-call argument block); anything else (the fake tensors of
+        ``torch.export`` when the model is saved) goes through the op, so saved programs
+        hold ``quantree.cell_loop``."""
+        if batch_sizes is None and type(xs) is Tensor and all(type(s) is Tensor for s in state):
+            ys, *final = self.runner(xs, state, *self.program(), self.reverse)
+            return ys, tuple(final)
         consts = [getattr(self, f"const{i}") for i in range(self.n_consts)]
         program = (self.code, self.fcode, self.slots, self.outs, self.reverse)
         if batch_sizes is None:
