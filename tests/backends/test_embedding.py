@@ -52,3 +52,23 @@ def test_lowered_embedding_saves_and_loads(tmp_path) -> None:
     loaded = load(tmp_path / "tagger.pt2")
     with torch.no_grad():
         assert torch.equal(loaded(*data[1]), low(*data[1]))
+
+
+def test_native_row_gather_is_bit_equal_to_the_aten_ops() -> None:
+    """The per-row lookup runs natively (one call); its bits are the five ATen ops' it
+    replaced, and an index out of range raises as ``embedding`` does."""
+    from quantree.backends.cpu.ops_embedding import embedding_rows
+
+    g = torch.Generator().manual_seed(0)
+    table = torch.randint(-128, 128, (300, 37), dtype=torch.int8, generator=g)
+    scale = torch.rand(300, generator=g) * 0.1 + 1e-4
+    zero_point = torch.randint(-128, 128, (300,), dtype=torch.int32, generator=g)
+    for shape in [(), (5,), (2, 11), (3, 1, 4)]:
+        ids = torch.randint(0, 300, shape, generator=g)
+        rows = torch.nn.functional.embedding(ids, table)
+        want = (rows - zero_point[ids].unsqueeze(-1)) * scale[ids].unsqueeze(-1)
+        got = embedding_rows(table, scale, zero_point, ids, True)
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    for bad in (300, -1):
+        with pytest.raises(IndexError):
+            embedding_rows(table, scale, zero_point, torch.tensor([[3, bad]]), True)

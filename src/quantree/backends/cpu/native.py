@@ -76,6 +76,7 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_matmul": [_ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _f32, _f32, _ptr, _ptr, _f32, _f32],
     "qt_quantize": [_ptr, _i64, _f32, _f32, _ptr],
     "qt_dequantize": [_ptr, _i64, _f32, _f32, _ptr],
+    "qt_embedding_rows": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr],
     "qt_cell_loop": [_ptr, _ptr, _i64, _int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
                      _i64, _ptr],
     "qt_rnn_layer": [_int, _i64, _i64, _i64, _i64, _int, _ptr, _f32, _f32, _ptr, _i64, _ptr,
@@ -122,6 +123,7 @@ def library() -> ctypes.CDLL:
         fn = getattr(lib, symbol)
         fn.argtypes = argtypes
         fn.restype = None
+    lib.qt_embedding_rows.restype = _i64  # the first index out of range, or -1
     lib.qt_select_isa.argtypes = [_int]
     lib.qt_select_isa.restype = _int
     lib.qt_current_isa.restype = _int

@@ -380,6 +380,25 @@ void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out
     for (int64_t i = 0; i < n; ++i) out[i] = (static_cast<float>(q[i]) - zp) * scale;
 }
 
+// Rows idx[0..n) of an int8 [rows, cols] table, each dequantized on its own grid, as
+// ``(row - zp[r]) * scale[r]`` in int32 then float, the reference's arithmetic. One call
+// instead of the five ATen ops (gather, two index lookups, sub, mul) an unrolled decoder paid
+// at every step. Returns the position of the first index out of range (nothing written),
+// or -1.
+int64_t qt_embedding_rows(const int8_t* table, int64_t rows, int64_t cols, const int64_t* idx,
+                          int64_t n, const float* scale, const int32_t* zp, float* out) {
+    for (int64_t i = 0; i < n; ++i)
+        if (idx[i] < 0 || idx[i] >= rows) return i;
+    for (int64_t i = 0; i < n; ++i) {
+        const int8_t* row = table + idx[i] * cols;
+        const float s = scale[idx[i]];
+        const int32_t z = zp[idx[i]];
+        float* o = out + i * cols;
+        for (int64_t j = 0; j < cols; ++j) o[j] = static_cast<float>(row[j] - z) * s;
+    }
+    return -1;
+}
+
 // Elementwise add (op 0), mul (op 1) or sub (op 2) of two int8 tensors, each dequantized exactly as the
 // reference does, combined in float, requantized: one pass instead of four ATen chains.
 void qt_binary(int op, const int8_t* a, const int8_t* b, int64_t n, float sa, float za, float sb,
