@@ -58,6 +58,10 @@ inline __m256i fold(__m256i p, __m256i q) {
     return _mm256_permute4x64_epi64(_mm256_hadd_epi32(p, q), 0xD8);
 }
 
+// The same for a widened panel's accumulators: p holds columns 0, 1, 4, 5 and q 2, 3, 6, 7
+// (widen_panel), so the in-lane hadd already gives 0 .. 7.
+inline __m256i fold_panel(__m256i p, __m256i q) { return _mm256_hadd_epi32(p, q); }
+
 // ---- the 16-bit operand joined into one -------------------------------------------------
 //
 // For a 16-bit operand split in two planes (hi, lo) the planes are joined back into
@@ -144,9 +148,11 @@ void micro16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t
 // ---- GEMM tiles: up to 6 rows x 8 columns of a widened weight panel --------------------
 //
 // A panel is 8 columns of B widened to int16 once per pass over the rows ([kq][8][4], two
-// registers per 4 k: columns 0-3 and 4-7), so the inner loop has no shuffle at all: per 4 k,
-// 2 loads of B, one broadcast of 4 activations per row, and 2 `vpmaddwd` + 2 `vpaddd` per
-// row into 12 accumulators (2 partial sums per column).
+// registers per 4 k: columns 0, 1, 4, 5 and 2, 3, 6, 7), so the inner loop has no shuffle at
+// all: per 4 k, 2 loads of B, one broadcast of 4 activations per row, and 2 `vpmaddwd` + 2
+// `vpaddd` per row into 12 accumulators (2 partial sums per column). That column order makes
+// one `vphaddd` (which adds within 128-bit lanes) leave the 8 column sums in order: no
+// permute per row (fold_panel).
 
 // Facts about one widened panel that the 16-bit operand needs (see gemm_avx2).
 struct PanelInfo {
@@ -161,7 +167,9 @@ void widen_panel(const int8_t* B, int64_t kq, int64_t n8, int16_t* bw, PanelInfo
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i s0 = _mm256_setzero_si256(), s1 = s0, t0 = s0, t1 = s0, lo = s0;
     for (int64_t k = 0; k < kq; ++k) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * k));
+        // 4 bytes of k per column: (0, 1, 2, 3, 4, 5, 6, 7) -> (0, 1, 4, 5, 2, 3, 6, 7)
+        const __m256i v = _mm256_permute4x64_epi64(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * k)), 0xD8);
         const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
         const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
         _mm256_store_si256(reinterpret_cast<__m256i*>(bw + 32 * k), w0);
@@ -175,9 +183,9 @@ void widen_panel(const int8_t* B, int64_t kq, int64_t n8, int16_t* bw, PanelInfo
         }
     }
     if (!info) return;
-    info->w128 = _mm256_slli_epi32(fold(s0, s1), 7);
+    info->w128 = _mm256_slli_epi32(fold_panel(s0, s1), 7);
     alignas(32) int32_t v[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(v), fold(t0, t1));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v), fold_panel(t0, t1));
     info->abs_max = *std::max_element(v, v + 8);
     const __m256i bad = _mm256_cmpeq_epi8(lo, _mm256_set1_epi8(-128));
     info->has_min = !_mm256_testz_si256(bad, bad);
@@ -244,7 +252,7 @@ void tile8(const int16_t* const* a, const int16_t* bw, int64_t kq, __m256i* s) {
             : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
               "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
 #undef QT_ROW6
-        for (int i = 0; i < 6; ++i) s[i] = fold(acc[2 * i], acc[2 * i + 1]);
+        for (int i = 0; i < 6; ++i) s[i] = fold_panel(acc[2 * i], acc[2 * i + 1]);
         return;
     } else {
         for (int64_t k = 0; k < kq; ++k) {
@@ -265,11 +273,11 @@ void tile8(const int16_t* const* a, const int16_t* bw, int64_t kq, __m256i* s) {
 #undef QT_ROW
         }
     }
-    s[0] = fold(x0, x1);
-    if constexpr (MR > 1) s[1] = fold(x2, x3);
-    if constexpr (MR > 2) s[2] = fold(x4, x5);
-    if constexpr (MR > 3) s[3] = fold(x6, x7);
-    if constexpr (MR > 4) s[4] = fold(x8, x9);
+    s[0] = fold_panel(x0, x1);
+    if constexpr (MR > 1) s[1] = fold_panel(x2, x3);
+    if constexpr (MR > 2) s[2] = fold_panel(x4, x5);
+    if constexpr (MR > 3) s[3] = fold_panel(x6, x7);
+    if constexpr (MR > 4) s[4] = fold_panel(x8, x9);
 }
 
 void tile8_n(int n, const int16_t* const* a, const int16_t* bw, int64_t kq, __m256i* s) {
@@ -287,11 +295,58 @@ void tile8_n(int n, const int16_t* const* a, const int16_t* bw, int64_t kq, __m2
 // operand (JOINED), or its two planes side by side, 3 rows of each per tile (PLANES).
 enum PanelMode { PLAIN, JOINED, PLANES };
 
+// The epilogue of a full panel (8 columns) with what depends on the column alone loaded once
+// per panel, not once per row, and nothing left to decide per row: the common cases, a float
+// output (gx / gh of a recurrent step) and an int8 output through mult / add (linear and
+// conv). Per row that leaves the arithmetic of epilogue8, in its order, so the same bits; at
+// K = 256 the per-row branches and reloads of the general epilogue cost about as much as the
+// arithmetic (the GEMM's "rest" in perf). Other cases (row offsets, accumulating, a partial
+// panel, int8 through scale) keep epilogue8.
+struct PanelEpilogue {
+    enum Kind { GENERAL, FLOAT, INT8 } kind = GENERAL;
+    __m256i off;
+    __m256 a, b;  // scale and bias (FLOAT), mult and add (INT8)
+    bool bias = false;
+
+    PanelEpilogue(const Epilogue& ep, int64_t n0, int64_t cnt) {
+        if (cnt < 8 || ep.row_off || ep.accumulate) return;
+        if (!ep.out_f && !ep.mult) return;
+        off = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ep.off + n0));
+        if (ep.out_f) {
+            kind = FLOAT;
+            a = _mm256_loadu_ps(ep.scale + n0);
+            bias = ep.bias != nullptr;
+            b = bias ? _mm256_loadu_ps(ep.bias + n0) : _mm256_setzero_ps();
+        } else {
+            kind = INT8;
+            a = _mm256_loadu_ps(ep.mult + n0);
+            b = _mm256_loadu_ps(ep.add + n0);
+        }
+    }
+
+    // sum: the int32 column sums (joined: already (S >> 8) + 128 sum w); lo: the low plane's
+    inline void row(const Epilogue& ep, int64_t r, int64_t n0, __m256i sum, const __m256i* lo) const {
+        __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(sum, off));
+        if (lo) v = _mm256_fmadd_ps(v, _mm256_set1_ps(256.0f), _mm256_cvtepi32_ps(*lo));
+        if (kind == FLOAT) {
+            __m256 y = _mm256_mul_ps(v, a);
+            if (bias) y = _mm256_add_ps(y, b);
+            _mm256_storeu_ps(ep.out_f + r * ep.ldc + n0, y);
+            return;
+        }
+        __m256 q = _mm256_add_ps(_mm256_mul_ps(v, a), b);  // mul then add, as the reference
+        q = _mm256_add_ps(x86_256::round8(q), _mm256_set1_ps(ep.zero_point));
+        q = x86_256::clamp8(q, ep.qmin, ep.qmax);
+        x86_256::store8_bytes(ep.out_q + r * ep.ldc + n0, _mm256_cvtps_epi32(q), 8, true);
+    }
+};
+
 // Rows r0 .. r1 - 1 against the widened panel of columns n0 .. n0 + 7.
 void panel_rows(PanelMode mode, const int16_t* A, const int16_t* A2, int64_t lda,
                 const int16_t* bw, int64_t kq, int64_t r0, int64_t r1, int64_t n0, int64_t N,
                 const Epilogue& ep, const __m256i* w128) {
     const int64_t step = mode == PLANES ? 3 : 6, cnt = N - n0 < 8 ? N - n0 : 8;
+    const PanelEpilogue pe(ep, n0, cnt);
     for (int64_t r = r0, m = 0; r < r1; r += m) {
         // 6 rows at a time, but 7 or 8 left are 4 + 3 or 4 + 4: a tile of 1 or 2 rows loads
         // B for few products
@@ -304,6 +359,19 @@ void panel_rows(PanelMode mode, const int16_t* A, const int16_t* A2, int64_t lda
         }
         __m256i s[6];
         tile8_n(static_cast<int>(mode == PLANES ? 2 * m : m), rows, bw, kq, s);
+        if (pe.kind != PanelEpilogue::GENERAL) {
+            for (int i = 0; i < m; ++i) {
+                if (mode == PLANES) {
+                    pe.row(ep, r + i, n0, s[i], &s[m + i]);
+                } else if (mode == JOINED) {
+                    const __m256i lo = _mm256_and_si256(s[i], _mm256_set1_epi32(255));
+                    pe.row(ep, r + i, n0, _mm256_add_epi32(_mm256_srai_epi32(s[i], 8), *w128), &lo);
+                } else {
+                    pe.row(ep, r + i, n0, s[i], nullptr);
+                }
+            }
+            continue;
+        }
         for (int i = 0; i < m; ++i) {
             if (mode == PLANES)
                 epilogue8(ep, r + i, n0, cnt, s[i], &s[m + i]);
