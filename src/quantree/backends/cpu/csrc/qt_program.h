@@ -201,8 +201,8 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
         }
         case LOOKUP: {
             // through the path's lookup (exact everywhere): on AVX2 a shuffle per 16 table
-            // entries, 2.5x the scalar loop's bytes per cycle (a third of the cell loop's own
-            // time at batch 32 was this loop, perf)
+            // entries, about twice the scalar loop's bytes per cycle (a third of the cell
+            // loop's own time at batch 32 was this loop, perf)
             const int8_t* table = static_cast<const int8_t*>(consts[c[3]]);
             const int64_t rows = dst.rows, cols = dst.cols;
             for (int64_t r = 0; r < rows; ++r) qt::kernels.lookup(table, a.q(r), dst.q(r), cols);
