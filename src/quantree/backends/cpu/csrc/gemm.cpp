@@ -71,6 +71,11 @@ void activation_portable(int kind, const float* a, float* out, int64_t n) {
     }
 }
 
+void lookup_portable(const int8_t* table, const int8_t* __restrict x, int8_t* __restrict out,
+                     int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = table[static_cast<int>(x[i]) + 128];
+}
+
 Kernels kernels{gemm_portable, cell_portable, activation_portable};
 
 }  // namespace qt
@@ -130,10 +135,12 @@ int qt_select_isa(int cap) {
         kernels = Kernels{gemm_avx512vnni, cell_avx512, activation_avx512};
         isa = AVX512VNNI;
     } else if (cap >= AVXVNNI && (avxvnni || avx512)) {
-        kernels = Kernels{avxvnni ? gemm_avxvnni : gemm_vnni256_evex, cell_avx2, activation_avx2};
+        kernels = Kernels{avxvnni ? gemm_avxvnni : gemm_vnni256_evex, cell_avx2, activation_avx2,
+                          nullptr, nullptr, lookup_avx2};
         isa = AVXVNNI;
     } else if (cap >= AVX2 && avx2) {
-        kernels = Kernels{gemm_avx2, cell_avx2, activation_avx2, prepare_avx2, gemm_avx2_prepared};
+        kernels = Kernels{gemm_avx2, cell_avx2, activation_avx2, prepare_avx2, gemm_avx2_prepared,
+                          lookup_avx2};
         isa = AVX2;
     }
 #elif defined(__aarch64__)

@@ -58,6 +58,10 @@ inline __m256i fold(__m256i p, __m256i q) {
     return _mm256_permute4x64_epi64(_mm256_hadd_epi32(p, q), 0xD8);
 }
 
+// The same for a widened panel's accumulators: p holds columns 0, 1, 4, 5 and q 2, 3, 6, 7
+// (widen_panel), so the in-lane hadd already gives 0 .. 7.
+inline __m256i fold_panel(__m256i p, __m256i q) { return _mm256_hadd_epi32(p, q); }
+
 // ---- the 16-bit operand joined into one -------------------------------------------------
 //
 // For a 16-bit operand split in two planes (hi, lo) the planes are joined back into
@@ -144,9 +148,11 @@ void micro16(const int16_t* A, int64_t lda, const int8_t* B, int64_t kq, int64_t
 // ---- GEMM tiles: up to 6 rows x 8 columns of a widened weight panel --------------------
 //
 // A panel is 8 columns of B widened to int16 once per pass over the rows ([kq][8][4], two
-// registers per 4 k: columns 0-3 and 4-7), so the inner loop has no shuffle at all: per 4 k,
-// 2 loads of B, one broadcast of 4 activations per row, and 2 `vpmaddwd` + 2 `vpaddd` per
-// row into 12 accumulators (2 partial sums per column).
+// registers per 4 k: columns 0, 1, 4, 5 and 2, 3, 6, 7), so the inner loop has no shuffle at
+// all: per 4 k, 2 loads of B, one broadcast of 4 activations per row, and 2 `vpmaddwd` + 2
+// `vpaddd` per row into 12 accumulators (2 partial sums per column). That column order makes
+// one `vphaddd` (which adds within 128-bit lanes) leave the 8 column sums in order: no
+// permute per row (fold_panel).
 
 // Facts about one widened panel that the 16-bit operand needs (see gemm_avx2).
 struct PanelInfo {
@@ -161,7 +167,9 @@ void widen_panel(const int8_t* B, int64_t kq, int64_t n8, int16_t* bw, PanelInfo
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i s0 = _mm256_setzero_si256(), s1 = s0, t0 = s0, t1 = s0, lo = s0;
     for (int64_t k = 0; k < kq; ++k) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * k));
+        // 4 bytes of k per column: (0, 1, 2, 3, 4, 5, 6, 7) -> (0, 1, 4, 5, 2, 3, 6, 7)
+        const __m256i v = _mm256_permute4x64_epi64(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * k)), 0xD8);
         const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
         const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
         _mm256_store_si256(reinterpret_cast<__m256i*>(bw + 32 * k), w0);
@@ -175,9 +183,9 @@ void widen_panel(const int8_t* B, int64_t kq, int64_t n8, int16_t* bw, PanelInfo
         }
     }
     if (!info) return;
-    info->w128 = _mm256_slli_epi32(fold(s0, s1), 7);
+    info->w128 = _mm256_slli_epi32(fold_panel(s0, s1), 7);
     alignas(32) int32_t v[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(v), fold(t0, t1));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v), fold_panel(t0, t1));
     info->abs_max = *std::max_element(v, v + 8);
     const __m256i bad = _mm256_cmpeq_epi8(lo, _mm256_set1_epi8(-128));
     info->has_min = !_mm256_testz_si256(bad, bad);
@@ -244,7 +252,7 @@ void tile8(const int16_t* const* a, const int16_t* bw, int64_t kq, __m256i* s) {
             : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
               "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
 #undef QT_ROW6
-        for (int i = 0; i < 6; ++i) s[i] = fold(acc[2 * i], acc[2 * i + 1]);
+        for (int i = 0; i < 6; ++i) s[i] = fold_panel(acc[2 * i], acc[2 * i + 1]);
         return;
     } else {
         for (int64_t k = 0; k < kq; ++k) {
@@ -265,11 +273,11 @@ void tile8(const int16_t* const* a, const int16_t* bw, int64_t kq, __m256i* s) {
 #undef QT_ROW
         }
     }
-    s[0] = fold(x0, x1);
-    if constexpr (MR > 1) s[1] = fold(x2, x3);
-    if constexpr (MR > 2) s[2] = fold(x4, x5);
-    if constexpr (MR > 3) s[3] = fold(x6, x7);
-    if constexpr (MR > 4) s[4] = fold(x8, x9);
+    s[0] = fold_panel(x0, x1);
+    if constexpr (MR > 1) s[1] = fold_panel(x2, x3);
+    if constexpr (MR > 2) s[2] = fold_panel(x4, x5);
+    if constexpr (MR > 3) s[3] = fold_panel(x6, x7);
+    if constexpr (MR > 4) s[4] = fold_panel(x8, x9);
 }
 
 void tile8_n(int n, const int16_t* const* a, const int16_t* bw, int64_t kq, __m256i* s) {
@@ -287,11 +295,58 @@ void tile8_n(int n, const int16_t* const* a, const int16_t* bw, int64_t kq, __m2
 // operand (JOINED), or its two planes side by side, 3 rows of each per tile (PLANES).
 enum PanelMode { PLAIN, JOINED, PLANES };
 
+// The epilogue of a full panel (8 columns) with what depends on the column alone loaded once
+// per panel, not once per row, and nothing left to decide per row: the common cases, a float
+// output (gx / gh of a recurrent step) and an int8 output through mult / add (linear and
+// conv). Per row that leaves the arithmetic of epilogue8, in its order, so the same bits; at
+// K = 256 the per-row branches and reloads of the general epilogue cost about as much as the
+// arithmetic (the GEMM's "rest" in perf). Other cases (row offsets, accumulating, a partial
+// panel, int8 through scale) keep epilogue8.
+struct PanelEpilogue {
+    enum Kind { GENERAL, FLOAT, INT8 } kind = GENERAL;
+    __m256i off;
+    __m256 a, b;  // scale and bias (FLOAT), mult and add (INT8)
+    bool bias = false;
+
+    PanelEpilogue(const Epilogue& ep, int64_t n0, int64_t cnt) {
+        if (cnt < 8 || ep.row_off || ep.accumulate) return;
+        if (!ep.out_f && !ep.mult) return;
+        off = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ep.off + n0));
+        if (ep.out_f) {
+            kind = FLOAT;
+            a = _mm256_loadu_ps(ep.scale + n0);
+            bias = ep.bias != nullptr;
+            b = bias ? _mm256_loadu_ps(ep.bias + n0) : _mm256_setzero_ps();
+        } else {
+            kind = INT8;
+            a = _mm256_loadu_ps(ep.mult + n0);
+            b = _mm256_loadu_ps(ep.add + n0);
+        }
+    }
+
+    // sum: the int32 column sums (joined: already (S >> 8) + 128 sum w); lo: the low plane's
+    inline void row(const Epilogue& ep, int64_t r, int64_t n0, __m256i sum, const __m256i* lo) const {
+        __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(sum, off));
+        if (lo) v = _mm256_fmadd_ps(v, _mm256_set1_ps(256.0f), _mm256_cvtepi32_ps(*lo));
+        if (kind == FLOAT) {
+            __m256 y = _mm256_mul_ps(v, a);
+            if (bias) y = _mm256_add_ps(y, b);
+            _mm256_storeu_ps(ep.out_f + r * ep.ldc + n0, y);
+            return;
+        }
+        __m256 q = _mm256_add_ps(_mm256_mul_ps(v, a), b);  // mul then add, as the reference
+        q = _mm256_add_ps(x86_256::round8(q), _mm256_set1_ps(ep.zero_point));
+        q = x86_256::clamp8(q, ep.qmin, ep.qmax);
+        x86_256::store8_bytes(ep.out_q + r * ep.ldc + n0, _mm256_cvtps_epi32(q), 8, true);
+    }
+};
+
 // Rows r0 .. r1 - 1 against the widened panel of columns n0 .. n0 + 7.
 void panel_rows(PanelMode mode, const int16_t* A, const int16_t* A2, int64_t lda,
                 const int16_t* bw, int64_t kq, int64_t r0, int64_t r1, int64_t n0, int64_t N,
                 const Epilogue& ep, const __m256i* w128) {
     const int64_t step = mode == PLANES ? 3 : 6, cnt = N - n0 < 8 ? N - n0 : 8;
+    const PanelEpilogue pe(ep, n0, cnt);
     for (int64_t r = r0, m = 0; r < r1; r += m) {
         // 6 rows at a time, but 7 or 8 left are 4 + 3 or 4 + 4: a tile of 1 or 2 rows loads
         // B for few products
@@ -304,6 +359,19 @@ void panel_rows(PanelMode mode, const int16_t* A, const int16_t* A2, int64_t lda
         }
         __m256i s[6];
         tile8_n(static_cast<int>(mode == PLANES ? 2 * m : m), rows, bw, kq, s);
+        if (pe.kind != PanelEpilogue::GENERAL) {
+            for (int i = 0; i < m; ++i) {
+                if (mode == PLANES) {
+                    pe.row(ep, r + i, n0, s[i], &s[m + i]);
+                } else if (mode == JOINED) {
+                    const __m256i lo = _mm256_and_si256(s[i], _mm256_set1_epi32(255));
+                    pe.row(ep, r + i, n0, _mm256_add_epi32(_mm256_srai_epi32(s[i], 8), *w128), &lo);
+                } else {
+                    pe.row(ep, r + i, n0, s[i], nullptr);
+                }
+            }
+            continue;
+        }
         for (int i = 0; i < m; ++i) {
             if (mode == PLANES)
                 epilogue8(ep, r + i, n0, cnt, s[i], &s[m + i]);
@@ -444,6 +512,7 @@ using x86_256::round8;
 using x86_256::store8;
 using x86_256::store8_bytes;
 using x86_256::vsig;
+using x86_256::vsig_n;
 using x86_256::vtanh;
 
 static inline __m256i vquant(__m256 h, float inv, float zp) {
@@ -477,12 +546,15 @@ static inline void emit8(const RnnStep& s, __m256 hv, int64_t j, int64_t m, floa
 // the cell and hidden state. Written as one pass, each 8 columns are a chain of three
 // dependent transcendentals (gates, then tanh(c)) longer than the reorder window can overlap
 // with the next 8; the gates of a block are independent of each other, and so are the
-// blocks' tanh(c). Same arithmetic, same bits; 41.6 -> 28-31 us per step of 32 x 256
-// (C-level, min of 300, load 7).
+// blocks' tanh(c). Within each pass the sigmoids go 4 at a time through vsig_n, their
+// instructions interleaved: 26.3 -> 18.4 us per step of 32 x 256 (C level, min of 30, one
+// core; 8 at a time spill and were slower). Same arithmetic, same bits.
 static void lstm_avx2(const RnnStep& s, const float* gx, const float* gh, float* h, float* c,
                       uint8_t* hu8, int8_t* y, float* yf, float* raw) {
     const int64_t H = s.H;
+    const __m256 one = _mm256_set1_ps(1.0f);
     alignas(32) float gate[4][64];
+    alignas(32) float tc[64];  // tanh(c) of the block
     for (int64_t j0 = 0; j0 < H; j0 += 64) {
         const int64_t w = H - j0 < 64 ? H - j0 : 64;
         for (int64_t j = 0; j < w; j += 8) {
@@ -491,19 +563,36 @@ static void lstm_avx2(const RnnStep& s, const float* gx, const float* gh, float*
                 const int64_t at = g * H + j0 + j;
                 return _mm256_add_ps(load8(gx + at, m), load8(gh + at, m));
             };
-            _mm256_store_ps(gate[0] + j, vsig(pre(0)));
-            _mm256_store_ps(gate[1] + j, vsig(pre(1)));
-            _mm256_store_ps(gate[2] + j, vtanh(pre(2)));
-            _mm256_store_ps(gate[3] + j, vsig(pre(3)));
+            __m256 v[4] = {pre(0), pre(1), pre(2), pre(3)};
+            v[2] = _mm256_add_ps(v[2], v[2]);  // tanh(g) = 2 sigmoid(2 g) - 1
+            vsig_n<4>(v);
+            _mm256_store_ps(gate[0] + j, v[0]);
+            _mm256_store_ps(gate[1] + j, v[1]);
+            _mm256_store_ps(gate[2] + j, _mm256_sub_ps(_mm256_add_ps(v[2], v[2]), one));
+            _mm256_store_ps(gate[3] + j, v[3]);
+        }
+        for (int64_t j = 0; j < w; j += 32) {  // c, then tanh(c) of 4 x 8 columns at once
+            __m256 v[4];
+            for (int q = 0; q < 4; ++q) {
+                const int64_t jj = j + 8 * q, m = w - jj < 8 ? w - jj : 8, at = j0 + jj;
+                if (m <= 0) {
+                    v[q] = _mm256_setzero_ps();
+                    continue;
+                }
+                const __m256 cv =
+                    _mm256_fmadd_ps(_mm256_load_ps(gate[1] + jj), load8(c + at, m),
+                                    _mm256_mul_ps(_mm256_load_ps(gate[0] + jj),
+                                                  _mm256_load_ps(gate[2] + jj)));
+                store8(c + at, cv, m);
+                v[q] = _mm256_add_ps(cv, cv);
+            }
+            vsig_n<4>(v);
+            for (int q = 0; q < 4; ++q)
+                _mm256_store_ps(tc + j + 8 * q, _mm256_sub_ps(_mm256_add_ps(v[q], v[q]), one));
         }
         for (int64_t j = 0; j < w; j += 8) {
             const int64_t m = w - j < 8 ? w - j : 8, at = j0 + j;
-            const __m256 cv =
-                _mm256_fmadd_ps(_mm256_load_ps(gate[1] + j), load8(c + at, m),
-                                _mm256_mul_ps(_mm256_load_ps(gate[0] + j),
-                                              _mm256_load_ps(gate[2] + j)));
-            store8(c + at, cv, m);
-            const __m256 hv = _mm256_mul_ps(_mm256_load_ps(gate[3] + j), vtanh(cv));
+            const __m256 hv = _mm256_mul_ps(_mm256_load_ps(gate[3] + j), _mm256_load_ps(tc + j));
             if (raw)
                 store8(raw + at, hv, m);
             else
@@ -540,12 +629,51 @@ void cell_avx2(const RnnStep& s, const float* gx, const float* gh, float* h, flo
     }
 }
 
+// Sigmoid or tanh of n floats, 4 vectors at a time through vsig_n (see lstm_avx2).
 void activation_avx2(int kind, const float* a, float* out, int64_t n) {
-    for (int64_t j = 0; j < n; j += 8) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        __m256 v[4];
+        for (int q = 0; q < 4; ++q) {
+            v[q] = _mm256_loadu_ps(a + j + 8 * q);
+            if (kind != 0) v[q] = _mm256_add_ps(v[q], v[q]);
+        }
+        vsig_n<4>(v);
+        for (int q = 0; q < 4; ++q)
+            _mm256_storeu_ps(out + j + 8 * q,
+                             kind == 0 ? v[q] : _mm256_sub_ps(_mm256_add_ps(v[q], v[q]), one));
+    }
+    for (; j < n; j += 8) {
         const int64_t m = n - j < 8 ? n - j : 8;
         const __m256 x = load8(a + j, m);
         store8(out + j, kind == 0 ? vsig(x) : vtanh(x), m);
     }
+}
+
+// out[i] = table[x[i] + 128], 32 bytes at a time: the table as 16 rows of 16 bytes, each
+// row a `vpshufb` by the index's low nibble, kept where the high nibble names that row. 3
+// vector instructions per row and 32 bytes against the scalar loop's 2 loads and a store per
+// byte: 0.34 -> 0.17-0.20 ns per byte (C level, one core). Exact: a table read either way.
+void lookup_avx2(const int8_t* table, const int8_t* x, int8_t* out, int64_t n) {
+    __m256i t[16];
+    for (int i = 0; i < 16; ++i)
+        t[i] = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(table + 16 * i)));
+    const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        const __m256i v = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j)), flip);  // x + 128
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        __m256i r = _mm256_shuffle_epi8(t[0], lo);
+        for (int i = 1; i < 16; ++i)
+            r = _mm256_blendv_epi8(r, _mm256_shuffle_epi8(t[i], lo),
+                                   _mm256_cmpeq_epi8(hi, _mm256_set1_epi8(static_cast<char>(i))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), r);
+    }
+    for (; j < n; ++j) out[j] = table[static_cast<int>(x[j]) + 128];
 }
 
 }  // namespace qt

@@ -413,7 +413,7 @@ void qt_binary(int op, const int8_t* a, const int8_t* b, int64_t n, float sa, fl
 
 // out[i] = table[x[i] + 128]: any pointwise int8 -> int8 function, tabulated at lowering.
 void qt_lookup(const int8_t* x, int64_t n, const int8_t* table, int8_t* out) {
-    for (int64_t i = 0; i < n; ++i) out[i] = table[static_cast<int>(x[i]) + 128];
+    qt::kernels.lookup(table, x, out, n);
 }
 
 // Softmax over the last dimension of int8 rows: exp(x_i - max x) depends only on the code

@@ -127,12 +127,18 @@ using PreparedGemmFn = void (*)(int64_t M, int64_t N, int64_t Kp, const uint8_t*
                                 int64_t lda, const int8_t* B, const Epilogue& ep,
                                 const uint8_t* A_lo, const void* prepared);
 
+// out[i] = table[x[i] + 128] for n bytes: any pointwise int8 -> int8 function, tabulated at
+// lowering (cells mode's sigmoid / tanh / requantizations, qt_lookup). Exact on every path.
+using LookupFn = void (*)(const int8_t* table, const int8_t* x, int8_t* out, int64_t n);
+void lookup_portable(const int8_t* table, const int8_t* x, int8_t* out, int64_t n);
+
 struct Kernels {
     GemmFn gemm;
     CellFn cell;
     ActivationFn activation;
     PrepareFn prepare = nullptr;  // paths that read the packed bytes as they are have none
     PreparedGemmFn gemm_prepared = nullptr;
+    LookupFn lookup = lookup_portable;
 };
 extern Kernels kernels;  // set by qt_select_isa (the portable path until then)
 
@@ -188,6 +194,7 @@ void gemm_avx2_prepared(int64_t, int64_t, int64_t, const uint8_t*, int64_t, cons
 void cell_avx2(const RnnStep&, const float*, const float*, float*, float*, uint8_t*, int8_t*,
                float*, float*);
 void activation_avx2(int, const float*, float*, int64_t);
+void lookup_avx2(const int8_t*, const int8_t*, int8_t*, int64_t);
 #endif
 #if defined(__aarch64__)
 void gemm_neon(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,

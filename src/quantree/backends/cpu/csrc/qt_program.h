@@ -5,8 +5,9 @@
 // Values are 2-d [rows, cols] slices (row stride ld) of one workspace; a chunk's pieces, an
 // unbind's items and a stack's parts are views of their source. Instructions are fixed-size
 // records of int64 and float fields. Every instruction but the sigmoid/tanh of FLOAT_UNARY
-// (which goes through the selected path's activation, as the recurrent kernels do) is plain
-// C++ with no ISA dispatch, so it gives the same bits on every path.
+// (which goes through the selected path's activation, as the recurrent kernels do) and
+// LOOKUP (the path's table lookup, exact on every path) is plain C++ with no ISA dispatch,
+// so it gives the same bits on every path.
 #pragma once
 #include <cmath>
 #include <cstring>
@@ -199,16 +200,12 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
             break;
         }
         case LOOKUP: {
+            // through the path's lookup (exact everywhere): on AVX2 a shuffle per 16 table
+            // entries, about twice the scalar loop's bytes per cycle (a third of the cell
+            // loop's own time at batch 32 was this loop, perf)
             const int8_t* table = static_cast<const int8_t*>(consts[c[3]]);
-            // rows, sizes and row pointers hoisted: a byte store may alias the slots, so
-            // written as dst.q(r)[j] the compiler reloaded them for every element (a third of
-            // the cell loop's own time at batch 32, perf)
             const int64_t rows = dst.rows, cols = dst.cols;
-            for (int64_t r = 0; r < rows; ++r) {
-                const int8_t* __restrict src = a.q(r);
-                int8_t* __restrict out = dst.q(r);
-                for (int64_t j = 0; j < cols; ++j) out[j] = table[static_cast<int>(src[j]) + 128];
-            }
+            for (int64_t r = 0; r < rows; ++r) qt::kernels.lookup(table, a.q(r), dst.q(r), cols);
             break;
         }
         case FAKE_QUANT:
