@@ -376,6 +376,19 @@ void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out) {
         out[i] = static_cast<int8_t>(qt::quantize_value(x[i], inv, zp, -128.0f, 127.0f));
 }
 
+// float -> int16 q = clamp(round(x * inv), qmin, qmax) (zero point 0, as the symmetric int16
+// reference quantize), written as two int8 planes hi = q >> 8 and lo = (q & 255) - 128, so that
+// q = 256 * hi + (lo + 128): each plane is an int8 tensor the int8 kernels read exactly (hi on
+// zero point 0, lo on zero point -128), and their two products sum to the 16-bit one.
+void qt_split16(const float* x, int64_t n, float inv, float qmin, float qmax, int8_t* hi,
+                int8_t* lo) {
+    for (int64_t i = 0; i < n; ++i) {
+        const int32_t q = static_cast<int32_t>(qt::quantize_value(x[i], inv, 0.0f, qmin, qmax));
+        hi[i] = static_cast<int8_t>(q >> 8);
+        lo[i] = static_cast<int8_t>((q & 255) - 128);
+    }
+}
+
 void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out) {
     for (int64_t i = 0; i < n; ++i) out[i] = (static_cast<float>(q[i]) - zp) * scale;
 }

@@ -1,0 +1,110 @@
+"""Layers with weights reading int16 activations (w8a16), on the int8 kernels.
+
+An int16 input ``q`` is two int8 tensors, ``hi = q >> 8`` on zero point 0 and
+``lo = (q & 255) - 128`` on zero point -128 (``q = 256 * hi + lo + 128``). A linear or
+convolution is linear in its input, so its 16-bit product is the sum of the int8 kernel's
+products of the two planes: the hi plane's on the input scale times 256, the lo plane's on
+the input scale (which carries the int32 bias, on exactly that grid). Both accumulate in
+int32 like any int8 product (no overflow a 16-bit accumulation would risk), so every integer
+of the reference's int16 x int8 product is computed exactly; only the two float epilogues
+round. No new GEMM: every kernel path (AVX-512, AVX-VNNI, AVX2, portable, NEON) and every
+convolution form (grouped, depthwise, 1-d) gets 16-bit inputs at twice its int8 work.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from quantree.backends.cpu.native import library, ptr
+from quantree.backends.cpu.ops_gemm import conv1d, conv2d, linear
+from quantree.backends.cpu.registry import op
+
+LO_ZERO_POINT = -128
+"""The zero point of the low byte plane: ``lo + 128`` is the byte ``q & 255``."""
+
+
+def split16(x: Tensor, scale: float, quant_min: int, quant_max: int) -> tuple[Tensor, Tensor]:
+    """The reference's symmetric int16 quantize of float ``x``, as its (hi, lo) int8 planes."""
+    x = x.float().contiguous()
+    hi, lo = torch.empty_like(x, dtype=torch.int8), torch.empty_like(x, dtype=torch.int8)
+    library().qt_split16(
+        ptr(x), x.numel(), 1.0 / scale, float(quant_min), float(quant_max), ptr(hi), ptr(lo)
+    )
+    return hi, lo
+
+
+@op(
+    "linear16(Tensor x, float x_scale, int quant_min, int quant_max, Tensor weight, "
+    "Tensor hi_offset, Tensor hi_scale, Tensor lo_offset, Tensor lo_scale, Tensor? bias, "
+    "int out_features) -> Tensor"
+)
+def linear16(
+    x: Tensor,
+    x_scale: float,
+    quant_min: int,
+    quant_max: int,
+    weight: Tensor,
+    hi_offset: Tensor,
+    hi_scale: Tensor,
+    lo_offset: Tensor,
+    lo_scale: Tensor,
+    bias: Tensor | None,
+    out_features: int,
+) -> Tensor:
+    """Float ``x[..., K]`` quantized to int16 (``x_scale``, zero point 0) times a packed int8
+    weight: the float result of ``linear(dq16(q16(x)), dq(W), b)``."""
+    hi, lo = split16(x, x_scale, quant_min, quant_max)
+    out = linear(hi, weight, hi_offset, hi_scale, None, out_features, 0.0, 0, False)
+    return out.add_(linear(lo, weight, lo_offset, lo_scale, bias, out_features, 0.0, 0, False))
+
+
+@torch.library.register_fake("quantree::linear16")
+def _(x, x_scale, quant_min, quant_max, weight, hi_offset, hi_scale, lo_offset, lo_scale, bias,
+      out_features):  # fmt: skip
+    return x.new_empty((*x.shape[:-1], out_features), dtype=torch.float32)
+
+
+@op(
+    "conv16(Tensor x, float x_scale, int quant_min, int quant_max, Tensor weight, "
+    "Tensor hi_offset, Tensor hi_scale, Tensor lo_offset, Tensor lo_scale, Tensor? bias, "
+    "int out_channels, int[] kernel, int[] stride, int[] padding, int[] dilation, "
+    "int groups) -> Tensor"
+)
+def conv16(
+    x: Tensor,
+    x_scale: float,
+    quant_min: int,
+    quant_max: int,
+    weight: Tensor,
+    hi_offset: Tensor,
+    hi_scale: Tensor,
+    lo_offset: Tensor,
+    lo_scale: Tensor,
+    bias: Tensor | None,
+    out_channels: int,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+) -> Tensor:
+    """Float ``x`` (``[N, C, L]`` or ``[N, C, H, W]``) quantized to int16, convolved with a
+    packed int8 weight as ``quantree.conv1d``/``conv2d`` would (padding reads the zero point
+    of each plane, so 0 of the 16-bit value): float out, channels-last strides."""
+    conv = conv1d if x.dim() == 3 else conv2d
+    hi, lo = split16(x, x_scale, quant_min, quant_max)
+    geometry = (out_channels, kernel, stride, padding, dilation)
+    out = conv(hi, weight, hi_offset, hi_scale, None, *geometry, 0, 0.0, 0, False, groups)
+    low = conv(lo, weight, lo_offset, lo_scale, bias, *geometry, LO_ZERO_POINT, 0.0, 0, False,
+               groups)  # fmt: skip
+    return out.add_(low)
+
+
+@torch.library.register_fake("quantree::conv16")
+def _(x, x_scale, quant_min, quant_max, weight, hi_offset, hi_scale, lo_offset, lo_scale, bias,
+      out_channels, kernel, stride, padding, dilation, groups):  # fmt: skip
+    conv = torch.ops.quantree.conv1d if x.dim() == 3 else torch.ops.quantree.conv2d
+    like = x.new_empty(x.shape, dtype=torch.int8)
+    return conv(like, weight, hi_offset, hi_scale, bias, out_channels, kernel, stride, padding,
+                dilation, 0, 0.0, 0, False, groups)  # fmt: skip
