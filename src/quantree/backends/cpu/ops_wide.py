@@ -17,7 +17,9 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import library, ptr
-from quantree.backends.cpu.ops_gemm import conv1d, conv2d, linear
+from quantree.backends.cpu.ops_elementwise import dense_any_layout, in_memory_order
+from quantree.backends.cpu.ops_gemm import as_conv2d_geometry, conv2d
+from quantree.backends.cpu.packing import packed_depth
 from quantree.backends.cpu.registry import op
 
 LO_ZERO_POINT = -128
@@ -25,12 +27,14 @@ LO_ZERO_POINT = -128
 
 
 def split16(x: Tensor, scale: float, quant_min: int, quant_max: int) -> tuple[Tensor, Tensor]:
-    """The reference's symmetric int16 quantize of float ``x``, as its (hi, lo) int8 planes."""
-    x = x.float().contiguous()
+    """The reference's symmetric int16 quantize of float ``x``, as its (hi, lo) int8 planes,
+    in ``x``'s memory order (a channels-last ``x`` gives channels-last planes)."""
+    x = dense_any_layout(x.float())
     hi, lo = torch.empty_like(x, dtype=torch.int8), torch.empty_like(x, dtype=torch.int8)
     library().qt_split16(
-        ptr(x), x.numel(), 1.0 / scale, float(quant_min), float(quant_max), ptr(hi), ptr(lo)
-    )
+        ptr(in_memory_order(x)), x.numel(), 1.0 / scale, float(quant_min), float(quant_max),
+        ptr(in_memory_order(hi)), ptr(in_memory_order(lo)),
+    )  # fmt: skip
     return hi, lo
 
 
@@ -54,9 +58,14 @@ def linear16(
 ) -> Tensor:
     """Float ``x[..., K]`` quantized to int16 (``x_scale``, zero point 0) times a packed int8
     weight: the float result of ``linear(dq16(q16(x)), dq(W), b)``."""
-    hi, lo = split16(x, x_scale, quant_min, quant_max)
-    out = linear(hi, weight, hi_offset, hi_scale, None, out_features, 0.0, 0, False)
-    return out.add_(linear(lo, weight, lo_offset, lo_scale, bias, out_features, 0.0, 0, False))
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
+    library().qt_linear16(
+        ptr(x2), x2.shape[0], x2.shape[1], out_features, packed_depth(weight), ptr(weight),
+        ptr(hi_offset), ptr(hi_scale), ptr(lo_offset), ptr(lo_scale), ptr(bias), ptr(out),
+        1.0 / x_scale, float(quant_min), float(quant_max),
+    )  # fmt: skip
+    return out
 
 
 @torch.library.register_fake("quantree::linear16")
@@ -92,13 +101,17 @@ def conv16(
     """Float ``x`` (``[N, C, L]`` or ``[N, C, H, W]``) quantized to int16, convolved with a
     packed int8 weight as ``quantree.conv1d``/``conv2d`` would (padding reads the zero point
     of each plane, so 0 of the 16-bit value): float out, channels-last strides."""
-    conv = conv1d if x.dim() == 3 else conv2d
-    hi, lo = split16(x, x_scale, quant_min, quant_max)
-    geometry = (out_channels, kernel, stride, padding, dilation)
-    out = conv(hi, weight, hi_offset, hi_scale, None, *geometry, 0, 0.0, 0, False, groups)
-    low = conv(lo, weight, lo_offset, lo_scale, bias, *geometry, LO_ZERO_POINT, 0.0, 0, False,
-               groups)  # fmt: skip
-    return out.add_(low)
+    one_d = x.dim() == 3
+    shape = (out_channels, *(as_conv2d_geometry(kernel, stride, padding, dilation) if one_d
+                             else (kernel, stride, padding, dilation)))  # fmt: skip
+    # channels-last before the split: the planes are then what the kernels read, no copies
+    x4 = (x.unsqueeze(2) if one_d else x).contiguous(memory_format=torch.channels_last)
+    hi, lo = split16(x4, x_scale, quant_min, quant_max)
+    out = conv2d(hi, weight, hi_offset, hi_scale, None, *shape, 0, 0.0, 0, False, groups)
+    low = conv2d(lo, weight, lo_offset, lo_scale, bias, *shape, LO_ZERO_POINT, 0.0, 0, False,
+                 groups)  # fmt: skip
+    out.add_(low)
+    return out.squeeze(2) if one_d else out
 
 
 @torch.library.register_fake("quantree::conv16")
