@@ -164,9 +164,8 @@ def emit(
         and p.slots[slot[args[0]]][0] == 0
     ):
         weight = const_index(args[4])
-        ints = [LINEAR16, 0, slot[args[0]], weight, const_index(args[6]), const_index(args[9])]
-        ints += [const_index(args[5]), const_index(args[7]), int(args[10])]
-        ints += [packed_depth(p.consts[weight]), 0, const_index(args[8])]
+        ints = [LINEAR16, 0, slot[args[0]], weight, const_index(args[6]), const_index(args[7])]
+        ints += [const_index(args[5]), 0, int(args[8]), packed_depth(p.consts[weight])]
         floats = [1.0 / args[1], float(args[2]), float(args[3])]
     elif n.target == quantree_ops.binary.default and args[1] in slot and args[2] in slot:
         a, b = p.slots[slot[args[1]]], p.slots[slot[args[2]]]

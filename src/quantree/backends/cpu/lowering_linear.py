@@ -10,6 +10,7 @@ scales and row sums (``derived.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,14 @@ def accumulator_terms(
         quantree_ops.derived_offset.default, (sums, None, w.scale, x.scale, x.zero_point)
     )
     return _Terms(offset, scale, bias if bias_arg is not None else None, recipe, scale_recipe)
+
+
+def replace_bias(
+    terms: _Terms, scale: torch.Tensor, scale_recipe: Recipe, bias: torch.Tensor | None
+) -> _Terms:
+    """``terms``'s offset on another accumulator scale with a float bias (an int16 input's
+    dual pass: the hi plane's offset, the lo plane's scale)."""
+    return dataclasses.replace(terms, scale=scale, scale_recipe=scale_recipe, bias=bias)
 
 
 def lowered_constants(

@@ -22,9 +22,10 @@ from quantree.backends.cpu.lowering_linear import (
     lowered_constants,
     pack,
     pack_conv_weight,
+    replace_bias,
 )
 from quantree.backends.cpu.ops_wide import LO_ZERO_POINT
-from quantree.backends.patterns import Activation, replace, weight
+from quantree.backends.patterns import Activation, float_constant, replace, weight
 from quantree.core.lower import LoweringContext
 from quantree.core.qdq import QUANTIZE_PER_TENSOR
 from quantree.core.specs import QDtype
@@ -61,28 +62,31 @@ def lower_wide(ctx: LoweringContext, node: fx.Node) -> bool:
         return False
     dq, x, scale, qmin, qmax = wide
     args = list(node.args) + [None] * (7 - len(node.args))
-    bias_arg = args[2]
+    # the hi plane (zero point 0) on 256 x the input scale, the lo plane (zero point -128)
+    # on the input scale, which is the int32 bias's grid
     hi = accumulator_terms(ctx, Activation(x, scale * 256.0, 0), w, None)
-    lo = accumulator_terms(ctx, Activation(x, scale, LO_ZERO_POINT), w, bias_arg)
+    lo = accumulator_terms(ctx, Activation(x, scale, LO_ZERO_POINT), w, args[2])
     if hi is None or lo is None:
         return False
-    tail: tuple[Any, ...]
-    if dims == 0:
-        packed = pack(w.values)
-        target, tail = quantree_ops.linear16.default, (int(w.values.shape[0]),)
+    call: tuple[Any, ...]
+    if dims == 0:  # one dual pass: the hi plane's offset, the input scale, a float bias
+        n = int(w.values.shape[0])
+        bias = float_constant(ctx, args[2], n)
+        if bias is None:
+            return False
+        dual = replace_bias(hi, lo.scale, lo.scale_recipe, bias if args[2] is not None else None)
+        consts = lowered_constants(ctx, node, pack(w.values), dual)
+        target, call = quantree_ops.linear16.default, (*consts, n)
     else:
         geometry = conv_geometry(args, w.values, dims)
         if geometry is None:
             return False
-        groups = geometry[-1]
-        packed = pack_conv_weight(w.values, groups)
-        target, tail = quantree_ops.conv16.default, tuple(geometry)
-    packed_w, hi_off, hi_scale, _ = lowered_constants(ctx, node, packed, hi)
-    _, lo_off, lo_scale, bias = lowered_constants(ctx, node, packed, lo)
+        packed = pack_conv_weight(w.values, geometry[-1])
+        packed_w, hi_off, hi_scale, _ = lowered_constants(ctx, node, packed, hi)
+        _, lo_off, lo_scale, bias_node = lowered_constants(ctx, node, packed, lo)
+        target = quantree_ops.conv16.default
+        call = (packed_w, hi_off, hi_scale, lo_off, lo_scale, bias_node, *geometry)
     with ctx.gm.graph.inserting_before(node):
-        new = ctx.gm.graph.call_function(
-            target,
-            (x, scale, qmin, qmax, packed_w, hi_off, hi_scale, lo_off, lo_scale, bias, *tail),
-        )
+        new = ctx.gm.graph.call_function(target, (x, scale, qmin, qmax, *call))
     replace(ctx, node, new, [node, dq, dq.args[0]])  # type: ignore[list-item]
     return True

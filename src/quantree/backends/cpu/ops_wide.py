@@ -4,11 +4,12 @@ An int16 input ``q`` is two int8 tensors, ``hi = q >> 8`` on zero point 0 and
 ``lo = (q & 255) - 128`` on zero point -128 (``q = 256 * hi + lo + 128``). A linear or
 convolution is linear in its input, so its 16-bit product is the sum of the int8 kernel's
 products of the two planes: the hi plane's on the input scale times 256, the lo plane's on
-the input scale (which carries the int32 bias, on exactly that grid). Both accumulate in
-int32 like any int8 product (no overflow a 16-bit accumulation would risk), so every integer
-of the reference's int16 x int8 product is computed exactly; only the two float epilogues
-round. No new GEMM: every kernel path (AVX-512, AVX-VNNI, AVX2, portable, NEON) and every
-convolution form (grouped, depthwise, 1-d) gets 16-bit inputs at twice its int8 work.
+the input scale. Each plane's sum is an int32 like any int8 product's (no overflow a 16-bit
+accumulation would risk) and the two are joined in float, as the reference's float
+product of the dequantized values is. No new GEMM: a linear runs the GEMM's dual pass (both
+planes on one read of the weight, as the recurrent kernels' int16 hidden state does), every
+convolution form (grouped, depthwise, 1-d) runs its int8 kernel once per plane (the low
+plane's carrying the int32 bias, on exactly its grid), on every kernel path.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ def split16(x: Tensor, scale: float, quant_min: int, quant_max: int) -> tuple[Te
 
 @op(
     "linear16(Tensor x, float x_scale, int quant_min, int quant_max, Tensor weight, "
-    "Tensor hi_offset, Tensor hi_scale, Tensor lo_offset, Tensor lo_scale, Tensor? bias, "
-    "int out_features) -> Tensor"
+    "Tensor offset, Tensor scale, Tensor? bias, int out_features) -> Tensor"
 )
 def linear16(
     x: Tensor,
@@ -49,28 +49,27 @@ def linear16(
     quant_min: int,
     quant_max: int,
     weight: Tensor,
-    hi_offset: Tensor,
-    hi_scale: Tensor,
-    lo_offset: Tensor,
-    lo_scale: Tensor,
+    offset: Tensor,
+    scale: Tensor,
     bias: Tensor | None,
     out_features: int,
 ) -> Tensor:
     """Float ``x[..., K]`` quantized to int16 (``x_scale``, zero point 0) times a packed int8
-    weight: the float result of ``linear(dq16(q16(x)), dq(W), b)``."""
+    weight: the float result of ``linear(dq16(q16(x)), dq(W), dq(b))``. The GEMM's dual pass
+    multiplies both planes on one read of the weight (``offset``: the hi plane's, for zero
+    point 0; ``scale``: input scale x weight scale; ``bias`` float)."""
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
     library().qt_linear16(
         ptr(x2), x2.shape[0], x2.shape[1], out_features, packed_depth(weight), ptr(weight),
-        ptr(hi_offset), ptr(hi_scale), ptr(lo_offset), ptr(lo_scale), ptr(bias), ptr(out),
-        1.0 / x_scale, float(quant_min), float(quant_max),
+        ptr(offset), ptr(scale), ptr(bias), ptr(out), 1.0 / x_scale, float(quant_min),
+        float(quant_max),
     )  # fmt: skip
     return out
 
 
 @torch.library.register_fake("quantree::linear16")
-def _(x, x_scale, quant_min, quant_max, weight, hi_offset, hi_scale, lo_offset, lo_scale, bias,
-      out_features):  # fmt: skip
+def _(x, x_scale, quant_min, quant_max, weight, offset, scale, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features), dtype=torch.float32)
 
 

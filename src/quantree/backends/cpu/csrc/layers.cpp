@@ -332,20 +332,17 @@ void qt_conv2d_depthwise(const int8_t* x, int64_t batch, int64_t C, int64_t H, i
 }
 
 // y[M, N] = q16(x[M, K]) . W^T, float out: x quantized to int16 (zero point 0) as two uint8
-// planes, the hi plane's product on hi_scale (256 x the input scale) written, the lo plane's
-// on lo_scale (carrying the int32 bias in lo_off, or a float bias) added to it.
+// planes, multiplied in one dual pass over W (the accumulator is 256 * (hi.W + off) + lo.W,
+// see gemm_u8s8), on the input scale x the weight's; off = -128 sum_k w undoes the hi plane's
+// +128. The bias is float (the int32 bias's exact grid would need off / 256).
 void qt_linear16(const float* x, int64_t M, int64_t K, int64_t N, int64_t Kp, const int8_t* w,
-                 const int32_t* hi_off, const float* hi_scale, const int32_t* lo_off,
-                 const float* lo_scale, const float* bias, float* out, float inv, float qmin,
-                 float qmax) {
+                 const int32_t* off, const float* scale, const float* bias, float* out,
+                 float inv, float qmin, float qmax) {
     std::vector<uint8_t> planes(static_cast<size_t>(2 * M * Kp));
     uint8_t* lo = planes.data() + M * Kp;
     qt::split16_rows(x, M, K, K, inv, qmin, qmax, planes.data(), lo, Kp);
-    const Epilogue hi_ep{hi_off, hi_scale, nullptr, out, nullptr, N, 0.0f, 0.0f, -128.0f, 127.0f};
-    qt::gemm_u8s8(M, N, Kp, planes.data(), Kp, w, hi_ep);
-    Epilogue lo_ep{lo_off, lo_scale, bias, out, nullptr, N, 0.0f, 0.0f, -128.0f, 127.0f};
-    lo_ep.accumulate = true;
-    qt::gemm_u8s8(M, N, Kp, lo, Kp, w, lo_ep);
+    const Epilogue ep{off, scale, bias, out, nullptr, N, 0.0f, 0.0f, -128.0f, 127.0f};
+    qt::gemm_u8s8(M, N, Kp, planes.data(), Kp, w, ep, lo);
 }
 
 // Batched int8 activation x activation matmul: c[b] = (a[b] - za) . (w[b] - zb), both

@@ -193,21 +193,16 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
                           static_cast<const int8_t*>(consts[c[3]]), ep, nullptr, prepared);
             break;
         }
-        case LINEAR16: {  // c[3] weight, c[4]/c[6] hi scale/offset, c[7]/c[11] lo, c[5] bias
+        case LINEAR16: {  // c[3] weight, c[4] scale, c[5] float bias (or -1), c[6] offset
             const int64_t K = a.cols, N = c[8], Kp = c[9];
             uint8_t* lo = u8 + a.rows * Kp;
             qt::split16_rows(a.f(0), a.rows, K, a.ld, f[0], f[1], f[2], u8, lo, Kp);
-            const int8_t* w = static_cast<const int8_t*>(consts[c[3]]);
-            const qt::Epilogue hi_ep{static_cast<const int32_t*>(consts[c[6]]),
-                                     static_cast<const float*>(consts[c[4]]), nullptr, dst.f(0),
-                                     nullptr, dst.ld, 0.0f, 0.0f, -128.0f, 127.0f};
-            qt::gemm_u8s8(a.rows, N, Kp, u8, Kp, w, hi_ep);
-            qt::Epilogue lo_ep{static_cast<const int32_t*>(consts[c[7]]),
-                               static_cast<const float*>(consts[c[11]]),
-                               c[5] >= 0 ? static_cast<const float*>(consts[c[5]]) : nullptr,
-                               dst.f(0), nullptr, dst.ld, 0.0f, 0.0f, -128.0f, 127.0f};
-            lo_ep.accumulate = true;
-            qt::gemm_u8s8(a.rows, N, Kp, lo, Kp, w, lo_ep);
+            const qt::Epilogue ep{static_cast<const int32_t*>(consts[c[6]]),
+                                  static_cast<const float*>(consts[c[4]]),
+                                  c[5] >= 0 ? static_cast<const float*>(consts[c[5]]) : nullptr,
+                                  dst.f(0), nullptr, dst.ld, 0.0f, 0.0f, -128.0f, 127.0f};
+            qt::gemm_u8s8(a.rows, N, Kp, u8, Kp, static_cast<const int8_t*>(consts[c[3]]), ep,
+                          lo, prepared);
             break;
         }
         case BINARY: {
