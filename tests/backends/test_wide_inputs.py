@@ -97,12 +97,15 @@ def test_every_conv_form_and_linear_lower_natively_close_to_the_reference() -> N
     _assert_close(ref, low, data)
 
 
-def test_int32_bias_lands_exactly_on_the_low_plane() -> None:
+@pytest.mark.parametrize(
+    ("rows", "features"), [(1, 40), (3, 40), (37, 40), (3, 600), (37, 600)]
+)  # GEMV and GEMM tiles; over 512 the AVX2 path takes the two planes instead of joining them
+def test_a_lone_linear_matches_the_reference(rows: int, features: int) -> None:
     """A lone linear: the kernel's integers are the reference's, so only the epilogue's float
-    rounding differs from a float64 evaluation of the same integers."""
+    rounding differs from the reference's float product."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.LayerNorm(40), nn.Linear(40, 24)).eval()
-    data = batches((3, 40), n=4)
+    model = nn.Sequential(nn.LayerNorm(features), nn.Linear(features, 24)).eval()
+    data = batches((rows, features), n=4)
     ref = qt.quantize(model, data[0], data, quantizer=WIDE, progress=False)
     low, _ = _lower_quietly(ref)
     (q16,) = [n for n in calls(ref, qd.quantize_per_tensor.default) if n.args[-1] == torch.int16]
