@@ -19,6 +19,7 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu.ops_wide import split16
+from quantree.tools.inspection import INT16_KERNEL, op_statuses
 
 from support import batches, calls, qd
 
@@ -94,6 +95,8 @@ def test_every_conv_form_and_linear_lower_natively_close_to_the_reference() -> N
     assert len(calls(low, torch.ops.quantree.conv16.default)) == 5
     assert len(calls(low, torch.ops.quantree.linear16.default)) == 1
     assert not calls(low, qd.quantize_per_tensor.default)
+    statuses = {o.op: o.status for o in op_statuses(low) if "16" in o.op}
+    assert set(statuses.values()) == {INT16_KERNEL}  # inspect says what they read
     _assert_close(ref, low, data)
 
 
