@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import quantree as qt
 
-from support import batches, calls, output_sqnrs, qd, run
+from support import batches, calls, output_sqnrs, qd, qparams_of, run
 
 aten = torch.ops.aten
 Q = (qd.quantize_per_tensor.default,)
@@ -83,3 +84,34 @@ def test_explicit_points_override_auto() -> None:
     _, ref = run(ConvRelu().eval(), data, only)
     assert not any(_quantized_inputs(ref, aten.add.Tensor))
     assert _quantized_inputs(ref, aten.conv2d.default) == [True, True]
+
+
+def _input_dtypes(gm: torch.fx.GraphModule, target) -> list[torch.dtype]:
+    """For each call of ``target``: the dtype its first input is quantized to."""
+    return [n.args[0].args[-1] for n in calls(gm, target)]
+
+
+def test_weighted_inputs_are_int16_in_a_transformer_and_int8_in_a_cnn() -> None:
+    _, block = run(Block().eval(), _outliers((4, 6, 32)))
+    assert _input_dtypes(block, aten.linear.default) == [torch.int16, torch.int16]
+    assert all(qparams_of(n)[1] == 0 for n in calls(block, qd.dequantize_per_tensor.default))
+    _, cnn = run(ConvRelu().eval(), batches((2, 3, 12, 12), n=6))
+    assert _input_dtypes(cnn, aten.conv2d.default) == [torch.int8, torch.int8]
+
+
+def test_int16_weighted_inputs_beat_int8_ones() -> None:
+    """The recipe's reason: with the stream float, what weights read is the activation error
+    left. Measured here: 75.0 dB against 66.3 dB (int8, histogram); asserted with margin."""
+    model, data = Block().eval(), _outliers((4, 6, 32))
+    _, wide = run(model, data)
+    int8 = qt.Int8Quantizer(weighted_inputs_dtype=qt.QDtype.INT8)
+    _, narrow = run(model, data, int8)
+    assert _input_dtypes(narrow, aten.linear.default) == [torch.int8, torch.int8]
+    wide_db = output_sqnrs(model, wide, data[0])[0]
+    narrow_db = output_sqnrs(model, narrow, data[0])[0]
+    assert wide_db >= narrow_db + 6.0
+
+
+def test_weighted_inputs_dtype_is_checked() -> None:
+    with pytest.raises(qt.QuantreeError, match="weighted_inputs_dtype"):
+        qt.Int8Quantizer(weighted_inputs_dtype=qt.QDtype.INT32)

@@ -7,6 +7,8 @@ softmax, the residual add) lose 10-17 dB when each step is rounded, for no speed
 backend runs them in float anyway). There the recipe quantizes what layers with weights
 read (linear, conv, a matrix product with a constant operand, embeddings), as torchao's X86
 recipe does, and leaves the rest float, products of two activations (attention) included.
+Those inputs are then the only activation error left, so the recipe gives linear/conv inputs
+16 bits there (``quantree.recipes.weighted_input_spec``).
 """
 
 from __future__ import annotations

@@ -41,10 +41,14 @@ def test_plain_torch_export_load_after_import_quantree(tmp_path) -> None:
 
 
 def test_int16_activations_on_cpu_are_named_not_silent() -> None:
-    """Before: A16W8Quantizer with backend=CPU came back as the reference graph, silently."""
+    """Before: A16W8Quantizer with backend=CPU came back as the reference graph, silently.
+    Its linears now run natively (int16 inputs as two byte planes); the relu between them,
+    which has no int16 kernel, is named."""
     model, data = _mlp_data()
-    with pytest.warns(qt.QuantreeWarning, match=r"3 op\(s\) have no int8 kernel"):
-        qt.quantize(model, data[0], data, quantizer=qt.A16W8Quantizer(), backend=CPU)
+    with pytest.warns(qt.QuantreeWarning, match=r"1 op\(s\) compute in float: aten.relu"):
+        low = qt.quantize(model, data[0], data, quantizer=qt.A16W8Quantizer(), backend=CPU)
+    wide = [n for n in low.graph.nodes if n.target == torch.ops.quantree.linear16.default]
+    assert len(wide) == 2
 
 
 def test_int8_model_on_cpu_lowers_without_that_warning() -> None:

@@ -58,13 +58,16 @@ class QuantPoint:
 
 # One vocabulary for ``quantree inspect``, the report's "What is quantized" block and the demo.
 INT8_KERNEL = "int8 kernel"  # a backend's native op: reads and writes integer tensors
+# a native linear/conv whose input is int16 (quantized inside the op, int8 weights)
+INT16_KERNEL = "int16-input kernel"
 INT8_MOVE = "int8 data movement"  # transpose/view/... of int8 values: exact on the integers
 INT8_CONSTANT = "int8 constant"  # a tensor made from nothing (zeros) and quantized
 SIMULATED = "simulated (q/dq)"  # a float op between dequantize and quantize
 PARTLY_FLOAT = "partly float"
 NATIVE_FLOAT = "float, native program"  # a backend program computing float ops in one call
 FLOAT = "float"
-INT8_STATUSES = (INT8_KERNEL, INT8_MOVE, INT8_CONSTANT, SIMULATED)
+INT8_STATUSES = (INT8_KERNEL, INT16_KERNEL, INT8_MOVE, INT8_CONSTANT, SIMULATED)
+_INT16_INPUT_OPS = ("quantree.linear16.default", "quantree.conv16.default")
 
 # Ops that only move, select or reshape elements: on int8 values they are exact, so one
 # reading and writing int8 (or between a dequantize and a quantize with the same parameters)
@@ -340,6 +343,8 @@ def op_statuses(gm: fx.GraphModule) -> list[OpStatus]:
         inside = _program_float_ops(gm, n) if lowered else None
         if inside:
             status, native = NATIVE_FLOAT, False
+        elif lowered and _op_name(n) in _INT16_INPUT_OPS:
+            status, native = INT16_KERNEL, True
         elif lowered:
             status, native = INT8_KERNEL, True
         elif (
@@ -424,7 +429,8 @@ def summary(gm: fx.GraphModule, title: str = "model") -> str:
         + f", {len(left)} computing in float",
         f"run natively on int8: {sum(o.native for o in ops)} of {len(ops)} op(s) "
         f"({INT8_KERNEL} {by_status[INT8_KERNEL]}, "
-        f"{INT8_MOVE} {sum(o.native and o.status == INT8_MOVE for o in ops)})",
+        + (f"{INT16_KERNEL} {by_status[INT16_KERNEL]}, " if by_status[INT16_KERNEL] else "")
+        + f"{INT8_MOVE} {sum(o.native and o.status == INT8_MOVE for o in ops)})",
     ]
     if points:
         lines += ["", "quantized tensors (graph order):"]

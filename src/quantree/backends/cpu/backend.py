@@ -39,6 +39,7 @@ from quantree.backends.cpu.lowering_qdq import (
     native_quantize_dequantize,
 )
 from quantree.backends.cpu.lowering_recurrent import recurrent_rule
+from quantree.backends.cpu.lowering_wide import lower_wide
 from quantree.backends.cpu.native import library
 from quantree.backends.cpu.simulated import simulated_ops, warn_simulated
 from quantree.core.constants import share_identical
@@ -128,6 +129,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         recurrent_rule(hidden_bits),
         lower_cell,
         lower_linear,
+        lower_wide,
         lower_embedding,
         lower_conv2d,
         lower_movement,

@@ -31,6 +31,7 @@ from quantree.backends.cpu.registry import op
 
 NI, NF = 12, 8  # int and float fields per instruction (csrc/cells.cpp)
 QUANT, DEQUANT, LINEAR, BINARY, LOOKUP, COPY, FAKE_QUANT, FLOAT_BINARY, FLOAT_UNARY = range(9)
+LINEAR16 = 10
 BINARY_KINDS = {"add": 0, "mul": 1, "sub": 2}
 aten = torch.ops.aten
 FLOAT_BINARY_KINDS = {aten.add.Tensor: 0, aten.mul.Tensor: 1, aten.sub.Tensor: 2}
@@ -158,6 +159,15 @@ def emit(
         ints += [const_index(args[2]), 0, int(args[5]), packed_depth(p.consts[weight])]
         ints += [int(bool(args[8]))]
         floats = [float(args[6]), float(args[7])]
+    elif (
+        n.target == quantree_ops.linear16.default
+        and args[0] in slot
+        and p.slots[slot[args[0]]][0] == 0
+    ):
+        weight = const_index(args[4])
+        ints = [LINEAR16, 0, slot[args[0]], weight, const_index(args[6]), const_index(args[7])]
+        ints += [const_index(args[5]), 0, int(args[8]), packed_depth(p.consts[weight])]
+        floats = [1.0 / args[1], float(args[2]), float(args[3])]
     elif n.target == quantree_ops.binary.default and args[1] in slot and args[2] in slot:
         a, b = p.slots[slot[args[1]]], p.slots[slot[args[2]]]
         if a[3] != b[3] or args[0] not in BINARY_KINDS:

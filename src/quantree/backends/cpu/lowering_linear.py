@@ -10,6 +10,7 @@ scales and row sums (``derived.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ class _Terms:
     scale_recipe: Recipe
 
 
-def _accumulator_terms(
+def accumulator_terms(
     ctx: LoweringContext, x: Activation, w: Weight, bias_arg: object
 ) -> _Terms | None:
     """(int32 offset, float32 scale, float bias or None) of ``y = (acc + offset) * scale``."""
@@ -81,7 +82,15 @@ def _accumulator_terms(
     return _Terms(offset, scale, bias if bias_arg is not None else None, recipe, scale_recipe)
 
 
-def _constants(
+def replace_bias(
+    terms: _Terms, scale: torch.Tensor, scale_recipe: Recipe, bias: torch.Tensor | None
+) -> _Terms:
+    """``terms``'s offset on another accumulator scale with a float bias (an int16 input's
+    dual pass: the hi plane's offset, the lo plane's scale)."""
+    return dataclasses.replace(terms, scale=scale, scale_recipe=scale_recipe, bias=bias)
+
+
+def lowered_constants(
     ctx: LoweringContext, node: fx.Node, packed: torch.Tensor, terms: _Terms
 ) -> list[fx.Node | None]:
     """The kernel's weight, offset, scale and bias arguments, stored on the module."""
@@ -109,10 +118,10 @@ def lower_linear(ctx: LoweringContext, node: fx.Node) -> bool:
     out = output(ctx, node)
     if x is None or w is None or out is None or w.values.dim() != 2:
         return False
-    terms = _accumulator_terms(ctx, x, w, node.args[2] if len(node.args) > 2 else None)
+    terms = accumulator_terms(ctx, x, w, node.args[2] if len(node.args) > 2 else None)
     if terms is None:
         return False
-    args = _constants(ctx, node, pack(w.values), terms)
+    args = lowered_constants(ctx, node, pack(w.values), terms)
     with ctx.gm.graph.inserting_before(node):
         new = ctx.gm.graph.call_function(
             quantree_ops.linear.default,
@@ -178,6 +187,25 @@ def native_conv_pays(in_channels: int, out_channels: int, groups: int) -> bool:
     return out_channels // groups >= 16
 
 
+def conv_geometry(
+    args: list[Any], values: torch.Tensor, dims: int
+) -> tuple[int, list[int], list[int], list[int], list[int], int] | None:
+    """(out channels, kernel, stride, padding, dilation, groups) of a conv call's ``args``,
+    or None when its padding has no native form or its groups are too narrow to pay."""
+    groups = 1 if args[6] is None else args[6]
+    out_channels, in_per_group = values.shape[:2]
+    if not isinstance(groups, int) or not native_conv_pays(
+        in_per_group * groups, out_channels, groups
+    ):
+        return None
+    kernel = [int(k) for k in values.shape[2:]]
+    dilation = _ints(args[5], dims, 1)
+    padding = _padding(args[4], kernel, dilation)
+    if padding is None:
+        return None
+    return int(out_channels), kernel, _ints(args[3], dims, 1), padding, dilation, groups
+
+
 def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
     """conv1d / conv2d (+relu), any padding (also 'same'/'valid'), stride, dilation, groups.
 
@@ -193,25 +221,18 @@ def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
     out = output(ctx, node)
     if x is None or w is None or out is None or w.values.dim() != dims + 2:
         return False
-    groups = 1 if a[6] is None else a[6]
-    out_channels, in_per_group = w.values.shape[:2]
-    if not isinstance(groups, int) or not native_conv_pays(
-        in_per_group * groups, out_channels, groups
-    ):
+    geometry = conv_geometry(a, w.values, dims)
+    terms = accumulator_terms(ctx, x, w, a[2])
+    if terms is None or geometry is None:
         return False
-    kernel = [int(k) for k in w.values.shape[2:]]
-    dilation = _ints(a[5], dims, 1)
-    padding = _padding(a[4], kernel, dilation)
-    terms = _accumulator_terms(ctx, x, w, a[2])
-    if terms is None or padding is None:
-        return False
-    args = _constants(ctx, node, pack_conv_weight(w.values, groups), terms)
-    geometry = (out_channels, kernel, _ints(a[3], dims, 1), padding, dilation, x.zero_point)
+    out_channels, kernel, stride, padding, dilation, groups = geometry
+    args = lowered_constants(ctx, node, pack_conv_weight(w.values, groups), terms)
+    shape = (out_channels, kernel, stride, padding, dilation)
     target = quantree_ops.conv1d if dims == 1 else quantree_ops.conv2d
     with ctx.gm.graph.inserting_before(node):
         new = ctx.gm.graph.call_function(
             target.default,
-            (x.node, *args, *geometry, out.scale, out.zero_point, out.relu, groups),
+            (x.node, *args, *shape, x.zero_point, out.scale, out.zero_point, out.relu, groups),
         )
     replace(ctx, out.replaces, new, _chain(node, out))
     return True

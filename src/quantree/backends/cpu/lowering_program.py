@@ -59,6 +59,7 @@ INT8_OPS = {
     quantree_ops.quantize.default,
     quantree_ops.dequantize.default,
     quantree_ops.linear.default,
+    quantree_ops.linear16.default,
     quantree_ops.binary.default,
     quantree_ops.lookup.default,
 }
@@ -171,6 +172,8 @@ def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
             elif n.target == quantree_ops.linear.default:
                 dtype = torch.int8 if a[6] > 0 else torch.float32
                 shapes[n] = ((*shape[:-1], int(a[5])), dtype)
+            elif n.target == quantree_ops.linear16.default:
+                shapes[n] = ((*shape[:-1], int(a[8])), torch.float32)
             else:
                 shapes[n] = (shape, torch.int8)
     return shapes
@@ -396,6 +399,8 @@ def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> 
     if n.target in INT8_OPS:
         if n.target == quantree_ops.binary.default:
             return shapes.get(a[1]) == shapes.get(a[2]) == (shapes[n][0], torch.int8)
+        if n.target == quantree_ops.linear16.default:
+            return len(a) == 9 and shapes.get(a[0], ((), None))[1] == torch.float32
         return not (n.target == quantree_ops.linear.default and len(a) != 9)
     return False
 

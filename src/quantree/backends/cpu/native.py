@@ -71,6 +71,8 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_softmax": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr],
     "qt_max_pool2d": [_ptr, *[_i64] * 14, _ptr],
     "qt_quantize16": [_ptr, _i64, _f32, _ptr],
+    "qt_split16": [_ptr, _i64, _f32, _f32, _f32, _ptr, _ptr],
+    "qt_linear16": [_ptr, *[_i64] * 4, *[_ptr] * 5, _f32, _f32, _f32],
     "qt_binary": [_int, _ptr, _ptr, _i64, _f32, _f32, _f32, _f32, _f32, _f32, _ptr],
     "qt_lookup": [_ptr, _i64, _ptr, _ptr],
     "qt_matmul": [_ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _f32, _f32, _ptr, _ptr, _f32, _f32],

@@ -15,11 +15,13 @@ from quantree.backends.cpu.ops_program import program
 from quantree.backends.cpu.ops_rnn import PER_LAYER, RNN_KINDS, rnn
 from quantree.backends.cpu.ops_rnn_cell import rnn_cell
 from quantree.backends.cpu.ops_rnn_packed import rnn_packed_sequence
+from quantree.backends.cpu.ops_wide import conv16, linear16
 
 __all__ = [
     "PER_LAYER",
     "RNN_KINDS",
     "binary",
+    "conv16",
     "conv1d",
     "conv2d",
     "derived_bias",
@@ -28,6 +30,7 @@ __all__ = [
     "dequantize",
     "embedding_rows",
     "linear",
+    "linear16",
     "lookup",
     "matmul",
     "max_pool2d",

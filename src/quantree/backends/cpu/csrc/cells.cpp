@@ -25,9 +25,10 @@ void qt_cell_loop(const float* xs, float* ys, int64_t T, int reverse, float** st
         lay_out(ws, slots, n_slots, NS, [B](const int64_t*) { return B; });
     int64_t scratch_k = 0;
     for (int64_t n = 0; n < n_code; ++n)
-        if (code[NI * n] == LINEAR && code[NI * n + 9] > scratch_k) scratch_k = code[NI * n + 9];
+        if ((code[NI * n] == LINEAR || code[NI * n] == LINEAR16) && code[NI * n + 9] > scratch_k)
+            scratch_k = code[NI * n + 9];
     const int64_t I = s[0].cols;
-    std::vector<uint8_t> u8(static_cast<size_t>(B * (scratch_k + 4)));
+    std::vector<uint8_t> u8(static_cast<size_t>(2 * B * (scratch_k + 4)));  // LINEAR16: 2 planes
     // per LINEAR: requantization multipliers (int8 output), computed once
     std::vector<std::vector<float>> mult(static_cast<size_t>(n_code)), add(mult.size());
     for (int64_t n = 0; n < n_code; ++n) {

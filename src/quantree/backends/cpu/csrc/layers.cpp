@@ -331,6 +331,20 @@ void qt_conv2d_depthwise(const int8_t* x, int64_t batch, int64_t C, int64_t H, i
     }
 }
 
+// y[M, N] = q16(x[M, K]) . W^T, float out: x quantized to int16 (zero point 0) as two uint8
+// planes, multiplied in one dual pass over W (the accumulator is 256 * (hi.W + off) + lo.W,
+// see gemm_u8s8), on the input scale x the weight's; off = -128 sum_k w undoes the hi plane's
+// +128. The bias is float (the int32 bias's exact grid would need off / 256).
+void qt_linear16(const float* x, int64_t M, int64_t K, int64_t N, int64_t Kp, const int8_t* w,
+                 const int32_t* off, const float* scale, const float* bias, float* out,
+                 float inv, float qmin, float qmax) {
+    std::vector<uint8_t> planes(static_cast<size_t>(2 * M * Kp));
+    uint8_t* lo = planes.data() + M * Kp;
+    qt::split16_rows(x, M, K, K, inv, qmin, qmax, planes.data(), lo, Kp);
+    const Epilogue ep{off, scale, bias, out, nullptr, N, 0.0f, 0.0f, -128.0f, 127.0f};
+    qt::gemm_u8s8(M, N, Kp, planes.data(), Kp, w, ep, lo);
+}
+
 // Batched int8 activation x activation matmul: c[b] = (a[b] - za) . (w[b] - zb), both
 // operands dynamic. Each b[b] ([K, N]) is packed on the fly; the zero point of b becomes a
 // per-row correction -zb * sum_k (a - za).
@@ -374,6 +388,19 @@ void qt_matmul(const int8_t* a, const int8_t* bmat, int64_t batch, int64_t M, in
 void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out) {
     for (int64_t i = 0; i < n; ++i)
         out[i] = static_cast<int8_t>(qt::quantize_value(x[i], inv, zp, -128.0f, 127.0f));
+}
+
+// float -> int16 q = clamp(round(x * inv), qmin, qmax) (zero point 0, as the symmetric int16
+// reference quantize), written as two int8 planes hi = q >> 8 and lo = (q & 255) - 128, so that
+// q = 256 * hi + (lo + 128): each plane is an int8 tensor the int8 kernels read exactly (hi on
+// zero point 0, lo on zero point -128), and their two products sum to the 16-bit one.
+void qt_split16(const float* x, int64_t n, float inv, float qmin, float qmax, int8_t* hi,
+                int8_t* lo) {
+    for (int64_t i = 0; i < n; ++i) {
+        const int32_t q = static_cast<int32_t>(qt::quantize_value(x[i], inv, 0.0f, qmin, qmax));
+        hi[i] = static_cast<int8_t>(q >> 8);
+        lo[i] = static_cast<int8_t>((q & 255) - 128);
+    }
 }
 
 void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out) {

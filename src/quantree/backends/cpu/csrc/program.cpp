@@ -43,8 +43,8 @@ void qt_program_run(void** inputs, const int64_t* in_slots, int64_t n_in, void**
     int64_t scratch = 0;
     for (int64_t n = 0; n < n_code; ++n) {
         const int64_t* c = code + NI * n;
-        if (c[0] == LINEAR) {
-            const int64_t need = s[c[2]].rows * (c[9] + 4);
+        if (c[0] == LINEAR || c[0] == LINEAR16) {  // LINEAR16: two planes
+            const int64_t need = s[c[2]].rows * (c[9] + 4) * (c[0] == LINEAR16 ? 2 : 1);
             scratch = need > scratch ? need : scratch;
         }
     }

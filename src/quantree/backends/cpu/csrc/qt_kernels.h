@@ -73,6 +73,22 @@ static inline float quantize_value(float y, float inv, float zp, float lo, float
     return q < lo ? lo : (q > hi ? hi : q);
 }
 
+// Float rows (stride lda) quantized to int16 q = clamp(round(x * inv), qmin, qmax) as two
+// uint8 planes of stride Kp, zero padded from K: hi = (q >> 8) + 128, lo = q & 255, so that the
+// hi plane read as uint8 is the int8 plane q >> 8 shifted as to_u8 shifts any int8 input.
+static inline void split16_rows(const float* a, int64_t rows, int64_t K, int64_t lda, float inv,
+                                float qmin, float qmax, uint8_t* hi, uint8_t* lo, int64_t Kp) {
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t k = 0; k < K; ++k) {
+            const int32_t q = static_cast<int32_t>(qt::quantize_value(a[r * lda + k], inv, 0.0f,
+                                                                      qmin, qmax));
+            hi[r * Kp + k] = static_cast<uint8_t>((q >> 8) + 128);
+            lo[r * Kp + k] = static_cast<uint8_t>(q & 255);
+        }
+        for (int64_t k = K; k < Kp; ++k) hi[r * Kp + k] = lo[r * Kp + k] = 0;
+    }
+}
+
 // The epilogue of one output element, as every path computes it (the vector paths use it
 // for column tails): acc and acc2 are the int32 dot products of the high and low planes.
 static inline void epilogue_one(const Epilogue& ep, int64_t r, int64_t n, int32_t acc,

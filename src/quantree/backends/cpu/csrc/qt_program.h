@@ -28,6 +28,7 @@ enum Op {
     FLOAT_BINARY = 7,  // float add / mul / sub
     FLOAT_UNARY = 8,   // float sigmoid / tanh / relu / gelu / tanh-gelu (kinds 0-4)
     LAYER_NORM = 9,    // float layer norm over each row, optional weight / bias
+    LINEAR16 = 10,     // float rows quantized to int16, times int8 weights (ops_wide.py)
 };
 constexpr int NI = 12, NF = 8;  // fields per instruction
 constexpr int NS = 5;  // fields per slot: dtype (0 f32, 1 i8), owner slot, byte offset, cols, ld
@@ -191,6 +192,18 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
             }
             qt::gemm_u8s8(a.rows, N, Kp, u8, Kp,
                           static_cast<const int8_t*>(consts[c[3]]), ep, nullptr, prepared);
+            break;
+        }
+        case LINEAR16: {  // c[3] weight, c[4] scale, c[5] float bias (or -1), c[6] offset
+            const int64_t K = a.cols, N = c[8], Kp = c[9];
+            uint8_t* lo = u8 + a.rows * Kp;
+            qt::split16_rows(a.f(0), a.rows, K, a.ld, f[0], f[1], f[2], u8, lo, Kp);
+            const qt::Epilogue ep{static_cast<const int32_t*>(consts[c[6]]),
+                                  static_cast<const float*>(consts[c[4]]),
+                                  c[5] >= 0 ? static_cast<const float*>(consts[c[5]]) : nullptr,
+                                  dst.f(0), nullptr, dst.ld, 0.0f, 0.0f, -128.0f, 127.0f};
+            qt::gemm_u8s8(a.rows, N, Kp, u8, Kp, static_cast<const int8_t*>(consts[c[3]]), ep,
+                          lo, prepared);
             break;
         }
         case BINARY: {
