@@ -87,9 +87,13 @@ def weighted_inputs_rules(
     weight: QuantSpec,
     points: ActivationPoints,
     float_ops: tuple[Target, ...],
+    image_act: QuantSpec | None = None,
 ) -> tuple[Rule, ...]:
     """Rules that, where ``points`` says so, replace the EVERY_OP annotations of the recipe:
     ``float_ops`` (the recipe's elementwise, normalisation and data-movement ops) stay float.
+    ``image_act`` (default ``act``) is what a 2-d convolution reads: a wide ``act`` costs a
+    convolution one kernel pass per byte of its input, where a linear's dual pass reads its
+    weight once (see ``quantree.recipes.weighted_input_spec``).
 
     Placed after the recipe's own rules; where they return None the recipe's rule applies.
     """
@@ -103,7 +107,8 @@ def weighted_inputs_rules(
         return lambda node: fn(node) if applies(node) else None
 
     def weighted(node: fx.Node) -> Annotation:
-        return weighted_annotation(node, act, weight, None)
+        reads = image_act if image_act is not None and _packet(node) is aten.conv2d else act
+        return weighted_annotation(node, reads, weight, None)
 
     def matmul(node: fx.Node) -> Annotation:
         """A product with a constant operand is a layer with a weight: its inputs are

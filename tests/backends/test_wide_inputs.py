@@ -24,6 +24,10 @@ from quantree.tools.inspection import INT16_KERNEL, op_statuses
 from support import batches, calls, qd
 
 WIDE = qt.Int8Quantizer(activations=qt.ActivationPoints.WEIGHTED_INPUTS)
+WIDE_IMAGES = qt.Int8Quantizer(
+    activations=qt.ActivationPoints.WEIGHTED_INPUTS,
+    activation=qt.QuantSpec(qt.QDtype.INT16, symmetric=True),
+)  # 2-d convolutions read int16 too (the default keeps them int8)
 REL = 1e-5
 CHAIN_REL = 1e-4
 
@@ -87,7 +91,7 @@ class Convs(nn.Module):
 def test_every_conv_form_and_linear_lower_natively_close_to_the_reference() -> None:
     torch.manual_seed(0)
     data = batches((2, 20, 12), (2, 3, 10, 10), n=6)
-    ref = qt.quantize(Convs().eval(), data[0], data, quantizer=WIDE, progress=False)
+    ref = qt.quantize(Convs().eval(), data[0], data, quantizer=WIDE_IMAGES, progress=False)
     int16 = [n for n in calls(ref, qd.quantize_per_tensor.default) if n.args[-1] == torch.int16]
     assert len(int16) == 6  # every weighted layer's input
     low, notes = _lower_quietly(ref)
