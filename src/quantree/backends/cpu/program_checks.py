@@ -22,9 +22,12 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch._ops import OpOverload
+from torch.fx.operator_schemas import normalize_function
 
 from quantree.backends.cpu.native_checks import F32, I8, I32, I64, LIMIT, fail
 
@@ -267,12 +270,12 @@ def program(inputs: Sequence[Tensor], consts: Sequence[Tensor], code: Tensor, fc
     """A region program's call: tables checked once (cached), then the inputs copied in
     (dense, ``rows(s) x cols`` of their slot's dtype) and the outputs copied out."""
     op = "program"
-    key = (op, stamp(code), stamp(fcode), stamp(slots), stamp(in_slots), stamp(out_slots),
-           tuple(out_dtypes), len(inputs), len(consts))  # fmt: skip
+    tables = (code, fcode, slots, in_slots, out_slots)
+    key = ("program", *map(stamp, tables), tuple(out_dtypes), len(inputs), len(consts))
     verdict = _VERDICTS.get(key)
     if verdict is None:
-        verdict = remember(key, program_verdict(code, fcode, slots, in_slots, out_slots,
-                                                out_dtypes, len(inputs), len(consts)))  # fmt: skip
+        verdict = program_verdict(*tables, out_dtypes, len(inputs), len(consts))
+        remember(key, verdict)
     call(op, verdict, size, consts)
     for name, tensors, which in (("input", inputs, verdict.ins), ("output", outs, verdict.outs)):
         for i, (t, index) in enumerate(zip(tensors, which, strict=True)):
@@ -320,12 +323,13 @@ def cell_loop(n_states: int, consts: Sequence[Tensor], code: Tensor, fcode: Tens
     """A cell loop's call: slot 0 the float input, slots ``1..n_states`` the float states,
     ``outs[k]`` float slots at least as wide as state ``k`` (``outs[0]`` exactly: it is
     also the output row); the caller checks the inputs' widths against the slots'."""
-    op = "cell_loop"
-    key = (op, stamp(code), stamp(fcode), stamp(slots), stamp(outs), n_states, len(consts))
+    tables = (code, fcode, slots, outs)
+    key = ("cell_loop", *map(stamp, tables), n_states, len(consts))
     verdict = _VERDICTS.get(key)
     if verdict is None:
-        verdict = remember(key, cell_verdict(n_states, len(consts), code, fcode, slots, outs))
-    call(op, verdict, batch, consts)
+        verdict = cell_verdict(n_states, len(consts), *tables)
+        remember(key, verdict)
+    call("cell_loop", verdict, batch, consts)
 
 
 def cell_verdict(n_states: int, n_consts: int, code: Tensor, fcode: Tensor, slots: Tensor,
@@ -362,3 +366,63 @@ def symbol(inputs: Sequence[Tensor], sym: Sequence[int]) -> None:
     ok = len(sym) == 4 and 0 <= sym[0] < len(inputs) and sym[2] >= 0 and sym[3] >= 1
     if not ok or not -inputs[sym[0]].dim() <= sym[1] < inputs[sym[0]].dim():
         raise fail("program", f"size symbol {list(sym)} names no dimension of the inputs")
+
+
+def check_graph(gm: torch.fx.GraphModule) -> None:
+    """Check now the tables of every region program and cell loop of ``gm`` that reads them
+    from constants (a loaded model's), so that a bad table is refused when the file loads
+    (``serialize.load``), not at the first call; the verdicts are cached for those calls."""
+    quantree = torch.ops.quantree
+    for node in gm.graph.nodes:
+        target = node.target
+        if not isinstance(target, OpOverload):
+            target = getattr(target, "op", target)  # a DirectCall's op
+        if target not in (quantree.program.default, quantree.cell_loop.default,
+                          quantree.cell_loop_packed.default):  # fmt: skip
+            continue
+        normalized = normalize_function(
+            target, node.args, node.kwargs, normalize_to_only_use_kwargs=True
+        )
+        if normalized is None:
+            continue
+        a: dict[str, Any] = {k: constant(gm, v) for k, v in normalized.kwargs.items()}
+        consts = a["consts"] if isinstance(a["consts"], list) else []
+        if target == quantree.program.default:
+            tables = tuple(a[k] for k in ("code", "fcode", "slots", "in_slots", "out_slots"))
+            if all(isinstance(t, Tensor) for t in tables):
+                n_in, dtypes = len(a["inputs"]), tuple(a["out_dtypes"])
+                code, fcode, slots, ins, outs = tables
+                verdict = program_verdict(code, fcode, slots, ins, outs, dtypes, n_in, len(consts))
+                remember(("program", *map(stamp, tables), dtypes, n_in, len(consts)), verdict)
+                remember_constants("program", verdict, consts)
+        else:
+            tables = tuple(a[k] for k in ("code", "fcode", "slots", "outs"))
+            if all(isinstance(t, Tensor) for t in tables):
+                n_states = len(a["state"])
+                verdict = cell_verdict(n_states, len(consts), *tables)
+                remember(("cell_loop", *map(stamp, tables), n_states, len(consts)), verdict)
+                remember_constants("cell_loop", verdict, consts)
+
+
+def constant(gm: torch.fx.GraphModule, value: object) -> object:
+    """A ``get_attr`` node's tensor, a list of them, or the value (a graph input: None)."""
+    if isinstance(value, list | tuple):
+        return [constant(gm, v) for v in value]
+    if isinstance(value, torch.fx.Node):
+        if value.op != "get_attr":
+            return None
+        target: object = gm
+        for name in str(value.target).split("."):
+            target = getattr(target, name)
+        return target
+    return value
+
+
+def remember_constants(op: str, verdict: Verdict, consts: Sequence[object]) -> None:
+    """The constants' part of a call's checks, for the constants that are in the graph."""
+    for index, dtype, least in verdict.consts:
+        t = consts[index]
+        if isinstance(t, Tensor) and (t.dtype != dtype or t.numel() < least):
+            raise fail(
+                op, f"constant {index} is {t.dtype} of {t.numel()} values, read as {least} {dtype}"
+            )
