@@ -230,3 +230,17 @@ def test_a_crafted_program_table_is_refused_when_the_file_loads(saved_program, t
     )
     assert done.returncode == 0, f"status {done.returncode}\n{done.stderr[-2000:]}"
     assert "NativeArgumentError quantree.program: slot" in done.stdout, done.stdout
+
+
+def test_empty_products_are_empty_not_errors() -> None:
+    """A zero-size M, K or N (an empty sequence in attention) is a legal input."""
+    a, b = torch.zeros(2, 3, 0, dtype=torch.int8), torch.zeros(2, 0, 4, dtype=torch.int8)
+    assert ops.matmul(a, b, 0.1, 0, 0.1, 0, 0.1, 0).shape == (2, 3, 4)
+    empty = ops.matmul(b.transpose(1, 2), a.transpose(1, 2), 0.1, 0, 0.1, 0, 0.0, 0)
+    assert empty.shape == (2, 4, 3) and not empty.any()
+    rows = torch.zeros(2, 0, 5, dtype=torch.int8), torch.zeros(2, 5, 4, dtype=torch.int8)
+    assert ops.matmul(*rows, 0.1, 0, 0.1, 0, 0.1, 0).shape == (2, 0, 4)
+    weight = pack(torch.ones(8, 16, dtype=torch.int8))
+    x = torch.zeros(0, 3, 16, dtype=torch.int8)
+    offset, scale = torch.zeros(8, dtype=torch.int32), torch.ones(8)
+    assert ops.linear(x, weight, offset, scale, None, 8, 0.1, 0, False).shape == (0, 3, 8)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -28,7 +30,8 @@ def linear(
 ) -> Tensor:
     """int8 ``x[..., K]`` times a packed weight; int8 out (``out_scale > 0``) or float."""
     check.linear(x, weight, offset, scale, bias, out_features)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    rows = -1 if x.numel() else math.prod(x.shape[:-1])  # -1 is ambiguous when empty
+    x2 = x.reshape(rows, x.shape[-1]).contiguous()
     shape = (*x.shape[:-1], out_features)
     quantized = out_scale > 0
     out = torch.empty(shape, dtype=torch.int8 if quantized else torch.float32)
@@ -201,8 +204,9 @@ def matmul(
     check.matmul(a, b)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    a3 = a.expand(*batch, m, k).reshape(-1, m, k).contiguous()
-    b3 = b.expand(*batch, k, n).reshape(-1, k, n).contiguous()
+    count = math.prod(batch)  # not -1: m, k or n may be 0
+    a3 = a.expand(*batch, m, k).reshape(count, m, k).contiguous()
+    b3 = b.expand(*batch, k, n).reshape(count, k, n).contiguous()
     quantized = out_scale > 0
     out = torch.empty((*batch, m, n), dtype=torch.int8 if quantized else torch.float32)
     library().qt_matmul(
