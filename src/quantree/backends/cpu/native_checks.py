@@ -104,8 +104,8 @@ def packed(op: str, name: str, weight: Tensor, rows: int, depth: int) -> int:
 # void qt_linear(const int8_t* x, int64_t M, int64_t K, int64_t N, int64_t Kp, const int8_t* w,
 #                const int32_t* off, const float* scale, const float* bias, int8_t* out_q,
 #                float* out_f, float inv, float zp, int relu)
-def linear(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor, bias: Tensor | None,
-           out_features: int) -> None:  # fmt: skip
+def explain_linear(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor,
+                   bias: Tensor | None, out_features: int) -> None:  # fmt: skip
     """x int8 [M, K]; weight packed with N >= out_features rows and Kp >= K; N offsets,
     scales (and biases)."""
     dtype_of("linear", "x", x, I8)
@@ -126,9 +126,10 @@ def linear(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor, bias: Tenso
 #     int64_t dh, int64_t dw, int64_t OH, int64_t OW, const int8_t* w, const int32_t* off,
 #     const float* scale, const float* bias, int8_t* out_q, float* out_f, float inv, float zp,
 #     int relu)
-def conv2d(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor, bias: Tensor | None,
-           out_channels: int, kernel: list[int], stride: list[int], padding: list[int],
-           dilation: list[int], x_zero_point: int, groups: int) -> None:  # fmt: skip
+def explain_conv2d(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor,
+                   bias: Tensor | None, out_channels: int, kernel: list[int],
+                   stride: list[int], padding: list[int], dilation: list[int],
+                   x_zero_point: int, groups: int) -> None:  # fmt: skip
     """x int8 [N, C, H, W]; geometry in range (an output size below 0 is torch's error when
     the output is made); groups dividing C
     and out_channels; the weight ``[taps, C]`` (depthwise) or each group packed in turn
@@ -163,6 +164,66 @@ def conv2d(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor, bias: Tenso
     vector(op, "scale", scale, F32, out_channels)
     if bias is not None:
         vector(op, "bias", bias, F32, out_channels)
+
+
+def linear(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor, bias: Tensor | None,
+           out_features: int) -> None:  # fmt: skip
+    """``explain_linear``'s contract as one expression of plain reads (it runs on every call
+    of a lowered layer: ~12 per small-CNN call); the explainer says what is wrong."""
+    n = out_features
+    if weight.dim() == 3:
+        blocks, depth, lanes = weight.shape
+        if (
+            x.dtype is I8 and weight.dtype is I8 and lanes == 64 and 0 <= n < LIMIT
+            and blocks * 16 >= n and depth * 4 >= x.shape[-1]
+            and offset.dtype is I32 and offset.numel() >= n
+            and scale.dtype is F32 and scale.numel() >= n
+            and (bias is None or (bias.dtype is F32 and bias.numel() >= n))
+        ):  # fmt: skip
+            return
+    explain_linear(x, weight, offset, scale, bias, out_features)
+    raise fail("linear", "arguments out of contract")
+
+
+def conv2d(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor, bias: Tensor | None,
+           out_channels: int, kernel: list[int], stride: list[int], padding: list[int],
+           dilation: list[int], x_zero_point: int, groups: int) -> None:  # fmt: skip
+    """``explain_conv2d``'s contract as plain reads (every call of a lowered convolution);
+    the explainer says what is wrong."""
+    oc = out_channels
+    if (
+        x.dim() == 4 and len(kernel) == len(stride) == len(dilation) == 2
+        and len(padding) in (2, 4) and 0 < groups < LIMIT and 0 <= oc < LIMIT
+    ):  # fmt: skip
+        c = x.shape[1]
+        kh, kw = kernel
+        sh, sw = stride
+        dh, dw = dilation
+        if (
+            x.dtype is I8 and 0 < kh < LIMIT and 0 < kw < LIMIT and 0 < sh < LIMIT
+            and 0 < sw < LIMIT and 0 < dh < LIMIT and 0 < dw < LIMIT
+            and min(padding) >= 0 and max(padding) < LIMIT and -128 <= x_zero_point <= 127
+            and not c % groups and not oc % groups
+            and offset.dtype is I32 and offset.numel() >= oc
+            and scale.dtype is F32 and scale.numel() >= oc
+            and (bias is None or (bias.dtype is F32 and bias.numel() >= oc))
+            and weight.dtype is I8
+        ):  # fmt: skip
+            if groups == c == oc:  # depthwise: [taps, C]
+                if weight.numel() >= kh * kw * c:
+                    return
+            elif weight.dim() == 3:
+                blocks, depth, lanes = weight.shape
+                per_group = -(-oc // groups // 16)
+                if (
+                    lanes == 64
+                    and depth * 4 >= kh * kw * (c // groups)
+                    and blocks >= groups * per_group
+                ):
+                    return
+    explain_conv2d(x, weight, offset, scale, bias, out_channels, kernel, stride, padding,
+                   dilation, x_zero_point, groups)  # fmt: skip
+    raise fail("conv2d", "arguments out of contract")
 
 
 def conv1d(kernel: list[int], stride: list[int], padding: list[int], dilation: list[int]) -> None:
