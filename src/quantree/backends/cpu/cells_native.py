@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from quantree.backends.cpu import program_checks
 from quantree.backends.cpu.cells_runner import CellLoopRunner
 from quantree.backends.cpu.native import library, ptr
 from quantree.backends.cpu.ops_rnn_packed import by_length
@@ -288,6 +289,7 @@ def cell_loop(
     reverse: bool,
 ) -> list[Tensor]:
     """Run a compiled cell program over ``xs`` [T, B, I]: ``[ys, *final_states]``."""
+    program_checks.cell_loop(len(state), consts, code, fcode, slots, outs, xs.shape[1])
     xs = xs.float().contiguous()
     finals = [s.float().contiguous().clone() for s in state]
     widths = [int(w) for w in slots[: 1 + len(finals), 3]]

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from quantree.backends.cpu import program_checks
 from quantree.backends.cpu.native import library, ptr
 
 
@@ -70,6 +71,7 @@ class CellLoopRunner:
                 f"{list(widths[1:])}, got input {tuple(xs.shape)} and states "
                 f"{[tuple(f.shape) for f in finals]}"
             )
+        program_checks.cell_loop(len(finals), consts, *program, batch)  # cached verdicts
         ys = torch.empty(xs.shape[0], batch, widths[1])
         states = (ctypes.c_void_p * len(finals))(*[f.data_ptr() for f in finals])
         self.launch(xs, ys, reverse, states)

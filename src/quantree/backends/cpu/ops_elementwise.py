@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library, ptr
 from quantree.backends.cpu.registry import dense, op
 
@@ -34,6 +35,7 @@ def dequantize(q: Tensor, scale: float, zero_point: int) -> Tensor:
     The float result is contiguous whatever the layout of ``q`` (a channels-last conv
     output), as float code after it expects.
     """
+    check.dequantize(q)
     q = q.contiguous()
     out = torch.empty(q.shape, dtype=torch.float32)
     library().qt_dequantize(ptr(q), q.numel(), scale, float(zero_point), ptr(out))
@@ -74,6 +76,7 @@ def dense_any_layout(t: Tensor) -> Tensor:
 @op("lookup(Tensor x, Tensor table) -> Tensor")
 def lookup(x: Tensor, table: Tensor) -> Tensor:
     """``table[x + 128]`` for int8 ``x`` and a 256-entry int8 table; ``x``'s layout kept."""
+    check.lookup(x, table)
     x = dense_any_layout(x)
     out = torch.empty_like(x)
     library().qt_lookup(ptr(in_memory_order(x)), x.numel(), ptr(table), ptr(in_memory_order(out)))
@@ -119,6 +122,7 @@ def binary(
     Two operands of one layout (a residual add of two channels-last conv outputs) are read
     and written in that layout; others are made contiguous first.
     """
+    check.binary(kind, a, b, BINARY)
     a, b = same_layout(a, b)
     out = torch.empty_like(a)
     library().qt_binary(
@@ -163,6 +167,7 @@ def softmax(x: Tensor, exp_table: Tensor, out_scale: float, out_zero_point: int)
     sum) with the exponentials looked up: it differs only by float rounding (rarely one
     output step).
     """
+    check.softmax(x, exp_table)
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.int8)
     cols = x.shape[-1]

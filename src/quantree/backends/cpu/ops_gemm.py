@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
+from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library, ptr
 from quantree.backends.cpu.packing import packed_depth
 from quantree.backends.cpu.registry import inverse, op
@@ -26,7 +29,9 @@ def linear(
     relu: bool,
 ) -> Tensor:
     """int8 ``x[..., K]`` times a packed weight; int8 out (``out_scale > 0``) or float."""
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    check.linear(x, weight, offset, scale, bias, out_features)
+    rows = -1 if x.numel() else math.prod(x.shape[:-1])  # -1 is ambiguous when empty
+    x2 = x.reshape(rows, x.shape[-1]).contiguous()
     shape = (*x.shape[:-1], out_features)
     quantized = out_scale > 0
     out = torch.empty(shape, dtype=torch.int8 if quantized else torch.float32)
@@ -94,6 +99,8 @@ def conv2d(
     channels-last layout: the result is an NCHW-shaped tensor with channels-last strides,
     which the next convolution reads without a copy.
     """
+    check.conv2d(x, weight, offset, scale, bias, out_channels, kernel, stride, padding,
+                 dilation, x_zero_point, groups)  # fmt: skip
     x = x.contiguous(memory_format=torch.channels_last)
     shape = conv2d_shape(x, out_channels, kernel, stride, padding, dilation)
     quantized = out_scale > 0
@@ -161,6 +168,7 @@ def conv1d(
     channels-last strides (``[N, O, L]`` with the channels innermost), so a following
     conv1d reads it without a copy.
     """
+    check.conv1d(kernel, stride, padding, dilation)
     geometry = as_conv2d_geometry(kernel, stride, padding, dilation)
     out = conv2d(
         x.unsqueeze(2), weight, offset, scale, bias, out_channels, *geometry,
@@ -193,10 +201,12 @@ def matmul(
     out_zero_point: int,
 ) -> Tensor:
     """int8 ``a @ b`` (batch dimensions broadcast); int8 out (``out_scale > 0``) or float."""
+    check.matmul(a, b)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    a3 = a.expand(*batch, m, k).reshape(-1, m, k).contiguous()
-    b3 = b.expand(*batch, k, n).reshape(-1, k, n).contiguous()
+    count = math.prod(batch)  # not -1: m, k or n may be 0
+    a3 = a.expand(*batch, m, k).reshape(count, m, k).contiguous()
+    b3 = b.expand(*batch, k, n).reshape(count, k, n).contiguous()
     quantized = out_scale > 0
     out = torch.empty((*batch, m, n), dtype=torch.int8 if quantized else torch.float32)
     library().qt_matmul(

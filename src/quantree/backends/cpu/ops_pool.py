@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library, ptr
 from quantree.backends.cpu.registry import op
 
@@ -35,6 +36,7 @@ def max_pool2d(
     ceil_mode: bool,
 ) -> Tensor:  # fmt: skip
     """Max pooling of int8 values; the result is channels-last like the input it expects."""
+    check.max_pool2d(x, kernel, stride, padding, dilation)
     x = x.contiguous(memory_format=torch.channels_last)
     shape = pool_shape(x, kernel, stride, padding, dilation, ceil_mode)
     out = torch.empty(shape, dtype=torch.int8, memory_format=torch.channels_last)

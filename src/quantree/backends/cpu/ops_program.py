@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from quantree.backends.cpu import program_checks
 from quantree.backends.cpu.native import library, ptr
 from quantree.backends.cpu.registry import op
 
@@ -79,6 +80,7 @@ def program(
 ) -> list[Tensor]:
     """The region's outputs for ``inputs``, which must have the compiled shapes (a dynamic
     program's symbol resolved from ``inputs`` first)."""
+    program_checks.symbol(inputs, sym or [])
     size = _size(inputs, sym or [])
     expected = _shapes(_resolve(in_shapes, in_coeffs or [], size), in_ranks)
     if [list(x.shape) for x in inputs] != expected:
@@ -95,6 +97,9 @@ def program(
             strict=True,
         )
     ]  # fmt: skip
+    program_checks.program(
+        dense, consts, code, fcode, slots, in_slots, out_slots, out_dtypes, size, outs
+    )
     void_p = ctypes.c_void_p
     library().qt_program_run(
         (void_p * max(len(dense), 1))(*[ptr(x) for x in dense]), ptr(in_slots), len(dense),

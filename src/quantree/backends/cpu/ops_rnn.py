@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library, ptr
 from quantree.backends.cpu.packing import packed_depth
 from quantree.backends.cpu.registry import op
@@ -98,6 +99,7 @@ class RnnRunner:
         self.plan: RnnPlan | None = None
         self.x_inv = 0.0
         self.address = 0
+        self.addresses: list[int] = []
         self.keep: tuple = ()
 
     def __getstate__(self) -> dict:  # a copied graph builds its own plan from its own weights
@@ -128,17 +130,20 @@ class RnnRunner:
             or qparams != self.qparams
             or len(params) != len(self.params)
             or not all(map(operator.is_, params, self.params))
+            or self.addresses != [p.data_ptr() for p in params]  # .data replaced, resize_
         ):
             self.prepare(key, params, qparams)
         dirs = 2 if bidirectional else 1
         width = proj_size or hidden
         inp = x.transpose(0, 1) if batch_first else x
         inp = (inp.float() if float_input else inp).contiguous()
+        lstm = kind == "lstm"
+        check.rnn_call(inp, hx, float_input, lstm, num_layers * dirs * batch_size(inp) * width,
+                       num_layers * dirs * batch_size(inp) * hidden)  # fmt: skip
         steps, batch = inp.shape[0], inp.shape[1]
         out_dtype = torch.float32 if float_output else torch.int8
         out = torch.empty(steps, batch, dirs * width, dtype=out_dtype)
         h_n = torch.empty(num_layers * dirs, batch, width, dtype=torch.int8)
-        lstm = kind == "lstm"
         c_n = torch.empty(num_layers * dirs, batch, hidden, dtype=torch.int8) if lstm else None
         x8, xf = (None, inp.data_ptr()) if float_input else (inp.data_ptr(), None)
         y8, yf = (None, out.data_ptr()) if float_output else (out.data_ptr(), None)
@@ -154,6 +159,8 @@ class RnnRunner:
     def prepare(self, key: tuple, params: list[Tensor], qparams: list[float]) -> None:
         kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, features = key
         per_layer = PER_LAYER + (PER_PROJECTION if proj_size else 0)
+        check.rnn_plan(kind, params, hidden, num_layers, bidirectional, hidden_bits, proj_size,
+                       features, qparams, per_layer)  # fmt: skip
         pointers = (ctypes.c_void_p * max(1, len(params)))(*(ptr(p) for p in params))
         depth = (ctypes.c_int64 * max(1, 2 * len(params) // per_layer))(
             *(
@@ -175,7 +182,14 @@ class RnnRunner:
         self.run = library().qt_rnn
         self.x_inv = 1.0 / qparams[0]  # as ``quantize`` computes it
         self.address = ctypes.addressof(plan)
+        self.addresses = [p.data_ptr() for p in params]
         self.keep = (pointers, depth)
+
+
+def batch_size(x: Tensor) -> int:
+    """B of a time-major ``[T, B, K]`` input (0 for a tensor of another rank, which the
+    check refuses)."""
+    return int(x.shape[1]) if x.dim() == 3 else 0
 
 
 @torch.library.register_fake("quantree::rnn")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library, ptr
 from quantree.backends.cpu.ops_elementwise import dequantize, quantize
 from quantree.backends.cpu.ops_rnn import RNN_KINDS
@@ -33,6 +34,7 @@ def rnn_cell(
     b_hh`` as the whole-layer op takes them (packed int8, int32 row sums, per-channel
     scales, float biases).
     """
+    check.rnn_cell(kind, x, hx, params, hidden)
     x_s, x_z, h_s, h_z, c_s, c_z, y_s, y_z, cn_s, cn_z = qparams
     unbatched = x.dim() == 1
     x = (x.unsqueeze(0) if unbatched else x).contiguous()

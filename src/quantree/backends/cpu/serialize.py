@@ -21,6 +21,7 @@ from quantree.backends.cpu.compact import drop_provenance, one_name_per_tensor
 from quantree.backends.cpu.deflate import deflate_descriptions
 from quantree.backends.cpu.derived import as_recipes, fold_recipes
 from quantree.backends.cpu.direct import call_directly
+from quantree.backends.cpu.program_checks import check_graph
 from quantree.core.capture import export_batch_dynamic
 from quantree.core.errors import QuantreeError
 from quantree.core.fast_attributes import read_buffers_directly
@@ -85,5 +86,6 @@ def fold_saved_recipes(module: torch.fx.GraphModule, path: str | Path) -> None:
 
     try:
         fold_recipes(module)
+        check_graph(module)  # program and cell-loop tables: refused here, not at a call
     except QuantreeError as error:
         raise BadFile(f"{path}: {error}") from None

@@ -1,0 +1,79 @@
+"""The cost of the native argument checks (``native_checks.py``, ``program_checks.py``).
+
+The same lowered models run with the checks on and with them patched out (a no-op in their
+place), in one process, interleaved round by round (the order alternates), one thread:
+median thread-CPU time per call. ``python benchmarks/native_checks_overhead.py [rounds]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+from cnn_mlp_latency import SmallCnn  # benchmarks/ is on the path
+from common import load_note
+from torch import nn
+
+import quantree as qt
+from quantree.backends import CPU
+from quantree.backends.cpu import native_checks, program_checks
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+NAMES = [
+    "linear",
+    "conv2d",
+    "conv1d",
+    "matmul",
+    "dequantize",
+    "lookup",
+    "binary",
+    "softmax",
+    "max_pool2d",
+    "rnn_call",
+    "rnn_cell",
+]
+saved = {n: getattr(native_checks, n) for n in NAMES}
+saved_program = (program_checks.program, program_checks.cell_loop, program_checks.symbol)
+
+
+def checks(on: bool) -> None:
+    for n in NAMES:
+        setattr(native_checks, n, saved[n] if on else (lambda *a, **k: None))
+    program_checks.program, program_checks.cell_loop, program_checks.symbol = (
+        saved_program if on else (lambda *a, **k: None,) * 3
+    )
+
+
+def lowered(model, x):
+    model.eval()
+    data = [(x + 0.01 * i,) for i in range(4)]
+    return qt.quantize(model, (x,), data, backend=CPU, progress=False)
+
+
+cases = []
+x = torch.randn(1, 3, 32, 32)
+cases.append(("small CNN 1x3x32x32", lowered(SmallCnn(), x), x, 200))
+xl = torch.randn(128, 1, 256)
+cases.append(("LSTM 256x256x2 seq128 batch1", lowered(nn.LSTM(256, 256, 2), xl), xl, 5))
+rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+for label, model, inp, n in cases:
+    times = {True: [], False: []}
+    with torch.no_grad():
+        for _ in range(20):
+            model(inp)
+        for r in range(rounds):
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                checks(on)
+                t0 = time.thread_time()
+                for _ in range(n):
+                    model(inp)
+                times[on].append((time.thread_time() - t0) / n * 1e6)
+    checks(True)
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    print(
+        f"{label}: checks on {on:.1f} us, off {off:.1f} us, overhead {100 * (on / off - 1):+.1f}%"
+    )
+print(load_note())
