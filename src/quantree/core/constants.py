@@ -65,6 +65,14 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.dtype, tuple(t.shape), tuple(t.stride()), t.device, digest)
 
 
+def _keep_annotations(kept: torch.Tensor, dropped: torch.Tensor) -> None:
+    """Give ``kept`` the Python attributes ``dropped`` had and it lacks: what a backend
+    recorded on a constant (how to derive it when saving) holds for any equal tensor."""
+    for key, value in getattr(dropped, "__dict__", {}).items():
+        if key not in kept.__dict__:
+            setattr(kept, key, value)
+
+
 def share_identical(root: torch.nn.Module) -> int:
     """Point every read-only constant of ``root`` equal to an earlier one at that one.
 
@@ -86,5 +94,6 @@ def share_identical(root: torch.nn.Module) -> int:
             value.untyped_storage().data_ptr()
         ):
             owner._buffers[name] = first
+            _keep_annotations(first, value)
             saved += value.numel() * value.element_size()
     return saved

@@ -19,8 +19,9 @@ import torch
 
 from quantree.backends.cpu.compact import drop_provenance, one_name_per_tensor
 from quantree.backends.cpu.deflate import deflate_descriptions
-from quantree.backends.cpu.derived import as_recipes, fold_recipes
+from quantree.backends.cpu.derived import fold_recipes
 from quantree.backends.cpu.direct import call_directly
+from quantree.backends.cpu.saved_recipes import as_recipes
 from quantree.core.capture import export_batch_dynamic
 from quantree.core.errors import QuantreeError
 from quantree.core.fast_attributes import read_buffers_directly
@@ -49,11 +50,11 @@ def saved_program(
     constants as their recipes, no tracing provenance (``module`` itself is not changed)."""
     if isinstance(module, torch.fx.GraphModule):
         module = one_name_per_tensor(module)  # a copy that shares the tensors
-        as_recipes(module)
         # packed sequences: exported through the ops capture traced them with, then ATen again
         as_capture_ops(module)
     program = export_batch_dynamic(module, tuple(example_args), dynamic_batch)
     restore_aten(program.graph_module)
+    as_recipes(program)
     drop_provenance(program)
     return program
 
