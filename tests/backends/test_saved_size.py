@@ -17,6 +17,7 @@ import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu.deflate import ALIGNMENT
 from quantree.backends.cpu.derived import RECIPE_KEY, RECIPE_OPS
+from quantree.backends.cpu.serialize import saved_program
 
 
 class Seq2SeqLike(nn.Module):
@@ -111,3 +112,72 @@ def test_tensor_members_stay_stored_and_aligned(tmp_path) -> None:
             assert info.compress_type == zipfile.ZIP_STORED, info.filename
             start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
             assert start % ALIGNMENT == 0, info.filename
+
+
+def _saved_ops(low: nn.Module, args: tuple) -> list[object]:
+    program = saved_program(low, args)
+    return [n.target for n in program.graph.nodes if n.op == "call_function"]
+
+
+def test_cells_mode_decoder_saves_its_cell_programs_constants_as_recipes(tmp_path) -> None:
+    """Each unrolled step's native cell loop holds its linears' offsets and scales and its
+    lookup tables; they are saved as recipes, wherever the lowered model keeps them."""
+    torch.manual_seed(0)
+    model = Seq2SeqLike().eval()
+    data = _data(6)
+    quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
+    low = qt.quantize(model, data[0], data, quantizer=quantizer, backend=CPU, progress=False)
+    ops = _saved_ops(low, data[0])
+    derived = torch.ops.quantree
+    assert ops.count(derived.derived_offset.default) >= 2 * model.steps  # ih and hh, per step
+    assert ops.count(derived.derived_table.default) >= model.steps  # the gates' tables
+    assert derived.derived_row_sums.default in ops
+    assert derived.widened.default in ops  # int64 program tables, int32 zero points
+
+    path = tmp_path / "cells.pt2"
+    save(low, path, data[0])
+    int8_bytes = sum(p.numel() for p in model.parameters())
+    size = path.stat().st_size
+    # measured 1.07x (1,393,263 against 1,303,528 bytes); 1.42x before cell programs' recipes
+    assert size <= 1.10 * int8_bytes, (size, int8_bytes)
+    loaded = load(path)
+    assert not any(n.target in RECIPE_OPS for n in loaded.graph.nodes)
+    with torch.no_grad():
+        for args in data:
+            assert torch.equal(loaded(*args), low(*args))
+
+
+class Convs(nn.Module):
+    """A depthwise 3 x 3 conv (9 weights a channel: its row sums were 4 bytes against 9), a
+    grouped conv, a sigmoid (a table) and a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 64, 3, padding=1)
+        self.depthwise = nn.Conv2d(64, 64, 3, padding=1, groups=64)
+        self.grouped = nn.Conv2d(64, 64, 3, padding=1, groups=2)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.sigmoid(self.depthwise(torch.relu(self.stem(x))))
+        return self.head(torch.relu(self.grouped(x)).mean((2, 3)))
+
+
+def test_row_sums_and_tables_are_derived_at_load(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Convs().eval()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(1, 3, 12, 12, generator=g),) for _ in range(4)]
+    low = qt.quantize(model, data[0], data, backend=CPU, progress=False)
+    ops = _saved_ops(low, data[0])
+    assert ops.count(torch.ops.quantree.derived_row_sums.default) == 4  # every weight's
+    assert torch.ops.quantree.derived_table.default in ops  # the sigmoid's
+    program = saved_program(low, data[0])
+    held = [*program.state_dict.values(), *program.constants.values()]
+    assert not [t.shape for t in held if t.dtype == torch.int32 and t.shape in ((64,), (10,))]
+    path = tmp_path / "convs.pt2"
+    save(low, path, data[0])
+    loaded = load(path)
+    with torch.no_grad():
+        for args in data:
+            assert torch.equal(loaded(*args), low(*args))
