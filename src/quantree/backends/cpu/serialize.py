@@ -12,6 +12,7 @@ unpickle something or run code (a :class:`~quantree.tools.files.BadFile`).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from quantree.backends.cpu.compact import drop_provenance, one_name_per_tensor
 from quantree.backends.cpu.deflate import deflate_descriptions
 from quantree.backends.cpu.derived import fold_recipes
 from quantree.backends.cpu.direct import call_directly
+from quantree.backends.cpu.pooled import pool_small_tensors
 from quantree.backends.cpu.saved_recipes import as_recipes
 from quantree.core.capture import export_batch_dynamic
 from quantree.core.errors import QuantreeError
@@ -55,13 +57,18 @@ def saved_program(
     program = export_batch_dynamic(module, tuple(example_args), dynamic_batch)
     restore_aten(program.graph_module)
     as_recipes(program)
+    pool_small_tensors(program)
     drop_provenance(program)
     return program
 
 
 def write_program(program: torch.export.ExportedProgram, path: str | Path) -> None:
     """``torch.export.save``, then the graph description deflated."""
-    torch.export.save(program, str(path))
+    with warnings.catch_warnings():
+        # small tensors share storages on purpose (``pooled.py``); torch writes each storage
+        # once, from its first to its last byte viewed, and says so
+        warnings.filterwarnings("ignore", message="No complete tensor found in the group")
+        torch.export.save(program, str(path))
     deflate_descriptions(path)
 
 
