@@ -8,8 +8,10 @@ the call sites share, and ``load`` derives them once.
 
 from __future__ import annotations
 
+import re
 import zipfile
 
+import pytest
 import torch
 from torch import nn
 
@@ -18,6 +20,7 @@ from quantree.backends import CPU, load, save
 from quantree.backends.cpu.deflate import ALIGNMENT
 from quantree.backends.cpu.derived import RECIPE_KEY, RECIPE_OPS
 from quantree.backends.cpu.serialize import saved_program
+from quantree.core.errors import QuantreeError
 
 
 class Seq2SeqLike(nn.Module):
@@ -178,6 +181,43 @@ def test_row_sums_and_tables_are_derived_at_load(tmp_path) -> None:
     path = tmp_path / "convs.pt2"
     save(low, path, data[0])
     loaded = load(path)
+    with torch.no_grad():
+        for args in data:
+            assert torch.equal(loaded(*args), low(*args))
+
+
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        ("derived_table", (torch.arange(-128, 128, dtype=torch.int8), "os.system", 0.1, 0, 0.1, 0)),
+        ("widened", (torch.zeros(4, dtype=torch.int64), torch.int8)),
+        ("derived_requant", (torch.ones(3), torch.ones(4), 0.5)),
+        ("derived_row_sums", (torch.zeros(2, 3, 64, dtype=torch.int8), 40, 1)),
+    ],
+)
+def test_recipes_refuse_arguments_quantree_does_not_write(op: str, args: tuple) -> None:
+    """A file names a table function, a widening, shapes: each is checked, none is code."""
+    with pytest.raises(QuantreeError, match=op):
+        getattr(torch.ops.quantree, op)(*args)
+
+
+def test_small_tensors_share_storages_and_load_equal(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Convs().eval()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(1, 3, 12, 12, generator=g),) for _ in range(3)]
+    low = qt.quantize(model, data[0], data, backend=CPU, progress=False)
+    path = tmp_path / "convs.pt2"
+    save(low, path, data[0])
+    with zipfile.ZipFile(path) as archive:
+        names = [i.filename.rsplit("/", 1)[-1] for i in archive.infolist()]
+    payloads = [n for n in names if re.fullmatch(r"weight_\d+|tensor_\d+", n)]
+    # weights, scales, biases, derived inputs: a few storages per dtype, not one per tensor
+    assert len(payloads) <= 6, payloads
+    loaded = load(path)
+    for name, t in loaded.named_buffers():
+        if t.untyped_storage().nbytes() != t.nbytes:  # a view into a shared storage
+            assert (t.data_ptr() - t.untyped_storage().data_ptr()) % 64 == 0, name
     with torch.no_grad():
         for args in data:
             assert torch.equal(loaded(*args), low(*args))

@@ -354,6 +354,34 @@ def test_recipes_that_do_not_fit_are_refused_in_one_line(lowered_file, tmp_path)
         assert main(["inspect", str(path)]) == EXIT_BAD_INPUT, case
 
 
+def _node_arg(target: str, name: str, value: dict) -> Callable[[str, bytes], bytes]:
+    """Set argument ``name`` of the file's first node calling ``target`` to ``value``."""
+
+    def change_program(program: dict) -> None:
+        graph = program["graph_module"]["graph"]
+        node = next(n for n in graph["nodes"] if target in n["target"])
+        _argument(node, name)["arg"] = value
+
+    return _model_json(change_program)
+
+
+def test_derived_row_sums_and_tables_that_do_not_fit_are_refused(lowered_file, tmp_path) -> None:
+    """The recipes added for row sums, tables and narrowed constants check their arguments
+    as ``derived_offset`` does: a crafted file is a one-line ``BadFile`` naming the op."""
+    from quantree.backends import load
+
+    cases = {
+        "derived_row_sums": _node_arg("derived_row_sums", "groups", {"as_int": 3}),
+        "derived_row_sums ": _node_arg("derived_row_sums", "rows", {"as_int": 1 << 20}),
+    }
+    for op, change in cases.items():
+        path = rewrite(lowered_file, tmp_path / f"{len(op)}.pt2", change)
+        with pytest.raises(BadFile, match=op.strip()) as caught:
+            load(path)
+        assert str(caught.value).startswith(str(path)), op
+        assert len(str(caught.value).splitlines()) == 1, op
+
+
 def test_only_json_members_may_be_deflated(lowered_file, tmp_path, monkeypatch) -> None:
     from quantree.backends import load
     from quantree.tools import archive
