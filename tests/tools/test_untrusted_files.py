@@ -297,14 +297,26 @@ def test_a_dynamic_shape_program_with_guards_still_loads(tmp_path) -> None:
     assert torch.equal(loaded(torch.ones(5, 6), torch.ones(5, 4)), torch.full((4,), 10.0))
 
 
+class Twice(nn.Module):
+    """One linear called on two grids: its two offsets and scales are saved as recipes (a
+    layer called once, or one this narrow, stores them as they are, which is smaller)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.fc(x)))
+
+
 @pytest.fixture(scope="module")
 def lowered_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved CPU-lowered model whose linear offsets and scales are recipes."""
     from quantree.backends import CPU, save
 
     torch.manual_seed(0)
-    model = Small().eval()
-    data = batches((3, 6), n=4)
+    model = Twice().eval()
+    data = batches((3, 64), n=4)
     low = qt.quantize(model, data[0], data, backend=CPU, progress=False)
     path = tmp_path_factory.mktemp("lowered") / "low.pt2"
     save(low, path, data[0])
