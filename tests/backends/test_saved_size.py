@@ -225,3 +225,17 @@ def test_small_tensors_share_storages_and_load_equal(tmp_path) -> None:
     with torch.no_grad():
         for args in data:
             assert torch.equal(loaded(*args), low(*args))
+
+
+def test_a_lowered_state_dict_still_saves_and_loads_weights_only(tmp_path) -> None:
+    """Recipes are recorded beside the constants (``core.annotations``), not on them, so
+    ``torch.save`` of the lowered model's tensors pickles nothing but tensors."""
+    torch.manual_seed(0)
+    model = Convs().eval()
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(1, 3, 12, 12, generator=g),) for _ in range(2)]
+    low = qt.quantize(model, data[0], data, backend=CPU, progress=False)
+    assert "derived_row_sums" in str(_saved_ops(low, data[0]))  # recipes are recorded
+    torch.save(low.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert all(torch.equal(state[k], v) for k, v in low.state_dict().items())

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.fx as fx
 
+from quantree.core.annotations import carry
 from quantree.core.graphs import owner_of
 
 READ_ONLY_BUFFERS = "quantree_read_only_buffers"
@@ -65,14 +66,6 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.dtype, tuple(t.shape), tuple(t.stride()), t.device, digest)
 
 
-def _keep_annotations(kept: torch.Tensor, dropped: torch.Tensor) -> None:
-    """Give ``kept`` the Python attributes ``dropped`` had and it lacks: what a backend
-    recorded on a constant (how to derive it when saving) holds for any equal tensor."""
-    for key, value in getattr(dropped, "__dict__", {}).items():
-        if key not in kept.__dict__:
-            setattr(kept, key, value)
-
-
 def share_identical(root: torch.nn.Module) -> int:
     """Point every read-only constant of ``root`` equal to an earlier one at that one.
 
@@ -94,6 +87,6 @@ def share_identical(root: torch.nn.Module) -> int:
             value.untyped_storage().data_ptr()
         ):
             owner._buffers[name] = first
-            _keep_annotations(first, value)
+            carry(first, value)  # what a backend recorded about it holds for its equal
             saved += value.numel() * value.element_size()
     return saved

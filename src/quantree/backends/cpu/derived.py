@@ -9,15 +9,17 @@ than its int8 weights.
 
 Lowering computes each such constant with one of the ops of ``ops_derived.py``, from the
 float bias, the weight's scales (the same tensors at every call site) and the call site's
-grids (numbers), and records the call on the constant tensor itself (:func:`remember`), only
-after checking that it gives the constant bit for bit. Recording it on the tensor, not on the
-graph node reading it, lets every holder of the constant carry it: the top graph, a native
-cell loop's constants, a region program's. The model in memory reads the constant as before.
-``save`` writes the call instead of the constant (``saved_recipes.py``), ``load`` runs it
-once and reads its result from then on (:func:`fold_recipes`): the same op on the same
-tensors, so the loaded model computes what the lowered one did. The file stays data: a recipe
-is an op of this library with tensor and number arguments, like every other node of the
-graph (a plain ``torch.export.load`` runs it on every call instead).
+grids (numbers), and records the call about the constant tensor itself (:func:`remember`,
+``core.annotations``), only after checking that it gives the constant bit for bit. Recording
+it about the tensor, not on the graph node reading it, reaches every holder of the constant:
+the top graph, a native cell loop's constants, a region program's. (A deep copy of the
+lowered model has new tensors: it saves its constants as they are.) The model in memory
+reads the constant as before. ``save`` writes the call instead of the constant
+(``saved_recipes.py``), ``load`` runs it once and reads its result from then on
+(:func:`fold_recipes`): the same op on the same tensors, so the loaded model computes what
+the lowered one did. The file stays data: a recipe is an op of this library with tensor and
+number arguments, like every other node of the graph (a plain ``torch.export.load`` runs it
+on every call instead).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import Tensor
 from quantree.backends.cpu.ops_derived import RECIPE_OPS
 from quantree.backends.cpu.packing import pack, row_sums
 from quantree.backends.patterns import constant
+from quantree.core.annotations import annotate, notes
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import fetch_attr
 from quantree.core.lower import LoweringContext
@@ -39,8 +42,8 @@ from quantree.core.stages import DEQUANTIZED_GROUP_KEY, FOLDED_FROM_KEY, GROUPS_
 
 RECIPE_KEY = "quantree_recipe"
 """``node.meta`` key on a lowered constant's ``get_attr``: the :class:`Recipe` giving it."""
-RECIPE_ATTR = "_quantree_recipe"
-"""Attribute of a constant tensor holding the :class:`Recipe` that gives it bit for bit."""
+RECIPE_NOTE = "quantree_recipe"
+"""What ``core.annotations`` records about a constant: the :class:`Recipe` giving it."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +70,13 @@ def remember(value: Tensor, recipe: Recipe | None) -> bool:
         return False
     if not _same(derived, value):
         return False
-    setattr(value, RECIPE_ATTR, recipe)
+    annotate(value, RECIPE_NOTE, recipe)
     return True
 
 
 def recipe_of(value: object) -> Recipe | None:
     """The recipe recorded on a constant tensor, if any."""
-    recipe = getattr(value, RECIPE_ATTR, None) if isinstance(value, Tensor) else None
+    recipe = notes(value).get(RECIPE_NOTE)
     return recipe if isinstance(recipe, Recipe) else None
 
 
