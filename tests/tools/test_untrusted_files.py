@@ -297,14 +297,26 @@ def test_a_dynamic_shape_program_with_guards_still_loads(tmp_path) -> None:
     assert torch.equal(loaded(torch.ones(5, 6), torch.ones(5, 4)), torch.full((4,), 10.0))
 
 
+class Twice(nn.Module):
+    """One linear called on two grids: its two offsets and scales are saved as recipes (a
+    layer called once, or one this narrow, stores them as they are, which is smaller)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.fc(x)))
+
+
 @pytest.fixture(scope="module")
 def lowered_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved CPU-lowered model whose linear offsets and scales are recipes."""
     from quantree.backends import CPU, save
 
     torch.manual_seed(0)
-    model = Small().eval()
-    data = batches((3, 6), n=4)
+    model = Twice().eval()
+    data = batches((3, 64), n=4)
     low = qt.quantize(model, data[0], data, backend=CPU, progress=False)
     path = tmp_path_factory.mktemp("lowered") / "low.pt2"
     save(low, path, data[0])
@@ -352,6 +364,34 @@ def test_recipes_that_do_not_fit_are_refused_in_one_line(lowered_file, tmp_path)
         assert str(caught.value).startswith(str(path)), case
         assert len(str(caught.value).splitlines()) == 1, case
         assert main(["inspect", str(path)]) == EXIT_BAD_INPUT, case
+
+
+def _node_arg(target: str, name: str, value: dict) -> Callable[[str, bytes], bytes]:
+    """Set argument ``name`` of the file's first node calling ``target`` to ``value``."""
+
+    def change_program(program: dict) -> None:
+        graph = program["graph_module"]["graph"]
+        node = next(n for n in graph["nodes"] if target in n["target"])
+        _argument(node, name)["arg"] = value
+
+    return _model_json(change_program)
+
+
+def test_derived_row_sums_and_tables_that_do_not_fit_are_refused(lowered_file, tmp_path) -> None:
+    """The recipes added for row sums, tables and narrowed constants check their arguments
+    as ``derived_offset`` does: a crafted file is a one-line ``BadFile`` naming the op."""
+    from quantree.backends import load
+
+    cases = {
+        "derived_row_sums": _node_arg("derived_row_sums", "groups", {"as_int": 3}),
+        "derived_row_sums ": _node_arg("derived_row_sums", "rows", {"as_int": 1 << 20}),
+    }
+    for op, change in cases.items():
+        path = rewrite(lowered_file, tmp_path / f"{len(op)}.pt2", change)
+        with pytest.raises(BadFile, match=op.strip()) as caught:
+            load(path)
+        assert str(caught.value).startswith(str(path)), op
+        assert len(str(caught.value).splitlines()) == 1, op
 
 
 def test_only_json_members_may_be_deflated(lowered_file, tmp_path, monkeypatch) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.fx as fx
 
+from quantree.core.annotations import carry
 from quantree.core.graphs import owner_of
 
 READ_ONLY_BUFFERS = "quantree_read_only_buffers"
@@ -86,5 +87,6 @@ def share_identical(root: torch.nn.Module) -> int:
             value.untyped_storage().data_ptr()
         ):
             owner._buffers[name] = first
+            carry(first, value)  # what a backend recorded about it holds for its equal
             saved += value.numel() * value.element_size()
     return saved

@@ -2,16 +2,20 @@
 
 An int32 bias lives on the grid input scale x weight scale, so each call site of one layer
 (an unrolled decoder's 16 steps) has integers of its own, and so has what lowering folds from
-them: a linear's accumulator offset and output scale, a recurrent layer's dequantized bias.
-``share_identical`` cannot merge those; stored as they are they made the seq2seq model's
-saved file 20% larger than its int8 weights.
+them: a linear's accumulator offset and output scale, a recurrent layer's dequantized bias, a
+program's requantization multipliers, a lookup table made from two grids. ``share_identical``
+cannot merge those; stored as they are they made the seq2seq model's saved file 20-40% larger
+than its int8 weights.
 
 Lowering computes each such constant with one of the ops of ``ops_derived.py``, from the
-float bias, the weight's scales and row sums (the same tensors at every call site) and the
-call site's input grid (two numbers), and records the call on the constant's ``get_attr`` node
-(:data:`RECIPE_KEY`), only after checking that it gives the constant bit for bit. The model
-in memory reads the constant as before. ``save`` writes the call instead of the constant
-(:func:`as_recipes`), ``load`` runs it once and reads its result from then on
+float bias, the weight's scales (the same tensors at every call site) and the call site's
+grids (numbers), and records the call about the constant tensor itself (:func:`remember`,
+``core.annotations``), only after checking that it gives the constant bit for bit. Recording
+it about the tensor, not on the graph node reading it, reaches every holder of the constant:
+the top graph, a native cell loop's constants, a region program's. (A deep copy of the
+lowered model has new tensors: it saves its constants as they are.) The model in memory
+reads the constant as before. ``save`` writes the call instead of the constant
+(``saved_recipes.py``), ``load`` runs it once and reads its result from then on
 (:func:`fold_recipes`): the same op on the same tensors, so the loaded model computes what
 the lowered one did. The file stays data: a recipe is an op of this library with tensor and
 number arguments, like every other node of the graph (a plain ``torch.export.load`` runs it
@@ -20,7 +24,6 @@ on every call instead).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,9 @@ import torch.fx as fx
 from torch import Tensor
 
 from quantree.backends.cpu.ops_derived import RECIPE_OPS
+from quantree.backends.cpu.packing import pack, row_sums
 from quantree.backends.patterns import constant
+from quantree.core.annotations import annotate, notes
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import fetch_attr
 from quantree.core.lower import LoweringContext
@@ -37,18 +42,58 @@ from quantree.core.stages import DEQUANTIZED_GROUP_KEY, FOLDED_FROM_KEY, GROUPS_
 
 RECIPE_KEY = "quantree_recipe"
 """``node.meta`` key on a lowered constant's ``get_attr``: the :class:`Recipe` giving it."""
+RECIPE_NOTE = "quantree_recipe"
+"""What ``core.annotations`` records about a constant: the :class:`Recipe` giving it."""
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """``op(*args)``: the args are tensors every call site shares, numbers and None."""
+    """``op(*args)``: the args are tensors every call site shares, numbers, strings, None,
+    and other recipes (a requantization from a derived scale), computed first."""
 
     op: Any
     args: tuple[Any, ...]
 
     def compute(self) -> Tensor:
-        value: Tensor = self.op(*self.args)
+        args = [a.compute() if isinstance(a, Recipe) else a for a in self.args]
+        value: Tensor = self.op(*args)
         return value
+
+
+def remember(value: Tensor, recipe: Recipe | None) -> bool:
+    """Record ``recipe`` on ``value`` if it gives ``value`` bit for bit (else nothing)."""
+    if recipe is None:
+        return False
+    try:
+        derived = recipe.compute()
+    except QuantreeError:  # arguments the op does not take: the constant is saved as it is
+        return False
+    if not _same(derived, value):
+        return False
+    annotate(value, RECIPE_NOTE, recipe)
+    return True
+
+
+def recipe_of(value: object) -> Recipe | None:
+    """The recipe recorded on a constant tensor, if any."""
+    recipe = notes(value).get(RECIPE_NOTE)
+    return recipe if isinstance(recipe, Recipe) else None
+
+
+def summed(values: Tensor, packed: Tensor, groups: int = 1) -> Tensor:
+    """``row_sums(values)``, recorded as derived from ``packed``, the weight as the kernels
+    hold it (which the file holds anyway): 4 bytes per output channel less on disk, a third
+    of what a depthwise 3 x 3 channel's nine weights weigh."""
+    sums = row_sums(values)
+    rows = int(values.shape[0])
+    remember(sums, Recipe(torch.ops.quantree.derived_row_sums.default, (packed, rows, groups)))
+    return sums
+
+
+def packed_and_sums(values: Tensor) -> list[Tensor]:
+    """``[pack(values), row sums]``, the sums recorded as derived from the packed weight."""
+    packed = pack(values)
+    return [packed, summed(values, packed)]
 
 
 @dataclass(frozen=True)
@@ -95,54 +140,13 @@ def derived_constant(
 ) -> fx.Node:
     """``constant(...)`` that records ``recipe`` when it computes ``value`` bit for bit."""
     node = constant(ctx, prefix, value, before)
-    if recipe is not None and _same(recipe.compute(), value):
+    if remember(fetch_attr(ctx.gm, str(node.target)), recipe):
         node.meta[RECIPE_KEY] = recipe
     return node
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-
-
-def _content_key(t: Tensor) -> tuple:
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    digest = hashlib.blake2b(data.numpy().tobytes(), digest_size=16).digest()
-    return (t.dtype, tuple(t.shape), digest)
-
-
-def as_recipes(gm: fx.GraphModule) -> int:
-    """Replace each recorded constant of ``gm``'s graph by the call of its recipe (``gm`` is
-        a copy made for saving: its graph and buffer table are changed, the constants no longer
-    read are dropped from it). Returns how many."""
-    inputs: dict[tuple, str] = {}
-    dropped: set[str] = set()
-    replaced = 0
-    graph = gm.graph
-    for node in list(graph.nodes):
-        recipe = node.meta.get(RECIPE_KEY) if node.op == "get_attr" else None
-        if not isinstance(recipe, Recipe):
-            continue
-        with graph.inserting_before(node):
-            args = []
-            for arg in recipe.args:
-                if isinstance(arg, Tensor):
-                    key = _content_key(arg)
-                    if key not in inputs:
-                        inputs[key] = f"_derived_from_{len(inputs)}"
-                        gm.register_buffer(inputs[key], arg.contiguous())
-                    arg = graph.get_attr(inputs[key])
-                args.append(arg)
-            call = graph.call_function(recipe.op, tuple(args))
-        call.meta["val"] = node.meta.get("val")
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
-        dropped.add(str(node.target))
-        replaced += 1
-    read = {str(n.target) for n in graph.nodes if n.op == "get_attr"}
-    for name in dropped - read:
-        if name in gm._buffers:  # the copy's own table: submodules are shared, left alone
-            del gm._buffers[name]
-    return replaced
 
 
 def fold_recipes(gm: fx.GraphModule) -> int:

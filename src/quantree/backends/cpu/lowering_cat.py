@@ -14,6 +14,8 @@ import torch
 import torch.fx as fx
 
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.lookup)
+from quantree.backends.cpu.derived import Recipe, derived_constant
+from quantree.backends.cpu.ops_derived import table_recipe_args
 from quantree.backends.patterns import Activation, activation, is_int8_per_tensor, replace
 from quantree.core.lower import LoweringContext, Quantized
 
@@ -30,7 +32,11 @@ def on_grid(ctx: LoweringContext, x: Activation, q: Quantized, before: fx.Node) 
     codes = torch.arange(-128, 128, dtype=torch.int8)
     values = qd.dequantize_per_tensor(codes, x.scale, x.zero_point, -128, 127, torch.int8)
     table = qd.quantize_per_tensor(values, scale, zero_point, -128, 127, torch.int8)
-    table_node = ctx.add_constant("_cpu_requant_", table, before=before)
+    grids = (x.scale, x.zero_point, scale, zero_point)
+    recipe = Recipe(
+        torch.ops.quantree.derived_table.default, table_recipe_args("requantize", grids)
+    )
+    table_node = derived_constant(ctx, "_cpu_requant_", table, before, recipe)
     with ctx.gm.graph.inserting_before(before):
         return ctx.gm.graph.call_function(torch.ops.quantree.lookup.default, (x.node, table_node))
 

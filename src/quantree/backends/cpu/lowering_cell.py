@@ -15,8 +15,7 @@ import torch
 import torch.fx as fx
 
 from quantree.backends.cpu import ops_rnn_cell  # noqa: F401  (registers the op)
-from quantree.backends.cpu.derived import bias_recipe, derived_constant
-from quantree.backends.cpu.packing import pack, row_sums
+from quantree.backends.cpu.derived import bias_recipe, derived_constant, packed_and_sums
 from quantree.backends.patterns import (
     Activation,
     activation,
@@ -88,8 +87,8 @@ def lower_cell(ctx: LoweringContext, node: fx.Node) -> bool:
             else (state.scale, state.zero_point)
         )
     tensors = [
-        pack(w_ih.values), row_sums(w_ih.values), w_ih.scale, b_ih,
-        pack(w_hh.values), row_sums(w_hh.values), w_hh.scale, b_hh,
+        *packed_and_sums(w_ih.values), w_ih.scale, b_ih,
+        *packed_and_sums(w_hh.values), w_hh.scale, b_hh,
     ]  # fmt: skip
     graph = ctx.gm.graph
     recipes = {3: bias_recipe(ctx, args[4]), 7: bias_recipe(ctx, args[5])}  # per call site

@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
-from quantree.backends.cpu.derived import Recipe, bias_source, derived_constant
+from quantree.backends.cpu.derived import Recipe, bias_source, derived_constant, summed
 from quantree.backends.cpu.ops_gemm import is_depthwise
-from quantree.backends.cpu.packing import pack, row_sums, zero_point_offset
+from quantree.backends.cpu.packing import pack, zero_point_offset
 from quantree.backends.patterns import (
     Activation,
     Output,
@@ -52,14 +52,19 @@ class _Terms:
 
 
 def accumulator_terms(
-    ctx: LoweringContext, x: Activation, w: Weight, bias_arg: object
+    ctx: LoweringContext,
+    x: Activation,
+    w: Weight,
+    bias_arg: object,
+    packed: torch.Tensor,
+    groups: int = 1,
 ) -> _Terms | None:
     """(int32 offset, float32 scale, float bias or None) of ``y = (acc + offset) * scale``."""
     n = w.values.shape[0]
     scale = (x.scale * w.scale).float()
     scale_recipe = Recipe(quantree_ops.derived_scale.default, (w.scale, x.scale))
     offset = zero_point_offset(w.values, x.zero_point)
-    sums = row_sums(w.values)
+    sums = summed(w.values, packed, groups)
     dq = ctx.dequantized(bias_arg) if bias_arg is not None else None
     if dq is not None and dq.is_constant and dq.params.dtype.torch_dtype == torch.int32:
         bias_scale = dq.params.scale.float().reshape(-1).expand(n)
@@ -118,10 +123,11 @@ def lower_linear(ctx: LoweringContext, node: fx.Node) -> bool:
     out = output(ctx, node)
     if x is None or w is None or out is None or w.values.dim() != 2:
         return False
-    terms = accumulator_terms(ctx, x, w, node.args[2] if len(node.args) > 2 else None)
+    packed = pack(w.values)
+    terms = accumulator_terms(ctx, x, w, node.args[2] if len(node.args) > 2 else None, packed)
     if terms is None:
         return False
-    args = lowered_constants(ctx, node, pack(w.values), terms)
+    args = lowered_constants(ctx, node, packed, terms)
     with ctx.gm.graph.inserting_before(node):
         new = ctx.gm.graph.call_function(
             quantree_ops.linear.default,
@@ -222,11 +228,14 @@ def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
     if x is None or w is None or out is None or w.values.dim() != dims + 2:
         return False
     geometry = conv_geometry(a, w.values, dims)
-    terms = accumulator_terms(ctx, x, w, a[2])
-    if terms is None or geometry is None:
+    if geometry is None:
         return False
     out_channels, kernel, stride, padding, dilation, groups = geometry
-    args = lowered_constants(ctx, node, pack_conv_weight(w.values, groups), terms)
+    packed = pack_conv_weight(w.values, groups)
+    terms = accumulator_terms(ctx, x, w, a[2], packed, groups)
+    if terms is None:
+        return False
+    args = lowered_constants(ctx, node, packed, terms)
     shape = (out_channels, kernel, stride, padding, dilation)
     target = quantree_ops.conv1d if dims == 1 else quantree_ops.conv2d
     with ctx.gm.graph.inserting_before(node):

@@ -44,6 +44,7 @@ from quantree.backends.cpu.cells_native import (
     Program,
     emit,
 )
+from quantree.backends.cpu.derived import Recipe, remember
 from quantree.core.graphs import fetch_attr, register_constant
 from quantree.core.values import module_scope
 
@@ -561,6 +562,9 @@ def _requantization(
     bias = p.consts[code[5]] if code[5] >= 0 else torch.zeros_like(scale)
     inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(a[6]), dtype=torch.float32)
     value = torch.cat([scale.float() * inv, bias.float() * inv]).contiguous()
+    # per call site (its scale and output grid): saved as the recipe on what it derives from
+    bias_arg = p.consts[code[5]] if code[5] >= 0 else None
+    remember(value, Recipe(quantree_ops.derived_requant.default, (scale, bias_arg, float(a[6]))))
     name = register_constant(gm, "_cpu_requant_", value)
     with gm.graph.inserting_before(first):
         node = gm.graph.get_attr(name)

@@ -21,6 +21,8 @@ import torch
 import torch.fx as fx
 
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
+from quantree.backends.cpu.derived import Recipe, derived_constant
+from quantree.backends.cpu.ops_derived import TABLE_FUNCTIONS, table_recipe_args
 from quantree.backends.patterns import (
     Activation,
     activation,
@@ -131,7 +133,12 @@ def lower_pointwise(ctx: LoweringContext, node: fx.Node) -> bool:
     result = fn(values, *node.args[1:], **node.kwargs)
     out_scale, out_zp = float(q.params.scale), int(q.params.zero_point)
     table = qd.quantize_per_tensor(result, out_scale, out_zp, -128, 127, torch.int8)
-    table_node = ctx.add_constant("_cpu_table_", table, before=node)
+    recipe = None
+    if str(node.target) in TABLE_FUNCTIONS and len(node.args) == 1 and not node.kwargs:
+        grids = (x.scale, x.zero_point, out_scale, out_zp)
+        args = table_recipe_args(str(node.target), grids)
+        recipe = Recipe(torch.ops.quantree.derived_table.default, args)
+    table_node = derived_constant(ctx, "_cpu_table_", table, node, recipe)
     graph = ctx.gm.graph
     with graph.inserting_before(node):
         new = graph.call_function(torch.ops.quantree.lookup.default, (x.node, table_node))

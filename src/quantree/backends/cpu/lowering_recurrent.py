@@ -21,8 +21,7 @@ import torch
 import torch.fx as fx
 
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
-from quantree.backends.cpu.derived import bias_recipe, derived_constant
-from quantree.backends.cpu.packing import pack, row_sums
+from quantree.backends.cpu.derived import bias_recipe, derived_constant, packed_and_sums
 from quantree.backends.patterns import (
     Activation,
     activation,
@@ -189,12 +188,10 @@ def _layer_params(
         if b_ih is None or b_hh is None:
             return None
         tensors = [
-            pack(w_ih.values),
-            row_sums(w_ih.values),
+            *packed_and_sums(w_ih.values),
             w_ih.scale,
             b_ih,
-            pack(w_hh.values),
-            row_sums(w_hh.values),
+            *packed_and_sums(w_hh.values),
             w_hh.scale,
             b_hh,
         ]
@@ -202,7 +199,7 @@ def _layer_params(
             w_hr = weight(ctx, arg_at(node, p.w_hr))
             if w_hr is None:
                 return None
-            tensors += [pack(w_hr.values), row_sums(w_hr.values), w_hr.scale]
+            tensors += [*packed_and_sums(w_hr.values), w_hr.scale]
         # each call site's biases sit on its own input grid: saved as their recipe
         recipes = {
             i: None if path is None else bias_recipe(ctx, arg_at(node, path))

@@ -64,24 +64,32 @@ def lower_wide(ctx: LoweringContext, node: fx.Node) -> bool:
     args = list(node.args) + [None] * (7 - len(node.args))
     # the hi plane (zero point 0) on 256 x the input scale, the lo plane (zero point -128)
     # on the input scale, which is the int32 bias's grid
-    hi = accumulator_terms(ctx, Activation(x, scale * 256.0, 0), w, None)
-    lo = accumulator_terms(ctx, Activation(x, scale, LO_ZERO_POINT), w, args[2])
-    if hi is None or lo is None:
-        return False
     call: tuple[Any, ...]
     if dims == 0:  # one dual pass: the hi plane's offset, the input scale, a float bias
+        packed = pack(w.values)
+        hi = accumulator_terms(ctx, Activation(x, scale * 256.0, 0), w, None, packed)
+        lo = accumulator_terms(ctx, Activation(x, scale, LO_ZERO_POINT), w, args[2], packed)
+        if hi is None or lo is None:
+            return False
         n = int(w.values.shape[0])
         bias = float_constant(ctx, args[2], n)
         if bias is None:
             return False
         dual = replace_bias(hi, lo.scale, lo.scale_recipe, bias if args[2] is not None else None)
-        consts = lowered_constants(ctx, node, pack(w.values), dual)
+        consts = lowered_constants(ctx, node, packed, dual)
         target, call = quantree_ops.linear16.default, (*consts, n)
     else:
         geometry = conv_geometry(args, w.values, dims)
         if geometry is None:
             return False
-        packed = pack_conv_weight(w.values, geometry[-1])
+        groups = geometry[-1]
+        packed = pack_conv_weight(w.values, groups)
+        hi = accumulator_terms(ctx, Activation(x, scale * 256.0, 0), w, None, packed, groups)
+        lo = accumulator_terms(
+            ctx, Activation(x, scale, LO_ZERO_POINT), w, args[2], packed, groups
+        )
+        if hi is None or lo is None:
+            return False
         packed_w, hi_off, hi_scale, _ = lowered_constants(ctx, node, packed, hi)
         _, lo_off, lo_scale, bias_node = lowered_constants(ctx, node, packed, lo)
         target = quantree_ops.conv16.default

@@ -89,8 +89,148 @@ def _(weight_scale, input_scale):
     return weight_scale.new_empty(weight_scale.shape, dtype=torch.float32)
 
 
+@op("derived_requant(Tensor scale, Tensor? bias, float out_scale) -> Tensor")
+def derived_requant(scale: Tensor, bias: Tensor | None, out_scale: float) -> Tensor:
+    """An int8-output linear's multipliers in a region program: ``scale / out_scale`` then
+    ``bias / out_scale``, float32, as ``qt_cell_loop`` computes them."""
+    if scale.dim() != 1 or (bias is not None and bias.shape != scale.shape) or out_scale <= 0:
+        raise QuantreeError(
+            f"quantree.derived_requant: scale of shape {tuple(scale.shape)}, bias of shape "
+            f"{None if bias is None else tuple(bias.shape)}, output scale {out_scale}; the "
+            "file was not written by quantree.backends.save (re-save the lowered model)"
+        )
+    inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(out_scale, dtype=torch.float32)
+    added = torch.zeros_like(scale) if bias is None else bias
+    return torch.cat([scale.float() * inv, added.float() * inv]).contiguous()
+
+
+@op("derived_row_sums(Tensor packed, int rows, int groups) -> Tensor")
+def derived_row_sums(packed: Tensor, rows: int, groups: int) -> Tensor:
+    """int32 ``sum_k w[n, k]`` of each of ``rows`` output channels, read from the weight as
+    the kernels hold it: ``[taps, channels]`` (depthwise) or each group's VNNI blocks
+    ``[rows / groups / 16, K / 4, 64]`` one after the other (``packing.pack``; its padding is
+    zeros, so it adds nothing)."""
+    if packed.dtype != torch.int8 or groups < 1 or rows % groups:
+        raise QuantreeError(
+            f"quantree.derived_row_sums: a {packed.dtype} weight of shape "
+            f"{tuple(packed.shape)} for {rows} rows in {groups} groups; the file was not "
+            "written by quantree.backends.save (re-save the lowered model)"
+        )
+    if packed.dim() == 2 and packed.shape[1] == rows:
+        return packed.to(torch.int32).sum(0, dtype=torch.int32)
+    blocks = -(-rows // groups // 16)
+    if packed.dim() != 3 or packed.shape[0] != groups * blocks or packed.shape[2] != 64:
+        raise QuantreeError(
+            f"quantree.derived_row_sums: a weight of shape {tuple(packed.shape)} is not "
+            f"{rows} rows in {groups} groups of 16-row blocks; the file was not written by "
+            "quantree.backends.save (re-save the lowered model)"
+        )
+    lanes = packed.reshape(groups, blocks, packed.shape[1], 16, 4).to(torch.int32)
+    sums = lanes.sum((2, 4), dtype=torch.int32).reshape(groups, blocks * 16)
+    return sums[:, : rows // groups].reshape(rows).contiguous()
+
+
+TABLE_FUNCTIONS = {
+    "requantize": lambda x: x,
+    "aten.sigmoid.default": torch.sigmoid,
+    "aten.sigmoid_.default": torch.sigmoid,
+    "aten.tanh.default": torch.tanh,
+    "aten.tanh_.default": torch.tanh,
+    "aten.relu.default": torch.relu,
+    "aten.relu_.default": torch.relu,
+    "aten.gelu.default": torch.nn.functional.gelu,
+    "aten.silu.default": torch.nn.functional.silu,
+    "aten.silu_.default": torch.nn.functional.silu,
+    "aten.hardswish.default": torch.nn.functional.hardswish,
+    "aten.hardswish_.default": torch.nn.functional.hardswish,
+    "aten.hardsigmoid.default": torch.nn.functional.hardsigmoid,
+    "aten.hardsigmoid_.default": torch.nn.functional.hardsigmoid,
+}
+"""Functions a lookup table may be derived from, by name (a file names one of these; it
+never names code to run)."""
+
+
+@op(
+    "derived_table(Tensor codes, str function, float in_scale, int in_zero_point, "
+    "float out_scale, int out_zero_point) -> Tensor"
+)
+def derived_table(
+    codes: Tensor,
+    function: str,
+    in_scale: float,
+    in_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+) -> Tensor:
+    """The int8 table of ``function`` over ``codes`` (the 256 int8 codes, one tensor the
+    whole file shares: an op needs a tensor argument to be dispatched) from one grid to
+    another, made with the reference's own quantize/dequantize ops, as lowering makes it."""
+    fn = TABLE_FUNCTIONS.get(function)
+    if fn is None or codes.dtype != torch.int8 or codes.dim() != 1:
+        raise QuantreeError(
+            f"quantree.derived_table: function {function!r} over {codes.dtype} codes of shape "
+            f"{tuple(codes.shape)}; the file was not written by quantree.backends.save "
+            "(re-save the lowered model)"
+        )
+    qd = torch.ops.quantized_decomposed
+    values = qd.dequantize_per_tensor(codes, in_scale, in_zero_point, -128, 127, torch.int8)
+    return qd.quantize_per_tensor(fn(values), out_scale, out_zero_point, -128, 127, torch.int8)
+
+
+def table_recipe_args(function: str, grids: tuple[float, int, float, int]) -> tuple:
+    """``derived_table``'s arguments for a table over all 256 codes."""
+    return (torch.arange(-128, 128, dtype=torch.int8), function, *grids)
+
+
+@torch.library.register_fake("quantree::derived_requant")
+def _(scale, bias, out_scale):
+    return scale.new_empty((2 * scale.shape[0],), dtype=torch.float32)
+
+
+@torch.library.register_fake("quantree::derived_row_sums")
+def _(packed, rows, groups):
+    return packed.new_empty((rows,), dtype=torch.int32)
+
+
+@torch.library.register_fake("quantree::derived_table")
+def _(codes, function, in_scale, in_zero_point, out_scale, out_zero_point):
+    return torch.empty_like(codes)
+
+
+WIDENINGS = {
+    (torch.int8, torch.int16),
+    (torch.int8, torch.int32),
+    (torch.int8, torch.int64),
+    (torch.int16, torch.int32),
+    (torch.int16, torch.int64),
+    (torch.int32, torch.int64),
+    (torch.float16, torch.float32),
+}
+"""(stored, read) dtype pairs ``widened`` converts: each holds every value of the stored type."""
+
+
+@op("widened(Tensor narrow, ScalarType dtype) -> Tensor")
+def widened(narrow: Tensor, dtype: torch.dtype) -> Tensor:
+    """A constant saved in a narrower type than it is read in (``narrowed.py``), read back."""
+    if (narrow.dtype, dtype) not in WIDENINGS:
+        raise QuantreeError(
+            f"quantree.widened: {narrow.dtype} to {dtype} is not a widening; the file was not "
+            "written by quantree.backends.save (re-save the lowered model)"
+        )
+    return narrow.to(dtype).contiguous()
+
+
+@torch.library.register_fake("quantree::widened")
+def _(narrow, dtype):
+    return torch.empty_like(narrow, dtype=dtype)
+
+
 RECIPE_OPS = (
     torch.ops.quantree.derived_bias.default,
     torch.ops.quantree.derived_offset.default,
     torch.ops.quantree.derived_scale.default,
+    torch.ops.quantree.derived_requant.default,
+    torch.ops.quantree.derived_row_sums.default,
+    torch.ops.quantree.derived_table.default,
+    torch.ops.quantree.widened.default,
 )

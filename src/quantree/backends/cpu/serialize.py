@@ -12,6 +12,7 @@ unpickle something or run code (a :class:`~quantree.tools.files.BadFile`).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,11 @@ import torch
 
 from quantree.backends.cpu.compact import drop_provenance, one_name_per_tensor
 from quantree.backends.cpu.deflate import deflate_descriptions
-from quantree.backends.cpu.derived import as_recipes, fold_recipes
+from quantree.backends.cpu.derived import fold_recipes
 from quantree.backends.cpu.direct import call_directly
+from quantree.backends.cpu.pooled import pool_small_tensors
 from quantree.backends.cpu.program_checks import check_graph
+from quantree.backends.cpu.saved_recipes import as_recipes
 from quantree.core.capture import export_batch_dynamic
 from quantree.core.errors import QuantreeError
 from quantree.core.fast_attributes import read_buffers_directly
@@ -50,18 +53,23 @@ def saved_program(
     constants as their recipes, no tracing provenance (``module`` itself is not changed)."""
     if isinstance(module, torch.fx.GraphModule):
         module = one_name_per_tensor(module)  # a copy that shares the tensors
-        as_recipes(module)
         # packed sequences: exported through the ops capture traced them with, then ATen again
         as_capture_ops(module)
     program = export_batch_dynamic(module, tuple(example_args), dynamic_batch)
     restore_aten(program.graph_module)
+    as_recipes(program)
+    pool_small_tensors(program)
     drop_provenance(program)
     return program
 
 
 def write_program(program: torch.export.ExportedProgram, path: str | Path) -> None:
     """``torch.export.save``, then the graph description deflated."""
-    torch.export.save(program, str(path))
+    with warnings.catch_warnings():
+        # small tensors share storages on purpose (``pooled.py``); torch writes each storage
+        # once, from its first to its last byte viewed, and says so
+        warnings.filterwarnings("ignore", message="No complete tensor found in the group")
+        torch.export.save(program, str(path))
     deflate_descriptions(path)
 
 
