@@ -449,3 +449,41 @@ def test_pinned_state_grids_survive_lowering():
         (_, (h_ref, c_ref)), (_, (h, c)) = ref(*data[0]), low(*data[0])
     assert torch.equal(h * 128, (h * 128).round()) and torch.equal(c * 32, (c * 32).round())
     assert qt.sqnr(h_ref, h) >= 30.0 and qt.sqnr(c_ref, c) >= 25.0
+
+
+class ConvGroupNorm(nn.Module):
+    """ConvTasNet's block: conv1d -> PReLU -> group norm, which the default recipe leaves
+    float after the conv (group norm makes it ``WEIGHTED_INPUTS``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.act, self.norm = nn.Conv1d(6, 16, 3), nn.PReLU(), nn.GroupNorm(1, 16)
+        self.depthwise = nn.Conv1d(16, 16, 3, padding=2, dilation=2, groups=16)
+
+    def forward(self, x):
+        y = self.norm(self.act(self.conv(x)))
+        return y + self.depthwise(y)
+
+
+@pytest.mark.filterwarnings("ignore::quantree.QuantreeWarning")
+def test_conv1d_writing_float_writes_it_contiguous():
+    """A conv1d whose output float code reads returns it contiguous (it kept the kernel's
+    channels-last strides, which torch has no 3-d layout for: every float op after it copied
+    or walked them strided; the lowered ConvTasNet ran slower than float)."""
+    torch.manual_seed(0)
+    data = batches((2, 6, 40))
+    _, ref = run(ConvGroupNorm().eval(), data)
+    low = qt.lower(ref, CPU)
+    convs: list[torch.Tensor] = []
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if "conv1d" in str(n.target) and isinstance(out, torch.Tensor):
+                convs.append(out)
+            return out
+
+    with torch.no_grad():
+        got = Recorder(low).run(*data[0])
+        assert qt.sqnr(ref(*data[0]), got) >= THRESHOLD_DB
+    assert [(c.dtype, c.is_contiguous()) for c in convs] == [(torch.float32, True)] * 2
