@@ -157,19 +157,16 @@ def conv1d(
 ) -> Tensor:
     """int8 ``[N, C, L]`` convolution, run as the conv2d of ``[N, C, 1, L]``.
 
-    ``padding`` is ``[left]`` or ``[left, right]``. An int8 result keeps the conv2d's
+    ``padding`` is ``[left]`` or ``[left, right]``. The result keeps the conv2d's
     channels-last strides (``[N, O, L]`` with the channels innermost), so a following
-    conv1d reads it without a copy. A float result (``out_scale`` 0: float code reads it)
-    is made contiguous once here: torch has no channels-last layout for 3-d tensors, so
-    every float op after it (group norm, PReLU, a residual add) copied or walked it
-    strided, ConvTasNet's lowered model ran at 1.27x float's CPU time that way.
+    conv1d reads it without a copy.
     """
     geometry = as_conv2d_geometry(kernel, stride, padding, dilation)
     out = conv2d(
         x.unsqueeze(2), weight, offset, scale, bias, out_channels, *geometry,
         x_zero_point, out_scale, out_zero_point, relu, groups,
     )  # fmt: skip
-    return out.squeeze(2) if out_scale > 0 else out.squeeze(2).contiguous()
+    return out.squeeze(2)
 
 
 @torch.library.register_fake("quantree::conv1d")
@@ -178,8 +175,7 @@ def _(x, weight, offset, scale, bias, out_channels, kernel, stride, padding, dil
     dtype = torch.int8 if out_scale > 0 else torch.float32
     geometry = as_conv2d_geometry(kernel, stride, padding, dilation)
     shape = conv2d_shape(x.unsqueeze(2), out_channels, *geometry)
-    out = torch.empty(shape, dtype=dtype, memory_format=torch.channels_last).squeeze(2)
-    return out if out_scale > 0 else out.contiguous()
+    return torch.empty(shape, dtype=dtype, memory_format=torch.channels_last).squeeze(2)
 
 
 @op(
