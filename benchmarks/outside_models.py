@@ -260,7 +260,11 @@ def build(name: str) -> Case:
     import_model_libraries()
     for family, names in FAMILIES.items():
         if name in names:
-            return BUILDERS[family](name)
+            case = BUILDERS[family](name)
+            for module in case.model.modules():  # classifier heads some libraries zero:
+                if isinstance(module, nn.Linear) and not module.weight.any():  # no signal
+                    nn.init.normal_(module.weight, std=0.02)
+            return case
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
