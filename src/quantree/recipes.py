@@ -33,6 +33,7 @@ from quantree.core.weighted import weighted_annotation
 from quantree.recurrent.call import CELL_OPS, RECURRENT_OPS
 from quantree.recurrent.decompose import CellsOptions
 from quantree.recurrent.recipe import cells_rules, fixed_sigmoid, fixed_tanh
+from quantree.recurrent.split_layers import split_layers, splittable
 from quantree.recurrent.whole import recurrent_cell_annotation, recurrent_whole_annotation
 
 aten = torch.ops.aten
@@ -310,6 +311,8 @@ def int8_rules(
         return Annotation(outputs=None, inputs={(0,): weight})
 
     def recurrent(node: fx.Node) -> Annotation:
+        if splittable(node):  # a stacked ReLU RNN: its inner layers' states observed too
+            return Annotation(decompose=split_layers)
         return recurrent_whole_annotation(node, act, weight, share_recurrent_state)
 
     return (

@@ -126,11 +126,13 @@ def test_stacked_layers_keep_the_reference_accuracy(factory, seed):
                 assert qt.sqnr(want, got) >= THRESHOLD_DB
 
 
-def test_stacked_relu_rnn_stays_as_the_reference():
-    """A stacked ReLU RNN's inner states have no bound: not lowered (seed 3 clipped to 12 dB)."""
+def test_stacked_relu_rnn_lowers_layer_by_layer():
+    """A stacked ReLU RNN's inner states have no bound the backend could assume (seed 3
+    clipped to 12 dB when it tried); the recipe splits it per layer, so each layer's output
+    is observed and each layer is one native call, within the threshold."""
     torch.manual_seed(3)
     targets = check_data(nn.RNN(8, 12, 2, nonlinearity="relu"), batches((6, 2, 8), n=6))
-    assert "aten.rnn_relu.input" in targets and "quantree.rnn.default" not in targets
+    assert "aten.rnn_relu.input" not in targets and targets.count("quantree.rnn.default") == 2
 
 
 class ExplicitState(nn.Module):

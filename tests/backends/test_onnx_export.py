@@ -322,3 +322,28 @@ def test_cli_format_onnx(tmp_path):
     assert result.returncode == 0, result.stderr
     assert _ops(out)["QuantizeLinear"] > 0
     assert run_onnx(out, data[0])[0].shape == (4, 5)
+
+
+class _PackedGru(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(8, 12, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+        out, _ = self.gru(packed)
+        return nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
+
+
+@pytest.mark.filterwarnings(WARN)
+@pytest.mark.parametrize("mode", [qt.RecurrentMode.WHOLE, qt.RecurrentMode.CELLS])
+def test_packed_sequence_is_refused_by_name(mode, tmp_path):
+    """Cells mode's loop over a packed sequence failed inside torch.export with an internal
+    ``new_zeros`` error (a bidirectional GRU with packed sequences, outside models sweep); it
+    gets the whole-mode refusal naming the node and the fix."""
+    torch.manual_seed(0)
+    data = [(torch.randn(3, 6, 8), torch.tensor([6, 4, 2])) for _ in range(3)]
+    quantizer = qt.Int8Quantizer(recurrent=mode)
+    ref = qt.quantize(_PackedGru().eval(), data[0], data, quantizer=quantizer, progress=False)
+    with pytest.raises(qt.QuantreeError, match=r"packed sequence.*pad_packed_sequence"):
+        qt.export_onnx(ref, data[0], tmp_path / "packed.onnx")

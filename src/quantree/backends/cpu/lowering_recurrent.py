@@ -70,7 +70,7 @@ def _hidden_ranges(
     bound that holds for any input: |h| < 1 for an LSTM and a tanh RNN, max(1, |h0|) for a
     GRU (a convex mix of tanh and the previous state), the largest row L1 norm of W_hr for a
     projected LSTM (|o * tanh(c)| < 1). A stacked ReLU RNN has no such bound and is not
-    lowered.
+    lowered (``Int8Quantizer`` splits it per layer first: ``recurrent/split_layers.py``).
     """
     ranges = _observed_ranges(call, output, initial, returned)
     if call.num_layers == 1:

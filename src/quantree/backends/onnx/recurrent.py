@@ -25,6 +25,7 @@ from quantree.core.graphs import fetch_attr, register_constant
 from quantree.core.qdq import DEQUANTIZE_PER_CHANNEL, DEQUANTIZE_PER_TENSOR, is_dequantize
 from quantree.core.values import arg_at
 from quantree.recurrent.call import PACKED_OPS, PADDED_OPS, RecurrentCall
+from quantree.recurrent.loop import RecurrentCells
 
 aten = torch.ops.aten
 _GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -40,14 +41,12 @@ def rewrite_recurrent(gm: fx.GraphModule) -> int:
     """Replace every whole-mode recurrent call of ``gm`` in place; the number replaced."""
     count = 0
     for node in list(gm.graph.nodes):
+        if _packed_cells(gm, node):  # cells mode's loop over a packed sequence, the same case
+            _refuse_packed(node, f"cells-mode {node.target}")
         if node.op != "call_function":
             continue
         if node.target in PACKED_OPS:
-            raise QuantreeError(
-                f"node {node.name} ({node.target}) runs on a packed sequence, which has no ONNX "
-                "form: ONNX's LSTM/GRU/RNN take padded batches with sequence_lens. Pad the batch "
-                "(pad_packed_sequence before the layer) to export it"
-            )
+            _refuse_packed(node, node.target)
         if node.target in PADDED_OPS:
             _Layer(gm, node).rewrite()
             count += 1
@@ -56,6 +55,25 @@ def rewrite_recurrent(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return count
+
+
+def _packed_cells(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A ``RecurrentCells`` call given ``batch_sizes``: its loop slices rows by data-dependent
+    sizes, which ``torch.export`` traces only as far as a ``new_zeros`` of a symbolic float."""
+    if node.op != "call_module":
+        return False
+    if not isinstance(gm.get_submodule(str(node.target)), RecurrentCells):
+        return False
+    batch_sizes = node.args[2] if len(node.args) > 2 else node.kwargs.get("batch_sizes")
+    return batch_sizes is not None
+
+
+def _refuse_packed(node: fx.Node, what: object) -> None:
+    raise QuantreeError(
+        f"node {node.name} ({what}) runs on a packed sequence, which has no ONNX "
+        "form: ONNX's LSTM/GRU/RNN take padded batches with sequence_lens. Pad the batch "
+        "(pad_packed_sequence before the layer) to export it"
+    )
 
 
 class _Layer:
