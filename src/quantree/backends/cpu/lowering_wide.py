@@ -85,9 +85,7 @@ def lower_wide(ctx: LoweringContext, node: fx.Node) -> bool:
         groups = geometry[-1]
         packed = pack_conv_weight(w.values, groups)
         hi = accumulator_terms(ctx, Activation(x, scale * 256.0, 0), w, None, packed, groups)
-        lo = accumulator_terms(
-            ctx, Activation(x, scale, LO_ZERO_POINT), w, args[2], packed, groups
-        )
+        lo = accumulator_terms(ctx, Activation(x, scale, LO_ZERO_POINT), w, args[2], packed, groups)
         if hi is None or lo is None:
             return False
         packed_w, hi_off, hi_scale, _ = lowered_constants(ctx, node, packed, hi)

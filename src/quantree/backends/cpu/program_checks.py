@@ -35,6 +35,7 @@ NI, NF = 12, 8  # int / float fields per instruction (qt_program.h)
 QUANT, DEQUANT, LINEAR, BINARY, LOOKUP, COPY, FAKE_QUANT, FLOAT_BINARY, FLOAT_UNARY, NORM = range(
     10
 )
+LINEAR16 = 10  # float rows split into two int8 planes, then one dual pass (ops_wide.py)
 DTYPES = (F32, I8)
 SIZES = (4, 1)
 MAX_VERDICTS = 1024
@@ -183,7 +184,7 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
             rows_n, kp = c[8], c[9]
             expect(n, "N and Kp out of range", 0 <= rows_n < LIMIT and 0 <= kp < LIMIT)
             expect(n, "Kp is not a multiple of 4 covering the input", kp % 4 == 0 and kp >= a.cols)
-            expect(n, "reads float input", a.dtype == 1)
+            expect(n, "reads no int8 input", a.dtype == 1)
             expect(n, "writes the wrong dtype", dst.dtype == (1 if f[0] > 0 else 0))
             expect(
                 n,
@@ -198,6 +199,24 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
                 const(n, c[11], F32, 2 * rows_n)
             scratch0 += a.rows0 * (kp + 4)
             scratch1 += a.rows1 * (kp + 4)
+            continue
+        if kind == LINEAR16:  # c[3] weight, c[4] scale, c[5] bias or -1, c[6] offset
+            rows_n, kp = c[8], c[9]
+            expect(n, "N and Kp out of range", 0 <= rows_n < LIMIT and 0 <= kp < LIMIT)
+            expect(n, "Kp is not a multiple of 4 covering the input", kp % 4 == 0 and kp >= a.cols)
+            expect(n, "reads no float input", a.dtype == 0)
+            expect(n, "writes no float output", dst.dtype == 0)
+            expect(
+                n,
+                "output narrower or shorter than N x input rows",
+                dst.cols >= rows_n and covers(dst, a),
+            )
+            const(n, c[3], I8, -(-rows_n // 16) * 16 * kp)
+            const(n, c[4], F32, rows_n)
+            const(n, c[5], F32, rows_n, optional=True)
+            const(n, c[6], I32, rows_n)
+            scratch0 += 2 * a.rows0 * (kp + 4)  # two planes
+            scratch1 += 2 * a.rows1 * (kp + 4)
             continue
         sources = [a]
         if kind in (BINARY, FLOAT_BINARY):
