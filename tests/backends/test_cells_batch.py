@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -48,14 +50,17 @@ def test_native_loop_refuses_a_wrong_width():
         loop(torch.randn(5, 4, 9), (torch.zeros(4, 16),))
 
 
-def test_a16w8_loops_are_named_when_they_stay_in_python():
-    """int16 inputs to a linear have no native program: the loop is kept, and said so."""
+def test_a16w8_loops_run_natively():
+    """int16 inputs to a cell's linears run as the program's two-plane LINEAR16 instruction:
+    the loop is native, silent, and equal to the reference."""
     torch.manual_seed(0)
     model = nn.LSTM(8, 16).eval()
     data = batches((5, 2, 8), n=3)
     quantizer = qt.A16W8Quantizer(recurrent=qt.RecurrentMode.CELLS)
     ref = qt.quantize(model, data[0], data, quantizer=quantizer, progress=False)
-    with pytest.warns(qt.QuantreeWarning, match=r"lstm_cells\.loops\.l0"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qt.QuantreeWarning)
         low = qt.lower(ref, CPU)
+    assert any(type(m).__name__ == "NativeCellLoop" for m in low.modules())
     with torch.no_grad():
         assert torch.equal(low(*data[0])[0], ref(*data[0])[0])
