@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +84,28 @@ class Verdict:
     ws1: int
 
 
-_VERDICTS: dict[tuple, Verdict] = {}
+class VerdictMemo:
+    """A bounded memo of table verdicts, oldest dropped first. Not a table of behaviour:
+    dropping an entry changes no result, only its cost. Each entry holds the tensors its
+    verdict was computed from, so the ids in its key cannot be taken by other tensors while
+    it lives (a key of ids alone could match a new table at a dead one's address)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: OrderedDict[tuple, tuple[Verdict, tuple[Tensor, ...]]] = OrderedDict()
+
+    def get(self, key: tuple) -> Verdict | None:
+        hit = self.entries.get(key)
+        return None if hit is None else hit[0]
+
+    def put(self, key: tuple, verdict: Verdict, tables: tuple[Tensor, ...]) -> Verdict:
+        self.entries[key] = (verdict, tables)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return verdict
+
+
+_VERDICTS = VerdictMemo(MAX_VERDICTS)
 
 
 def stamp(t: Tensor) -> tuple:
@@ -253,11 +275,8 @@ def workspace(slots: list[Slot]) -> tuple[int, int]:
     return ws0, sum(s.rows1 * s.ld * s.size for s in owners)
 
 
-def remember(key: tuple, verdict: Verdict) -> Verdict:
-    if len(_VERDICTS) >= MAX_VERDICTS:
-        _VERDICTS.clear()
-    _VERDICTS[key] = verdict
-    return verdict
+def remember(key: tuple, verdict: Verdict, tables: tuple[Tensor, ...]) -> Verdict:
+    return _VERDICTS.put(key, verdict, tables)
 
 
 def call(op: str, verdict: Verdict, size: int, consts: Sequence[Tensor]) -> None:
@@ -294,7 +313,7 @@ def program(inputs: Sequence[Tensor], consts: Sequence[Tensor], code: Tensor, fc
     verdict = _VERDICTS.get(key)
     if verdict is None:
         verdict = program_verdict(*tables, out_dtypes, len(inputs), len(consts))
-        remember(key, verdict)
+        remember(key, verdict, tables)
     call(op, verdict, size, consts)
     for name, tensors, which in (("input", inputs, verdict.ins), ("output", outs, verdict.outs)):
         for i, (t, index) in enumerate(zip(tensors, which, strict=True)):
@@ -347,7 +366,7 @@ def cell_loop(n_states: int, consts: Sequence[Tensor], code: Tensor, fcode: Tens
     verdict = _VERDICTS.get(key)
     if verdict is None:
         verdict = cell_verdict(n_states, len(consts), *tables)
-        remember(key, verdict)
+        remember(key, verdict, tables)
     call("cell_loop", verdict, batch, consts)
 
 
@@ -412,14 +431,16 @@ def check_graph(gm: torch.fx.GraphModule) -> None:
                 n_in, dtypes = len(a["inputs"]), tuple(a["out_dtypes"])
                 code, fcode, slots, ins, outs = tables
                 verdict = program_verdict(code, fcode, slots, ins, outs, dtypes, n_in, len(consts))
-                remember(("program", *map(stamp, tables), dtypes, n_in, len(consts)), verdict)
+                key = ("program", *map(stamp, tables), dtypes, n_in, len(consts))
+                remember(key, verdict, tables)
                 remember_constants("program", verdict, consts)
         else:
             tables = tuple(a[k] for k in ("code", "fcode", "slots", "outs"))
             if all(isinstance(t, Tensor) for t in tables):
                 n_states = len(a["state"])
                 verdict = cell_verdict(n_states, len(consts), *tables)
-                remember(("cell_loop", *map(stamp, tables), n_states, len(consts)), verdict)
+                key = ("cell_loop", *map(stamp, tables), n_states, len(consts))
+                remember(key, verdict, tables)
                 remember_constants("cell_loop", verdict, consts)
 
 
