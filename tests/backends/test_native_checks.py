@@ -233,3 +233,26 @@ def test_empty_products_are_empty_not_errors() -> None:
     x = torch.zeros(0, 3, 16, dtype=torch.int8)
     offset, scale = torch.zeros(8, dtype=torch.int32), torch.ones(8)
     assert ops.linear(x, weight, offset, scale, None, 8, 0.1, 0, False).shape == (0, 3, 8)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_empty_sums_on_every_path_never_signal(isa: str) -> None:
+    """K = 0 (an empty sum) on a path other than this machine's: the AVX2 path sized its
+    row panels by K and divided by zero (SIGFPE) before the wrappers took K = 0 themselves."""
+    script = (
+        "import torch\n"
+        "from quantree.backends.cpu import ops\n"
+        "from quantree.backends.cpu.packing import pack\n"
+        "w, x = pack(torch.ones(8, 0, dtype=torch.int8)), torch.zeros(4, 0, dtype=torch.int8)\n"
+        "off, sc = torch.full((8,), 3, dtype=torch.int32), torch.ones(8)\n"
+        "print(ops.linear(x, w, off, sc, None, 8, 0.0, 0, False).tolist()[0][0])\n"
+        "a, b = torch.zeros(2, 3, 0, dtype=torch.int8), torch.zeros(2, 0, 4, dtype=torch.int8)\n"
+        "print(ops.matmul(a, b, 0.1, 0, 0.1, 0, 0.1, 5).unique().tolist())\n"
+    )
+    env = {**os.environ, "QUANTREE_CPU_ISA": isa}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{isa}: status {done.returncode}\n{done.stderr[-2000:]}"
+    assert done.stdout.split() == ["3.0", "[5]"]

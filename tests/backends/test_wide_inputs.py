@@ -151,3 +151,34 @@ def test_programs_run_int16_linears_as_one_instruction_and_save(tmp_path) -> Non
     with torch.no_grad():
         for args in data[:3]:
             assert torch.equal(loaded(*args), low(*args))
+
+
+def test_a_programs_int16_linear_reads_only_whole_constants() -> None:
+    """LINEAR16 instructions are checked like LINEAR ones: a weight constant shorter than
+    N x Kp is refused before the native call (the checker's verdict, not a signal)."""
+    from quantree.backends.cpu.native_checks import NativeArgumentError
+    from quantree.backends.cpu.program_checks import LINEAR16
+
+    torch.manual_seed(0)
+    data = batches((1, 12, 32), n=4)
+    low, _ = _lower_quietly(qt.quantize(Encoder().eval(), data[0], data, progress=False))
+    calls_seen: list[tuple] = []
+
+    class Record(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):  # type: ignore[no-untyped-def]
+            if "quantree.program" in str(target):
+                calls_seen.append(args)
+            return super().call_function(target, args, kwargs)
+
+    with torch.no_grad():
+        Record(low).run(*data[0])
+    for args in calls_seen:
+        code = args[2]
+        wide = [row for row in code.tolist() if row[0] == LINEAR16]
+        if wide:
+            consts = list(args[1])
+            consts[wide[0][3]] = consts[wide[0][3]].reshape(-1)[:16]
+            with pytest.raises(NativeArgumentError, match="constant"):
+                torch.ops.quantree.program.default(args[0], consts, *args[2:])
+            return
+    pytest.fail("no region program holds an int16 linear")

@@ -34,6 +34,8 @@ def linear(
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
     shape = (*x.shape[:-1], out_features)
     quantized = out_scale > 0
+    if x2.shape[1] == 0:  # K = 0: no product to run (some paths size their panels by K)
+        return _requantized(offset.float() * scale, bias, out_scale, out_zero_point, relu, shape)
     out = torch.empty(shape, dtype=torch.int8 if quantized else torch.float32)
     library().qt_linear(
         ptr(x2), x2.shape[0], x2.shape[1], out_features, packed_depth(weight), ptr(weight),
@@ -41,6 +43,25 @@ def linear(
         None if quantized else ptr(out), inverse(out_scale), float(out_zero_point), int(relu),
     )  # fmt: skip
     return out
+
+
+def _requantized(
+    row: Tensor,
+    bias: Tensor | None,
+    out_scale: float,
+    out_zero_point: int,
+    relu: bool,
+    shape: tuple[int, ...],
+) -> Tensor:
+    """A product with K = 0, as the kernels' epilogue writes it: the accumulator is 0, so
+    each output column is ``row`` (+ bias), then relu, then the output grid."""
+    y = row if bias is None else row + bias.float()
+    if relu:
+        y = y.clamp_min(0.0)
+    if out_scale > 0:
+        q = torch.round(y * inverse(out_scale)) + out_zero_point
+        y = q.clamp(-128, 127).to(torch.int8)
+    return y.expand(shape).contiguous()
 
 
 @torch.library.register_fake("quantree::linear")
@@ -208,6 +229,8 @@ def matmul(
     a3 = a.expand(*batch, m, k).reshape(count, m, k).contiguous()
     b3 = b.expand(*batch, k, n).reshape(count, k, n).contiguous()
     quantized = out_scale > 0
+    if k == 0:  # an empty sum: every product is 0 (some paths size their panels by K)
+        return _requantized(torch.zeros(n), None, out_scale, out_zero_point, False, (*batch, m, n))
     out = torch.empty((*batch, m, n), dtype=torch.int8 if quantized else torch.float32)
     library().qt_matmul(
         ptr(a3), ptr(b3), a3.shape[0], m, k, n, float(a_zero_point), float(b_zero_point),

@@ -202,12 +202,14 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
         f = fcode[n]
         kind = c[0]
         dst, a = slot(n, 1, c), slot(n, 2, c)
-        if kind == LINEAR:
+        if kind in (LINEAR, LINEAR16):  # c[3] weight, c[4] scale, c[5] bias or -1, c[6] offset
+            wide = kind == LINEAR16  # float rows split into two int8 planes, float out
             rows_n, kp = c[8], c[9]
             expect(n, "N and Kp out of range", 0 <= rows_n < LIMIT and 0 <= kp < LIMIT)
             expect(n, "Kp is not a multiple of 4 covering the input", kp % 4 == 0 and kp >= a.cols)
-            expect(n, "reads no int8 input", a.dtype == 1)
-            expect(n, "writes the wrong dtype", dst.dtype == (1 if f[0] > 0 else 0))
+            expect(n, "reads the wrong input dtype", a.dtype == (0 if wide else 1))
+            out_dtype = 1 if f[0] > 0 and not wide else 0
+            expect(n, "writes the wrong dtype", dst.dtype == out_dtype)
             expect(
                 n,
                 "output narrower or shorter than N x input rows",
@@ -217,28 +219,11 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
             const(n, c[4], F32, rows_n)
             const(n, c[5], F32, rows_n, optional=True)
             const(n, c[6], I32, rows_n)
-            if program and f[0] > 0:  # program.cpp: multipliers, then additions
+            if program and f[0] > 0 and not wide:  # program.cpp: multipliers, then additions
                 const(n, c[11], F32, 2 * rows_n)
-            scratch0 += a.rows0 * (kp + 4)
-            scratch1 += a.rows1 * (kp + 4)
-            continue
-        if kind == LINEAR16:  # c[3] weight, c[4] scale, c[5] bias or -1, c[6] offset
-            rows_n, kp = c[8], c[9]
-            expect(n, "N and Kp out of range", 0 <= rows_n < LIMIT and 0 <= kp < LIMIT)
-            expect(n, "Kp is not a multiple of 4 covering the input", kp % 4 == 0 and kp >= a.cols)
-            expect(n, "reads no float input", a.dtype == 0)
-            expect(n, "writes no float output", dst.dtype == 0)
-            expect(
-                n,
-                "output narrower or shorter than N x input rows",
-                dst.cols >= rows_n and covers(dst, a),
-            )
-            const(n, c[3], I8, -(-rows_n // 16) * 16 * kp)
-            const(n, c[4], F32, rows_n)
-            const(n, c[5], F32, rows_n, optional=True)
-            const(n, c[6], I32, rows_n)
-            scratch0 += 2 * a.rows0 * (kp + 4)  # two planes
-            scratch1 += 2 * a.rows1 * (kp + 4)
+            planes = 2 if wide else 1
+            scratch0 += planes * a.rows0 * (kp + 4)
+            scratch1 += planes * a.rows1 * (kp + 4)
             continue
         sources = [a]
         if kind in (BINARY, FLOAT_BINARY):

@@ -450,7 +450,8 @@ void gemm_impl(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
     }
     // Panels of rows whose int16 operands (up to 2 planes) stay in L2 while every panel of
     // columns passes over them; a multiple of the tiles' 6 (and 3) rows.
-    const int64_t panel = std::max<int64_t>(6, (256 * 1024) / (4 * Kp) / 6 * 6);
+    // (Kp at least 4: a K = 0 product divided by zero here, SIGFPE)
+    const int64_t panel = std::max<int64_t>(6, (256 * 1024) / (4 * std::max<int64_t>(Kp, 4)) / 6 * 6);
     for (int64_t r0 = 0; r0 < M; r0 += panel) {
         const int64_t r1 = r0 + panel < M ? r0 + panel : M;
         for (int64_t n8 = 0; n8 < (N + 7) / 8; ++n8) {
