@@ -81,6 +81,8 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_embedding_rows": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr],
     "qt_cell_loop": [_ptr, _ptr, _i64, _int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
                      _i64, _ptr],
+    "qt_cell_loop_packed": [_ptr, _ptr, _i64, _int, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
+                            _ptr, _ptr, _i64, _ptr],
     "qt_rnn_layer": [_int, _i64, _i64, _i64, _i64, _int, _ptr, _f32, _f32, _ptr, _i64, _ptr,
                      _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _f32, _f32, _f32, _f32, _int,
                      _ptr, _i64, _f32, _f32, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr],
