@@ -1,8 +1,10 @@
-"""The cost of the native argument checks (``native_checks.py``, ``program_checks.py``).
+"""The cost of the native argument checks (``native_checks.py``, ``program_checks.py``,
+``bound_calls.py``).
 
 The same lowered models run with the checks on and with them patched out (a no-op in their
-place), in one process, interleaved round by round (the order alternates), one thread:
-median thread-CPU time per call. ``python benchmarks/native_checks_overhead.py [rounds]``.
+place; a bound call runs its kernel on the pointers it recorded, with no guard), in one
+process, interleaved round by round (the order alternates), one thread: median thread-CPU
+time per call. ``python benchmarks/native_checks_overhead.py [rounds]``.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu import native_checks, program_checks
+from quantree.backends.cpu import bound_calls, native_checks, program_checks
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
 NAMES = [
     "linear",
+    "linear16",
     "conv2d",
     "conv1d",
     "matmul",
@@ -37,6 +40,15 @@ NAMES = [
 ]
 saved = {n: getattr(native_checks, n) for n in NAMES}
 saved_program = (program_checks.program, program_checks.cell_loop, program_checks.symbol)
+guarded = bound_calls.Binding.__call__
+
+
+def unguarded(self, *args):
+    """A bound call with nothing checked: its kernel on the recorded pointers."""
+    constants = self.constants
+    if constants is not None:
+        return self.run(args, constants.pointers)
+    return guarded(self, *args)
 
 
 def checks(on: bool) -> None:
@@ -45,6 +57,7 @@ def checks(on: bool) -> None:
     program_checks.program, program_checks.cell_loop, program_checks.symbol = (
         saved_program if on else (lambda *a, **k: None,) * 3
     )
+    bound_calls.Binding.__call__ = guarded if on else unguarded
 
 
 def lowered(model, x):

@@ -1,0 +1,225 @@
+"""Native calls bound to one graph node: the contract checked once, then guarded per call.
+
+A layer's op gets the same constants on every call of a lowered graph (packed weight, row
+sums, scales, bias, geometry integers), so its contract (``native_checks.py``, the one source
+of truth) need not be re-proven per call: ``bind`` runs it once, on the first call of the
+node (``direct.py`` holds one binding per node), and records what the verdict rests on. A
+call then checks only what can change: the activation's type, dtype and the dimensions the
+contract read (indexed reads), that the graph's other arguments are the ones judged, and that
+each constant is still the tensor that was checked. Anything else (a first call, a miss) runs
+the full contract again and binds anew, or raises ``NativeArgumentError`` before the kernel.
+
+The ways a constant changes after binding, and how each is seen (``Constants``):
+
+- ``setattr`` of another tensor on the module, ``load_state_dict(assign=True)``: the graph
+  passes another object; the identity differs.
+- ``load_state_dict``, ``copy_`` and every other in-place op (``resize_``, ``set_``,
+  ``as_strided_``): the version counter moves.
+- ``.data =`` (no version bump) and ``torch.utils.swap_tensors``: the data pointer moves.
+  A ``.data`` view of the checked storage that starts at the same address (and so keeps the
+  pointer) is harmless: the binding holds an alias of every checked storage, so that memory
+  stays alive and no other allocation can take its address; the kernel reads the checked
+  bytes with the checked geometry.
+- A crafted file: its constants are only ever run after a full check (the first call).
+- ``torch.ops.quantree.*`` called by the user does not come here: each op runs its contract.
+
+A per-call verdict cache keyed by these stamps was measured no cheaper than the checks it
+replaced (README "Native argument checks"): the gain here is that the key is read from the
+arguments the call already holds, and the kernel takes the pointers recorded with it (no
+per-call ``ptr`` of the constants, no ``packed_depth``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from quantree.backends.cpu import native_checks as check
+from quantree.backends.cpu.native import ptr
+from quantree.backends.cpu.ops_gemm import as_conv2d_geometry, is_depthwise, run_conv2d, run_linear
+from quantree.backends.cpu.ops_wide import run_linear16
+from quantree.backends.cpu.packing import packed_depth
+
+PLAIN = torch.Tensor
+I8 = torch.int8
+
+
+class Constants:
+    """The constant tensors one verdict was given on, as they were then."""
+
+    __slots__ = ("keep", "pointers", "stamps")
+
+    def __init__(self, tensors: tuple[Tensor | None, ...], positions: tuple[int, ...]) -> None:
+        given = [(i, t) for i, t in zip(positions, tensors, strict=True) if t is not None]
+        self.stamps = tuple((i, t, t._version, t.data_ptr()) for i, t in given)
+        self.keep = tuple(t.detach() for _, t in given)  # the checked storages stay alive
+        self.pointers = tuple(ptr(t) for t in tensors)
+
+    def hold(self, args: tuple[Any, ...]) -> bool:
+        """Each constant of ``args`` is the checked tensor, unchanged."""
+        for i, t, version, address in self.stamps:
+            a = args[i]
+            if a is not t or a._version != version or a.data_ptr() != address:
+                return False
+        return True
+
+
+class Binding:
+    """One node's op with its contract checked on the arguments of a call, reusable while a
+    call's arguments are the same in everything the contract read.
+
+    Subclasses name the constants' positions, check the contract (``verdict``, which also
+    returns the activation key the verdict depended on and what the kernel needs), and run
+    the op's unchecked body. Position 0 is the activation in every bound op; every other
+    argument is either a constant tensor or a value the graph spells out.
+    """
+
+    positions: tuple[int, ...] = ()
+
+    def __init__(self, fallback: Callable[..., Any]) -> None:
+        self.fallback = fallback
+        """The op itself, for arguments that are not plain tensors (export's fake ones)."""
+        self.constants: Constants | None = None
+        self.rest: tuple[Any, ...] = ()
+        self.key: Any = None
+        self.derived: Any = None
+
+    def __getstate__(self) -> dict:  # a copied graph binds its own constants
+        return {"fallback": self.fallback}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["fallback"])  # type: ignore[misc]
+
+    def __call__(self, *args: Any) -> Any:
+        constants = self.constants
+        if (
+            constants is not None
+            and type(args[0]) is PLAIN
+            and self.key == self.key_of(args[0])
+            and constants.hold(args)
+            and args[1:] == self.rest
+        ):
+            return self.run(args, constants.pointers)
+        if not all(type(t) is PLAIN for t in _tensors(args)):
+            return self.fallback(*args)
+        return self.bind(args)
+
+    def bind(self, args: tuple[Any, ...]) -> Any:
+        """Check the whole contract on ``args`` (raises before any kernel), record, run."""
+        self.constants = None
+        self.key, self.derived = self.verdict(args)
+        constants = Constants(tuple(args[i] for i in self.positions), self.positions)
+        self.rest = args[1:]
+        self.constants = constants
+        return self.run(args, constants.pointers)
+
+    def key_of(self, x: Tensor) -> Any:
+        raise NotImplementedError
+
+    def verdict(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
+        raise NotImplementedError
+
+
+class BoundLinear(Binding):
+    """``linear(x, weight, offset, scale, bias, out_features, out_scale, out_zero_point,
+    relu)``: the verdict rests on x being int8 with K channels."""
+
+    positions = (1, 2, 3, 4)
+
+    def key_of(self, x: Tensor) -> Any:
+        return x.shape[-1] if x.dtype is I8 and x.ndim else -1
+
+    def verdict(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
+        check.linear(*args[:6])
+        return self.key_of(args[0]), packed_depth(args[1])
+
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
+        x, _, offset, scale, bias, n, out_scale, out_zp, relu = args
+        return run_linear(x, self.derived, pointers, offset, scale, bias, n, out_scale, out_zp,
+                          relu)  # fmt: skip
+
+
+class BoundLinear16(Binding):
+    """``linear16(x, x_scale, quant_min, quant_max, weight, offset, scale, bias,
+    out_features)``: x of any dtype with K channels."""
+
+    positions = (4, 5, 6, 7)
+
+    def key_of(self, x: Tensor) -> Any:
+        return x.shape[-1] if x.ndim else -1
+
+    def verdict(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
+        check.linear16(args[0], *args[4:9])
+        return self.key_of(args[0]), packed_depth(args[4])
+
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
+        x, x_scale, qmin, qmax, *_, out_features = args
+        return run_linear16(x, x_scale, qmin, qmax, self.derived, pointers, out_features)
+
+
+class BoundConv2d(Binding):
+    """``conv2d(x, weight, offset, scale, bias, out_channels, kernel, stride, padding,
+    dilation, x_zero_point, out_scale, out_zero_point, relu, groups)``: x int8 ``[N, C, H,
+    W]`` with C channels (H and W only size the output, which torch allocates)."""
+
+    positions = (1, 2, 3, 4)
+    rank = 4
+
+    def key_of(self, x: Tensor) -> Any:
+        return x.shape[1] if x.dtype is I8 and x.ndim == self.rank else -1
+
+    def verdict(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
+        x, weight, offset, scale, bias, oc, kernel, stride, padding, dilation, zp = args[:11]
+        groups = args[14] if len(args) > 14 else 1
+        check.conv2d(x, weight, offset, scale, bias, oc, kernel, stride, padding, dilation, zp,
+                     groups)  # fmt: skip
+        depthwise = is_depthwise(int(x.shape[1]), oc, groups)
+        return self.key_of(x), 0 if depthwise else packed_depth(weight)
+
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
+        return run_conv2d(args[0], self.derived, pointers, *args[5:])
+
+
+class BoundConv1d(BoundConv2d):
+    """``conv1d``: the same arguments, x ``[N, C, L]``, run as the conv2d of ``[N, C, 1,
+    L]`` with the geometry translated once."""
+
+    rank = 3
+
+    def verdict(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
+        check.conv1d(*args[6:10])
+        geometry = as_conv2d_geometry(*args[6:10])
+        as_2d = (args[0].unsqueeze(2), *args[1:6], *geometry, *args[10:])
+        _, kp = BoundConv2d.verdict(self, as_2d)
+        return self.key_of(args[0]), (kp, geometry)
+
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
+        kp, geometry = self.derived
+        x, oc = args[0], args[5]
+        out = run_conv2d(x.unsqueeze(2), kp, pointers, oc, *geometry, *args[10:])
+        return out.squeeze(2)
+
+
+BINDINGS: dict[str, Callable[[Callable[..., Any]], Binding]] = {
+    "linear": BoundLinear,
+    "linear16": BoundLinear16,
+    "conv2d": BoundConv2d,
+    "conv1d": BoundConv1d,
+}
+"""The ops a lowered graph binds per node (``direct.py``), by name."""
+
+
+def _tensors(args: tuple[Any, ...]) -> list[Any]:
+    found: list[Any] = []
+    for a in args:
+        if isinstance(a, list | tuple):
+            found += [t for t in a if isinstance(t, torch.Tensor)]
+        elif isinstance(a, torch.Tensor):
+            found.append(a)
+    return found
