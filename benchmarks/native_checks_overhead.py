@@ -43,12 +43,11 @@ saved_program = (program_checks.program, program_checks.cell_loop, program_check
 guarded = bound_calls.Binding.__call__
 
 
-def unguarded(self, *args):
+def unguarded(self, args):
     """A bound call with nothing checked: its kernel on the recorded pointers."""
-    constants = self.constants
-    if constants is not None:
-        return self.run(args, constants.pointers)
-    return guarded(self, *args)
+    if self.dtype is not None:
+        return self.run(args, self.pointers)
+    return guarded(self, args)
 
 
 def checks(on: bool) -> None:

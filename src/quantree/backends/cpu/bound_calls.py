@@ -9,7 +9,7 @@ contract read (indexed reads), that the graph's other arguments are the ones jud
 each constant is still the tensor that was checked. Anything else (a first call, a miss) runs
 the full contract again and binds anew, or raises ``NativeArgumentError`` before the kernel.
 
-The ways a constant changes after binding, and how each is seen (``Constants``):
+The ways a constant changes after binding, and how each is seen (``Binding``):
 
 - ``setattr`` of another tensor on the module, ``load_state_dict(assign=True)``: the graph
   passes another object; the identity differs.
@@ -44,47 +44,37 @@ from quantree.backends.cpu.ops_wide import run_linear16
 from quantree.backends.cpu.packing import packed_depth
 
 PLAIN = torch.Tensor
-I8 = torch.int8
-
-
-class Constants:
-    """The constant tensors one verdict was given on, as they were then."""
-
-    __slots__ = ("keep", "pointers", "stamps")
-
-    def __init__(self, tensors: tuple[Tensor | None, ...], positions: tuple[int, ...]) -> None:
-        given = [(i, t) for i, t in zip(positions, tensors, strict=True) if t is not None]
-        self.stamps = tuple((i, t, t._version, t.data_ptr()) for i, t in given)
-        self.keep = tuple(t.detach() for _, t in given)  # the checked storages stay alive
-        self.pointers = tuple(ptr(t) for t in tensors)
-
-    def hold(self, args: tuple[Any, ...]) -> bool:
-        """Each constant of ``args`` is the checked tensor, unchanged."""
-        for i, t, version, address in self.stamps:
-            a = args[i]
-            if a is not t or a._version != version or a.data_ptr() != address:
-                return False
-        return True
 
 
 class Binding:
     """One node's op with its contract checked on the arguments of a call, reusable while a
     call's arguments are the same in everything the contract read.
 
-    Subclasses name the constants' positions, check the contract (``verdict``, which also
-    returns the activation key the verdict depended on and what the kernel needs), and run
-    the op's unchecked body. Position 0 is the activation in every bound op; every other
-    argument is either a constant tensor or a value the graph spells out.
+    The verdict rests on: the activation (position 0 in every bound op) being a plain tensor
+    of the dtype and rank it had, with the same size along ``axis`` (the channels the
+    weight's depth was checked against; other sizes only size the output, which torch
+    allocates); each constant tensor being the one checked, unchanged (``stamps``: identity,
+    version, data pointer); every other argument equal to the one judged (``rest``: the
+    integers, lists and floats the graph spells out). Subclasses name the constants'
+    positions and ``axis``, check the contract (``verdict``: what the kernel needs besides
+    the pointers) and run the op's unchecked body.
     """
 
     positions: tuple[int, ...] = ()
+    axis = -1
 
     def __init__(self, fallback: Callable[..., Any]) -> None:
         self.fallback = fallback
         """The op itself, for arguments that are not plain tensors (export's fake ones)."""
-        self.constants: Constants | None = None
+        self.unbind()
+
+    def unbind(self) -> None:
+        self.dtype: torch.dtype | None = None  # matches no tensor: the next call binds
+        self.rank = self.width = -1
+        self.stamps: tuple[tuple[int, Tensor, int, int], ...] = ()
         self.rest: tuple[Any, ...] = ()
-        self.key: Any = None
+        self.pointers: tuple[int | None, ...] = ()
+        self.keep: tuple[Tensor, ...] = ()
         self.derived: Any = None
 
     def __getstate__(self) -> dict:  # a copied graph binds its own constants
@@ -93,33 +83,41 @@ class Binding:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["fallback"])  # type: ignore[misc]
 
-    def __call__(self, *args: Any) -> Any:
-        constants = self.constants
+    def __call__(self, args: tuple[Any, ...]) -> Any:
+        """The op on ``args`` (a tuple: the caller's, not re-packed)."""
+        x = args[0]
         if (
-            constants is not None
-            and type(args[0]) is PLAIN
-            and self.key == self.key_of(args[0])
-            and constants.hold(args)
-            and args[1:] == self.rest
+            type(x) is PLAIN
+            and x.dtype is self.dtype
+            and x.ndim == self.rank
+            and x.shape[self.axis] == self.width
         ):
-            return self.run(args, constants.pointers)
+            for i, t, version, address in self.stamps:
+                a = args[i]
+                if a is not t or a._version != version or a.data_ptr() != address:
+                    break
+            else:  # the constants are the checked ones: comparing the rest reads no tensor
+                if args[1:] == self.rest:
+                    return self.run(args, self.pointers)
         if not all(type(t) is PLAIN for t in _tensors(args)):
             return self.fallback(*args)
         return self.bind(args)
 
     def bind(self, args: tuple[Any, ...]) -> Any:
         """Check the whole contract on ``args`` (raises before any kernel), record, run."""
-        self.constants = None
-        self.key, self.derived = self.verdict(args)
-        constants = Constants(tuple(args[i] for i in self.positions), self.positions)
-        self.rest = args[1:]
-        self.constants = constants
-        return self.run(args, constants.pointers)
+        self.unbind()
+        derived = self.verdict(args)
+        tensors = [args[i] for i in self.positions]
+        given = [(i, t) for i, t in zip(self.positions, tensors, strict=True) if t is not None]
+        pointers = tuple(ptr(t) for t in tensors)  # dense CPU tensors, or a ValueError
+        x = args[0]
+        self.derived, self.pointers, self.rest = derived, pointers, args[1:]
+        self.keep = tuple(t.detach() for _, t in given)  # the checked storages stay alive
+        self.stamps = tuple((i, t, t._version, t.data_ptr()) for i, t in given)
+        self.dtype, self.rank, self.width = x.dtype, x.ndim, x.shape[self.axis]
+        return self.run(args, pointers)
 
-    def key_of(self, x: Tensor) -> Any:
-        raise NotImplementedError
-
-    def verdict(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    def verdict(self, args: tuple[Any, ...]) -> Any:
         raise NotImplementedError
 
     def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
@@ -132,12 +130,9 @@ class BoundLinear(Binding):
 
     positions = (1, 2, 3, 4)
 
-    def key_of(self, x: Tensor) -> Any:
-        return x.shape[-1] if x.dtype is I8 and x.ndim else -1
-
-    def verdict(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    def verdict(self, args: tuple[Any, ...]) -> Any:
         check.linear(*args[:6])
-        return self.key_of(args[0]), packed_depth(args[1])
+        return packed_depth(args[1])
 
     def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
         x, _, offset, scale, bias, n, out_scale, out_zp, relu = args
@@ -151,12 +146,9 @@ class BoundLinear16(Binding):
 
     positions = (4, 5, 6, 7)
 
-    def key_of(self, x: Tensor) -> Any:
-        return x.shape[-1] if x.ndim else -1
-
-    def verdict(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    def verdict(self, args: tuple[Any, ...]) -> Any:
         check.linear16(args[0], *args[4:9])
-        return self.key_of(args[0]), packed_depth(args[4])
+        return packed_depth(args[4])
 
     def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
         x, x_scale, qmin, qmax, *_, out_features = args
@@ -169,18 +161,14 @@ class BoundConv2d(Binding):
     W]`` with C channels (H and W only size the output, which torch allocates)."""
 
     positions = (1, 2, 3, 4)
-    rank = 4
+    axis = 1
 
-    def key_of(self, x: Tensor) -> Any:
-        return x.shape[1] if x.dtype is I8 and x.ndim == self.rank else -1
-
-    def verdict(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    def verdict(self, args: tuple[Any, ...]) -> Any:
         x, weight, offset, scale, bias, oc, kernel, stride, padding, dilation, zp = args[:11]
         groups = args[14] if len(args) > 14 else 1
         check.conv2d(x, weight, offset, scale, bias, oc, kernel, stride, padding, dilation, zp,
                      groups)  # fmt: skip
-        depthwise = is_depthwise(int(x.shape[1]), oc, groups)
-        return self.key_of(x), 0 if depthwise else packed_depth(weight)
+        return 0 if is_depthwise(int(x.shape[1]), oc, groups) else packed_depth(weight)
 
     def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
         return run_conv2d(args[0], self.derived, pointers, *args[5:])
@@ -190,14 +178,11 @@ class BoundConv1d(BoundConv2d):
     """``conv1d``: the same arguments, x ``[N, C, L]``, run as the conv2d of ``[N, C, 1,
     L]`` with the geometry translated once."""
 
-    rank = 3
-
-    def verdict(self, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    def verdict(self, args: tuple[Any, ...]) -> Any:
         check.conv1d(*args[6:10])
         geometry = as_conv2d_geometry(*args[6:10])
         as_2d = (args[0].unsqueeze(2), *args[1:6], *geometry, *args[10:])
-        _, kp = BoundConv2d.verdict(self, as_2d)
-        return self.key_of(args[0]), (kp, geometry)
+        return BoundConv2d.verdict(self, as_2d), geometry
 
     def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
         kp, geometry = self.derived

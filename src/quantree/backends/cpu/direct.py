@@ -123,7 +123,7 @@ class BoundCall(DirectCall):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs or len(args) != self.arity:  # not the call it was made for: the full op
             return super().__call__(*args, **kwargs)
-        return self.binding(*args)
+        return self.binding(args)
 
     def state(self) -> object:
         return self.binding
