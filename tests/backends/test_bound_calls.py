@@ -173,6 +173,7 @@ def test_an_activation_outside_the_bound_key_is_checked_again() -> None:
     args = (weight, offset, scale, None, 8, 0.0, 0, False)
     x = torch.ones(2, 16, dtype=torch.int8)
     assert torch.equal(call(x, *args), op(x, *args))
+    assert call.binding.dtype is torch.int8 and call.binding.width == 16  # bound
     with pytest.raises(NativeArgumentError, match=r"x is torch.float32"):
         call(x.float(), *args)
     with pytest.raises(NativeArgumentError, match="depth 16"):

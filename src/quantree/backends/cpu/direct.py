@@ -121,7 +121,7 @@ class BoundCall(DirectCall):
         self.binding = binding(op)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs or len(args) != self.arity:  # not the call it was made for: the full op
+        if kwargs or (len(args) != self.arity and self.arity >= 0):  # not its node's call
             return super().__call__(*args, **kwargs)
         return self.binding(args)
 

@@ -9,12 +9,12 @@ before its C call, that every buffer the kernel touches lies inside a tensor of 
 it reads, and that every integer is in range. A violation is a ``NativeArgumentError``
 naming the op and what is wrong, never a signal.
 
-Each check is a handful of attribute reads (dtype, ``numel``, a dimension): about as cheap
-as looking a cached verdict up would be (building a key of ids and versions costs ~1 us),
-and, unlike a verdict keyed on ``_version``, it also sees a tensor whose ``.data`` was
-replaced (which does not bump the version). Contiguity and device are checked where the
-pointer is taken (``native.ptr``). Region programs and cell loops, whose tables take
-O(length) to check, are in ``program_checks.py``.
+Each function here is the op's whole contract and its only statement: the op runs it on
+every call made through the dispatcher (``torch.ops.quantree.*``, a graph loaded with plain
+``torch.export.load``), and a lowered graph's layers (linear, conv) run it once per node,
+then check per call only what the verdict rested on (``bound_calls.py``). Contiguity and
+device are checked where the pointer is taken (``native.ptr``). Region programs and cell
+loops, whose tables take O(length) to check, are in ``program_checks.py``.
 
 One function per op, each with the C signature it protects.
 """
