@@ -181,6 +181,11 @@ def test_an_activation_outside_the_bound_key_is_checked_again() -> None:
     with pytest.raises(NativeArgumentError, match="holds 16 channels"):
         call(x, weight, offset, scale, None, 4096, 0.0, 0, False)  # another literal
     assert torch.equal(call(x[:1], *args), op(x[:1], *args))
+    bias = torch.arange(8.0)  # a tensor where the binding had None
+    with_bias = (weight, offset, scale, bias, *args[4:])
+    assert torch.equal(call(x, *with_bias), op(x, *with_bias))
+    with pytest.raises(NativeArgumentError, match="bias"):
+        call(x, weight, offset, scale, bias[:4], *args[4:])
 
 
 def test_a_copied_graph_binds_its_own_constants(lowered) -> None:
