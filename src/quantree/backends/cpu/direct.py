@@ -123,7 +123,7 @@ class BoundCall(DirectCall):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs or (len(args) != self.arity and self.arity >= 0):  # not its node's call
             return super().__call__(*args, **kwargs)
-        return self.binding(args)
+        return self.binding.fast(args)
 
     def state(self) -> object:
         return self.binding
