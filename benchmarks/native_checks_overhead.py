@@ -45,8 +45,8 @@ BINDINGS: list = []  # every bound call of the models below
 
 def unguarded(binding):
     """A bound call with nothing checked: its kernel on the recorded pointers."""
-    run, pointers = binding.run, binding.pointers
-    return lambda args: run(args, pointers)
+    run, pointers, derived = binding.run, binding.pointers, binding.derived
+    return lambda args: run(args, pointers, derived)
 
 
 def checks(on: bool) -> None:

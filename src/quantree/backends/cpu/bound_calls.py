@@ -107,12 +107,12 @@ class Binding:
         self.keep = tuple(t.detach() for _, t in given)  # the checked storages stay alive
         stamps = tuple((i, t, t._version, t.data_ptr()) for i, t in given)
         self.fast = guarded(self, args, stamps)
-        return self.run(args, pointers)
+        return self.run(args, pointers, derived)
 
     def verdict(self, args: tuple[Any, ...]) -> Any:
         raise NotImplementedError
 
-    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:
         raise NotImplementedError
 
 
@@ -126,9 +126,9 @@ class BoundLinear(Binding):
         check.linear(*args[:6])
         return packed_depth(args[1])
 
-    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:
         x, _, offset, scale, bias, n, out_scale, out_zp, relu = args
-        return run_linear(x, self.derived, pointers, offset, scale, bias, n, out_scale, out_zp,
+        return run_linear(x, derived, pointers, offset, scale, bias, n, out_scale, out_zp,
                           relu)  # fmt: skip
 
 
@@ -142,9 +142,9 @@ class BoundLinear16(Binding):
         check.linear16(args[0], *args[4:9])
         return packed_depth(args[4])
 
-    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:
         x, x_scale, qmin, qmax, *_, out_features = args
-        return run_linear16(x, x_scale, qmin, qmax, self.derived, pointers, out_features)
+        return run_linear16(x, x_scale, qmin, qmax, derived, pointers, out_features)
 
 
 class BoundConv2d(Binding):
@@ -162,8 +162,8 @@ class BoundConv2d(Binding):
                      groups)  # fmt: skip
         return 0 if is_depthwise(int(x.shape[1]), oc, groups) else packed_depth(weight)
 
-    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
-        return run_conv2d(args[0], self.derived, pointers, *args[5:])
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:
+        return run_conv2d(args[0], derived, pointers, *args[5:])
 
 
 class BoundConv1d(BoundConv2d):
@@ -176,8 +176,8 @@ class BoundConv1d(BoundConv2d):
         as_2d = (args[0].unsqueeze(2), *args[1:6], *geometry, *args[10:])
         return BoundConv2d.verdict(self, as_2d), geometry
 
-    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...]) -> Any:
-        kp, geometry = self.derived
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:
+        kp, geometry = derived
         x, oc = args[0], args[5]
         out = run_conv2d(x.unsqueeze(2), kp, pointers, oc, *geometry, *args[10:])
         return out.squeeze(2)
@@ -205,7 +205,8 @@ def guarded(
     x = bound[0]
     dtype, rank, axis = x.dtype, x.ndim, binding.axis
     width, rest = x.shape[axis], bound[1:]
-    run, pointers, miss = binding.run, binding.pointers, binding.miss
+    # the closure holds what this verdict bound: a later bind makes another closure
+    run, pointers, derived, miss = binding.run, binding.pointers, binding.derived, binding.miss
     if len(stamps) not in (3, 4):
 
         def loop(args: tuple) -> Any:
@@ -220,9 +221,10 @@ def guarded(
                 )
                 and args[1:] == rest
             ):
-                return run(args, pointers)
+                return run(args, pointers, derived)
             return miss(args)
 
+        loop.keep = binding.keep  # type: ignore[attr-defined]  # its storages, alive
         return loop
     (i0, t0, v0, p0), (i1, t1, v1, p1), (i2, t2, v2, p2) = stamps[:3]
     i3, t3, v3, p3 = stamps[3] if len(stamps) == 4 else (0, None, 0, 0)
@@ -239,9 +241,10 @@ def guarded(
                     args[i3] is t3 and t3._version == v3 and t3.data_ptr() == p3))
                 and args[1:] == rest  # the constants are the checked ones: no tensor read
             ):  # fmt: skip
-                return run(args, pointers)
+                return run(args, pointers, derived)
         return miss(args)
 
+    straight.keep = binding.keep  # type: ignore[attr-defined]  # its storages, alive
     return straight
 
 
