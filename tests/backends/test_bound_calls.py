@@ -199,3 +199,18 @@ def test_a_copied_graph_binds_its_own_constants(lowered) -> None:
         assert not torch.equal(twin(x), before)
     bindings = [n.target.binding for n in twin.graph.nodes if isinstance(n.target, BoundCall)]
     assert all(isinstance(b, Binding) for b in bindings)
+
+
+def test_linear16_checks_its_constants() -> None:
+    """``linear16`` read its weight unchecked before (a crafted ``out_features`` or a
+    truncated weight walked past it); it now runs ``linear``'s contract for its constants."""
+    weight = pack(torch.ones(8, 16, dtype=torch.int8))
+    offset, scale, x = torch.zeros(8, dtype=torch.int32), torch.ones(8), torch.randn(2, 16)
+    ops = torch.ops.quantree
+    assert ops.linear16(x, 0.01, -32768, 32767, weight, offset, scale, None, 8).shape == (2, 8)
+    with pytest.raises(NativeArgumentError, match=r"quantree\.linear16: weight .* holds 16"):
+        ops.linear16(x, 0.01, -32768, 32767, weight, offset, scale, None, 4096)
+    with pytest.raises(NativeArgumentError, match=r"quantree\.linear16: weight .* depth 16"):
+        ops.linear16(torch.randn(2, 64), 0.01, -32768, 32767, weight, offset, scale, None, 8)
+    with pytest.raises(NativeArgumentError, match=r"quantree\.linear16: scale"):
+        ops.linear16(x, 0.01, -32768, 32767, weight, offset, scale[:4], None, 8)
