@@ -1,8 +1,10 @@
-"""The cost of the native argument checks (``native_checks.py``, ``program_checks.py``).
+"""The cost of the native argument checks (``native_checks.py``, ``program_checks.py``,
+``bound_calls.py``).
 
 The same lowered models run with the checks on and with them patched out (a no-op in their
-place), in one process, interleaved round by round (the order alternates), one thread:
-median thread-CPU time per call. ``python benchmarks/native_checks_overhead.py [rounds]``.
+place; a bound call runs its kernel on the pointers it recorded, with no guard), in one
+process, interleaved round by round (the order alternates), one thread: median thread-CPU
+time per call. ``python benchmarks/native_checks_overhead.py [rounds]``.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu import native_checks, program_checks
+from quantree.backends.cpu import bound_calls, native_checks, program_checks
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
 NAMES = [
     "linear",
+    "linear16",
     "conv2d",
     "conv1d",
     "matmul",
@@ -37,6 +40,13 @@ NAMES = [
 ]
 saved = {n: getattr(native_checks, n) for n in NAMES}
 saved_program = (program_checks.program, program_checks.cell_loop, program_checks.symbol)
+BINDINGS: list = []  # every bound call of the models below
+
+
+def unguarded(binding):
+    """A bound call with nothing checked: its kernel on the recorded pointers."""
+    run, pointers, derived = binding.run, binding.pointers, binding.derived
+    return lambda args: run(args, pointers, derived)
 
 
 def checks(on: bool) -> None:
@@ -45,6 +55,8 @@ def checks(on: bool) -> None:
     program_checks.program, program_checks.cell_loop, program_checks.symbol = (
         saved_program if on else (lambda *a, **k: None,) * 3
     )
+    for binding, fast in BINDINGS:
+        binding.fast = fast if on else unguarded(binding)
 
 
 def lowered(model, x):
@@ -64,6 +76,12 @@ for label, model, inp, n in cases:
     with torch.no_grad():
         for _ in range(20):
             model(inp)
+    BINDINGS[:] = [
+        (node.target.binding, node.target.binding.fast)
+        for node in model.graph.nodes
+        if isinstance(getattr(node.target, "binding", None), bound_calls.Binding)
+    ]
+    with torch.no_grad():
         for r in range(rounds):
             for on in (True, False) if r % 2 == 0 else (False, True):
                 checks(on)

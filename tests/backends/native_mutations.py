@@ -6,7 +6,10 @@ an LSTM cell; a layer-normed LSTM that becomes a region program; an embedding an
 of two activations), records every ``torch.ops.quantree`` call one forward makes (with its
 arguments), then lets hypothesis mutate one or two of a call's constants or integers (an
 element of a code or slot table, a size, a list entry; a tensor truncated, retyped, made
-non-contiguous or emptied; a list shortened) and calls the op with them. Each example is
+non-contiguous or emptied; a list shortened) and calls the op with them, or, for an op a
+lowered graph binds (``bound_calls.py``), calls a binding made on the recorded call with
+them, a mutated constant put into the bound tensor itself by ``.data =`` (a change the
+binding must see after its check). Each example is
 printed (flushed) before it runs, then ``ok <outcome>``: a signal kills this process, and
 the test names the last example printed.
 
@@ -29,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import quantree as qt
 from quantree.backends import CPU
+from quantree.backends.cpu.bound_calls import BINDINGS
 from quantree.backends.cpu.direct import DirectCall
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -218,21 +222,40 @@ def main(examples: int, hypothesis_seed: int) -> None:
     @given(st.data())
     def example(data: st.DataObject) -> None:
         model, func, args, kwargs = calls[data.draw(st.integers(0, len(calls) - 1))]
+        name = func._schema.name.split("::")[1]
+        bound = name in BINDINGS and not kwargs and data.draw(st.booleans())
+        binding = BINDINGS[name](func) if bound else None
+        recorded = tuple(args)
         args = list(args)
-        changes = []
+        changes, swaps = [], []
         for _ in range(data.draw(st.integers(1, 2))):
             if not args:
                 break
             i = data.draw(st.integers(0, len(args) - 1))
             what, args[i] = mutate(data, args[i])
+            old = recorded[i]
+            if binding is not None and i in binding.positions and isinstance(old, torch.Tensor):
+                swaps.append((old, old.data, args[i]))  # the bound tensor itself changes
+                args[i], what = old, f"{what}, by .data ="
             changes.append(f"arg {i} ({func._schema.arguments[i].name}): {what}")
-        print(json.dumps({"model": model, "op": func.__name__, "changes": changes}), flush=True)
+        route = "bound" if bound else "op"
+        print(json.dumps({"model": model, "op": func.__name__, "route": route,
+                          "changes": changes}), flush=True)  # fmt: skip
         try:
             with torch.no_grad():
-                func(*args, **kwargs)
+                if binding is not None:
+                    binding(recorded)  # checked and bound on the recorded call
+                    for t, _, changed in swaps:
+                        t.data = changed
+                    binding(tuple(args))
+                else:
+                    func(*args, **kwargs)
             outcome = "ran"
         except Exception as error:  # a clean error is a pass; a signal is not
             outcome = type(error).__name__
+        finally:
+            for t, original, _ in reversed(swaps):
+                t.data = original
         print(f"ok {outcome}", flush=True)
 
     example()

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 from torch._ops import OpOverload
 
+from quantree.backends.cpu.bound_calls import BINDINGS, Binding
 from quantree.backends.cpu.cells_native import cell_loop
 from quantree.backends.cpu.ops import (
     binary,
@@ -82,18 +83,50 @@ class DirectCall:
         return self.op(*args, **kwargs)
 
     def __eq__(self, other: object) -> bool:
+        """Equal to its op; to another ``DirectCall`` only if they share their state too.
+
+        fx's code generator names a target once per equal object, so two nodes whose calls
+        compared equal would both call the first one's (a per-node runner or binding would
+        then serve both nodes, re-preparing on every call)."""
         if isinstance(other, DirectCall):
-            return other.op == self.op
+            return other.op == self.op and other.state() is self.state()
         return other == self.op
 
     def __hash__(self) -> int:
         return hash(self.op)
+
+    def state(self) -> object:
+        """What a call keeps between calls: the implementation (a per-node one for ``rnn``)."""
+        return self.implementation
 
     def __str__(self) -> str:
         return str(self.op)
 
     def __repr__(self) -> str:
         return f"DirectCall({self.op})"
+
+
+class BoundCall(DirectCall):
+    """A ``DirectCall`` whose op checks its contract once per node and then only what can
+    change between calls (``bound_calls.py``): its pre-checked fast entry."""
+
+    def __init__(
+        self,
+        op: OpOverload,
+        implementation: Callable[..., Any],
+        node_args: tuple[Any, ...] | None,
+        binding: Callable[[Callable[..., Any]], Binding],
+    ) -> None:
+        super().__init__(op, implementation, node_args)
+        self.binding = binding(op)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or (len(args) != self.arity and self.arity >= 0):  # not its node's call
+            return super().__call__(*args, **kwargs)
+        return self.binding.fast(args)
+
+    def state(self) -> object:
+        return self.binding
 
 
 def _value_positions(
@@ -144,7 +177,11 @@ def call_directly(gm: fx.GraphModule) -> fx.GraphModule:
             name = target._schema.name.split("::")[1]
             factory = PER_NODE.get(name)
             implementation = factory() if factory else IMPLEMENTATIONS.get(name)
-            if implementation is not None:
+            binding = BINDINGS.get(name)
+            if binding is not None and implementation is not None:
+                node.target = BoundCall(target, implementation, node.args, binding)
+                changed = True
+            elif implementation is not None:
                 node.target = DirectCall(target, implementation, node.args)
                 changed = True
     if changed:

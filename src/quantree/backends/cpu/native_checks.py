@@ -9,12 +9,12 @@ before its C call, that every buffer the kernel touches lies inside a tensor of 
 it reads, and that every integer is in range. A violation is a ``NativeArgumentError``
 naming the op and what is wrong, never a signal.
 
-Each check is a handful of attribute reads (dtype, ``numel``, a dimension): about as cheap
-as looking a cached verdict up would be (building a key of ids and versions costs ~1 us),
-and, unlike a verdict keyed on ``_version``, it also sees a tensor whose ``.data`` was
-replaced (which does not bump the version). Contiguity and device are checked where the
-pointer is taken (``native.ptr``). Region programs and cell loops, whose tables take
-O(length) to check, are in ``program_checks.py``.
+Each function here is the op's whole contract and its only statement: the op runs it on
+every call made through the dispatcher (``torch.ops.quantree.*``, a graph loaded with plain
+``torch.export.load``), and a lowered graph's layers (linear, conv) run it once per node,
+then check per call only what the verdict rested on (``bound_calls.py``). Contiguity and
+device are checked where the pointer is taken (``native.ptr``). Region programs and cell
+loops, whose tables take O(length) to check, are in ``program_checks.py``.
 
 One function per op, each with the C signature it protects.
 """
@@ -101,19 +101,39 @@ def packed(op: str, name: str, weight: Tensor, rows: int, depth: int) -> int:
     return kp
 
 
+def layer_constants(op: str, weight: Tensor, offset: Tensor, scale: Tensor,
+                    bias: Tensor | None, rows: int, depth: int) -> None:  # fmt: skip
+    """A packed weight of at least ``rows`` channels and depth ``depth``, and ``rows``
+    offsets, scales (and biases): what a linear's GEMM reads besides its input."""
+    packed(op, "weight", weight, rows, depth)
+    vector(op, "offset", offset, I32, rows)
+    vector(op, "scale", scale, F32, rows)
+    if bias is not None:
+        vector(op, "bias", bias, F32, rows)
+
+
 # void qt_linear(const int8_t* x, int64_t M, int64_t K, int64_t N, int64_t Kp, const int8_t* w,
 #                const int32_t* off, const float* scale, const float* bias, int8_t* out_q,
 #                float* out_f, float inv, float zp, int relu)
-def explain_linear(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor,
-                   bias: Tensor | None, out_features: int) -> None:  # fmt: skip
+def linear(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor, bias: Tensor | None,
+           out_features: int) -> None:  # fmt: skip
     """x int8 [M, K]; weight packed with N >= out_features rows and Kp >= K; N offsets,
     scales (and biases)."""
     dtype_of("linear", "x", x, I8)
-    packed("linear", "weight", weight, out_features, x.shape[-1])
-    vector("linear", "offset", offset, I32, out_features)
-    vector("linear", "scale", scale, F32, out_features)
-    if bias is not None:
-        vector("linear", "bias", bias, F32, out_features)
+    if x.dim() < 1:
+        raise fail("linear", "x is a scalar, the kernel reads [..., K]")
+    layer_constants("linear", weight, offset, scale, bias, out_features, x.shape[-1])
+
+
+# void qt_linear16(const float* x, int64_t M, int64_t K, int64_t N, int64_t Kp,
+#                  const int8_t* w, const int32_t* off, const float* scale, const float* bias,
+#                  float* out, float inv, float qmin, float qmax)
+def linear16(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor, bias: Tensor | None,
+             out_features: int) -> None:  # fmt: skip
+    """x [..., K] of any dtype (the op reads it as float); the constants as ``linear``'s."""
+    if x.dim() < 1:
+        raise fail("linear16", "x is a scalar, the kernel reads [..., K]")
+    layer_constants("linear16", weight, offset, scale, bias, out_features, x.shape[-1])
 
 
 # void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W,
@@ -126,14 +146,14 @@ def explain_linear(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor,
 #     int64_t dh, int64_t dw, int64_t OH, int64_t OW, const int8_t* w, const int32_t* off,
 #     const float* scale, const float* bias, int8_t* out_q, float* out_f, float inv, float zp,
 #     int relu)
-def explain_conv2d(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor,
+def conv2d(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor,
                    bias: Tensor | None, out_channels: int, kernel: list[int],
                    stride: list[int], padding: list[int], dilation: list[int],
                    x_zero_point: int, groups: int) -> None:  # fmt: skip
     """x int8 [N, C, H, W]; geometry in range (an output size below 0 is torch's error when
-    the output is made); groups dividing C
-    and out_channels; the weight ``[taps, C]`` (depthwise) or each group packed in turn
-    (``ceil(OCg / 16) * 16 * Kp`` bytes a group, Kp >= taps * C / groups)."""
+    the output is made); groups dividing C and out_channels; the weight ``[taps, C]``
+    (depthwise) or each group packed in turn (``ceil(OCg / 16) * 16 * Kp`` bytes a group,
+    Kp >= taps * C / groups)."""
     op = "conv2d"
     dtype_of(op, "x", x, I8)
     if x.dim() != 4:
@@ -164,68 +184,6 @@ def explain_conv2d(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor,
     vector(op, "scale", scale, F32, out_channels)
     if bias is not None:
         vector(op, "bias", bias, F32, out_channels)
-
-
-def linear(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor, bias: Tensor | None,
-           out_features: int) -> None:  # fmt: skip
-    """``explain_linear``'s contract as one expression of plain reads (it runs on every call
-    of a lowered layer: ~12 per small-CNN call); the explainer says what is wrong."""
-    n = out_features
-    if weight.dim() == 3:
-        packed = weight.shape  # indexed: unpacking a torch.Size costs 0.8 us, indexing 0.1
-        if (
-            x.dtype is I8 and weight.dtype is I8 and packed[2] == 64 and 0 <= n < LIMIT
-            and packed[0] * 16 >= n and packed[1] * 4 >= x.shape[-1]
-            and offset.dtype is I32 and offset.numel() >= n
-            and scale.dtype is F32 and scale.numel() >= n
-            and (bias is None or (bias.dtype is F32 and bias.numel() >= n))
-        ):  # fmt: skip
-            return
-    explain_linear(x, weight, offset, scale, bias, out_features)
-    raise fail("linear", "arguments out of contract")
-
-
-def conv2d(x: Tensor, weight: Tensor, offset: Tensor, scale: Tensor, bias: Tensor | None,
-           out_channels: int, kernel: list[int], stride: list[int], padding: list[int],
-           dilation: list[int], x_zero_point: int, groups: int) -> None:  # fmt: skip
-    """``explain_conv2d``'s contract as plain reads (every call of a lowered convolution);
-    the explainer says what is wrong."""
-    oc = out_channels
-    if (
-        x.dim() == 4 and len(kernel) == len(stride) == len(dilation) == 2
-        and len(padding) in (2, 4) and 0 < groups < LIMIT and 0 <= oc < LIMIT
-    ):  # fmt: skip
-        c = x.shape[1]
-        kh, kw = kernel
-        sh, sw = stride
-        dh, dw = dilation
-        if (
-            x.dtype is I8 and 0 < kh < LIMIT and 0 < kw < LIMIT and 0 < sh < LIMIT
-            and 0 < sw < LIMIT and 0 < dh < LIMIT and 0 < dw < LIMIT
-            and 0 <= padding[0] < LIMIT and 0 <= padding[1] < LIMIT
-            and (len(padding) == 2 or (0 <= padding[2] < LIMIT and 0 <= padding[3] < LIMIT))
-            and -128 <= x_zero_point <= 127
-            and not c % groups and not oc % groups
-            and offset.dtype is I32 and offset.numel() >= oc
-            and scale.dtype is F32 and scale.numel() >= oc
-            and (bias is None or (bias.dtype is F32 and bias.numel() >= oc))
-            and weight.dtype is I8
-        ):  # fmt: skip
-            if groups == c == oc:  # depthwise: [taps, C]
-                if weight.numel() >= kh * kw * c:
-                    return
-            elif weight.dim() == 3:
-                packed = weight.shape
-                per_group = -(-oc // groups // 16)
-                if (
-                    packed[2] == 64
-                    and packed[1] * 4 >= kh * kw * (c // groups)
-                    and packed[0] >= groups * per_group
-                ):
-                    return
-    explain_conv2d(x, weight, offset, scale, bias, out_channels, kernel, stride, padding,
-                   dilation, x_zero_point, groups)  # fmt: skip
-    raise fail("conv2d", "arguments out of contract")
 
 
 def conv1d(kernel: list[int], stride: list[int], padding: list[int], dilation: list[int]) -> None:

@@ -30,6 +30,17 @@ def linear(
 ) -> Tensor:
     """int8 ``x[..., K]`` times a packed weight; int8 out (``out_scale > 0``) or float."""
     check.linear(x, weight, offset, scale, bias, out_features)
+    pointers = (ptr(weight), ptr(offset), ptr(scale), ptr(bias))
+    return run_linear(x, packed_depth(weight), pointers, offset, scale, bias, out_features,
+                      out_scale, out_zero_point, relu)  # fmt: skip
+
+
+def run_linear(x: Tensor, kp: int, pointers: tuple[int | None, ...], offset: Tensor,
+               scale: Tensor, bias: Tensor | None, out_features: int, out_scale: float,
+               out_zero_point: int, relu: bool) -> Tensor:  # fmt: skip
+    """``linear`` once its arguments passed ``check.linear``: the constants as ``kp`` and the
+    data pointers of weight, offset, scale and bias (a bound call keeps them from the check,
+    ``bound_calls.py``)."""
     rows = -1 if x.numel() else math.prod(x.shape[:-1])  # -1 is ambiguous when empty
     x2 = x.reshape(rows, x.shape[-1]).contiguous()
     shape = (*x.shape[:-1], out_features)
@@ -38,9 +49,9 @@ def linear(
         return _requantized(offset.float() * scale, bias, out_scale, out_zero_point, relu, shape)
     out = torch.empty(shape, dtype=torch.int8 if quantized else torch.float32)
     library().qt_linear(
-        ptr(x2), x2.shape[0], x2.shape[1], out_features, packed_depth(weight), ptr(weight),
-        ptr(offset), ptr(scale), ptr(bias), ptr(out) if quantized else None,
-        None if quantized else ptr(out), inverse(out_scale), float(out_zero_point), int(relu),
+        ptr(x2), x2.shape[0], x2.shape[1], out_features, kp, *pointers,
+        ptr(out) if quantized else None, None if quantized else ptr(out), inverse(out_scale),
+        float(out_zero_point), int(relu),
     )  # fmt: skip
     return out
 
@@ -122,6 +133,19 @@ def conv2d(
     """
     check.conv2d(x, weight, offset, scale, bias, out_channels, kernel, stride, padding,
                  dilation, x_zero_point, groups)  # fmt: skip
+    pointers = (ptr(weight), ptr(offset), ptr(scale), ptr(bias))
+    depthwise = is_depthwise(int(x.shape[1]), out_channels, groups)
+    return run_conv2d(x, 0 if depthwise else packed_depth(weight), pointers, out_channels,
+                      kernel, stride, padding, dilation, x_zero_point, out_scale,
+                      out_zero_point, relu, groups)  # fmt: skip
+
+
+def run_conv2d(x: Tensor, kp: int, pointers: tuple[int | None, ...], out_channels: int,
+               kernel: list[int], stride: list[int], padding: list[int], dilation: list[int],
+               x_zero_point: int, out_scale: float, out_zero_point: int, relu: bool,
+               groups: int = 1) -> Tensor:  # fmt: skip
+    """``conv2d`` once its arguments passed ``check.conv2d``: the weight as ``kp`` (0 for the
+    depthwise kernel) and the data pointers of weight, offset, scale and bias."""
     x = x.contiguous(memory_format=torch.channels_last)
     shape = conv2d_shape(x, out_channels, kernel, stride, padding, dilation)
     quantized = out_scale > 0
@@ -129,18 +153,16 @@ def conv2d(
     out = torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
     n, c, h, w = x.shape
     out_q, out_f = (ptr(out), None) if quantized else (None, ptr(out))
-    requant = (ptr(offset), ptr(scale), ptr(bias), out_q, out_f, inverse(out_scale),
-               float(out_zero_point), int(relu))  # fmt: skip
+    requant = (*pointers, out_q, out_f, inverse(out_scale), float(out_zero_point), int(relu))
     if is_depthwise(c, out_channels, groups):
         library().qt_conv2d_depthwise(
             ptr(x), n, c, h, w, x_zero_point, *kernel, *stride, *padding[:2], *dilation,
-            shape[2], shape[3], ptr(weight), *requant,
+            shape[2], shape[3], *requant,
         )  # fmt: skip
     else:
         library().qt_conv2d_grouped(
             ptr(x), n, c, h, w, x_zero_point, out_channels, groups, *kernel, *stride,
-            *padding[:2], *dilation, shape[2], shape[3], packed_depth(weight), ptr(weight),
-            *requant,
+            *padding[:2], *dilation, shape[2], shape[3], kp, *requant,
         )  # fmt: skip
     return out
 

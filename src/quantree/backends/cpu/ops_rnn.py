@@ -87,8 +87,9 @@ class RnnRunner:
     A lowered graph holds one runner per node (``direct.py``), so a call converts five
     pointers instead of ~40 arguments per layer and direction (0.1-0.2 ms a call in Python
     before). The plan keeps the weights' data pointers, nothing derived from their values,
-    so weights changed in place (``load_state_dict``) are read as they are; weights
-    replaced by other tensors make a new plan.
+    so weights changed in place (``load_state_dict``) are read as they are (their version
+    moved: the plan is checked and built again, once); weights replaced by other tensors,
+    or by ``.data =``, make a new plan.
     """
 
     def __init__(self) -> None:
@@ -100,6 +101,7 @@ class RnnRunner:
         self.x_inv = 0.0
         self.address = 0
         self.addresses: list[int] = []
+        self.versions: list[int] = []
         self.keep: tuple = ()
 
     def __getstate__(self) -> dict:  # a copied graph builds its own plan from its own weights
@@ -130,7 +132,8 @@ class RnnRunner:
             or qparams != self.qparams
             or len(params) != len(self.params)
             or not all(map(operator.is_, params, self.params))
-            or self.addresses != [p.data_ptr() for p in params]  # .data replaced, resize_
+            or self.addresses != [p.data_ptr() for p in params]  # .data replaced
+            or self.versions != [p._version for p in params]  # in place: resize_, set_
         ):
             self.prepare(key, params, qparams)
         dirs = 2 if bidirectional else 1
@@ -183,7 +186,10 @@ class RnnRunner:
         self.x_inv = 1.0 / qparams[0]  # as ``quantize`` computes it
         self.address = ctypes.addressof(plan)
         self.addresses = [p.data_ptr() for p in params]
-        self.keep = (pointers, depth)
+        self.versions = [p._version for p in params]
+        # aliases of the checked storages: while they live no other tensor can be allocated
+        # at a checked address, so an unchanged address is the checked memory
+        self.keep = (pointers, depth, [p.detach() for p in params])
 
 
 def batch_size(x: Tensor) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library, ptr
 from quantree.backends.cpu.ops_elementwise import dense_any_layout, in_memory_order
 from quantree.backends.cpu.ops_gemm import as_conv2d_geometry, conv2d
@@ -58,12 +59,21 @@ def linear16(
     weight: the float result of ``linear(dq16(q16(x)), dq(W), dq(b))``. The GEMM's dual pass
     multiplies both planes on one read of the weight (``offset``: the hi plane's, for zero
     point 0; ``scale``: input scale x weight scale; ``bias`` float)."""
+    check.linear16(x, weight, offset, scale, bias, out_features)
+    pointers = (ptr(weight), ptr(offset), ptr(scale), ptr(bias))
+    return run_linear16(x, x_scale, quant_min, quant_max, packed_depth(weight), pointers,
+                        out_features)  # fmt: skip
+
+
+def run_linear16(x: Tensor, x_scale: float, quant_min: int, quant_max: int, kp: int,
+                 pointers: tuple[int | None, ...], out_features: int) -> Tensor:  # fmt: skip
+    """``linear16`` once its arguments passed ``check.linear16``: the weight as ``kp`` and the
+    data pointers of weight, offset, scale and bias."""
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
     library().qt_linear16(
-        ptr(x2), x2.shape[0], x2.shape[1], out_features, packed_depth(weight), ptr(weight),
-        ptr(offset), ptr(scale), ptr(bias), ptr(out), 1.0 / x_scale, float(quant_min),
-        float(quant_max),
+        ptr(x2), x2.shape[0], x2.shape[1], out_features, kp, *pointers, ptr(out),
+        1.0 / x_scale, float(quant_min), float(quant_max),
     )  # fmt: skip
     return out
 
