@@ -20,6 +20,9 @@
 #include <vector>
 
 #include "qt_kernels.h"
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 using qt::Epilogue;
 
@@ -58,6 +61,73 @@ struct Requant {
     }
 };
 
+// dst[j * ds + i] = src[i * ss + j] for i < rows, j < cols (bytes): the stage of an
+// [N, C, L] input is made along L and turned to channels-last rows here, in 16 x 16 tiles
+// (SSE2, part of every x86-64 CPU), where byte-by-byte strided stores cost ~1 ns each.
+void transpose_bytes(const uint8_t* src, int64_t ss, int64_t rows, int64_t cols, uint8_t* dst,
+                     int64_t ds) {
+    int64_t i0 = 0, j0 = 0;
+#if defined(__x86_64__)
+    for (; i0 + 16 <= rows; i0 += 16) {
+        for (j0 = 0; j0 + 16 <= cols; j0 += 16) {
+            __m128i a[16], b[16];
+            for (int k = 0; k < 16; ++k)
+                a[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (i0 + k) * ss + j0));
+            for (int k = 0; k < 8; ++k) {  // 16-bit lanes: rows 2k, 2k + 1 of one column
+                b[2 * k] = _mm_unpacklo_epi8(a[2 * k], a[2 * k + 1]);
+                b[2 * k + 1] = _mm_unpackhi_epi8(a[2 * k], a[2 * k + 1]);
+            }
+            for (int k = 0; k < 4; ++k) {  // 32-bit lanes: rows 4k..4k+3, columns 4m..4m+3
+                a[4 * k] = _mm_unpacklo_epi16(b[4 * k], b[4 * k + 2]);
+                a[4 * k + 1] = _mm_unpackhi_epi16(b[4 * k], b[4 * k + 2]);
+                a[4 * k + 2] = _mm_unpacklo_epi16(b[4 * k + 1], b[4 * k + 3]);
+                a[4 * k + 3] = _mm_unpackhi_epi16(b[4 * k + 1], b[4 * k + 3]);
+            }
+            for (int h = 0; h < 2; ++h)  // 64-bit lanes: rows 8h..8h+7, columns 2j, 2j + 1
+                for (int m = 0; m < 4; ++m) {
+                    b[8 * h + 2 * m] = _mm_unpacklo_epi32(a[8 * h + m], a[8 * h + 4 + m]);
+                    b[8 * h + 2 * m + 1] = _mm_unpackhi_epi32(a[8 * h + m], a[8 * h + 4 + m]);
+                }
+            for (int j = 0; j < 8; ++j) {  // a column of 16 rows
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (j0 + 2 * j) * ds + i0),
+                                 _mm_unpacklo_epi64(b[j], b[8 + j]));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (j0 + 2 * j + 1) * ds + i0),
+                                 _mm_unpackhi_epi64(b[j], b[8 + j]));
+            }
+        }
+        for (int64_t i = i0; i < i0 + 16; ++i)
+            for (int64_t j = j0; j < cols; ++j) dst[j * ds + i] = src[i * ss + j];
+    }
+#endif
+    for (int64_t i = i0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) dst[j * ds + i] = src[i * ss + j];
+}
+
+// dst[j * ds + i] = src[i * ss + j] for floats: a GEMM panel [rows][OC] into [OC][L], in
+// 4 x 4 tiles (SSE, part of every x86-64 CPU).
+void transpose_floats(const float* src, int64_t ss, int64_t rows, int64_t cols, float* dst,
+                      int64_t ds) {
+    int64_t i0 = 0, j0 = 0;
+#if defined(__x86_64__)
+    for (; i0 + 4 <= rows; i0 += 4) {
+        for (j0 = 0; j0 + 4 <= cols; j0 += 4) {
+            __m128 r0 = _mm_loadu_ps(src + i0 * ss + j0), r1 = _mm_loadu_ps(src + (i0 + 1) * ss + j0);
+            __m128 r2 = _mm_loadu_ps(src + (i0 + 2) * ss + j0);
+            __m128 r3 = _mm_loadu_ps(src + (i0 + 3) * ss + j0);
+            _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+            _mm_storeu_ps(dst + j0 * ds + i0, r0);
+            _mm_storeu_ps(dst + (j0 + 1) * ds + i0, r1);
+            _mm_storeu_ps(dst + (j0 + 2) * ds + i0, r2);
+            _mm_storeu_ps(dst + (j0 + 3) * ds + i0, r3);
+        }
+        for (int64_t i = i0; i < i0 + 4; ++i)
+            for (int64_t j = j0; j < cols; ++j) dst[j * ds + i] = src[i * ss + j];
+    }
+#endif
+    for (int64_t i = i0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) dst[j * ds + i] = src[i * ss + j];
+}
+
 // The input positions [p0, p0 + span) of batch n, every channel, as uint8 planes: position
 // i of channel c at hi[i * dp + c * dc] (dp = 1: one row per channel, what the depthwise sums
 // read; dc = 1: channels-last rows, what im2col copies in runs). x + 128 for int8 (the zero
@@ -88,6 +158,22 @@ void stage(const Conv1dArgs& a, int64_t n, int64_t p0, int64_t span, int64_t dp,
         const int64_t src0 = a.sn * n + (along_l ? a.sc * o + a.sl * begin : a.sl * (begin + o));
         const int64_t dst0 = along_l ? o * dc + before * dp : (before + o) * dp;
         uint8_t* h = hi + dst0;
+        if (s_inner == 1 && d_inner == 1) {  // contiguous both sides: vectorized
+            if (wide) {
+                const float* x = a.x_f + src0;
+                uint8_t* l = lo + dst0;
+                for (int64_t i = 0; i < inner; ++i) {
+                    const int32_t q = static_cast<int32_t>(
+                        qt::quantize_value(x[i], a.x_inv, 0.0f, a.qmin, a.qmax));
+                    h[i] = static_cast<uint8_t>((q >> 8) + 128);
+                    l[i] = static_cast<uint8_t>(q & 255);
+                }
+            } else {
+                const int8_t* x = a.x_q + src0;
+                for (int64_t i = 0; i < inner; ++i) h[i] = static_cast<uint8_t>(x[i] ^ 0x80);
+            }
+            continue;
+        }
         if (wide) {
             uint8_t* l = lo + dst0;
             for (int64_t i = 0; i < inner; ++i) {
@@ -152,14 +238,28 @@ void depthwise(const Conv1dArgs& a, const Requant& rq, const uint8_t* hi, const 
             for (int64_t t = 0; t < a.K; ++t) {
                 const int32_t wt = a.w[t * a.C + c];
                 const uint8_t* s = l + t * a.dil;
-                for (int64_t r = 0; r < rows; ++r)
-                    acc2[r] += static_cast<int32_t>(s[r * a.stride]) * wt;
+                if (a.stride == 1)
+                    for (int64_t r = 0; r < rows; ++r) acc2[r] += static_cast<int32_t>(s[r]) * wt;
+                else
+                    for (int64_t r = 0; r < rows; ++r)
+                        acc2[r] += static_cast<int32_t>(s[r * a.stride]) * wt;
             }
         }
         const int64_t base = a.on * n + a.oc * c + a.ol * l0;
         if (a.out_f) {
             float* out = a.out_f + base;
             const float sc = a.scale[c];
+            if (a.ol == 1 && wide) {  // contiguous: vectorized
+                const float ls = a.lo_scale[c], b = a.bias ? a.bias[c] : 0.0f;
+                if (a.bias)
+                    for (int64_t r = 0; r < rows; ++r)
+                        out[r] = static_cast<float>(acc[r]) * sc +
+                                 (static_cast<float>(acc2[r]) * ls + b);
+                else
+                    for (int64_t r = 0; r < rows; ++r)
+                        out[r] = static_cast<float>(acc[r]) * sc + static_cast<float>(acc2[r]) * ls;
+                continue;
+            }
             for (int64_t r = 0; r < rows; ++r) {
                 float y = static_cast<float>(acc[r]) * sc;
                 if (wide) {
@@ -214,6 +314,9 @@ void qt_conv1d(const int8_t* x_q, const float* x_f, int64_t sn, int64_t sc, int6
     const int64_t lda = groups * Kp, OCg = OC / groups;
     const int64_t group_weight = (OCg + 15) / 16 * Kp * 16;
     std::vector<uint8_t> hi(static_cast<size_t>(C * span_max)), lo(wide ? hi.size() : 0);
+    // an input whose positions are adjacent (contiguous [N, C, L]) is staged along them
+    const bool along_l = !dw && C > 1 && sl < sc;
+    std::vector<uint8_t> row_hi(along_l ? hi.size() : 0), row_lo(along_l ? lo.size() : 0);
     std::vector<uint8_t> col(dw || pointwise ? 0 : static_cast<size_t>(panel * lda));
     std::vector<uint8_t> col_lo(wide ? col.size() : 0);
     std::vector<float> scratch_f(!dw && !direct && out_f ? static_cast<size_t>(panel * OC) : 0);
@@ -231,7 +334,13 @@ void qt_conv1d(const int8_t* x_q, const float* x_f, int64_t sn, int64_t sc, int6
                           acc2.data());
                 continue;
             }
-            stage(a, n, p0, span, C, 1, hi.data(), wide ? lo.data() : nullptr);
+            if (along_l) {  // along L into rows, then turned into channels-last rows
+                stage(a, n, p0, span, 1, span, row_hi.data(), wide ? row_lo.data() : nullptr);
+                transpose_bytes(row_hi.data(), span, C, span, hi.data(), C);
+                if (wide) transpose_bytes(row_lo.data(), span, C, span, lo.data(), C);
+            } else {
+                stage(a, n, p0, span, C, 1, hi.data(), wide ? lo.data() : nullptr);
+            }
             const uint8_t* A = hi.data();
             const uint8_t* A_lo = lo.data();
             if (!pointwise) {
@@ -268,7 +377,11 @@ void qt_conv1d(const int8_t* x_q, const float* x_f, int64_t sn, int64_t sc, int6
                 }
             }
             if (direct) continue;
-            for (int64_t c = 0; c < OC; ++c) {  // the panel, transposed into the output
+            if (out_f && ol == 1) {  // the panel, transposed into the output
+                transpose_floats(scratch_f.data(), OC, rows, OC, out_f + base, oc);
+                continue;
+            }
+            for (int64_t c = 0; c < OC; ++c) {
                 const int64_t o = base + oc * c;
                 if (out_f)
                     for (int64_t r = 0; r < rows; ++r)
