@@ -66,10 +66,11 @@ struct Requant {
 // (SSE2, part of every x86-64 CPU), where byte-by-byte strided stores cost ~1 ns each.
 void transpose_bytes(const uint8_t* src, int64_t ss, int64_t rows, int64_t cols, uint8_t* dst,
                      int64_t ds) {
-    int64_t i0 = 0, j0 = 0;
+    int64_t i0 = 0;
 #if defined(__x86_64__)
     for (; i0 + 16 <= rows; i0 += 16) {
-        for (j0 = 0; j0 + 16 <= cols; j0 += 16) {
+        int64_t j0 = 0;
+        for (; j0 + 16 <= cols; j0 += 16) {
             __m128i a[16], b[16];
             for (int k = 0; k < 16; ++k)
                 a[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (i0 + k) * ss + j0));
@@ -107,10 +108,11 @@ void transpose_bytes(const uint8_t* src, int64_t ss, int64_t rows, int64_t cols,
 // 4 x 4 tiles (SSE, part of every x86-64 CPU).
 void transpose_floats(const float* src, int64_t ss, int64_t rows, int64_t cols, float* dst,
                       int64_t ds) {
-    int64_t i0 = 0, j0 = 0;
+    int64_t i0 = 0;
 #if defined(__x86_64__)
     for (; i0 + 4 <= rows; i0 += 4) {
-        for (j0 = 0; j0 + 4 <= cols; j0 += 4) {
+        int64_t j0 = 0;
+        for (; j0 + 4 <= cols; j0 += 4) {
             __m128 r0 = _mm_loadu_ps(src + i0 * ss + j0), r1 = _mm_loadu_ps(src + (i0 + 1) * ss + j0);
             __m128 r2 = _mm_loadu_ps(src + (i0 + 2) * ss + j0);
             __m128 r3 = _mm_loadu_ps(src + (i0 + 3) * ss + j0);
