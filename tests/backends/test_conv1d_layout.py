@@ -158,3 +158,22 @@ def test_a_group_norm_model_lowers_natively_with_contiguous_float_outputs():
         want, got = ref(*data[1]), low(*data[1])
     assert got.is_contiguous()
     assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_geometry_far_beyond_its_input_runs_the_conv2d_route(quantized):
+    """A stride and dilation larger than the input, padded to fit, would make the kernel
+    stage a span of ~2**30 positions: the call runs as the conv2d of height 1 instead."""
+    w, off, scale, bias = layer(8, 16, 2, 1)
+    x = inputs(1, 8, 10, torch.int8)["contiguous"]
+    big = 1 << 30
+    out_scale = 0.05 if quantized else 0.0
+    args = (w, off, scale, bias, 16, [2], [big], [big], [big], 0, out_scale, 0, False, 1)
+    got = quantree_ops.conv1d(x, *args)
+    want = old_conv1d(x, w, off, scale, bias, 16, 2, big, [big], big, 0, out_scale, 0, False, 1)
+    assert torch.equal(got, want) and got.shape[2] == 2
+    _, lo_off, lo_scale, _ = layer(8, 16, 2, 1, seed=2)
+    xf = inputs(1, 8, 10, torch.float32)["contiguous"]
+    got16 = quantree_ops.conv16(xf, 1e-3, -32768, 32767, w, off, scale, lo_off, lo_scale, bias,
+                                16, [2], [big], [big], [big], 1)  # fmt: skip
+    assert got16.is_contiguous() and got16.shape == (1, 16, 2)

@@ -43,10 +43,26 @@ def empty_output(
     return x.new_empty((n, out_channels, ol), dtype=torch.float32)
 
 
+PANEL = 256
+"""Most output positions the kernel computes at once (its panels)."""
+
+
+def stages_in_bounds(x: Tensor, kernel: list[int], stride: list[int], padding: list[int],
+                     dilation: list[int]) -> bool:  # fmt: skip
+    """Whether a panel's staged input span (what the kernel allocates per channel) stays
+    within a few input lengths. Only a geometry reaching far beyond its input (a stride or
+    dilation larger than the input, padded to fit) exceeds it: such a call runs as the
+    conv2d of height 1, whose buffers do not grow with the span."""
+    length = x.shape[2]
+    out = output_length(length, kernel[0], stride[0], padding, dilation[0])
+    span = (min(PANEL, max(out, 1)) - 1) * stride[0] + (kernel[0] - 1) * dilation[0] + 1
+    return span <= 4 * length + 4096
+
+
 def reads_in_place(x: Tensor, quantized: bool) -> bool:
-    """Whether this kernel takes the call: always for a float result; for an int8 result
-    unless ``x`` is already channels-last (conv2d's own layout, which an int8 chain of
-    convolutions keeps without a copy)."""
+    """Whether this kernel takes the call by layout: always for a float result; for an int8
+    result unless ``x`` is already channels-last (conv2d's own layout, which an int8 chain
+    of convolutions keeps without a copy)."""
     if not quantized:
         return True
     return x.is_contiguous() or not x.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)

@@ -9,7 +9,12 @@ from torch import Tensor
 
 from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library, ptr
-from quantree.backends.cpu.ops_conv1d import conv1d_strided, empty_output, reads_in_place
+from quantree.backends.cpu.ops_conv1d import (
+    conv1d_strided,
+    empty_output,
+    reads_in_place,
+    stages_in_bounds,
+)
 from quantree.backends.cpu.packing import packed_depth
 from quantree.backends.cpu.registry import inverse, op
 
@@ -193,7 +198,7 @@ def conv1d(
     """
     check.conv1d(kernel, stride, padding, dilation)
     quantized = out_scale > 0
-    if reads_in_place(x, quantized):
+    if reads_in_place(x, quantized) and stages_in_bounds(x, kernel, stride, padding, dilation):
         return conv1d_strided(x, weight, offset, scale, bias, out_channels, kernel, stride,
                               padding, dilation, x_zero_point, out_scale, out_zero_point, relu,
                               groups)  # fmt: skip
@@ -202,7 +207,8 @@ def conv1d(
         x.unsqueeze(2), weight, offset, scale, bias, out_channels, *geometry,
         x_zero_point, out_scale, out_zero_point, relu, groups,
     )  # fmt: skip
-    return out.squeeze(2)
+    # a float result is contiguous whichever route ran (what the fake says)
+    return out.squeeze(2) if quantized else out.squeeze(2).contiguous()
 
 
 @torch.library.register_fake("quantree::conv1d")

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library, ptr
-from quantree.backends.cpu.ops_conv1d import conv1d_strided
+from quantree.backends.cpu.ops_conv1d import conv1d_strided, stages_in_bounds
 from quantree.backends.cpu.ops_elementwise import dense_any_layout, in_memory_order
 from quantree.backends.cpu.ops_gemm import as_conv2d_geometry, conv2d
 from quantree.backends.cpu.packing import packed_depth
@@ -105,6 +106,8 @@ def conv16(
     channels-last strides."""
     one_d = x.dim() == 3
     if one_d:
+        check.conv1d(kernel, stride, padding, dilation)
+    if one_d and stages_in_bounds(x, kernel, stride, padding, dilation):
         wide = (x_scale, quant_min, quant_max, lo_offset, lo_scale)
         return conv1d_strided(x, weight, hi_offset, hi_scale, bias, out_channels, kernel, stride,
                               padding, dilation, 0, 0.0, 0, False, groups, wide)  # fmt: skip
@@ -117,7 +120,7 @@ def conv16(
     low = conv2d(lo, weight, lo_offset, lo_scale, bias, *shape, LO_ZERO_POINT, 0.0, 0, False,
                  groups)  # fmt: skip
     out.add_(low)
-    return out.squeeze(2) if one_d else out
+    return out.squeeze(2).contiguous() if one_d else out  # a 1-d result is contiguous
 
 
 @torch.library.register_fake("quantree::conv16")

@@ -312,6 +312,7 @@ void qt_conv1d(const int8_t* x_q, const float* x_f, int64_t sn, int64_t sc, int6
     // panel: the scratch of a transposed GEMM result stays near 256 KB
     int64_t panel = dw || direct ? 256 : 65536 / OC;
     panel = panel < 16 ? 16 : (panel > 256 ? 256 : panel);
+    panel = panel < OL ? panel : OL;
     const int64_t span_max = (panel - 1) * stride + (K - 1) * dil + 1;
     const int64_t lda = groups * Kp, OCg = OC / groups;
     const int64_t group_weight = (OCg + 15) / 16 * Kp * 16;
