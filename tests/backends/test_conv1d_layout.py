@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import quantree as qt
@@ -177,3 +179,47 @@ def test_a_geometry_far_beyond_its_input_runs_the_conv2d_route(quantized):
     got16 = quantree_ops.conv16(xf, 1e-3, -32768, 32767, w, off, scale, lo_off, lo_scale, bias,
                                 16, [2], [big], [big], [big], 1)  # fmt: skip
     assert got16.is_contiguous() and got16.shape == (1, 16, 2)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    data=st.data(),
+    per_group=st.integers(1, 9),
+    groups=st.integers(1, 4),
+    out_per_group=st.integers(1, 20),
+    kernel=st.integers(1, 6),
+    stride=st.integers(1, 4),
+    dilation=st.integers(1, 3),
+    length=st.integers(1, 300),
+    batch=st.integers(1, 2),
+    wide=st.booleans(),
+)
+def test_random_geometries_equal_the_old_routes(
+    data, per_group, groups, out_per_group, kernel, stride, dilation, length, batch, wide
+):
+    """Any geometry the lowering can produce (depthwise when one channel a group in and
+    out), any layout: the same bits as the conv2d route (int8) or the two-plane route (int16)."""
+    c, o = per_group * groups, out_per_group * groups
+    extent = dilation * (kernel - 1) + 1
+    left = data.draw(st.integers(0, extent), label="left")
+    right = data.draw(st.integers(0, extent), label="right")
+    if length + left + right < extent:
+        right += extent - (length + left + right)
+    padding = [left] if left == right else [left, right]
+    layout = data.draw(st.sampled_from(["contiguous", "channels_last", "strided"]), label="layout")
+    w, off, scale, bias = layer(c, o, kernel, groups)
+    geometry = (o, kernel, stride, padding, dilation)
+    if wide:
+        _, lo_off, lo_scale, _ = layer(c, o, kernel, groups, seed=2)
+        x = inputs(batch, c, length, torch.float32)[layout]
+        want = old_conv16(x, 1e-3, -32768, 32767, w, off, scale, lo_off, lo_scale, bias,
+                          *geometry, groups)  # fmt: skip
+        got = quantree_ops.conv16(x, 1e-3, -32768, 32767, w, off, scale, lo_off, lo_scale, bias,
+                                  o, [kernel], [stride], padding, [dilation], groups)  # fmt: skip
+    else:
+        out_scale = data.draw(st.sampled_from([0.0, 0.05]), label="out_scale")
+        x = inputs(batch, c, length, torch.int8)[layout]
+        want = old_conv1d(x, w, off, scale, bias, *geometry, 5, out_scale, 3, True, groups)
+        got = quantree_ops.conv1d(x, w, off, scale, bias, o, [kernel], [stride], padding,
+                                  [dilation], 5, out_scale, 3, True, groups)  # fmt: skip
+    assert torch.equal(got, want)
