@@ -437,3 +437,18 @@ def rnn_cell(kind: str, x: Tensor, hx: Sequence[Tensor], params: Sequence[Tensor
     if len(hx) < (2 if kind == "lstm" else 1):
         raise fail(op, f"{len(hx)} states for an {kind} cell")
     layer_params(op, params, gates, hidden, 0, x.shape[-1], "")
+
+
+# void qt_mean_hw(const int8_t* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t sn,
+#                 int64_t sc, int64_t sh, int64_t sw, float x_scale, int64_t x_zp, float inv,
+#                 float zp, int8_t* out)
+def mean_hw(x: Tensor, x_zero_point: int, out_zero_point: int) -> None:
+    """x int8 [N, C, H, W] on the CPU, read through its own strides; H * W below 2**23, so
+    a channel's int32 sum of codes cannot overflow; int8 zero points."""
+    op = "mean_hw"
+    dtype_of(op, "x", x, I8)
+    if x.dim() != 4 or not x.is_cpu or x.shape[2] * x.shape[3] >= 1 << 23:
+        raise fail(op, f"x of shape {tuple(x.shape)} on {x.device}: the kernel reads [N, C, H, W]"
+                   " on the CPU with H * W below 2**23")  # fmt: skip
+    if not (-128 <= x_zero_point <= 127 and -128 <= out_zero_point <= 127):
+        raise fail(op, f"zero points {x_zero_point}, {out_zero_point} are not int8 values")
