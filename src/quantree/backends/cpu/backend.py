@@ -27,6 +27,7 @@ from quantree.backends.cpu.lowering_embedding import lower_embedding
 from quantree.backends.cpu.lowering_fold import fold_input_independent
 from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.lowering_masked_fill import lower_masked_fill
+from quantree.backends.cpu.lowering_mean import lower_mean
 from quantree.backends.cpu.lowering_packed_qkv import split_packed_qkv
 from quantree.backends.cpu.lowering_program import fuse_regions
 from quantree.backends.cpu.lowering_qdq import (
@@ -136,6 +137,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_cat,
         lower_masked_fill,
         lower_max_pool,
+        lower_mean,
         lower_binary,
         lower_matmul,
         lower_pointwise,

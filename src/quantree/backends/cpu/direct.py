@@ -32,6 +32,7 @@ from quantree.backends.cpu.ops import (
     lookup,
     matmul,
     max_pool2d,
+    mean_hw,
     program,
     quantize,
     rnn,
@@ -43,7 +44,8 @@ from quantree.backends.cpu.ops_rnn import RnnRunner
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
     for fn in (binary, cell_loop, conv1d, conv2d, conv16, dequantize, embedding_rows, linear,
-               linear16, lookup, matmul, max_pool2d, program, quantize, rnn, rnn_cell, softmax)
+               linear16, lookup, matmul, max_pool2d, mean_hw, program, quantize, rnn, rnn_cell,
+               softmax)
 }  # fmt: skip
 """Each ``torch.ops.quantree.<name>``'s CPU implementation, by name (read only)."""
 PER_NODE: dict[str, Callable[[], Callable[..., Any]]] = {"rnn": RnnRunner}

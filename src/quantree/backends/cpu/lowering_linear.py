@@ -215,9 +215,10 @@ def conv_geometry(
 def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
     """conv1d / conv2d (+relu), any padding (also 'same'/'valid'), stride, dilation, groups.
 
-    A conv1d is the conv2d of height 1 on the same kernel (``quantree.conv1d``); groups run
-    one GEMM per group on that group's channels, depthwise convs a direct kernel; grouped
-    convs too narrow to pay stay in the reference form (``native_conv_pays``).
+    A conv1d is ``quantree.conv1d``, on the conv2d's packed weight and arithmetic, reading
+    and writing ``[N, C, L]`` as it lies (``ops_conv1d``); groups run one GEMM per group on
+    that group's channels, depthwise convs a direct kernel; grouped convs too narrow to pay
+    stay in the reference form (``native_conv_pays``).
     """
     dims = CONVOLUTIONS.get(node.target)  # type: ignore[call-overload]
     if dims is None:

@@ -191,6 +191,57 @@ def conv1d(kernel: list[int], stride: list[int], padding: list[int], dilation: l
     geometry("conv1d", kernel, stride, padding, dilation, 1)
 
 
+# void qt_conv1d(const int8_t* x_q, const float* x_f, int64_t sn, int64_t sc, int64_t sl,
+#     int64_t batch, int64_t C, int64_t L, int64_t x_zp, float x_inv, float qmin, float qmax,
+#     int64_t OC, int64_t groups, int64_t K, int64_t stride, int64_t pad, int64_t dil,
+#     int64_t OL, int64_t Kp, const int8_t* w, const int32_t* off, const float* scale,
+#     const int32_t* lo_off, const float* lo_scale, const float* bias, int8_t* out_q,
+#     float* out_f, int64_t on, int64_t oc, int64_t ol, float inv, float zp, int relu)
+def conv1d_strided(x: Tensor, wide: bool, weight: Tensor, offset: Tensor, scale: Tensor,
+                   lo_offset: Tensor | None, lo_scale: Tensor | None, bias: Tensor | None,
+                   out_channels: int, kernel: list[int], stride: list[int],
+                   padding: list[int], dilation: list[int], x_zero_point: int,
+                   groups: int) -> None:  # fmt: skip
+    """x [N, C, L] on the CPU, int8 (float32 when ``wide``: quantized to int16 inside), read
+    through its own strides (a torch view stays inside its storage); the weight, offsets and
+    scales as conv2d's of height 1 (the low plane's too when ``wide``). The output is made
+    by the caller from the same geometry."""
+    op = "conv1d"
+    dtype_of(op, "x", x, F32 if wide else I8)
+    if x.dim() != 3 or not x.is_cpu:
+        raise fail(
+            op, f"x of shape {tuple(x.shape)} on {x.device}: the kernel reads [N, C, L], CPU"
+        )
+    geometry(op, kernel, stride, padding, dilation, 1)
+    if not -128 <= x_zero_point <= 127:
+        raise fail(op, f"x_zero_point {x_zero_point} is not an int8 value")
+    c = int(x.shape[1])
+    if not (1 <= groups < LIMIT and 0 <= out_channels < LIMIT):
+        raise fail(op, f"groups {groups} and out_channels {out_channels} out of range")
+    if c % groups or out_channels % groups:
+        raise fail(
+            op, f"groups {groups} divides neither {c} input nor {out_channels} output channels"
+        )
+    if groups == c == out_channels:  # depthwise: [taps, C]
+        vector(op, "weight", weight, I8, kernel[0] * c)
+    else:
+        per_group = -(-out_channels // groups // 16) * 16
+        kp = packed(op, "weight", weight, 0, kernel[0] * (c // groups))
+        if weight.numel() < groups * per_group * kp:
+            raise fail(
+                op,
+                f"weight of shape {tuple(weight.shape)} holds fewer than {groups} groups of "
+                f"{per_group} packed channels of depth {kp}",
+            )
+    vector(op, "offset", offset, I32, out_channels)
+    vector(op, "scale", scale, F32, out_channels)
+    if wide:
+        vector(op, "lo_offset", lo_offset, I32, out_channels)
+        vector(op, "lo_scale", lo_scale, F32, out_channels)
+    if bias is not None:
+        vector(op, "bias", bias, F32, out_channels)
+
+
 # void qt_matmul(const int8_t* a, const int8_t* bmat, int64_t batch, int64_t M, int64_t K,
 #                int64_t N, float za, float zb, float scale, int8_t* out_q, float* out_f,
 #                float inv, float zp)
@@ -344,3 +395,18 @@ def rnn_cell(kind: str, x: Tensor, hx: Sequence[Tensor], params: Sequence[Tensor
     if len(hx) < (2 if kind == "lstm" else 1):
         raise fail(op, f"{len(hx)} states for an {kind} cell")
     layer_params(op, params, gates, hidden, 0, x.shape[-1], "")
+
+
+# void qt_mean_hw(const int8_t* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t sn,
+#                 int64_t sc, int64_t sh, int64_t sw, float x_scale, int64_t x_zp, float inv,
+#                 float zp, int8_t* out)
+def mean_hw(x: Tensor, x_zero_point: int, out_zero_point: int) -> None:
+    """x int8 [N, C, H, W] on the CPU, read through its own strides; H * W below 2**23, so
+    a channel's int32 sum of codes cannot overflow; int8 zero points."""
+    op = "mean_hw"
+    dtype_of(op, "x", x, I8)
+    if x.dim() != 4 or not x.is_cpu or x.shape[2] * x.shape[3] >= 1 << 23:
+        raise fail(op, f"x of shape {tuple(x.shape)} on {x.device}: the kernel reads [N, C, H, W]"
+                   " on the CPU with H * W below 2**23")  # fmt: skip
+    if not (-128 <= x_zero_point <= 127 and -128 <= out_zero_point <= 127):
+        raise fail(op, f"zero points {x_zero_point}, {out_zero_point} are not int8 values")

@@ -10,6 +10,7 @@ from quantree.backends.cpu.ops_derived import derived_bias, derived_offset, deri
 from quantree.backends.cpu.ops_elementwise import binary, dequantize, lookup, quantize, softmax
 from quantree.backends.cpu.ops_embedding import embedding_rows
 from quantree.backends.cpu.ops_gemm import conv1d, conv2d, linear, matmul
+from quantree.backends.cpu.ops_mean import mean_hw
 from quantree.backends.cpu.ops_pool import max_pool2d
 from quantree.backends.cpu.ops_program import program
 from quantree.backends.cpu.ops_rnn import PER_LAYER, RNN_KINDS, rnn
@@ -34,6 +35,7 @@ __all__ = [
     "lookup",
     "matmul",
     "max_pool2d",
+    "mean_hw",
     "program",
     "quantize",
     "rnn",

@@ -1,4 +1,4 @@
-"""GEMM-based int8 ops: linear, conv1d/conv2d (channels-last), matmul of two activations."""
+"""GEMM-based int8 ops: linear, conv1d/conv2d, matmul of two activations."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ from torch import Tensor
 
 from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library, ptr
+from quantree.backends.cpu.ops_conv1d import (
+    conv1d_strided,
+    empty_output,
+    reads_in_place,
+    stages_in_bounds,
+)
 from quantree.backends.cpu.packing import packed_depth
 from quantree.backends.cpu.registry import inverse, op
 
@@ -205,28 +211,32 @@ def conv1d(
     relu: bool,
     groups: int = 1,
 ) -> Tensor:
-    """int8 ``[N, C, L]`` convolution, run as the conv2d of ``[N, C, 1, L]``.
+    """int8 ``[N, C, L]`` convolution; ``padding`` is ``[left]`` or ``[left, right]``.
 
-    ``padding`` is ``[left]`` or ``[left, right]``. The result keeps the conv2d's
-    channels-last strides (``[N, O, L]`` with the channels innermost), so a following
-    conv1d reads it without a copy.
+    A float result is contiguous (``ops_conv1d``: the input read in its own layout, no
+    copies before or after the float op that reads it). An int8 result has the channels
+    innermost (conv2d's channels-last strides), so a following conv1d reads it without a
+    copy; an input in that layout runs as the conv2d of ``[N, C, 1, L]``.
     """
     check.conv1d(kernel, stride, padding, dilation)
+    quantized = out_scale > 0
+    if reads_in_place(x, quantized) and stages_in_bounds(x, kernel, stride, padding, dilation):
+        return conv1d_strided(x, weight, offset, scale, bias, out_channels, kernel, stride,
+                              padding, dilation, x_zero_point, out_scale, out_zero_point, relu,
+                              groups)  # fmt: skip
     geometry = as_conv2d_geometry(kernel, stride, padding, dilation)
     out = conv2d(
         x.unsqueeze(2), weight, offset, scale, bias, out_channels, *geometry,
         x_zero_point, out_scale, out_zero_point, relu, groups,
     )  # fmt: skip
-    return out.squeeze(2)
+    # a float result is contiguous whichever route ran (what the fake says)
+    return out.squeeze(2) if quantized else out.squeeze(2).contiguous()
 
 
 @torch.library.register_fake("quantree::conv1d")
 def _(x, weight, offset, scale, bias, out_channels, kernel, stride, padding, dilation,
       x_zero_point, out_scale, out_zero_point, relu, groups=1):  # fmt: skip
-    dtype = torch.int8 if out_scale > 0 else torch.float32
-    geometry = as_conv2d_geometry(kernel, stride, padding, dilation)
-    shape = conv2d_shape(x.unsqueeze(2), out_channels, *geometry)
-    return torch.empty(shape, dtype=dtype, memory_format=torch.channels_last).squeeze(2)
+    return empty_output(x, out_channels, kernel, stride, padding, dilation, out_scale > 0)
 
 
 @op(

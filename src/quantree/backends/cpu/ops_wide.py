@@ -19,6 +19,7 @@ from torch import Tensor
 
 from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library, ptr
+from quantree.backends.cpu.ops_conv1d import conv1d_strided, stages_in_bounds
 from quantree.backends.cpu.ops_elementwise import dense_any_layout, in_memory_order
 from quantree.backends.cpu.ops_gemm import as_conv2d_geometry, conv2d
 from quantree.backends.cpu.packing import packed_depth
@@ -109,8 +110,16 @@ def conv16(
 ) -> Tensor:
     """Float ``x`` (``[N, C, L]`` or ``[N, C, H, W]``) quantized to int16, convolved with a
     packed int8 weight as ``quantree.conv1d``/``conv2d`` would (padding reads the zero point
-    of each plane, so 0 of the 16-bit value): float out, channels-last strides."""
+    of each plane, so 0 of the 16-bit value): float out, contiguous for ``[N, C, L]``
+    (``ops_conv1d``: quantized panel by panel as it lies, no copy of the tensor), else with
+    channels-last strides."""
     one_d = x.dim() == 3
+    if one_d:
+        check.conv1d(kernel, stride, padding, dilation)
+    if one_d and stages_in_bounds(x, kernel, stride, padding, dilation):
+        wide = (x_scale, quant_min, quant_max, lo_offset, lo_scale)
+        return conv1d_strided(x, weight, hi_offset, hi_scale, bias, out_channels, kernel, stride,
+                              padding, dilation, 0, 0.0, 0, False, groups, wide)  # fmt: skip
     shape = (out_channels, *(as_conv2d_geometry(kernel, stride, padding, dilation) if one_d
                              else (kernel, stride, padding, dilation)))  # fmt: skip
     # channels-last before the split: the planes are then what the kernels read, no copies
@@ -120,7 +129,7 @@ def conv16(
     low = conv2d(lo, weight, lo_offset, lo_scale, bias, *shape, LO_ZERO_POINT, 0.0, 0, False,
                  groups)  # fmt: skip
     out.add_(low)
-    return out.squeeze(2) if one_d else out
+    return out.squeeze(2).contiguous() if one_d else out  # a 1-d result is contiguous
 
 
 @torch.library.register_fake("quantree::conv16")
