@@ -22,14 +22,55 @@ from torch._ops import OpOverload
 from torch.utils import _pytree as pytree
 
 from quantree.core.fold import known_values, run_on
-from quantree.core.graphs import register_constant
+from quantree.core.graphs import attr_at, register_constant
 
 MAX_ELEMENTS = 1 << 16
 """Larger results keep being computed: a folded tensor is stored in the model (and its file)."""
 
 
+GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
+"""Export's wrapper of a ``torch.no_grad()`` block (Hugging Face's rotary embedding computes
+its ``cos``/``sin`` tables in one): a call of a nested graph, folded when that graph is pure
+and every tensor it reads is known."""
+
+
+def _pure_op(target: object) -> bool:
+    """An aten op that neither writes memory nor draws random numbers, or one of quantree's
+    lowered ops (pure functions of their arguments)."""
+    if str(target).startswith("quantree."):
+        return True
+    if not isinstance(target, OpOverload) or target.namespace != "aten":
+        return False
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _owner(node: fx.Node) -> torch.nn.Module:
+    owner = node.graph.owning_module
+    assert owner is not None
+    return owner
+
+
+def _pure_region(node: fx.Node, known: dict[fx.Node, object]) -> bool:
+    """A ``wrap_with_set_grad_enabled`` call of a pure nested graph on ``known`` tensors."""
+    a = node.args
+    if node.target is not GRAD_REGION or len(a) < 2 or not isinstance(a[1], fx.Node):
+        return False
+    body = attr_at(_owner(node), str(a[1].target))
+    if not isinstance(body, fx.GraphModule) or any(
+        x not in known for x in node.all_input_nodes if x is not a[1]
+    ):
+        return False
+    return all(
+        n.op in ("placeholder", "output", "get_attr")
+        or (n.op == "call_function" and (n.target is operator.getitem or _pure_op(n.target)))
+        for n in body.graph.nodes
+    )
+
+
 def _deterministic(node: fx.Node, known: dict[fx.Node, object]) -> bool:
     """Whether ``node`` is a pure op on ``known`` values (or on none: a ``zeros``)."""
+    if _pure_region(node, known):
+        return True
     if node.op != "call_function" or not all(n in known for n in node.all_input_nodes):
         return False
     if node.target is operator.getitem:
@@ -57,7 +98,14 @@ def _value(node: fx.Node, known: dict[fx.Node, object]) -> object:
     fake = pytree.tree_leaves(node.meta.get("val"))
     if any(isinstance(v, torch.Tensor) and not _static(v) for v in fake):
         return None  # a symbolic shape: depends on an input after all
-    value = run_on(node, known)
+    if node.target is GRAD_REGION:
+        a = node.args
+        body = attr_at(_owner(node), str(a[1].target))  # type: ignore[union-attr]
+        args = [known[x] if isinstance(x, fx.Node) else x for x in a[2:]]
+        with torch.no_grad():
+            value = node.target(a[0], body, *args)
+    else:
+        value = run_on(node, known)
     if isinstance(value, torch.Tensor) and value.numel() > MAX_ELEMENTS:
         return None
     if _uninitialized(node) and not (isinstance(value, torch.Tensor) and not value.numel()):
