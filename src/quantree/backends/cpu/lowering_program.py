@@ -641,7 +641,7 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
             return False
         elif n.target == quantree_ops.linear.default and float(a[6]) > 0:
             _requantization(gm, p, const_nodes, a, region[0])
-        moves = (aten.stack.default, aten.cat.default)
+        moves = (aten.stack.default, aten.cat.default, aten.expand.default)
         if n.target not in INT8_OPS and _computes(n) and n.target not in moves:
             float_ops.append((str(n.target), n.name, module_scope(n)))
     for n in outputs:
