@@ -24,6 +24,8 @@ from torch.utils import _pytree as pytree
 from quantree.core.fold import known_values, run_on
 from quantree.core.graphs import attr_at, register_constant
 
+aten = torch.ops.aten
+
 MAX_ELEMENTS = 1 << 16
 """Larger results keep being computed: a folded tensor is stored in the model (and its file)."""
 
@@ -75,12 +77,7 @@ def _deterministic(node: fx.Node, known: dict[fx.Node, object]) -> bool:
         return False
     if node.target is operator.getitem:
         return bool(node.all_input_nodes)
-    target = node.target
-    if not isinstance(target, OpOverload) or target.namespace != "aten":
-        return False
-    if target._schema.is_mutable:
-        return False
-    return torch.Tag.nondeterministic_seeded not in target.tags
+    return _pure_op(node.target)
 
 
 def _uninitialized(node: fx.Node) -> bool:
@@ -113,6 +110,59 @@ def _value(node: fx.Node, known: dict[fx.Node, object]) -> object:
     return value
 
 
+def _functional_twin(node: fx.Node) -> OpOverload | None:
+    """The out-of-place overload of an in-place aten op (``add_.Tensor``: ``add.Tensor``)."""
+    target = node.target
+    if not isinstance(target, OpOverload) or target.namespace != "aten":
+        return None
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    twin = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
+    return twin if isinstance(twin, OpOverload) and not twin._schema.is_mutable else None
+
+
+def _fresh(node: object) -> bool:
+    """A tensor an aten op made anew (no view of another) that only one op reads."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or len(node.users) != 1:
+        return False
+    target = node.target
+    if not isinstance(target, OpOverload) or target._schema.is_mutable:
+        return False
+    returns = target._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is None
+
+
+def functionalize_temporaries(gm: fx.GraphModule) -> int:
+    """Write each in-place op on a temporary nothing else reads out of place; returns how many.
+
+    T5 builds its relative position buckets with ``add_`` on a tensor it just made: the graph
+    writes to it, so it could not be folded though no input reaches it. Out of place it
+    computes the same values (the dtypes and shape checked equal, so no promotion or
+    broadcast differs) and nothing else saw the write.
+    """
+    changed = 0
+    for node in gm.graph.nodes:
+        twin = _functional_twin(node)
+        a = node.args
+        if twin is None or not a or not _fresh(a[0]) or a[0] in a[1:] or node.kwargs:
+            continue
+        val, src = node.meta.get("val"), a[0].meta.get("val")  # type: ignore[union-attr]
+        tensors = [x.meta.get("val") for x in a[1:] if isinstance(x, fx.Node)]
+        if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor):
+            continue
+        if any(not isinstance(t, torch.Tensor) or t.dtype != src.dtype for t in tensors):
+            continue
+        if val.shape != src.shape or any(t.dim() > src.dim() for t in tensors):  # type: ignore[union-attr]
+            continue
+        node.target = twin
+        changed += 1
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
+
+
 def fold_input_independent(gm: fx.GraphModule) -> int:
     """Replace each tensor no graph input reaches by a constant, in place; returns how many.
 
@@ -120,6 +170,7 @@ def fold_input_independent(gm: fx.GraphModule) -> int:
     no call there. ``_assert_tensor_metadata`` checks on folded values ran here once and go.
     """
     graph = gm.graph
+    functionalize_temporaries(gm)
     known = known_values(gm, _value)
     folded = 0
     for node, value in known.items():
