@@ -45,11 +45,13 @@ class RMSNorm(nn.Module):
 
 
 class NormedMLP(nn.Module):
-    """Residual blocks of RMSNorm then linears: long enough for one region program."""
+    """Residual blocks of RMSNorm then linears: long enough for one region program.
+    ``native``: ``nn.RMSNorm`` (one ``aten.rms_norm``, its default eps) instead."""
 
-    def __init__(self, width: int = 32) -> None:
+    def __init__(self, width: int = 32, native: bool = False) -> None:
         super().__init__()
-        self.norms = nn.ModuleList(RMSNorm(width) for _ in range(3))
+        norm = (lambda: nn.RMSNorm(width)) if native else (lambda: RMSNorm(width))
+        self.norms = nn.ModuleList(norm() for _ in range(3))
         self.ins = nn.ModuleList(nn.Linear(width, 2 * width) for _ in range(3))
         self.outs = nn.ModuleList(nn.Linear(2 * width, width) for _ in range(3))
 
@@ -90,11 +92,13 @@ def test_a_mean_over_another_dimension_is_not_an_rms_norm() -> None:
     assert {n.target for n in gm.graph.nodes} >= FIVE
 
 
-def test_lowered_rms_norms_run_inside_one_program() -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["five_ops", "nn_rms_norm"])
+def test_lowered_rms_norms_run_inside_one_program(native: bool) -> None:
     torch.manual_seed(0)
     data = _data()
     recipe = qt.Int8Quantizer(activations=qt.ActivationPoints.WEIGHTED_INPUTS)  # as LLaMA's
-    ref = qt.quantize(NormedMLP().eval(), data[0], data, quantizer=recipe, progress=False)
+    model = NormedMLP(native=native).eval()
+    ref = qt.quantize(model, data[0], data, quantizer=recipe, progress=False)
     low = qt.lower(ref, CPU)
     (program,) = calls(low, PROGRAM)
     code = fetch_attr(low, str(program.args[2].target))
