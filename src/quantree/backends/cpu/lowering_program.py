@@ -580,10 +580,13 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
         elif n.target in FLOAT_BINARY_KINDS and any(shapes[x] != shapes[n] for x in a):
             sources = []
             for x in a:
+                if shapes[x] == shapes[n]:
+                    sources.append(slot[x])
+                    continue
                 dims = row_map(shapes[x][0], shapes[n][0], None)
-                sources.append(
-                    slot[x] if shapes[x] == shapes[n] or dims is None else gather(p, slot[x], dims)
-                )
+                if dims is None:
+                    return False
+                sources.append(gather(p, slot[x], dims))
             dst = value_slot(n)
             assert dst is not None
             p.emit([FLOAT_BINARY, dst, *sources, FLOAT_BINARY_KINDS[n.target]], [])
