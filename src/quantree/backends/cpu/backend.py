@@ -21,6 +21,7 @@ from quantree.backends.cpu.cells_layer import NativeRecurrentCells
 from quantree.backends.cpu.cells_native import NativeCellLoop, compile_body
 from quantree.backends.cpu.direct import call_directly
 from quantree.backends.cpu.float_report import warn_float_ops
+from quantree.backends.cpu.lowering_casts import drop_identity_casts
 from quantree.backends.cpu.lowering_cat import lower_cat
 from quantree.backends.cpu.lowering_cell import lower_cell
 from quantree.backends.cpu.lowering_embedding import lower_embedding
@@ -40,6 +41,7 @@ from quantree.backends.cpu.lowering_qdq import (
     native_quantize_dequantize,
 )
 from quantree.backends.cpu.lowering_recurrent import recurrent_rule
+from quantree.backends.cpu.lowering_rms_norm import recognise_rms_norm
 from quantree.backends.cpu.lowering_wide import lower_wide
 from quantree.backends.cpu.native import library
 from quantree.backends.cpu.simulated import simulated_ops, warn_simulated
@@ -67,6 +69,8 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     if nested is not None:  # the top-level graph: one warning for the model
         fold_input_independent(gm)  # masks built from zeros/ones on every call, built once
         split_packed_qkv(gm)  # nn.MultiheadAttention's q/k/v split: column slices
+        drop_identity_casts(gm)  # float32 .to(float32) and its check: no region cut there
+        recognise_rms_norm(gm)  # LLaMA/T5's five-op RMSNorm: one op, one program instruction
         fuse_regions(gm)  # runs of small ops, one native call each (cell bodies have theirs)
         # after fusion: an op a program now runs is named once, by the float-op warning
         warn_simulated(gm, "cpu")

@@ -22,24 +22,62 @@ from torch._ops import OpOverload
 from torch.utils import _pytree as pytree
 
 from quantree.core.fold import known_values, run_on
-from quantree.core.graphs import register_constant
+from quantree.core.graphs import attr_at, register_constant
+
+aten = torch.ops.aten
 
 MAX_ELEMENTS = 1 << 16
 """Larger results keep being computed: a folded tensor is stored in the model (and its file)."""
 
 
+GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
+"""Export's wrapper of a ``torch.no_grad()`` block (Hugging Face's rotary embedding computes
+its ``cos``/``sin`` tables in one): a call of a nested graph, folded when that graph is pure
+and every tensor it reads is known."""
+
+
+def _pure_op(target: object) -> bool:
+    """An aten op that neither writes memory nor draws random numbers, or one of quantree's
+    lowered ops (pure functions of their arguments)."""
+    if str(target).startswith("quantree."):
+        return True
+    if not isinstance(target, OpOverload) or target.namespace != "aten":
+        return False
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _owner(node: fx.Node) -> torch.nn.Module:
+    owner = node.graph.owning_module
+    assert owner is not None
+    return owner
+
+
+def _pure_region(node: fx.Node, known: dict[fx.Node, object]) -> bool:
+    """A ``wrap_with_set_grad_enabled`` call of a pure nested graph on ``known`` tensors."""
+    a = node.args
+    if node.target is not GRAD_REGION or len(a) < 2 or not isinstance(a[1], fx.Node):
+        return False
+    body = attr_at(_owner(node), str(a[1].target))
+    if not isinstance(body, fx.GraphModule) or any(
+        x not in known for x in node.all_input_nodes if x is not a[1]
+    ):
+        return False
+    return all(
+        n.op in ("placeholder", "output", "get_attr")
+        or (n.op == "call_function" and (n.target is operator.getitem or _pure_op(n.target)))
+        for n in body.graph.nodes
+    )
+
+
 def _deterministic(node: fx.Node, known: dict[fx.Node, object]) -> bool:
     """Whether ``node`` is a pure op on ``known`` values (or on none: a ``zeros``)."""
+    if _pure_region(node, known):
+        return True
     if node.op != "call_function" or not all(n in known for n in node.all_input_nodes):
         return False
     if node.target is operator.getitem:
         return bool(node.all_input_nodes)
-    target = node.target
-    if not isinstance(target, OpOverload) or target.namespace != "aten":
-        return False
-    if target._schema.is_mutable:
-        return False
-    return torch.Tag.nondeterministic_seeded not in target.tags
+    return _pure_op(node.target)
 
 
 def _uninitialized(node: fx.Node) -> bool:
@@ -57,12 +95,72 @@ def _value(node: fx.Node, known: dict[fx.Node, object]) -> object:
     fake = pytree.tree_leaves(node.meta.get("val"))
     if any(isinstance(v, torch.Tensor) and not _static(v) for v in fake):
         return None  # a symbolic shape: depends on an input after all
-    value = run_on(node, known)
+    if node.target is GRAD_REGION:
+        a = node.args
+        body = attr_at(_owner(node), str(a[1].target))  # type: ignore[union-attr]
+        args = [known[x] if isinstance(x, fx.Node) else x for x in a[2:]]
+        with torch.no_grad():
+            value = node.target(a[0], body, *args)
+    else:
+        value = run_on(node, known)
     if isinstance(value, torch.Tensor) and value.numel() > MAX_ELEMENTS:
         return None
     if _uninitialized(node) and not (isinstance(value, torch.Tensor) and not value.numel()):
         return None  # its contents are whatever memory held: only an empty one is known
     return value
+
+
+def _functional_twin(node: fx.Node) -> OpOverload | None:
+    """The out-of-place overload of an in-place aten op (``add_.Tensor``: ``add.Tensor``)."""
+    target = node.target
+    if not isinstance(target, OpOverload) or target.namespace != "aten":
+        return None
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    twin = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
+    return twin if isinstance(twin, OpOverload) and not twin._schema.is_mutable else None
+
+
+def _fresh(node: object) -> bool:
+    """A tensor an aten op made anew (no view of another) that only one op reads."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or len(node.users) != 1:
+        return False
+    target = node.target
+    if not isinstance(target, OpOverload) or target._schema.is_mutable:
+        return False
+    returns = target._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is None
+
+
+def functionalize_temporaries(gm: fx.GraphModule) -> int:
+    """Write each in-place op on a temporary nothing else reads out of place; returns how many.
+
+    T5 builds its relative position buckets with ``add_`` on a tensor it just made: the graph
+    writes to it, so it could not be folded though no input reaches it. Out of place it
+    computes the same values (the dtypes and shape checked equal, so no promotion or
+    broadcast differs) and nothing else saw the write.
+    """
+    changed = 0
+    for node in gm.graph.nodes:
+        twin = _functional_twin(node)
+        a = node.args
+        if twin is None or not a or not _fresh(a[0]) or a[0] in a[1:] or node.kwargs:
+            continue
+        val, src = node.meta.get("val"), a[0].meta.get("val")  # type: ignore[union-attr]
+        tensors = [x.meta.get("val") for x in a[1:] if isinstance(x, fx.Node)]
+        if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor):
+            continue
+        if any(not isinstance(t, torch.Tensor) or t.dtype != src.dtype for t in tensors):
+            continue
+        if val.shape != src.shape or any(t.dim() > src.dim() for t in tensors):  # type: ignore[union-attr]
+            continue
+        node.target = twin
+        changed += 1
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
 
 
 def fold_input_independent(gm: fx.GraphModule) -> int:
@@ -72,6 +170,7 @@ def fold_input_independent(gm: fx.GraphModule) -> int:
     no call there. ``_assert_tensor_metadata`` checks on folded values ran here once and go.
     """
     graph = gm.graph
+    functionalize_temporaries(gm)
     known = known_values(gm, _value)
     folded = 0
     for node, value in known.items():

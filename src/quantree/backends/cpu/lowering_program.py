@@ -45,13 +45,14 @@ from quantree.backends.cpu.cells_native import (
     emit,
 )
 from quantree.backends.cpu.derived import Recipe, remember
-from quantree.core.graphs import fetch_attr, register_constant
+from quantree.backends.cpu.program_layout import MAX_COPIES, copies, gather, reshape, row_map
+from quantree.core.graphs import attr_at, fetch_attr, register_constant
 from quantree.core.values import module_scope
 
 aten = torch.ops.aten
 quantree_ops = torch.ops.quantree
 qd = torch.ops.quantized_decomposed
-COPY, LAYER_NORM = 5, 9
+COPY, LAYER_NORM, RMS_NORM = 5, 9, 11
 MIN_OPS = 8
 """Fewer ops than this gain too little from one call to be worth an opaque node."""
 FLOAT_OPS_KEY = "quantree_float_ops"
@@ -74,6 +75,11 @@ SAME_SLOT = {
 """Ops that keep the last dimension and the row-major order of their input (a permute only
 of size-1 dimensions): the same slot, no instruction. Values in a program are never written
 after they are made, so a clone needs no copy either."""
+RESHAPES = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+}  # fmt: skip
+"""Of ``SAME_SLOT``, those that may also change the last dimension (``program_layout``)."""
+PERMUTES = {aten.permute.default, aten.transpose.int}
 FLOAT_MAX_ELEMENTS = 12288
 """Layer norm (summing in double) and gelu (libm's erf/tanh, element by element) are scalar
 loops in a program: they win on the small tensors programs are for (an Emformer's 24 x 512,
@@ -85,6 +91,9 @@ dynamic size counts at batch 1."""
 FLOAT_OPS = {aten.layer_norm.default, aten.gelu.default}
 GELU_KINDS = {"none": 3, "tanh": 4}
 """FLOAT_UNARY kinds of ``aten.gelu`` by its ``approximate`` argument (csrc/qt_program.h)."""
+MORE_UNARY = {aten.silu.default: 5, aten.neg.default: 6}
+"""FLOAT_UNARY kinds only programs emit (the cells loop's table is ``FLOAT_UNARY_KINDS``):
+SwiGLU's ``silu`` (the vector sigmoid times x) and the rotary embedding's ``neg``."""
 
 Dim = Any
 """An ``int``, or a ``sympy`` expression of the graph's size symbols (a dynamic batch)."""
@@ -119,15 +128,20 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
     names: collections.Counter[str] = collections.Counter()
     binary = {v: k for k, v in FLOAT_BINARY_KINDS.items()}
     unary = {v: k for k, v in FLOAT_UNARY_KINDS.items()}
+    more = {v: k.__name__.split(".")[0] for k, v in MORE_UNARY.items()}
     for row in code.reshape(-1, NI).tolist():
         if row[0] == FLOAT_BINARY:
             names[binary[row[4]].__name__.split(".")[0]] += 1
         elif row[0] == FLOAT_UNARY and row[3] in GELU_KINDS.values():
             names["gelu"] += 1
+        elif row[0] == FLOAT_UNARY and row[3] in more:
+            names[more[row[3]]] += 1
         elif row[0] == FLOAT_UNARY:
             names[unary[row[3]].__name__.split(".")[0]] += 1
         elif row[0] == LAYER_NORM:
             names["layer_norm"] += 1
+        elif row[0] == RMS_NORM:
+            names["rms_norm"] += 1
     return names
 
 
@@ -138,7 +152,7 @@ def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS) -> int:
     fused = 0
     regions = _regions(gm, shapes)
     for region in regions:
-        if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes):
+        if sum(1 for n in region if _counts(n, shapes)) >= min_ops and _replace(gm, region, shapes):
             fused += 1
     if fused or regions:  # a region refused late may have left constants behind
         gm.graph.eliminate_dead_code()
@@ -153,6 +167,8 @@ def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
     shapes: dict[fx.Node, Shape] = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
+        if n.op == "get_attr":
+            val = attr_at(gm, str(n.target))
         a: Any = n.args
         dims = _dims(val) if isinstance(val, torch.Tensor) else None
         if dims is not None:
@@ -235,6 +251,14 @@ def _rows(shape: Shape) -> Dim:
 def _computes(n: fx.Node) -> bool:
     """Whether ``n`` is an instruction, not a view the program takes for free."""
     return n.target not in VIEWS and n.target not in SAME_SLOT and n.target != aten.slice.Tensor
+
+
+def _counts(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
+    """Whether ``n`` counts towards ``MIN_OPS``: an instruction, or a transpose or expand
+    that copies rows (a dispatcher call saved, though no arithmetic)."""
+    if n.target in PERMUTES or n.target == aten.expand.default:
+        return n.target == aten.expand.default or not _keeps_rows(n, shapes)
+    return _computes(n)
 
 
 def _numel(shape: tuple[Dim, ...]) -> Dim:
@@ -344,7 +368,16 @@ def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> 
     if n not in shapes or shapes[n][1] not in (torch.float32, torch.int8):
         return False
     if n.target in SAME_SLOT:
-        return isinstance(a[0], fx.Node) and not n.kwargs and _keeps_rows(n, shapes)
+        if not isinstance(a[0], fx.Node) or n.kwargs or a[0] not in shapes:
+            return False
+        if _keeps_rows(n, shapes):
+            return True
+        if n.target in RESHAPES:
+            src, out = shapes[a[0]], shapes[n]
+            return bool(src[1] == out[1] and src[0] and out[0] and _numel(src[0]) == _numel(out[0]))
+        return n.target in PERMUTES and _moved_rows(n, shapes) is not None
+    if n.target == aten.expand.default:
+        return not n.kwargs and a[0] in shapes and _moved_rows(n, shapes) is not None
     if n.target == aten.slice.Tensor:
         src = shapes.get(a[0])
         step = a[4] if len(a) > 4 else 1
@@ -376,6 +409,17 @@ def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> 
             and items[0] in shapes
             and len(shapes[items[0]][0]) >= 1
         )
+    if n.target in MORE_UNARY:
+        return shapes.get(a[0]) == shapes[n] and shapes[n][1] == torch.float32 and not n.kwargs
+    if n.target == aten.rms_norm.default:
+        weight = a[2] if len(a) > 2 else None
+        return (
+            list(a[1]) == [_cols(shapes[n])]
+            and (weight is None or (isinstance(weight, fx.Node) and weight.op == "get_attr"))
+            and shapes[n][1] == torch.float32
+            and shapes.get(a[0]) == shapes[n]
+            and not n.kwargs
+        )
     if n.target == aten.layer_norm.default:
         weight = a[2] if len(a) > 2 else None
         bias = a[3] if len(a) > 3 else None
@@ -392,7 +436,7 @@ def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> 
         return (
             not n.kwargs
             and len(a) == 2
-            and all(isinstance(x, fx.Node) and shapes.get(x) == shapes[n] for x in a)
+            and all(isinstance(x, fx.Node) and _broadcasts(shapes.get(x), shapes[n]) for x in a)
             and shapes[n][1] == torch.float32
         )
     if n.target in FLOAT_UNARY_KINDS:
@@ -404,6 +448,29 @@ def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> 
             return len(a) == 9 and shapes.get(a[0], ((), None))[1] == torch.float32
         return not (n.target == quantree_ops.linear.default and len(a) != 9)
     return False
+
+
+def _moved_rows(n: fx.Node, shapes: dict[fx.Node, Shape]) -> list[tuple[int, int]] | None:
+    """A permute's or an expand's output rows as source row strides (``program_layout``)."""
+    a: Any = n.args
+    src, out = shapes[a[0]][0], shapes[n][0]
+    perm: list[int] | None = None
+    if n.target == aten.transpose.int:
+        perm = list(range(len(src)))
+        d0, d1 = a[1] % len(src), a[2] % len(src)
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    elif n.target == aten.permute.default:
+        perm = list(a[1])
+    dims = row_map(src, out, perm)
+    return dims if dims is not None and copies(dims) <= MAX_COPIES else None
+
+
+def _broadcasts(shape: Shape | None, out: Shape) -> bool:
+    """``shape`` is ``out``'s, or a float32 one that broadcasts to it along rows."""
+    if shape is None or shape == out:
+        return shape is not None
+    dims = row_map(shape[0], out[0], None)
+    return shape[1] == out[1] and dims is not None and copies(dims) <= MAX_COPIES
 
 
 def _regions(gm: fx.GraphModule, shapes: dict[fx.Node, Shape]) -> list[list[fx.Node]]:
@@ -455,9 +522,12 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
             const_nodes.append(n)
         return const_of[n]
 
-    def operand(x: object) -> bool:
-        """Give an outside value read by the region an input slot."""
-        if not isinstance(x, fx.Node) or x in slot or x in pieces or x.op == "get_attr":
+    def operand(x: object, constant: bool = False) -> bool:
+        """Give an outside value read by the region an input slot (a constant only if
+        ``constant``: a broadcast operand; other constants are the instructions')."""
+        if not isinstance(x, fx.Node) or x in slot or x in pieces:
+            return True
+        if x.op == "get_attr" and not constant:
             return True
         if x in inside or x not in shapes or shapes[x][1] not in (torch.float32, torch.int8):
             return x in slot
@@ -480,7 +550,10 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
             reads = parts
         else:
             reads = n.all_input_nodes
-        if not all(
+        if n.target in FLOAT_BINARY_KINDS:
+            if not all(operand(x, constant=True) for x in reads):
+                return False
+        elif not all(
             operand(x) for x in reads if not (isinstance(x, fx.Node) and x.op == "get_attr")
         ):
             return False
@@ -493,8 +566,31 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
             pieces[n] = [p.row_view(slot[a[0]], i * rows, rows) for i in range(count)]
         elif n.target is operator.getitem:
             slot[n] = pieces[a[0]][a[1]]
+        elif (n.target in SAME_SLOT or n.target == aten.expand.default) and not (
+            n.target != aten.expand.default and _keeps_rows(n, shapes)
+        ):
+            if n.target in RESHAPES:
+                slot[n] = reshape(p, slot[a[0]], _rows(shapes[n]), _cols(shapes[n]))
+            else:
+                moved = _moved_rows(n, shapes)
+                assert moved is not None
+                slot[n] = gather(p, slot[a[0]], moved)
         elif n.target == aten.dropout.default or n.target in SAME_SLOT:
             slot[n] = slot[a[0]]
+        elif n.target in FLOAT_BINARY_KINDS and any(shapes[x] != shapes[n] for x in a):
+            sources = []
+            for x in a:
+                if shapes[x] == shapes[n]:
+                    sources.append(slot[x])
+                    continue
+                dims = row_map(shapes[x][0], shapes[n][0], None)
+                if dims is None:
+                    return False
+                sources.append(gather(p, slot[x], dims))
+            dst = value_slot(n)
+            assert dst is not None
+            p.emit([FLOAT_BINARY, dst, *sources, FLOAT_BINARY_KINDS[n.target]], [])
+            slot[n] = dst
         elif n.target == aten.slice.Tensor:
             shape = shapes[a[0]][0]
             dim = (a[1] if len(a) > 1 else 0) % len(shape)
@@ -532,6 +628,18 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
                 part = p.row_view(dst, i * rows, rows)
                 p.emit([COPY, part, slot[x]], [])
             slot[n] = dst
+        elif n.target in MORE_UNARY:
+            dst = value_slot(n)
+            assert dst is not None
+            p.emit([FLOAT_UNARY, dst, slot[a[0]], MORE_UNARY[n.target]], [])
+            slot[n] = dst
+        elif n.target == aten.rms_norm.default:
+            dst = value_slot(n)
+            assert dst is not None
+            weight = const_index(a[2] if len(a) > 2 else None)
+            eps = a[3] if len(a) > 3 and a[3] is not None else torch.finfo(torch.float32).eps
+            p.emit([RMS_NORM, dst, slot[a[0]], weight], [float(eps)])
+            slot[n] = dst
         elif n.target == aten.layer_norm.default:
             dst = value_slot(n)
             assert dst is not None
@@ -544,7 +652,7 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
             return False
         elif n.target == quantree_ops.linear.default and float(a[6]) > 0:
             _requantization(gm, p, const_nodes, a, region[0])
-        moves = (aten.stack.default, aten.cat.default)
+        moves = (aten.stack.default, aten.cat.default, aten.expand.default)
         if n.target not in INT8_OPS and _computes(n) and n.target not in moves:
             float_ops.append((str(n.target), n.name, module_scope(n)))
     for n in outputs:

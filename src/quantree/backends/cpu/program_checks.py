@@ -37,6 +37,7 @@ QUANT, DEQUANT, LINEAR, BINARY, LOOKUP, COPY, FAKE_QUANT, FLOAT_BINARY, FLOAT_UN
     10
 )
 LINEAR16 = 10  # float rows split into two int8 planes, then one dual pass (ops_wide.py)
+RMS_NORM = 11  # float rows times rsqrt(mean of squares + eps), then an optional weight
 DTYPES = (F32, I8)
 SIZES = (4, 1)
 MAX_VERDICTS = 1024
@@ -237,8 +238,8 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
             expect(n, "a source row is narrower than the result's", wide)  # COPY: bytes
         if kind == COPY:
             continue
-        float_in = kind in (QUANT, FAKE_QUANT, FLOAT_BINARY, FLOAT_UNARY, NORM)
-        float_out = kind in (DEQUANT, FAKE_QUANT, FLOAT_BINARY, FLOAT_UNARY, NORM)
+        float_in = kind in (QUANT, FAKE_QUANT, FLOAT_BINARY, FLOAT_UNARY, NORM, RMS_NORM)
+        float_out = kind in (DEQUANT, FAKE_QUANT, FLOAT_BINARY, FLOAT_UNARY, NORM, RMS_NORM)
         if kind not in (QUANT, DEQUANT, BINARY, LOOKUP) and not float_in:
             raise fail(op, f"instruction {n} has opcode {kind}, which no runner knows")
         expect(n, "wrong operand dtype", all(s.dtype == (0 if float_in else 1) for s in sources))
@@ -246,10 +247,12 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
         if kind == LOOKUP:
             const(n, c[3], I8, 256)
         elif kind == FLOAT_UNARY:
-            expect(n, "kind out of range", 0 <= c[3] <= 4)
+            expect(n, "kind out of range", 0 <= c[3] <= 6)
         elif kind == NORM:
             const(n, c[3], F32, dst.cols, optional=True)
             const(n, c[4], F32, dst.cols, optional=True)
+        elif kind == RMS_NORM:
+            const(n, c[3], F32, dst.cols, optional=True)
     return need, scratch0, scratch1
 
 

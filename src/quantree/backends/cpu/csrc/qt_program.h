@@ -26,9 +26,10 @@ enum Op {
     COPY = 5,
     FAKE_QUANT = 6,    // float -> float through an integer grid (an int16 point, say)
     FLOAT_BINARY = 7,  // float add / mul / sub
-    FLOAT_UNARY = 8,   // float sigmoid / tanh / relu / gelu / tanh-gelu (kinds 0-4)
+    FLOAT_UNARY = 8,   // float sigmoid / tanh / relu / gelu / tanh-gelu / silu / neg (0-6)
     LAYER_NORM = 9,    // float layer norm over each row, optional weight / bias
     LINEAR16 = 10,     // float rows quantized to int16, times int8 weights (ops_wide.py)
+    RMS_NORM = 11,     // float x * rsqrt(mean(x^2) + eps) over each row, optional weight
 };
 constexpr int NI = 12, NF = 8;  // fields per instruction
 constexpr int NS = 5;  // fields per slot: dtype (0 f32, 1 i8), owner slot, byte offset, cols, ld
@@ -131,11 +132,16 @@ static inline void float_unary_row(int64_t kind, const float* a, float* out, int
     } else if (kind == 3) {  // gelu: x / 2 (1 + erf(x / sqrt 2)), as ATen's
         for (int64_t j = 0; j < n; ++j)
             out[j] = 0.5f * a[j] * (1.0f + std::erf(a[j] * 0.70710678118654752f));
-    } else {  // gelu, approximate="tanh"
+    } else if (kind == 4) {  // gelu, approximate="tanh"
         for (int64_t j = 0; j < n; ++j) {
             const float x = a[j];
             out[j] = 0.5f * x * (1.0f + std::tanh(0.79788456080286536f * (x + 0.044715f * x * x * x)));
         }
+    } else if (kind == 5) {  // silu: x * sigmoid(x), the sigmoid the path's vector kernel
+        qt::kernels.activation(0, a, out, n);
+        for (int64_t j = 0; j < n; ++j) out[j] *= a[j];
+    } else {  // neg
+        for (int64_t j = 0; j < n; ++j) out[j] = -a[j];
     }
 }
 
@@ -156,6 +162,21 @@ static inline void layer_norm_row(const float* __restrict a, float* __restrict o
         if (w) y *= w[j];
         if (b) y += b[j];
         out[j] = y;
+    }
+}
+
+// RMSNorm over the last dimension as the five ATen ops compute it (pow, mean, add eps,
+// rsqrt, mul; then the weight): x * (1 / sqrt(mean(x^2) + eps)) * w, the mean summed in
+// double (ATen's float reduction differs by rounding only).
+static inline void rms_norm_row(const float* __restrict a, float* __restrict out, int64_t n,
+                                const float* w, float eps) {
+    double sq = 0.0;
+    for (int64_t j = 0; j < n; ++j) sq += static_cast<double>(a[j]) * a[j];
+    const float r = 1.0f / std::sqrt(static_cast<float>(sq / static_cast<double>(n)) + eps);
+    if (w) {
+        for (int64_t j = 0; j < n; ++j) out[j] = w[j] * (a[j] * r);
+    } else {
+        for (int64_t j = 0; j < n; ++j) out[j] = a[j] * r;
     }
 }
 
@@ -237,6 +258,11 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
             const float* w = c[3] >= 0 ? static_cast<const float*>(consts[c[3]]) : nullptr;
             const float* b = c[4] >= 0 ? static_cast<const float*>(consts[c[4]]) : nullptr;
             for (int64_t r = 0; r < dst.rows; ++r) layer_norm_row(a.f(r), dst.f(r), dst.cols, w, b, f[0]);
+            break;
+        }
+        case RMS_NORM: {  // c[3]: weight constant or -1; f[0]: eps
+            const float* w = c[3] >= 0 ? static_cast<const float*>(consts[c[3]]) : nullptr;
+            for (int64_t r = 0; r < dst.rows; ++r) rms_norm_row(a.f(r), dst.f(r), dst.cols, w, f[0]);
             break;
         }
         case COPY:
