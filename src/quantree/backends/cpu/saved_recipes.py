@@ -7,8 +7,9 @@ keeps it: the top graph's buffers, a native cell loop's constants inside a submo
 region program's constant list. Each such input placeholder becomes the recipe's call; the
 recipe's tensor arguments become constants of the program, read once per content (an input
 equal to a tensor the program already holds reads that one), and a tensor argument that has
-a recipe of its own is derived in turn. A constant with no recipe may still be saved in a
-narrower type (``narrowed.py``). ``load`` folds the calls back (``fold_recipes``).
+a recipe of its own is derived in turn. A constant with no recipe, and a recipe's tensor
+argument with none (a layer's weight scales), may still be saved narrower or as one filled
+value (``narrowed.py``). ``load`` folds the calls back (``fold_recipes``).
 """
 
 from __future__ import annotations
