@@ -17,10 +17,12 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.deflate import ALIGNMENT
+from quantree.backends.cpu.deflate import ALIGNMENT, deflated_member
 from quantree.backends.cpu.derived import RECIPE_KEY, RECIPE_OPS
+from quantree.backends.cpu.narrowed import narrowed
 from quantree.backends.cpu.serialize import saved_program
 from quantree.core.errors import QuantreeError
+from quantree.core.qparams import half_exact
 
 
 class Seq2SeqLike(nn.Module):
@@ -110,7 +112,7 @@ def test_tensor_members_stay_stored_and_aligned(tmp_path) -> None:
     save(low, tmp_path / "m.pt2", data[0])
     with zipfile.ZipFile(tmp_path / "m.pt2") as archive:
         for info in archive.infolist():
-            if info.filename.endswith(".json"):
+            if deflated_member(info.filename):  # the JSON descriptions and example inputs
                 assert info.compress_type == zipfile.ZIP_DEFLATED, info.filename
                 continue
             assert info.compress_type == zipfile.ZIP_STORED, info.filename
@@ -197,6 +199,10 @@ def test_row_sums_and_tables_are_derived_where_they_pay(tmp_path) -> None:
         ("widened", (torch.zeros(4, dtype=torch.int64), torch.int8)),
         ("derived_requant", (torch.ones(3), torch.ones(4), 0.5)),
         ("derived_row_sums", (torch.zeros(2, 3, 64, dtype=torch.int8), 40, 1)),
+        ("widened", (torch.zeros(4, dtype=torch.int16), torch.int32, 3)),  # a float's scaling
+        ("widened", (torch.zeros(4, dtype=torch.float16), torch.float32, 65)),
+        ("filled", (0.0, [1 << 20, 1 << 20], torch.float32)),
+        ("filled", (0.0, [4], torch.bool)),
     ],
 )
 def test_recipes_refuse_arguments_quantree_does_not_write(op: str, args: tuple) -> None:
@@ -239,3 +245,31 @@ def test_a_lowered_state_dict_still_saves_and_loads_weights_only(tmp_path) -> No
     torch.save(low.state_dict(), tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     assert all(torch.equal(state[k], v) for k, v in low.state_dict().items())
+
+
+def test_narrowed_constants_read_back_bit_for_bit() -> None:
+    """Every constant ``narrowed`` saves differently reads back with the same bits (-0.0
+    beside 0.0 is not one filled value); what it cannot hold exactly stays as it is."""
+    g = torch.Generator().manual_seed(0)
+    scales = half_exact(torch.rand(96, generator=g) * 3e-5 + 1e-7)  # below float16's normals
+    cases = {
+        "scales": (scales, torch.ops.quantree.widened.default),
+        "ones": (torch.ones(80), torch.ops.quantree.filled.default),
+        "zero bias": (torch.zeros(256), torch.ops.quantree.filled.default),
+        "zero points": (
+            torch.full((64,), -3, dtype=torch.int64),
+            torch.ops.quantree.filled.default,
+        ),
+        "slots": (torch.arange(100, dtype=torch.int64) * 300, torch.ops.quantree.widened.default),
+    }
+    signed_zeros = torch.zeros(64)
+    signed_zeros[1] = -0.0
+    cases["signed zeros"] = (signed_zeros, torch.ops.quantree.widened.default)
+    for what, (value, op) in cases.items():
+        recipe = narrowed(value)
+        assert recipe is not None and recipe.op == op, what
+        back = recipe.compute()
+        assert back.dtype == value.dtype and back.shape == value.shape, what
+        assert torch.equal(back.view(torch.uint8), value.view(torch.uint8)), what
+    assert narrowed(scales + scales * 2**-12) is None  # 12 significant bits
+    assert narrowed(torch.ones(8)) is None  # saves too little to pay for its call

@@ -42,6 +42,24 @@ def test_min_max_is_exact_per_tensor_and_per_channel():
     assert per_channel.qparams().scale.shape == (3,)
 
 
+def test_per_channel_scales_round_to_eleven_significant_bits():
+    """Per-channel scales are the min-max scale rounded to a float16 significand (so a
+    saved file holds them in 2 bytes), within 2^-11 of it; per-tensor scales are exactly
+    the range's."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=g) * torch.logspace(-4, 1, 64).unsqueeze(1)
+    observer = make_observer(qt.QuantSpec(qt.QDtype.INT8, symmetric=True, axis=0), "w")
+    observer(w)
+    exact = w.abs().amax(1) / 127.5
+    scale = observer.qparams().scale
+    assert bool(((scale / exact - 1).abs() <= 2**-11).all())
+    mantissa, _ = torch.frexp(scale)
+    assert torch.equal(torch.round(mantissa * 2**11), mantissa * 2**11)
+    per_tensor = make_observer(qt.QuantSpec(qt.QDtype.INT8, symmetric=True), "x")
+    per_tensor(w)
+    assert per_tensor.qparams().scale == w.abs().max() / 127.5
+
+
 def test_moving_average_lags_behind_a_growing_range():
     observer = make_observer(qt.QuantSpec(qt.QDtype.INT8, observer=KINDS[1]), "x")
     data = _batches()

@@ -377,14 +377,28 @@ def _node_arg(target: str, name: str, value: dict) -> Callable[[str, bytes], byt
     return _model_json(change_program)
 
 
+def _filled_terabyte(program: dict) -> None:
+    """The file's weight scales (a ``widened`` call) made a ``filled`` constant of 1 TB."""
+    node = next(n for n in program["graph_module"]["graph"]["nodes"] if "widened" in n["target"])
+    node["target"] = "torch.ops.quantree.filled.default"
+    node["inputs"] = [
+        {"name": "value", "arg": {"as_float": 1.0}, "kind": 1},
+        {"name": "size", "arg": {"as_ints": [1 << 20, 1 << 20]}, "kind": 1},
+        {"name": "dtype", "arg": {"as_scalar_type": 7}, "kind": 1},
+    ]
+
+
 def test_derived_row_sums_and_tables_that_do_not_fit_are_refused(lowered_file, tmp_path) -> None:
     """The recipes added for row sums, tables and narrowed constants check their arguments
-    as ``derived_offset`` does: a crafted file is a one-line ``BadFile`` naming the op."""
+    as ``derived_offset`` does: a crafted file is a one-line ``BadFile`` naming the op (a
+    power of two no float16 scale needs; a filled constant of a terabyte, not allocated)."""
     from quantree.backends import load
 
     cases = {
         "derived_row_sums": _node_arg("derived_row_sums", "groups", {"as_int": 3}),
         "derived_row_sums ": _node_arg("derived_row_sums", "rows", {"as_int": 1 << 20}),
+        "widened": _node_arg("widened", "exponent", {"as_int": 1000}),
+        "filled": _model_json(_filled_terabyte),
     }
     for op, change in cases.items():
         path = rewrite(lowered_file, tmp_path / f"{len(op)}.pt2", change)

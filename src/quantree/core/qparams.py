@@ -12,6 +12,29 @@ SCALE_FLOOR = torch.finfo(torch.float32).eps
 """The smallest scale a calibrated range gets (a zero range would divide by zero)."""
 
 
+SCALE_SIGNIFICANT_BITS = 11
+"""Per-channel scales keep this many significant bits (float16's): see :func:`half_exact`."""
+
+
+def half_exact(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` (positive float32) rounded to the nearest value of 11 significant bits.
+
+    A per-channel weight scale is stored beside every output channel of the lowered model
+    (4 bytes a channel, where the goal allows about 1 for its bias). Rounded this way it is
+    exact in float16 times one power of two per tensor, so the saved file holds it in 2
+    bytes (``backends/cpu/narrowed.py``). Each scale moves by under 2^-11 (0.05%), up or
+    down, so the grid stays on average where the range put it; the extreme weight lands
+    within 0.07 of a step of where it did, inside the rounding every weight has. Measured
+    (zoo, 64 held-out inputs): rounding to nearest moved input-dependent SQNR by +0.02 dB
+    (transformer_encoder) and +0.2 dB (squeezenet); rounding every scale up instead cost
+    0.05 / 0.3 dB.
+    """
+    drop = 24 - SCALE_SIGNIFICANT_BITS  # of float32's 24 significant bits (23 stored)
+    bits = scale.float().contiguous().view(torch.int32)
+    rounded = ((bits + (1 << (drop - 1))) >> drop) << drop
+    return rounded.view(torch.float32)
+
+
 def qparams_from_range(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
     """Scale and zero point that represent [min_val, max_val] (widened to hold 0 exactly)."""
     qmin, qmax = spec.range
@@ -21,11 +44,15 @@ def qparams_from_range(min_val: torch.Tensor, max_val: torch.Tensor, spec: Quant
         bound = torch.maximum(-lo, hi)
         scale = bound / ((qmax - qmin) / 2)
         scale = torch.clamp(scale, min=SCALE_FLOOR)
+        if spec.axis is not None:
+            scale = half_exact(scale)
         if spec.power_of_two:
             scale = torch.exp2(torch.ceil(torch.log2(scale)))
         zero_point = torch.full_like(scale, (qmin + qmax + 1) // 2, dtype=torch.int64)
     else:
         scale = torch.clamp((hi - lo) / (qmax - qmin), min=SCALE_FLOOR)
+        if spec.axis is not None:
+            scale = half_exact(scale)
         if spec.power_of_two:
             scale = torch.exp2(torch.ceil(torch.log2(scale)))
         zero_point = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax).to(torch.int64)

@@ -412,9 +412,10 @@ def identify(path: str | Path) -> str | None:
 
 
 def _check_compression(path: Path) -> None:
-    """Only JSON members may be deflated (``quantree.backends.save`` deflates the graph
-    description), each to at most :data:`MAX_INFLATED_JSON`: a small file must not make
-    torch inflate gigabytes. Tensor members stay stored, as torch writes them."""
+    """Only JSON members and the example inputs may be deflated (``quantree.backends.save``
+    deflates the graph description and the inputs' stand-ins), each to at most
+    :data:`MAX_INFLATED_JSON`: a small file must not make torch inflate gigabytes. Tensor
+    members stay stored, as torch writes them."""
     try:
         with zipfile.ZipFile(path) as archive:
             members = archive.infolist()
@@ -423,7 +424,9 @@ def _check_compression(path: Path) -> None:
     for info in members:
         if info.compress_type == zipfile.ZIP_STORED:
             continue
-        if info.compress_type != zipfile.ZIP_DEFLATED or not info.filename.endswith(".json"):
+        inputs = _SAMPLE_INPUTS.fullmatch(info.filename.split("/", 1)[-1])
+        deflatable = info.filename.endswith(".json") or inputs is not None
+        if info.compress_type != zipfile.ZIP_DEFLATED or not deflatable:
             raise _refuse(path, info.filename, f"data compressed with method {info.compress_type}")
         if info.file_size > MAX_INFLATED_JSON:
             raise _refuse(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from quantree.backends.cpu.registry import op
+from quantree.backends.cpu.registry import LIBRARY, op
 from quantree.core.errors import QuantreeError
 from quantree.core.qdq import dequantize_tensor, quantize_tensor
 from quantree.core.specs import QDtype, QParams
@@ -209,20 +209,72 @@ WIDENINGS = {
 """(stored, read) dtype pairs ``widened`` converts: each holds every value of the stored type."""
 
 
-@op("widened(Tensor narrow, ScalarType dtype) -> Tensor")
-def widened(narrow: Tensor, dtype: torch.dtype) -> Tensor:
-    """A constant saved in a narrower type than it is read in (``narrowed.py``), read back."""
-    if (narrow.dtype, dtype) not in WIDENINGS:
+MAX_EXPONENT = 64
+"""The largest power of two ``widened`` scales a float by (float16 normals span 2^-14 to
+2^15; a tensor whose values need more than that is not saved narrow)."""
+
+
+@op("widened(Tensor narrow, ScalarType dtype, int exponent=0) -> Tensor")
+def widened(narrow: Tensor, dtype: torch.dtype, exponent: int = 0) -> Tensor:
+    """A constant saved in a narrower type than it is read in (``narrowed.py``), read back:
+    ``narrow`` in ``dtype``, times 2^``exponent`` (exact for floats: a power of two only
+    moves the exponent), so float32 values of 11 significant bits whose range is not where
+    float16's is (weight scales of 1e-5) are saved in two bytes too."""
+    floating = narrow.is_floating_point() and dtype.is_floating_point
+    if (narrow.dtype, dtype) not in WIDENINGS or (
+        exponent != 0 and not (floating and abs(exponent) <= MAX_EXPONENT)
+    ):
         raise QuantreeError(
-            f"quantree.widened: {narrow.dtype} to {dtype} is not a widening; the file was not "
-            "written by quantree.backends.save (re-save the lowered model)"
+            f"quantree.widened: {narrow.dtype} to {dtype} times 2^{exponent} is not a "
+            "widening; the file was not written by quantree.backends.save (re-save the "
+            "lowered model)"
         )
-    return narrow.to(dtype).contiguous()
+    wide = narrow.to(dtype).contiguous()
+    return (wide * 2.0**exponent).contiguous() if exponent else wide
 
 
 @torch.library.register_fake("quantree::widened")
-def _(narrow, dtype):
+def _(narrow, dtype, exponent=0):
     return torch.empty_like(narrow, dtype=dtype)
+
+
+FILLED_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+)
+MAX_FILLED_BYTES = 1 << 30
+"""The largest constant ``filled`` makes: a file declares the size, and load allocates it."""
+
+
+def filled(value: float, size: list[int], dtype: torch.dtype) -> Tensor:
+    """A constant every element of which is ``value`` (a layer norm's weight at 1 and bias
+    at 0, a zero bias): saved as the number and the shape, no bytes of tensor data."""
+    numel = 1
+    for n in size:
+        numel *= n if n >= 0 else -1
+    item = torch.empty((), dtype=dtype).element_size() if dtype in FILLED_DTYPES else 0
+    if dtype not in FILLED_DTYPES or numel < 0 or numel * item > MAX_FILLED_BYTES:
+        raise QuantreeError(
+            f"quantree.filled: a {dtype} constant of shape {list(size)}; the file was not "
+            "written by quantree.backends.save (re-save the lowered model)"
+        )
+    return torch.full(list(size), value, dtype=dtype)
+
+
+# defined by hand, not with ``op``: it reads no tensor, so no backend key could dispatch it
+LIBRARY.define("filled(float value, int[] size, ScalarType dtype) -> Tensor")
+LIBRARY.impl("filled", filled, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("quantree::filled")
+def _(value, size, dtype):
+    return torch.empty(list(size), dtype=dtype)
 
 
 RECIPE_OPS = (
@@ -233,4 +285,5 @@ RECIPE_OPS = (
     torch.ops.quantree.derived_row_sums.default,
     torch.ops.quantree.derived_table.default,
     torch.ops.quantree.widened.default,
+    torch.ops.quantree.filled.default,
 )

@@ -7,8 +7,9 @@ keeps it: the top graph's buffers, a native cell loop's constants inside a submo
 region program's constant list. Each such input placeholder becomes the recipe's call; the
 recipe's tensor arguments become constants of the program, read once per content (an input
 equal to a tensor the program already holds reads that one), and a tensor argument that has
-a recipe of its own is derived in turn. A constant with no recipe may still be saved in a
-narrower type (``narrowed.py``). ``load`` folds the calls back (``fold_recipes``).
+a recipe of its own is derived in turn. A constant with no recipe, and a recipe's tensor
+argument with none (a layer's weight scales), may still be saved narrower or as one filled
+value (``narrowed.py``). ``load`` folds the calls back (``fold_recipes``).
 """
 
 from __future__ import annotations
@@ -70,32 +71,57 @@ class _Keys:
         return self._keys[id(t)]
 
 
-def _tree(recipe: Recipe) -> tuple[list[Tensor], int]:
+_NARROW_OPS = (torch.ops.quantree.widened.default, torch.ops.quantree.filled.default)
+
+
+class _Given:
+    """How the file gives each tensor a recipe reads: its own recipe, else narrowed (a
+    weight scale read by a layer's offset and scale recipes), else None (stored as it is);
+    each worked out once."""
+
+    def __init__(self) -> None:
+        self._given: dict[int, Recipe | None] = {}
+        self._alive: list[Tensor] = []
+
+    def __call__(self, t: Tensor, reader: Recipe) -> Recipe | None:
+        if reader.op in _NARROW_OPS:  # what a narrowed constant is saved as stays as it is
+            return None
+        if id(t) not in self._given:
+            self._given[id(t)] = recipe_of(t) or narrowed(t)
+            self._alive.append(t)
+        return self._given[id(t)]
+
+
+def _tree(recipe: Recipe, given: _Given, key: _Keys) -> tuple[list[Tensor], list[tuple]]:
     """The tensors a recipe's call reads from the file (its arguments', recipes expanded as
-    ``as_recipes`` expands them) and how many calls it makes."""
+    ``as_recipes`` expands them) and the nested calls it makes, each named by the tensor it
+    gives (``as_recipes`` makes one call for all the recipes that read that tensor)."""
     leaves: list[Tensor] = []
-    calls = 1
+    nested: list[tuple] = []
     for arg in recipe.args:
-        inner = recipe_of(arg) if isinstance(arg, Tensor) else arg
+        inner = given(arg, recipe) if isinstance(arg, Tensor) else arg
         if isinstance(inner, Recipe):
-            more, n = _tree(inner)
+            more, calls = _tree(inner, given, key)
             leaves += more
-            calls += n
+            nested += [("call", key(arg)) if isinstance(arg, Tensor) else ("call", id(arg))]
+            nested += calls
         elif isinstance(arg, Tensor):
             leaves.append(arg)
-    return leaves, calls
+    return leaves, nested
 
 
 def _paying(
     program: torch.export.ExportedProgram,
     derived: list[tuple[InputSpec, Recipe]],
     key: _Keys,
+    given: _Given,
 ) -> list[tuple[InputSpec, Recipe]]:
     """The recipes that make the file smaller. A layer called once has one offset and one
     scale: deriving them needs its float bias and weight scales, as many bytes as the two
     constants, plus the calls. Recipes are dropped one at a time (the constant is stored as
     it is) while one costs at least what it saves: the tensors only it reads, that the
-    program does not hold anyway, plus its calls against the constant's own bytes."""
+    program does not hold anyway, plus its calls (a nested call other recipes make too
+    counts for none of them) against the constant's own bytes."""
     chosen = {id(spec) for spec, _ in derived}
     held: set[tuple] = set()
     for spec in program.graph_signature.input_specs:
@@ -103,20 +129,20 @@ def _paying(
         if t is not None and id(spec) not in chosen:
             held.add(key(t))
     kept = list(derived)
-    trees = {id(spec): _tree(recipe) for spec, recipe in kept}
+    trees = {id(spec): _tree(recipe, given, key) for spec, recipe in kept}
     while True:
         readers: dict[tuple, int] = {}
         for spec, _ in kept:
-            for k in {key(t) for t in trees[id(spec)][0]}:
+            leaves, nested = trees[id(spec)]
+            for k in {key(t) for t in leaves} | set(nested):
                 readers[k] = readers.get(k, 0) + 1
         for i, (spec, recipe) in enumerate(kept):
-            leaves, calls = trees[id(spec)]
+            leaves, nested = trees[id(spec)]
             alone = {key(t): t.nbytes for t in leaves if key(t) not in held}
+            calls = 1 + sum(readers[k] == 1 for k in set(nested))
             cost = sum(n for k, n in alone.items() if readers[k] == 1) + calls * RECIPE_CALL_BYTES
             value = _held(program, spec)
-            if recipe.op is not torch.ops.quantree.widened.default and (
-                value is not None and value.nbytes <= cost
-            ):
+            if recipe.op not in _NARROW_OPS and value is not None and value.nbytes <= cost:
                 held.add(key(value))
                 del kept[i]
                 break
@@ -132,7 +158,8 @@ def as_recipes(program: torch.export.ExportedProgram) -> int:
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     derived = [(spec, recipe) for spec in specs if (recipe := _recipe(program, spec)) is not None]
     key = _Keys()
-    derived = _paying(program, derived, key)
+    given = _Given()
+    derived = _paying(program, derived, key, given)
     if not derived:
         return 0
     fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders.values()])
@@ -167,8 +194,8 @@ def as_recipes(program: torch.export.ExportedProgram) -> int:
     def call(recipe: Recipe, val: Any = None) -> fx.Node:
         args: list[Any] = []
         for arg in recipe.args:
-            if isinstance(arg, Tensor) and recipe_of(arg) is not None:
-                arg = recipe_of(arg)
+            if isinstance(arg, Tensor) and given(arg, recipe) is not None:
+                arg = given(arg, recipe)
             if isinstance(arg, Recipe):
                 args.append(call(arg))
             elif isinstance(arg, Tensor):
