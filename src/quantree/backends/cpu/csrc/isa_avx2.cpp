@@ -42,7 +42,14 @@ void widen_rows(const uint8_t* A, int64_t M, int64_t Kp, int64_t lda, int16_t* o
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * Kp + k),
                                 _mm256_cvtepu8_epi16(_mm_loadu_si128(
                                     reinterpret_cast<const __m128i*>(A + r * lda + k))));
-        for (; k < Kp; ++k) out[r * Kp + k] = A[r * lda + k];
+        // the tail in 4s (Kp is a multiple of 4): a short row (a first convolution's K = 28)
+        // is mostly tail
+        for (; k < Kp; k += 4) {
+            int32_t four;
+            std::memcpy(&four, A + r * lda + k, 4);
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(out + r * Kp + k),
+                             _mm_cvtepu8_epi16(_mm_cvtsi32_si128(four)));
+        }
     }
 }
 
@@ -207,9 +214,12 @@ void tile8(const int16_t* const* a, const int16_t* bw, int64_t kq, __m256i* s) {
         // 12 accumulators, 2 weight registers, a broadcast and a product: all 16 registers.
         // GCC 12 spills two accumulators of the intrinsic version (a store-load chain per
         // step), and an asm statement takes at most 30 operands, so the whole loop is one
-        // asm block: ymm0-11 accumulate and are stored to acc, ymm12-15 are scratch. Rows
+        // asm block: ymm0-11 accumulate and their folds are stored to s, ymm12-15 are scratch. Rows
         // 0-2 are p0 + i ld, rows 3-5 p3 + i ld (bytes).
-        alignas(32) __m256i acc[12];
+        // The first step writes the accumulators (no zeroing, no add), and the column sums
+        // are folded (fold_panel's `vphaddd`) before leaving: with 7 steps per tile (a first
+        // convolution's K = 28) the zeroing, 12 stores and reloads and the adds of the
+        // first step were a tenth of the tile.
         const int64_t ld = (p1 - p0) * 2;
         int64_t n = kq;
         const int16_t* b = bw;
@@ -221,14 +231,23 @@ void tile8(const int16_t* const* a, const int16_t* bw, int64_t kq, __m256i* s) {
     "vpaddd %%ymm15, %%ymm" u ", %%ymm" u "\n\t" \
     "vpmaddwd %%ymm13, %%ymm14, %%ymm15\n\t"     \
     "vpaddd %%ymm15, %%ymm" v ", %%ymm" v "\n\t"
+#define QT_FIRST6(addr, u, v)                \
+    "vpbroadcastq " addr ", %%ymm14\n\t"     \
+    "vpmaddwd %%ymm12, %%ymm14, %%ymm" u "\n\t" \
+    "vpmaddwd %%ymm13, %%ymm14, %%ymm" v "\n\t"
         asm volatile(
-            "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
-            "vmovdqa %%ymm0, %%ymm1\n\tvmovdqa %%ymm0, %%ymm2\n\tvmovdqa %%ymm0, %%ymm3\n\t"
-            "vmovdqa %%ymm0, %%ymm4\n\tvmovdqa %%ymm0, %%ymm5\n\tvmovdqa %%ymm0, %%ymm6\n\t"
-            "vmovdqa %%ymm0, %%ymm7\n\tvmovdqa %%ymm0, %%ymm8\n\tvmovdqa %%ymm0, %%ymm9\n\t"
-            "vmovdqa %%ymm0, %%ymm10\n\tvmovdqa %%ymm0, %%ymm11\n\t"
             "test %[n], %[n]\n\t"
-            "jle 2f\n\t"
+            "jle 3f\n\t"
+            "vmovdqa (%[b]), %%ymm12\n\t"
+            "vmovdqa 32(%[b]), %%ymm13\n\t"
+            QT_FIRST6("(%[q0])", "0", "1") QT_FIRST6("(%[q0],%[ld],1)", "2", "3")
+            QT_FIRST6("(%[q0],%[ld],2)", "4", "5") QT_FIRST6("(%[q3])", "6", "7")
+            QT_FIRST6("(%[q3],%[ld],1)", "8", "9") QT_FIRST6("(%[q3],%[ld],2)", "10", "11")
+            "add $64, %[b]\n\t"
+            "add $8, %[q0]\n\t"
+            "add $8, %[q3]\n\t"
+            "dec %[n]\n\t"
+            "jz 2f\n\t"
             "1:\n\t"
             "vmovdqa (%[b]), %%ymm12\n\t"
             "vmovdqa 32(%[b]), %%ymm13\n\t"
@@ -240,19 +259,26 @@ void tile8(const int16_t* const* a, const int16_t* bw, int64_t kq, __m256i* s) {
             "add $8, %[q3]\n\t"
             "dec %[n]\n\t"
             "jnz 1b\n\t"
+            "jmp 2f\n\t"
+            "3:\n\t"
+            "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
+            "vmovdqa %%ymm0, %%ymm1\n\tvmovdqa %%ymm0, %%ymm2\n\tvmovdqa %%ymm0, %%ymm3\n\t"
+            "vmovdqa %%ymm0, %%ymm4\n\tvmovdqa %%ymm0, %%ymm5\n\tvmovdqa %%ymm0, %%ymm6\n\t"
+            "vmovdqa %%ymm0, %%ymm7\n\tvmovdqa %%ymm0, %%ymm8\n\tvmovdqa %%ymm0, %%ymm9\n\t"
+            "vmovdqa %%ymm0, %%ymm10\n\tvmovdqa %%ymm0, %%ymm11\n\t"
             "2:\n\t"
-            "vmovdqa %%ymm0, (%[acc])\n\tvmovdqa %%ymm1, 32(%[acc])\n\t"
-            "vmovdqa %%ymm2, 64(%[acc])\n\tvmovdqa %%ymm3, 96(%[acc])\n\t"
-            "vmovdqa %%ymm4, 128(%[acc])\n\tvmovdqa %%ymm5, 160(%[acc])\n\t"
-            "vmovdqa %%ymm6, 192(%[acc])\n\tvmovdqa %%ymm7, 224(%[acc])\n\t"
-            "vmovdqa %%ymm8, 256(%[acc])\n\tvmovdqa %%ymm9, 288(%[acc])\n\t"
-            "vmovdqa %%ymm10, 320(%[acc])\n\tvmovdqa %%ymm11, 352(%[acc])\n\t"
+            "vphaddd %%ymm1, %%ymm0, %%ymm0\n\tvphaddd %%ymm3, %%ymm2, %%ymm2\n\t"
+            "vphaddd %%ymm5, %%ymm4, %%ymm4\n\tvphaddd %%ymm7, %%ymm6, %%ymm6\n\t"
+            "vphaddd %%ymm9, %%ymm8, %%ymm8\n\tvphaddd %%ymm11, %%ymm10, %%ymm10\n\t"
+            "vmovdqu %%ymm0, (%[s])\n\tvmovdqu %%ymm2, 32(%[s])\n\t"
+            "vmovdqu %%ymm4, 64(%[s])\n\tvmovdqu %%ymm6, 96(%[s])\n\t"
+            "vmovdqu %%ymm8, 128(%[s])\n\tvmovdqu %%ymm10, 160(%[s])\n\t"
             : [b] "+r"(b), [q0] "+r"(q0), [q3] "+r"(q3), [n] "+r"(n)
-            : [ld] "r"(ld), [acc] "r"(acc)
+            : [ld] "r"(ld), [s] "r"(s)
             : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
               "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
+#undef QT_FIRST6
 #undef QT_ROW6
-        for (int i = 0; i < 6; ++i) s[i] = fold_panel(acc[2 * i], acc[2 * i + 1]);
         return;
     } else {
         for (int64_t k = 0; k < kq; ++k) {
@@ -306,38 +332,50 @@ struct PanelEpilogue {
     enum Kind { GENERAL, FLOAT, INT8 } kind = GENERAL;
     __m256i off;
     __m256 a, b;  // scale and bias (FLOAT), mult and add (INT8)
+    __m256 zp, qmin, qmax;  // INT8
     bool bias = false;
+    // The outputs of row 0 and the row stride: copies, because a store through an int8
+    // pointer may alias ep, so the compiler reloaded ep's fields for every row.
+    float* out_f = nullptr;
+    int8_t* out_q = nullptr;
+    int64_t ldc = 0;
 
     PanelEpilogue(const Epilogue& ep, int64_t n0, int64_t cnt) {
         if (cnt < 8 || ep.row_off || ep.accumulate) return;
         if (!ep.out_f && !ep.mult) return;
         off = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ep.off + n0));
+        ldc = ep.ldc;
         if (ep.out_f) {
             kind = FLOAT;
+            out_f = ep.out_f + n0;
             a = _mm256_loadu_ps(ep.scale + n0);
             bias = ep.bias != nullptr;
             b = bias ? _mm256_loadu_ps(ep.bias + n0) : _mm256_setzero_ps();
         } else {
             kind = INT8;
+            out_q = ep.out_q + n0;
             a = _mm256_loadu_ps(ep.mult + n0);
             b = _mm256_loadu_ps(ep.add + n0);
+            zp = _mm256_set1_ps(ep.zero_point);
+            qmin = _mm256_set1_ps(ep.qmin);
+            qmax = _mm256_set1_ps(ep.qmax);
         }
     }
 
     // sum: the int32 column sums (joined: already (S >> 8) + 128 sum w); lo: the low plane's
-    inline void row(const Epilogue& ep, int64_t r, int64_t n0, __m256i sum, const __m256i* lo) const {
+    inline void row(int64_t r, __m256i sum, const __m256i* lo) const {
         __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(sum, off));
         if (lo) v = _mm256_fmadd_ps(v, _mm256_set1_ps(256.0f), _mm256_cvtepi32_ps(*lo));
         if (kind == FLOAT) {
             __m256 y = _mm256_mul_ps(v, a);
             if (bias) y = _mm256_add_ps(y, b);
-            _mm256_storeu_ps(ep.out_f + r * ep.ldc + n0, y);
+            _mm256_storeu_ps(out_f + r * ldc, y);
             return;
         }
         __m256 q = _mm256_add_ps(_mm256_mul_ps(v, a), b);  // mul then add, as the reference
-        q = _mm256_add_ps(x86_256::round8(q), _mm256_set1_ps(ep.zero_point));
-        q = x86_256::clamp8(q, ep.qmin, ep.qmax);
-        x86_256::store8_bytes(ep.out_q + r * ep.ldc + n0, _mm256_cvtps_epi32(q), 8, true);
+        q = _mm256_add_ps(x86_256::round8(q), zp);
+        q = _mm256_min_ps(_mm256_max_ps(q, qmin), qmax);  // x86_256::clamp8
+        x86_256::store8_bytes(out_q + r * ldc, _mm256_cvtps_epi32(q), 8, true);
     }
 };
 
@@ -362,12 +400,12 @@ void panel_rows(PanelMode mode, const int16_t* A, const int16_t* A2, int64_t lda
         if (pe.kind != PanelEpilogue::GENERAL) {
             for (int i = 0; i < m; ++i) {
                 if (mode == PLANES) {
-                    pe.row(ep, r + i, n0, s[i], &s[m + i]);
+                    pe.row(r + i, s[i], &s[m + i]);
                 } else if (mode == JOINED) {
                     const __m256i lo = _mm256_and_si256(s[i], _mm256_set1_epi32(255));
-                    pe.row(ep, r + i, n0, _mm256_add_epi32(_mm256_srai_epi32(s[i], 8), *w128), &lo);
+                    pe.row(r + i, _mm256_add_epi32(_mm256_srai_epi32(s[i], 8), *w128), &lo);
                 } else {
-                    pe.row(ep, r + i, n0, s[i], nullptr);
+                    pe.row(r + i, s[i], nullptr);
                 }
             }
             continue;

@@ -90,6 +90,33 @@ static void micro(const uint8_t* A, const uint8_t* A2, int64_t lda, const int8_t
             }
         }
     }
+    // A float output of whole blocks (the recurrent layers' gx / gh): each block's offset,
+    // scale and bias loaded once for the MR rows and nothing decided per row; the arithmetic
+    // of store_block in its order, so the same bits. (Its stores may alias ep's floats, so
+    // the compiler reloaded them, and re-tested ep's fields, for every row and block.)
+    if (ep.out_f && !ep.mult && !ep.row_off && !ep.accumulate && (nb0 + NR) * 16 <= N) {
+        float* out = ep.out_f + row0 * ep.ldc + nb0 * 16;
+        const int64_t ldc = ep.ldc;
+        const bool has_bias = ep.bias != nullptr;
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j) {
+            const int64_t n0 = (nb0 + j) * 16;
+            const __m512i off = _mm512_loadu_si512(ep.off + n0);
+            const __m512 sc = _mm512_loadu_ps(ep.scale + n0);
+            const __m512 bi = has_bias ? _mm512_loadu_ps(ep.bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+            for (int i = 0; i < MR; ++i) {
+                __m512 v = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[i * NR + j], off));
+                if constexpr (DUAL)
+                    v = _mm512_fmadd_ps(v, _mm512_set1_ps(256.0f),
+                                        _mm512_cvtepi32_ps(acc2[DUAL ? i * NR + j : 0]));
+                __m512 y = _mm512_mul_ps(v, sc);
+                if (has_bias) y = _mm512_add_ps(y, bi);
+                _mm512_storeu_ps(out + i * ldc + j * 16, y);
+            }
+        }
+        return;
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 8

@@ -304,6 +304,38 @@ struct QtRnnPlan {
 void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out);
 void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out);
 
+// lo = min and hi = max of x[0..n) as the scan lo = min(lo, x[k]), hi = max(hi, x[k]) from
+// x[0] finds them, in 16 lanes the compiler vectorizes (a float min / max reduction is
+// otherwise left scalar: 1 ns per element, 2% of the batch-32 LSTM on AVX-512). Each lane
+// keeps the scan's rule (a NaN or an equal value never replaces the running one), so a
+// lane's result is the scan's over its elements; combined in order, the result differs from
+// the scan's at most in the sign of a zero extreme, which the step derived from it ignores
+// (max with 1e-8).
+static void range(const float* x, int64_t n, float* lo_out, float* hi_out) {
+    if (n <= 0) return;
+    constexpr int L = 16;
+    float lo[L], hi[L];
+    for (int j = 0; j < L; ++j) lo[j] = hi[j] = x[0];
+    int64_t k = 0;
+    for (; k + L <= n; k += L)
+        for (int j = 0; j < L; ++j) {
+            const float v = x[k + j];
+            lo[j] = v < lo[j] ? v : lo[j];
+            hi[j] = hi[j] < v ? v : hi[j];
+        }
+    float a = lo[0], b = hi[0];
+    for (int j = 1; j < L; ++j) {
+        a = lo[j] < a ? lo[j] : a;
+        b = b < hi[j] ? hi[j] : b;
+    }
+    for (; k < n; ++k) {
+        a = x[k] < a ? x[k] : a;
+        b = b < x[k] ? x[k] : b;
+    }
+    *lo_out = a;
+    *hi_out = b;
+}
+
 void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const float* x_float,
             float x_inv, const int8_t* h0, const int8_t* c0, int8_t* y, float* y_float,
             int8_t* hn, int8_t* cn) {
@@ -367,11 +399,7 @@ void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const flo
         }
         if (!last) {  // the next layer's input: symmetric int16 on the range this one took
             float lo = 0.0f, hi = 0.0f;
-            if (rows * width > 0) lo = hi = out[0];
-            for (int64_t k = 1; k < rows * width; ++k) {
-                lo = std::min(lo, out[k]);
-                hi = std::max(hi, out[k]);
-            }
+            range(out, rows * width, &lo, &hi);
             // in double, as the Python wrapper computed it, then rounded to float once
             const double step = std::max({-static_cast<double>(lo), static_cast<double>(hi), 1e-8}) / 32767.0;
             in_s = static_cast<float>(step);
