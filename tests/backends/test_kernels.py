@@ -31,6 +31,34 @@ def test_linear_matches_integer_arithmetic(m, k, n):
     assert (q.int() - expect.int()).abs().max() <= 1 and q.dtype == torch.int8
 
 
+@pytest.mark.parametrize(
+    ("c", "kernel", "stride", "padding", "dilation"),
+    [
+        (3, [3, 3], [1, 1], [1, 1], [1, 1]),  # 9-byte kernel rows (two overlapping words)
+        (1, [3, 2], [2, 2], [2, 1], [1, 1]),  # 2-byte kernel rows
+        (20, [3, 3], [2, 1], [0, 2], [2, 1]),  # 60-byte kernel rows, dilated vertically
+        (5, [5, 5], [3, 3], [2, 2], [1, 1]),
+        (4, [2, 4], [1, 2], [1, 0, 2, 1], [1, 1]),  # 16-byte kernel rows, asymmetric padding
+        (2, [3, 3], [1, 1], [1, 1], [1, 2]),  # dilated horizontally: tap by tap
+    ],
+)
+def test_conv2d_matches_integer_arithmetic(c, kernel, stride, padding, dilation):
+    """Every im2col case (kernel rows inside, at a border, in the padding; panels of 256
+    pixels that end inside an output row) gives the exact integer sums of a float conv."""
+    torch.manual_seed(c)
+    n, h, w, oc, zp = 3, 13, 11, 19, -7
+    x, weight = random_int8(n, c, h, w), random_int8(oc, c, *kernel, low=-127)
+    flat = weight.permute(0, 2, 3, 1).reshape(oc, -1)  # K ordered (kh, kw, c)
+    scale = torch.ones(oc)
+    got = quantree_ops.conv2d(x, pack(flat), zero_point_offset(flat, zp), scale, None, oc,
+                              kernel, stride, padding, dilation, zp, 0.0, 0, False)  # fmt: skip
+    top, left = padding[:2]
+    bottom, right = padding[2:] if len(padding) == 4 else padding
+    shifted = torch.nn.functional.pad(x.float() - zp, (left, right, top, bottom))  # zp: 0
+    want = torch.nn.functional.conv2d(shifted, weight.float(), None, stride, 0, dilation)
+    assert got.shape == want.shape and torch.equal(got.contiguous(), want)
+
+
 def test_pack_layout():
     w = torch.arange(20 * 6, dtype=torch.int32).reshape(20, 6).remainder(127).to(torch.int8)
     p = pack(w)
