@@ -12,7 +12,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.bound_calls import Binding, BoundLinear
+from quantree.backends.cpu.bound_calls import Binding, BoundLinear, BoundMaxPool2d
 from quantree.backends.cpu.direct import BoundCall, DirectCall
 from quantree.backends.cpu.native_checks import NativeArgumentError
 from quantree.backends.cpu.packing import pack
@@ -214,3 +214,18 @@ def test_linear16_checks_its_constants() -> None:
         ops.linear16(torch.randn(2, 64), 0.01, -32768, 32767, weight, offset, scale, None, 8)
     with pytest.raises(NativeArgumentError, match=r"quantree\.linear16: scale"):
         ops.linear16(x, 0.01, -32768, 32767, weight, offset, scale[:4], None, 8)
+
+
+def test_pooling_binds_its_geometry() -> None:
+    op = torch.ops.quantree.max_pool2d.default
+    call = BoundCall(op, op, None, BoundMaxPool2d)
+    x = torch.randint(-128, 127, (1, 4, 6, 6), dtype=torch.int8)
+    geometry = ([2, 2], [2, 2], [0, 0], [1, 1], False)
+    assert torch.equal(call(x, *geometry), op(x, *geometry)) and call.binding.bound
+    y = torch.randint(-128, 127, (2, 4, 8, 8), dtype=torch.int8)  # other sizes: still bound
+    assert torch.equal(call(y, *geometry), op(y, *geometry))
+    with pytest.raises(NativeArgumentError, match="stride"):
+        call(x, [2, 2], [0, 2], [0, 0], [1, 1], False)
+    with pytest.raises(NativeArgumentError, match=r"x is torch\.float32"):
+        call(x.float(), *geometry)
+    assert torch.equal(call(x, *geometry), op(x, *geometry))

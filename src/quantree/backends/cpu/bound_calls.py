@@ -40,6 +40,7 @@ from torch import Tensor
 from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import ptr
 from quantree.backends.cpu.ops_gemm import as_conv2d_geometry, is_depthwise, run_conv2d, run_linear
+from quantree.backends.cpu.ops_pool import run_max_pool2d
 from quantree.backends.cpu.ops_wide import run_linear16
 from quantree.backends.cpu.packing import packed_depth
 
@@ -69,7 +70,8 @@ class Binding:
         self.unbind()
 
     def unbind(self) -> None:
-        self.fast: Callable[[tuple[Any, ...]], Any] = self.miss
+        self.unbound: Callable[[tuple[Any, ...]], Any] = self.miss
+        self.fast: Callable[[tuple[Any, ...]], Any] = self.unbound
         """The call: the guarded kernel once bound (``guarded``), else the full check."""
         self.pointers: tuple[int | None, ...] = ()
         self.keep: tuple[Tensor, ...] = ()
@@ -77,7 +79,7 @@ class Binding:
 
     @property
     def bound(self) -> bool:
-        return bool(self.pointers)
+        return self.fast is not self.unbound
 
     def __getstate__(self) -> dict:  # a copied graph binds its own constants
         return {"fallback": self.fallback}
@@ -183,11 +185,26 @@ class BoundConv1d(BoundConv2d):
         return out.squeeze(2)
 
 
+class BoundMaxPool2d(Binding):
+    """``max_pool2d(x, kernel, stride, padding, dilation, ceil_mode)``: no constant tensors;
+    the geometry lists are checked once (x int8 ``[N, C, H, W]``: any sizes)."""
+
+    axis = 1
+
+    def verdict(self, args: tuple[Any, ...]) -> Any:
+        check.max_pool2d(*args[:5])
+        return None
+
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:
+        return run_max_pool2d(*args)
+
+
 BINDINGS: dict[str, Callable[[Callable[..., Any]], Binding]] = {
     "linear": BoundLinear,
     "linear16": BoundLinear16,
     "conv2d": BoundConv2d,
     "conv1d": BoundConv1d,
+    "max_pool2d": BoundMaxPool2d,
 }
 """The ops a lowered graph binds per node (``direct.py``), by name."""
 
@@ -207,6 +224,21 @@ def guarded(
     width, rest = x.shape[axis], bound[1:]
     # the closure holds what this verdict bound: a later bind makes another closure
     run, pointers, derived, miss = binding.run, binding.pointers, binding.derived, binding.miss
+    if not stamps:  # no constant tensor (pooling): the input and the geometry
+
+        def geometry(args: tuple) -> Any:
+            x = args[0]
+            if (
+                type(x) is PLAIN
+                and x.dtype is dtype
+                and x.ndim == rank
+                and x.shape[axis] == width
+                and args[1:] == rest
+            ):
+                return run(args, pointers, derived)
+            return miss(args)
+
+        return geometry
     if len(stamps) not in (3, 4):
 
         def loop(args: tuple) -> Any:

@@ -11,7 +11,7 @@ naming the op and what is wrong, never a signal.
 
 Each function here is the op's whole contract and its only statement: the op runs it on
 every call made through the dispatcher (``torch.ops.quantree.*``, a graph loaded with plain
-``torch.export.load``), and a lowered graph's layers (linear, conv) run it once per node,
+``torch.export.load``), and a lowered graph's layers (linear, conv, pooling) run it once per node,
 then check per call only what the verdict rested on (``bound_calls.py``). Contiguity and
 device are checked where the pointer is taken (``native.ptr``). Region programs and cell
 loops, whose tables take O(length) to check, are in ``program_checks.py``.

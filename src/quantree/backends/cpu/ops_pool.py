@@ -37,6 +37,14 @@ def max_pool2d(
 ) -> Tensor:  # fmt: skip
     """Max pooling of int8 values; the result is channels-last like the input it expects."""
     check.max_pool2d(x, kernel, stride, padding, dilation)
+    return run_max_pool2d(x, kernel, stride, padding, dilation, ceil_mode)
+
+
+def run_max_pool2d(
+    x: Tensor, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int],
+    ceil_mode: bool,
+) -> Tensor:  # fmt: skip
+    """``max_pool2d`` once its arguments passed ``check.max_pool2d``."""
     x = x.contiguous(memory_format=torch.channels_last)
     shape = pool_shape(x, kernel, stride, padding, dilation, ceil_mode)
     out = torch.empty(shape, dtype=torch.int8, memory_format=torch.channels_last)
