@@ -152,7 +152,7 @@ def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS) -> int:
     fused = 0
     regions = _regions(gm, shapes)
     for region in regions:
-        if sum(1 for n in region if _counts(n, shapes)) >= min_ops and _replace(gm, region, shapes):
+        if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes):
             fused += 1
     if fused or regions:  # a region refused late may have left constants behind
         gm.graph.eliminate_dead_code()
@@ -251,14 +251,6 @@ def _rows(shape: Shape) -> Dim:
 def _computes(n: fx.Node) -> bool:
     """Whether ``n`` is an instruction, not a view the program takes for free."""
     return n.target not in VIEWS and n.target not in SAME_SLOT and n.target != aten.slice.Tensor
-
-
-def _counts(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
-    """Whether ``n`` counts towards ``MIN_OPS``: an instruction, or a transpose or expand
-    that copies rows (a dispatcher call saved, though no arithmetic)."""
-    if n.target in PERMUTES or n.target == aten.expand.default:
-        return n.target == aten.expand.default or not _keeps_rows(n, shapes)
-    return _computes(n)
 
 
 def _numel(shape: tuple[Dim, ...]) -> Dim:
