@@ -8,9 +8,12 @@ so the lowered model was no faster than float however fast its int8 linears.
 
 After the other rules, this pass takes each maximal run of ops the program instructions
 cover (``csrc/qt_program.h``: quantize, dequantize, int8 linear/add/mul/table, float
-add/mul/sub, sigmoid/tanh/relu/gelu, layer norm over the last dimension, chunk / unbind /
-getitem / row and column slices / order-keeping views as views, stack and cat as copies)
-and, when it holds at least ``MIN_OPS`` of them, replaces it by one call. Layer norms and
+add/mul/sub (an operand broadcast along rows too), sigmoid/tanh/relu/gelu/silu/neg, layer
+norm and RMSNorm over the last dimension, chunk / unbind / getitem / row and column slices /
+order-keeping views as views, views and reshapes of dense rows as new views, stack and cat
+as copies, and at fixed sizes transposes, permutes and expands as row copies:
+``program_layout``) and, when it holds at least ``MIN_OPS`` of them, replaces it by one
+call. Layer norms and
 gelus over many values stay ATen's (``FLOAT_MAX_ELEMENTS``). The arithmetic is each op's
 own: the int8 ops the same bits as their kernels, the float ones float32 (layer norm sums
 in double; sigmoid/tanh are the recurrent kernels').

@@ -1,5 +1,6 @@
 // A straight-line region program: a run of lowered ops (int8 linears, quantize/dequantize,
-// float add/mul/sigmoid/tanh, layer norm, chunk/unbind/stack) executed in one native call.
+// float add/mul/sigmoid/tanh/silu, layer norm, RMSNorm, chunk/unbind/stack, row copies of
+// transposes and broadcasts) executed in one native call.
 //
 // An unrolled recurrence written with modules (a layer-normed LSTM stepped in Python) leaves
 // a dozen small ops per step; at batch 1 each costs the dispatcher and the interpreter more
