@@ -8,9 +8,12 @@ so the lowered model was no faster than float however fast its int8 linears.
 
 After the other rules, this pass takes each maximal run of ops the program instructions
 cover (``csrc/qt_program.h``: quantize, dequantize, int8 linear/add/mul/table, float
-add/mul/sub, sigmoid/tanh/relu/gelu, layer norm over the last dimension, chunk / unbind /
-getitem / row and column slices / order-keeping views as views, stack and cat as copies)
-and, when it holds at least ``MIN_OPS`` of them, replaces it by one call. Layer norms and
+add/mul/sub (an operand broadcast along rows too), sigmoid/tanh/relu/gelu/silu/neg, layer
+norm and RMSNorm over the last dimension, chunk / unbind / getitem / row and column slices /
+order-keeping views as views, views and reshapes of dense rows as new views, stack and cat
+as copies, and at fixed sizes transposes, permutes and expands as row copies:
+``program_layout``) and, when it holds at least ``MIN_OPS`` of them, replaces it by one
+call. Layer norms and
 gelus over many values stay ATen's (``FLOAT_MAX_ELEMENTS``). The arithmetic is each op's
 own: the int8 ops the same bits as their kernels, the float ones float32 (layer norm sums
 in double; sigmoid/tanh are the recurrent kernels').
@@ -152,7 +155,7 @@ def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS) -> int:
     fused = 0
     regions = _regions(gm, shapes)
     for region in regions:
-        if sum(1 for n in region if _counts(n, shapes)) >= min_ops and _replace(gm, region, shapes):
+        if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes):
             fused += 1
     if fused or regions:  # a region refused late may have left constants behind
         gm.graph.eliminate_dead_code()
@@ -251,14 +254,6 @@ def _rows(shape: Shape) -> Dim:
 def _computes(n: fx.Node) -> bool:
     """Whether ``n`` is an instruction, not a view the program takes for free."""
     return n.target not in VIEWS and n.target not in SAME_SLOT and n.target != aten.slice.Tensor
-
-
-def _counts(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
-    """Whether ``n`` counts towards ``MIN_OPS``: an instruction, or a transpose or expand
-    that copies rows (a dispatcher call saved, though no arithmetic)."""
-    if n.target in PERMUTES or n.target == aten.expand.default:
-        return n.target == aten.expand.default or not _keeps_rows(n, shapes)
-    return _computes(n)
 
 
 def _numel(shape: tuple[Dim, ...]) -> Dim:

@@ -45,14 +45,19 @@ struct Slot {
 // each owner slot 64-byte aligned, a view at its source's start plus its byte offset
 // (owners come first: a view follows its source). ``fields`` is the slot record's length;
 // ``rows(d)`` a slot's row count (the batch of a cell loop, the record's own for a region).
+// ``outside[i]`` (if given and not null): owner slot i lives in that caller's buffer (a
+// region program's dense input or output), so it takes no workspace and its views point there.
 template <class Rows>
 inline std::vector<Slot> lay_out(std::vector<char>& ws, const int64_t* slots, int64_t n_slots,
-                                 int fields, Rows rows) {
+                                 int fields, Rows rows,
+                                 const std::vector<char*>* outside = nullptr) {
     std::vector<int64_t> start(static_cast<size_t>(n_slots));
     int64_t bytes = 0;
     for (int64_t i = 0; i < n_slots; ++i) {
         const int64_t* d = slots + fields * i;
-        if (d[1] == i) {
+        if (outside && (*outside)[d[1]]) {
+            start[i] = d[1] == i ? 0 : start[d[1]] + d[2];
+        } else if (d[1] == i) {
             start[i] = bytes;
             bytes += (rows(d) * d[4] * (d[0] == 0 ? 4 : 1) + 63) / 64 * 64;
         } else {
@@ -63,7 +68,8 @@ inline std::vector<Slot> lay_out(std::vector<char>& ws, const int64_t* slots, in
     std::vector<Slot> s(static_cast<size_t>(n_slots));
     for (int64_t i = 0; i < n_slots; ++i) {
         const int64_t* d = slots + fields * i;
-        s[i] = Slot{ws.data() + start[i], rows(d), d[3], d[4], d[0] == 0 ? 4 : 1};
+        char* base = outside && (*outside)[d[1]] ? (*outside)[d[1]] : ws.data();
+        s[i] = Slot{base + start[i], rows(d), d[3], d[4], d[0] == 0 ? 4 : 1};
     }
     return s;
 }
