@@ -79,3 +79,25 @@ def test_node_names_drop_the_overload_a_backend_adds() -> None:
     assert inspection.node_name(node) == "transpose"
     assert inspection.node_name(other) == "transpose_1"
     assert inspection.node_name(x) == "x"
+
+
+def test_per_channel_qparams_computed_by_the_graph_are_described_not_crashed_on() -> None:
+    """A per-channel dequantize whose scale is a computed node, not an attribute (found on
+    torchvision's regnet_y_400mf: ``inspect`` raised AttributeError on a None scale)."""
+    graph = torch.fx.Graph()
+    q = graph.placeholder("q")
+    scale_src = graph.placeholder("scale_src")
+    scale = graph.call_function(torch.ops.aten.abs.default, (scale_src,))
+    zp = graph.call_function(torch.ops.aten.zeros_like.default, (scale_src,))
+    dq = graph.call_function(
+        torch.ops.quantized_decomposed.dequantize_per_channel.default,
+        (q, scale, zp, 0, -127, 127, torch.int8),
+    )
+    graph.output(dq)
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    described = inspection._scheme(gm, dq)
+    assert described == "per-channel axis 0, scale from abs, zero_point from zeros_like"
+    scale.meta["val"] = torch.tensor([0.5, 0.25])
+    zp.meta["val"] = torch.tensor([0, 1])
+    described = inspection._scheme(gm, dq)
+    assert described == "per-channel axis 0 (2 ch), scale 0.25..0.5, zero_point 0..1"

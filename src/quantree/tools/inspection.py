@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from quantree.core.graphs import attr_at
 from quantree.core.qdq import DEQUANTIZE_OPS, PER_CHANNEL_OPS, QUANTIZE_OPS
@@ -138,12 +139,25 @@ def tensor_name(node: fx.Node) -> str:
     return node_name(node) + "".join(f"[{p!r}]" for p in reversed(path))
 
 
+def _constant(gm: torch.nn.Module, arg: object) -> torch.Tensor | None:
+    """The tensor a qparam argument holds: a ``get_attr``'s attribute, or the value the graph
+    recorded for a node that computes it (a folded or shared constant); None if neither."""
+    if not isinstance(arg, fx.Node):
+        return None
+    found = attr_at(gm, str(arg.target)) if arg.op == "get_attr" else arg.meta.get("val")
+    if not isinstance(found, torch.Tensor) or isinstance(found, FakeTensor) or found.is_meta:
+        return None
+    return found
+
+
 def _scheme(gm: torch.nn.Module, node: fx.Node) -> str:
     args: Any = node.args
     if node.target in PER_CHANNEL_OPS:
-        scale: Any = attr_at(gm, str(args[1].target))
-        zp: Any = attr_at(gm, str(args[2].target))
-        axis = args[3]
+        scale, zp, axis = _constant(gm, args[1]), _constant(gm, args[2]), args[3]
+        if scale is None or zp is None or scale.numel() == 0 or zp.numel() == 0:
+            # computed at run time (or a fake value): name where it comes from instead
+            where = [node_name(a) if isinstance(a, fx.Node) else repr(a) for a in args[1:3]]
+            return f"per-channel axis {axis}, scale from {where[0]}, zero_point from {where[1]}"
         return (
             f"per-channel axis {axis} ({scale.numel()} ch), scale {float(scale.min()):.3g}.."
             f"{float(scale.max()):.3g}, zero_point {int(zp.min())}..{int(zp.max())}"
