@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from quantree.backends.cpu import program_checks
+from quantree.backends.cpu import native_checks, program_checks
 from quantree.backends.cpu.cells_runner import CellLoopRunner
 from quantree.backends.cpu.native import library, ptr
 from quantree.backends.cpu.packing import packed_depth
@@ -340,19 +340,12 @@ def cell_loop_packed(
     equal lengths ran a batch of 4 sequences of different lengths as 4 loops of one row,
     slower than float PyTorch's packed GRU (1.28x, the outside models' ``gru_packed``).
     """
-    one_d = batch_sizes.dim() == 1 and not batch_sizes.is_floating_point()
-    sizes = [int(b) for b in batch_sizes.tolist()] if one_d else []
-    batch = sizes[0] if sizes else 0
-    if (
-        not sizes
-        or any(not 1 <= b <= a for a, b in zip([batch, *sizes], sizes, strict=False))
-        or xs.dim() != 2
-        or sum(sizes) != xs.shape[0]
-    ):
+    if xs.dim() != 2:
         raise ValueError(
-            f"cell_loop_packed: batch_sizes {sizes} are not a packed sequence's (each at "
-            f"least 1, none above the one before) of the {tuple(xs.shape)} rows"
+            f"cell_loop_packed: xs of shape {tuple(xs.shape)} are not a packed sequence's rows"
         )
+    sizes = native_checks.packed_batch_sizes("cell_loop_packed", batch_sizes, xs.shape[0])
+    batch = sizes[0]
     program_checks.cell_loop(len(state), consts, code, fcode, slots, outs, batch)
     xs = xs.float().contiguous()
     finals = [s.float().contiguous().clone() for s in state]

@@ -40,6 +40,7 @@ from quantree.backends.cpu.ops import (
     softmax,
 )
 from quantree.backends.cpu.ops_rnn import RnnRunner
+from quantree.backends.cpu.ops_rnn_packed import PackedRnnRunner
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
@@ -48,7 +49,10 @@ IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
                softmax)
 }  # fmt: skip
 """Each ``torch.ops.quantree.<name>``'s CPU implementation, by name (read only)."""
-PER_NODE: dict[str, Callable[[], Callable[..., Any]]] = {"rnn": RnnRunner}
+PER_NODE: dict[str, Callable[[], Callable[..., Any]]] = {
+    "rnn": RnnRunner,
+    "rnn_packed_sequence": PackedRnnRunner,
+}
 """Ops whose implementation keeps state for one graph node (an argument block built at its
 first call): a fresh implementation per node, made by the factory."""
 

@@ -275,7 +275,7 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
                 torch.ops.quantree.rnn.default,
                 (float_x or x.node, hx, params, *shape, call.batch_first),
             )
-        else:  # a packed sequence: one native call per distinct sequence length
+        else:  # a packed sequence: one native call on its rows (ops_rnn_packed.py)
             batch_sizes = arg_at(node, call.batch_sizes_path)
             op, args = (
                 torch.ops.quantree.rnn_packed_sequence.default,

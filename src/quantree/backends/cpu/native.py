@@ -90,6 +90,8 @@ SIGNATURES: dict[str, list[type]] = {
                      _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _f32, _f32, _f32, _f32, _int,
                      _ptr, _i64, _f32, _f32, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr],
     "qt_rnn": [_ptr, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+    "qt_rnn_packed": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr,
+                      _ptr, _ptr],
     "qt_program_run": [
         *(_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr)
     ],

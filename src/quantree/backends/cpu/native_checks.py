@@ -364,19 +364,43 @@ def rnn_plan(kind: str, params: Sequence[Tensor], hidden: int, num_layers: int,
 
 
 def rnn_call(x: Tensor, hx: Sequence[Tensor], float_input: bool, lstm: bool, states: int,
-             cells: int) -> None:  # fmt: skip
-    """The activations of one ``qt_rnn`` call: x [T, B, K] (int8, or float with
-    ``float_input``), initial states of ``states`` / ``cells`` int8 values, or none."""
-    if x.dim() != 3:
-        raise fail("rnn", f"x has shape {tuple(x.shape)}, the kernel reads [T, B, K]")
+             cells: int, op: str = "rnn", packed: bool = False) -> None:  # fmt: skip
+    """The activations of one ``qt_rnn`` call: x [T, B, K] (``packed``: the rows [N, K] of
+    ``qt_rnn_packed``; int8, or float with ``float_input``), initial states of ``states`` /
+    ``cells`` int8 values, or none."""
+    if x.dim() != (2 if packed else 3):
+        layout = "[N, K] packed rows" if packed else "[T, B, K]"
+        raise fail(op, f"x has shape {tuple(x.shape)}, the kernel reads {layout}")
     if not float_input:
-        dtype_of("rnn", "x", x, I8)
+        dtype_of(op, "x", x, I8)
     if hx:
-        vector("rnn", "h_0", hx[0], I8, states)
+        vector(op, "h_0", hx[0], I8, states)
         if lstm:
             if len(hx) < 2:
-                raise fail("rnn", "an LSTM's initial states need c_0 too")
-            vector("rnn", "c_0", hx[1], I8, cells)
+                raise fail(op, "an LSTM's initial states need c_0 too")
+            vector(op, "c_0", hx[1], I8, cells)
+
+
+def packed_batch_sizes(op: str, batch_sizes: Tensor, rows: int) -> list[int]:
+    """A packed sequence's ``batch_sizes``, as the packed kernels (``qt_rnn_packed``,
+    ``qt_cell_loop_packed``) walk them: integers, each at least 1 and none above the one
+    before (the sequences still running at a step are the first rows), summing to the
+    ``rows`` given. Returns them; the first is the batch the states must hold."""
+    one_d = batch_sizes.dim() == 1 and not batch_sizes.is_floating_point()
+    sizes = [int(b) for b in batch_sizes.tolist()] if one_d else []
+    if (
+        not sizes
+        or any(not 1 <= b <= a for a, b in zip([sizes[0], *sizes], sizes, strict=False))
+        or sum(sizes) != rows
+    ):
+        n = batch_sizes.numel()
+        shown = batch_sizes.tolist() if n <= 64 else f"of {n} values"
+        raise fail(
+            op,
+            f"batch_sizes {shown} are not a packed sequence's (integers, each at least 1, "
+            f"none above the one before) of the {rows} rows given",
+        )
+    return sizes
 
 
 # void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,

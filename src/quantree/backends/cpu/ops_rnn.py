@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -125,17 +125,11 @@ class RnnRunner:
         proj_size: int,
         float_input: bool = False,
         float_output: bool = False,
+        inner_steps: Sequence[float] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        """``inner_steps``: see ``packed``."""
         key = (kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, x.shape[-1])
-        if (
-            key != self.key
-            or qparams != self.qparams
-            or len(params) != len(self.params)
-            or not all(map(operator.is_, params, self.params))
-            or self.addresses != [p.data_ptr() for p in params]  # .data replaced
-            or self.versions != [p._version for p in params]  # in place: resize_, set_
-        ):
-            self.prepare(key, params, qparams)
+        self.ensure(key, params, qparams)
         dirs = 2 if bidirectional else 1
         width = proj_size or hidden
         inp = x.transpose(0, 1) if batch_first else x
@@ -150,14 +144,91 @@ class RnnRunner:
         c_n = torch.empty(num_layers * dirs, batch, hidden, dtype=torch.int8) if lstm else None
         x8, xf = (None, inp.data_ptr()) if float_input else (inp.data_ptr(), None)
         y8, yf = (None, out.data_ptr()) if float_output else (out.data_ptr(), None)
-        self.run(
-            self.address, steps, batch, x8, xf, self.x_inv,
-            ptr(hx[0].contiguous()) if hx else None,
-            ptr(hx[1].contiguous()) if hx and lstm else None, y8, yf, h_n.data_ptr(),
-            None if c_n is None else c_n.data_ptr(),
-        )  # fmt: skip
+        h0 = ptr(hx[0].contiguous()) if hx else None
+        c0 = ptr(hx[1].contiguous()) if hx and lstm else None
+        cn = None if c_n is None else c_n.data_ptr()
+        if inner_steps is None:
+            self.run(self.address, steps, batch, x8, xf, self.x_inv, h0, c0, y8, yf,
+                     h_n.data_ptr(), cn)  # fmt: skip
+        else:
+            pinned = self.pinned(inner_steps, num_layers)
+            library().qt_rnn_packed(self.address, steps, batch, None, x8, xf, self.x_inv, h0,
+                                    c0, y8, yf, h_n.data_ptr(), cn, ptr(pinned))  # fmt: skip
         out = out.transpose(0, 1).contiguous() if batch_first else out
         return out, h_n, x.new_empty((0,)) if c_n is None else c_n
+
+    def packed(
+        self,
+        kind: str,
+        x: Tensor,
+        batch_sizes: Tensor,
+        hx: list[Tensor],
+        params: list[Tensor],
+        hidden: int,
+        num_layers: int,
+        bidirectional: bool,
+        qparams: list[float],
+        hidden_bits: int,
+        proj_size: int,
+        inner_steps: Sequence[float] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The op on a packed sequence: int8 rows ``x`` [N, K] in packed order, the output
+        rows packed the same way, every layer and direction in one native call
+        (``qt_rnn_packed``: step t runs on the ``batch_sizes[t]`` sequences still running).
+
+        ``inner_steps`` (one per layer but the last) pins the int16 steps of the outputs
+        handed between stacked layers, which otherwise follow the range those outputs took
+        over the call's rows: for checks, so that a sequence run alone is computed on the
+        grid its batch used.
+        """
+        key = (kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, x.shape[-1])
+        self.ensure(key, params, qparams)
+        sizes = check.packed_batch_sizes("rnn_packed_sequence", batch_sizes, x.shape[0])
+        dirs = 2 if bidirectional else 1
+        width = proj_size or hidden
+        lstm = kind == "lstm"
+        batch = sizes[0]
+        inp = x.contiguous()
+        blocks = num_layers * dirs * batch
+        check.rnn_call(inp, hx, False, lstm, blocks * width, blocks * hidden,
+                       "rnn_packed_sequence", packed=True)  # fmt: skip
+        out = torch.empty(inp.shape[0], dirs * width, dtype=torch.int8)
+        h_n = torch.empty(num_layers * dirs, batch, width, dtype=torch.int8)
+        c_n = torch.empty(num_layers * dirs, batch, hidden, dtype=torch.int8) if lstm else None
+        steps = torch.tensor(sizes, dtype=torch.int64)
+        pinned = None if inner_steps is None else self.pinned(inner_steps, num_layers)
+        library().qt_rnn_packed(
+            self.address, len(sizes), batch, steps.data_ptr(), inp.data_ptr(), None,
+            self.x_inv, ptr(hx[0].contiguous()) if hx else None,
+            ptr(hx[1].contiguous()) if hx and lstm else None, out.data_ptr(), None,
+            h_n.data_ptr(), None if c_n is None else c_n.data_ptr(),
+            None if pinned is None else pinned.data_ptr(),
+        )  # fmt: skip
+        return out, h_n, x.new_empty((0,)) if c_n is None else c_n
+
+    @staticmethod
+    def pinned(inner_steps: Sequence[float], num_layers: int) -> Tensor:
+        steps = torch.tensor([float(s) for s in inner_steps], dtype=torch.float32)
+        if len(steps) != num_layers - 1 or not bool(((steps > 0) & steps.isfinite()).all()):
+            raise check.fail(
+                "rnn",
+                f"inner_steps {list(inner_steps)}: one positive finite step per layer but "
+                f"the last ({num_layers - 1}) expected",
+            )
+        return steps
+
+    def ensure(self, key: tuple, params: list[Tensor], qparams: list[float]) -> None:
+        """The plan for these constants: the one built at the first call while they stay
+        the same tensors at the same addresses and versions, else a new one."""
+        if (
+            key != self.key
+            or qparams != self.qparams
+            or len(params) != len(self.params)
+            or not all(map(operator.is_, params, self.params))
+            or self.addresses != [p.data_ptr() for p in params]  # .data replaced
+            or self.versions != [p._version for p in params]  # in place: resize_, set_
+        ):
+            self.prepare(key, params, qparams)
 
     def prepare(self, key: tuple, params: list[Tensor], qparams: list[float]) -> None:
         kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, features = key

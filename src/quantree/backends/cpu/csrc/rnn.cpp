@@ -163,8 +163,15 @@ void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
            const float* ws_hh, const float* b_hh, float h0_s, float h0_z, float in_s,
            float in_z, int wide, int8_t* y, int64_t y_ld, float y_s, float y_z,
            float* h, float* c, const int8_t* w_hr, int64_t P, const int32_t* colsum_hr,
-           const float* ws_hr, float* yf, const int16_t* x16, const float* xf, float xf_inv) {
+           const float* ws_hr, float* yf, const int16_t* x16, const float* xf, float xf_inv,
+           const int64_t* bs = nullptr, const int64_t* first_row = nullptr) {
     if (T <= 0 || B <= 0) return;  // nothing to compute (and no chunk size to derive)
+    // Step t's rows: all B at t * B (padded), or, on a packed sequence (bs given, with
+    // first_row[t] its prefix sums), the bs[t] sequences still running at first_row[t]. The
+    // rows past bs[t] are left alone: a finished sequence keeps its final state (forward),
+    // one not yet started still holds its initial state (reverse).
+    const auto rows_at = [&](int64_t t) { return bs ? bs[t] : B; };
+    const auto row0 = [&](int64_t t) { return bs ? first_row[t] : t * B; };
     const int64_t G = kind == 0 ? 4 : (kind == 1 ? 3 : 1), N = G * H;
     // Input projection of a chunk of time steps at once, sized to stay in L2.
     const int64_t chunk = std::max<int64_t>(1, (256 * 1024) / (B * N * 4));
@@ -199,53 +206,63 @@ void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
     std::vector<uint8_t> hu8(static_cast<size_t>(2 * B * kp_hh), 0);
     quantize_rows(h, B, HS, 1.0f / h0_s, h0_z, hu8.data(), kp_hh);
     const RnnStep s{kind, H, 1.0f / in_s, in_z, 1.0f / y_s, y_z, wide ? B * kp_hh : 0};
+    int64_t ran = 0;  // rows that ran the step before: they read h on the feedback grid
     for (int64_t c0 = 0; c0 < T; c0 += chunk) {
         const int64_t n = std::min(chunk, T - c0);
         const int64_t t0 = reverse ? T - c0 - n : c0;  // first time index of this chunk
+        const int64_t r0 = row0(t0), m = row0(t0 + n) - r0;  // the chunk's rows, contiguous
         if (xf)
-            float_planes(xf + t0 * B * K, n * B, K, xf_inv, xu.get(), xlo.get(), kp_ih);
+            float_planes(xf + r0 * K, m, K, xf_inv, xu.get(), xlo.get(), kp_ih);
         else if (x16)
-            split_planes(x16 + t0 * B * K, n * B, K, xu.get(), xlo.get(), kp_ih);
+            split_planes(x16 + r0 * K, m, K, xu.get(), xlo.get(), kp_ih);
         else
-            qt::to_u8(x + t0 * B * K, n * B, K, K, xu.get(), kp_ih);
+            qt::to_u8(x + r0 * K, m, K, K, xu.get(), kp_ih);
         const qt::Epilogue ex{off_ih.data(), sc_ih.data(), b_ih, gx.get(), nullptr, N,
                               0, 0, 0, 0};
-        qt::gemm_u8s8(n * B, N, kp_ih, xu.get(), kp_ih, w_ih, ex,
+        qt::gemm_u8s8(m, N, kp_ih, xu.get(), kp_ih, w_ih, ex,
                       x16 || xf ? xlo.get() : nullptr, &pw_ih);
         for (int64_t i = 0; i < n; ++i) {
             const int64_t local = reverse ? n - 1 - i : i, t = t0 + local;
-            const bool first = c0 == 0 && i == 0;
-            const qt::Epilogue eh{first ? off0.data() : off_hh.data(),
-                                  first ? sc0.data() : sc_hh.data(), b_hh, gh.get(), nullptr,
+            const int64_t rows = rows_at(t), r = row0(t), g = r - r0;
+            // rows [0, cont) continue from the step before; rows [cont, rows) start here and
+            // read their initial state on its own grid (all of them at the first step; on a
+            // packed sequence run in reverse, also the sequences starting at step t)
+            const int64_t cont = std::min(ran, rows);
+            const qt::Epilogue eh{off_hh.data(), sc_hh.data(), b_hh, gh.get(), nullptr,
                                   N, 0, 0, 0, 0};
-            const uint8_t* lo = wide && !first ? hu8.data() + B * kp_hh : nullptr;
-            qt::gemm_u8s8(B, N, kp_hh, hu8.data(), kp_hh, w_hh, eh, lo, &pw_hh);
-            for (int64_t b = 0; b < B; ++b) {
-                qt::kernels.cell(s, gx.get() + (local * B + b) * N, gh.get() + b * N, h + b * HS,
+            qt::gemm_u8s8(cont, N, kp_hh, hu8.data(), kp_hh, w_hh, eh,
+                          wide ? hu8.data() + B * kp_hh : nullptr, &pw_hh);
+            const qt::Epilogue e0{off0.data(), sc0.data(), b_hh, gh.get() + cont * N, nullptr,
+                                  N, 0, 0, 0, 0};
+            qt::gemm_u8s8(rows - cont, N, kp_hh, hu8.data() + cont * kp_hh, kp_hh, w_hh, e0,
+                          nullptr, &pw_hh);
+            ran = rows;
+            for (int64_t b = 0; b < rows; ++b) {
+                qt::kernels.cell(s, gx.get() + (g + b) * N, gh.get() + b * N, h + b * HS,
                      c ? c + b * H : nullptr, hu8.data() + b * kp_hh,
-                     yf ? nullptr : y + (t * B + b) * y_ld, yf ? yf + (t * B + b) * y_ld : nullptr,
+                     yf ? nullptr : y + (r + b) * y_ld, yf ? yf + (r + b) * y_ld : nullptr,
                      w_hr ? raw.data() + b * H : nullptr);
             }
             if (w_hr) {
-                for (int64_t b = 0; b < B; ++b) {  // symmetric int8, one scale per row
-                    const float* r = raw.data() + b * H;
+                for (int64_t b = 0; b < rows; ++b) {  // symmetric int8, one scale per row
+                    const float* rw = raw.data() + b * H;
                     float peak = 0.0f;
-                    for (int64_t j = 0; j < H; ++j) peak = std::max(peak, std::fabs(r[j]));
+                    for (int64_t j = 0; j < H; ++j) peak = std::max(peak, std::fabs(rw[j]));
                     row_scale[b] = peak > 0.0f ? peak / 127.0f : 1.0f;
                     const float inv = 1.0f / row_scale[b];
                     for (int64_t j = 0; j < H; ++j)
                         rawu8[b * kp_hr + j] = static_cast<uint8_t>(
-                            qt::quantize_value(r[j], inv, 0.0f, -127.0f, 127.0f) + 128.0f);
+                            qt::quantize_value(rw[j], inv, 0.0f, -127.0f, 127.0f) + 128.0f);
                 }
                 const qt::Epilogue ep{off_hr.data(), ws_hr, nullptr, hp.data(), nullptr,
                                       P, 0, 0, 0, 0};
-                qt::gemm_u8s8(B, P, kp_hr, rawu8.data(), kp_hr, w_hr, ep);
-                for (int64_t b = 0; b < B; ++b) {
+                qt::gemm_u8s8(rows, P, kp_hr, rawu8.data(), kp_hr, w_hr, ep);
+                for (int64_t b = 0; b < rows; ++b) {
                     float* row = hp.data() + b * P;
                     for (int64_t j = 0; j < P; ++j) row[j] *= row_scale[b];
                     emit(s, row, P, h + b * P, hu8.data() + b * kp_hh,
-                         yf ? nullptr : y + (t * B + b) * y_ld,
-                         yf ? yf + (t * B + b) * y_ld : nullptr);
+                         yf ? nullptr : y + (r + b) * y_ld,
+                         yf ? yf + (r + b) * y_ld : nullptr);
                 }
             }
         }
@@ -336,11 +353,22 @@ static void range(const float* x, int64_t n, float* lo_out, float* hi_out) {
     *hi_out = b;
 }
 
-void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const float* x_float,
-            float x_inv, const int8_t* h0, const int8_t* c0, int8_t* y, float* y_float,
-            int8_t* hn, int8_t* cn) {
+}  // extern "C"
+
+namespace {
+
+// qt_rnn, on a padded batch (bs null) or a packed sequence's rows (bs: step t has bs[t]
+// rows, non-increasing, bs[0] = B, checked by the caller). inner_steps, when given, are the
+// int16 steps of the outputs the layers before the last hand on, instead of the ranges they
+// took (for checks: a sequence run alone then sees the steps of the batch it came from).
+void rnn_stack(const QtRnnPlan* p, int64_t T, int64_t B, const int64_t* bs,
+               const int8_t* x, const float* x_float, float x_inv, const int8_t* h0,
+               const int8_t* c0, int8_t* y, float* y_float, int8_t* hn, int8_t* cn,
+               const float* inner_steps) {
     const int64_t L = p->layers, D = p->dirs, H = p->H, W = p->P ? p->P : H;
-    const int64_t per = 8 + (p->P ? 3 : 0), rows = T * B, width = D * W;
+    std::vector<int64_t> first_row(bs ? static_cast<size_t>(T) + 1 : 0, 0);
+    for (int64_t t = 0; bs && t < T; ++t) first_row[t + 1] = first_row[t] + bs[t];
+    const int64_t per = 8 + (p->P ? 3 : 0), rows = bs ? first_row[T] : T * B, width = D * W;
     // a float input is quantized here as the graph's quantize did (x_inv = 1 / x_s, computed
     // by the caller as that op does), and a float output dequantized here as its dequantize
     // did: two op calls fewer around the kernel, the same bits
@@ -395,13 +423,16 @@ void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const flo
                   p->P ? static_cast<const int8_t*>(q[8]) : nullptr, p->P,
                   p->P ? static_cast<const int32_t*>(q[9]) : nullptr,
                   p->P ? static_cast<const float*>(q[10]) : nullptr,
-                  last ? nullptr : out + d * W, nullptr, xf, in_inv);
+                  last ? nullptr : out + d * W, nullptr, xf, in_inv, bs,
+                  bs ? first_row.data() : nullptr);
         }
         if (!last) {  // the next layer's input: symmetric int16 on the range this one took
             float lo = 0.0f, hi = 0.0f;
             range(out, rows * width, &lo, &hi);
             // in double, as the Python wrapper computed it, then rounded to float once
-            const double step = std::max({-static_cast<double>(lo), static_cast<double>(hi), 1e-8}) / 32767.0;
+            const double step =
+                inner_steps ? static_cast<double>(inner_steps[l])
+                            : std::max({-static_cast<double>(lo), static_cast<double>(hi), 1e-8}) / 32767.0;
             in_s = static_cast<float>(step);
             in_z = 0.0f;
             in_inv = static_cast<float>(1.0 / step);
@@ -416,4 +447,29 @@ void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const flo
         for (int64_t i = 0; i < nc; ++i)
             cn[i] = static_cast<int8_t>(qt::quantize_value(c[i], p->cn_inv, p->cn_z, -128.0f, 127.0f));
 }
+
+}  // namespace
+
+extern "C" {
+
+void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const float* x_float,
+            float x_inv, const int8_t* h0, const int8_t* c0, int8_t* y, float* y_float,
+            int8_t* hn, int8_t* cn) {
+    rnn_stack(p, T, B, nullptr, x, x_float, x_inv, h0, c0, y, y_float, hn, cn, nullptr);
+}
+
+// qt_rnn on a packed sequence: x / x_float [N, K] and y / y_float [N, dirs * width] rows in
+// packed order (step after step, the sequences still running at a step first), N the sum of
+// batch_sizes[T] (non-increasing, batch_sizes[0] = B, the states' batch). One call for every
+// layer and direction, where one call per group of equal lengths ran each group as its own
+// padded batch. batch_sizes null: the padded [T, B] layout of qt_rnn. inner_steps: see
+// rnn_stack (null: the ranges the layers' outputs took, over the real rows only).
+void qt_rnn_packed(const QtRnnPlan* p, int64_t T, int64_t B, const int64_t* batch_sizes,
+                   const int8_t* x, const float* x_float, float x_inv, const int8_t* h0,
+                   const int8_t* c0, int8_t* y, float* y_float, int8_t* hn, int8_t* cn,
+                   const float* inner_steps) {
+    rnn_stack(p, T, B, batch_sizes, x, x_float, x_inv, h0, c0, y, y_float, hn, cn,
+              inner_steps);
+}
+
 }  // extern "C"

@@ -4,7 +4,8 @@
 // plane, and with weights prepared for the path: gemm_prepared) and every exported kernel built on it or beside it (linear, conv2d plain / grouped /
 // depthwise, matmul, max_pool2d, softmax, binary, lookup, quantize, dequantize, quantize16,
 // the recurrent layer in each cell kind with projection, int16 feedback and int16 input,
-// and a cells-mode program). Built from the library's sources by
+// the whole stacked op on a padded batch and on a packed sequence, and a cells-mode
+// program). Built from the library's sources by
 // tests/backends/test_kernel_check.py (natively, and cross-compiled for aarch64 and run under
 // qemu). Prints "path P KERNEL cases N mismatches M" per path and kernel.
 //
@@ -70,6 +71,9 @@ struct QtRnnPlan {  // as rnn.cpp lays it out
 };
 void qt_rnn(const QtRnnPlan*, int64_t, int64_t, const int8_t*, const float*, float,
             const int8_t*, const int8_t*, int8_t*, float*, int8_t*, int8_t*);
+void qt_rnn_packed(const QtRnnPlan*, int64_t, int64_t, const int64_t*, const int8_t*,
+                   const float*, float, const int8_t*, const int8_t*, int8_t*, float*, int8_t*,
+                   int8_t*, const float*);
 void qt_cell_loop(const float*, float*, int64_t, int, float**, int64_t, const int64_t*,
                   const int64_t*, int64_t, int64_t, const int64_t*, const float*, int64_t,
                   void**);
@@ -404,8 +408,8 @@ Run rnn_case(int kind) {
 // last handing their float output on as int16 byte planes on the range it took, int8 or
 // int16 feedback, given or zero initial states, int8 or float input and output, LSTM with a
 // projection; batch 0 too.
-Run rnn_stack_case(int kind) {
-    const int64_t T = 1 + rnd() % 5, B = rnd() % 6 == 0 ? 0 : 1 + rnd() % 4;
+Run rnn_stack_case(int kind, bool packed = false) {
+    const int64_t T = 1 + rnd() % 5, B = packed || rnd() % 6 != 0 ? 1 + rnd() % 4 : 0;
     const int64_t K = 1 + rnd() % 29, H = 1 + rnd() % 29, L = 2 + rnd() % 2, D = 1 + rnd() % 2;
     const int64_t G = kind == 0 ? 4 : (kind == 1 ? 3 : 1), N = G * H;
     const int64_t P = kind == 0 && rnd() % 3 == 0 ? 1 + rnd() % 15 : 0, W = P ? P : H;
@@ -434,17 +438,37 @@ Run rnn_stack_case(int kind) {
     for (const auto& v : *keep) pointers->push_back(v.data());
     plan->params = pointers->data();
     plan->depth = depth->data();
-    auto x = i8(T * B * K), h0 = i8(L * D * B * W), c0 = i8(L * D * B * H);
-    auto xf = f32(T * B * K, -8.0f, 8.0f);
+    // packed: step t has bs[t] rows, non-increasing from B (random lengths, sorted)
+    std::vector<int64_t> bs(packed ? static_cast<size_t>(T) : 0, 0);
+    int64_t rows = T * B;
+    if (packed) {
+        std::vector<int64_t> lengths(static_cast<size_t>(B));
+        for (auto& n : lengths) n = 1 + rnd() % T;
+        lengths[0] = T;
+        rows = 0;
+        for (int64_t t = 0; t < T; ++t) {
+            for (const int64_t n : lengths) bs[t] += n > t ? 1 : 0;
+            rows += bs[t];
+        }
+    }
+    auto x = i8(rows * K), h0 = i8(L * D * B * W), c0 = i8(L * D * B * H);
+    auto xf = f32(rows * K, -8.0f, 8.0f);
     const bool float_in = rnd() % 3 == 0, float_out = rnd() % 3 == 0;  // quantize / dequantize inside
     return [=] {
         (void)keep, (void)pointers, (void)depth;  // the plan points into them
-        std::vector<int8_t> y(static_cast<size_t>(T * B * D * W)), hn(h0.size()), cn(c0.size());
+        std::vector<int8_t> y(static_cast<size_t>(rows * D * W)), hn(h0.size()), cn(c0.size());
         std::vector<float> yf(float_out ? y.size() : 0);
-        qt_rnn(plan.get(), T, B, float_in ? nullptr : x.data(), float_in ? xf.data() : nullptr,
-               20.0f, given ? h0.data() : nullptr, given && kind == 0 ? c0.data() : nullptr,
-               float_out ? nullptr : y.data(), float_out ? yf.data() : nullptr, hn.data(),
-               kind == 0 ? cn.data() : nullptr);
+        if (packed)
+            qt_rnn_packed(plan.get(), T, B, bs.data(), float_in ? nullptr : x.data(),
+                          float_in ? xf.data() : nullptr, 20.0f, given ? h0.data() : nullptr,
+                          given && kind == 0 ? c0.data() : nullptr,
+                          float_out ? nullptr : y.data(), float_out ? yf.data() : nullptr,
+                          hn.data(), kind == 0 ? cn.data() : nullptr, nullptr);
+        else
+            qt_rnn(plan.get(), T, B, float_in ? nullptr : x.data(), float_in ? xf.data() : nullptr,
+                   20.0f, given ? h0.data() : nullptr, given && kind == 0 ? c0.data() : nullptr,
+                   float_out ? nullptr : y.data(), float_out ? yf.data() : nullptr, hn.data(),
+                   kind == 0 ? cn.data() : nullptr);
         std::vector<uint8_t> r;
         append(r, y);
         append(r, yf);
@@ -531,6 +555,7 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         {"rnn_lstm", true, {}}, {"rnn_gru", true, {}}, {"rnn_tanh", true, {}},
         {"rnn_relu", false, {}}, {"cell_loop_tanh", true, {}}, {"cell_loop_relu", false, {}},
         {"rnn_stack_lstm", true, {}}, {"rnn_stack_relu", false, {}},
+        {"rnn_packed_lstm", true, {}}, {"rnn_packed_relu", false, {}},
     };
     for (int i = 0; i < few; ++i) {
         all[0].cases.push_back(linear_case());
@@ -542,6 +567,8 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         all[17].cases.push_back(cell_loop_case(false));
         all[18].cases.push_back(rnn_stack_case(0));
         all[19].cases.push_back(rnn_stack_case(3));
+        all[20].cases.push_back(rnn_stack_case(0, true));
+        all[21].cases.push_back(rnn_stack_case(3, true));
     }
     return all;
 }
