@@ -408,8 +408,8 @@ Run rnn_case(int kind) {
 // last handing their float output on as int16 byte planes on the range it took, int8 or
 // int16 feedback, given or zero initial states, int8 or float input and output, LSTM with a
 // projection; batch 0 too.
-Run rnn_stack_case(int kind, bool packed = false) {
-    const int64_t T = 1 + rnd() % 5, B = packed || rnd() % 6 != 0 ? 1 + rnd() % 4 : 0;
+Run rnn_stack_case(int kind, bool as_packed = false) {
+    const int64_t T = 1 + rnd() % 5, B = as_packed || rnd() % 6 != 0 ? 1 + rnd() % 4 : 0;
     const int64_t K = 1 + rnd() % 29, H = 1 + rnd() % 29, L = 2 + rnd() % 2, D = 1 + rnd() % 2;
     const int64_t G = kind == 0 ? 4 : (kind == 1 ? 3 : 1), N = G * H;
     const int64_t P = kind == 0 && rnd() % 3 == 0 ? 1 + rnd() % 15 : 0, W = P ? P : H;
@@ -439,9 +439,9 @@ Run rnn_stack_case(int kind, bool packed = false) {
     plan->params = pointers->data();
     plan->depth = depth->data();
     // packed: step t has bs[t] rows, non-increasing from B (random lengths, sorted)
-    std::vector<int64_t> bs(packed ? static_cast<size_t>(T) : 0, 0);
+    std::vector<int64_t> bs(as_packed ? static_cast<size_t>(T) : 0, 0);
     int64_t rows = T * B;
-    if (packed) {
+    if (as_packed) {
         std::vector<int64_t> lengths(static_cast<size_t>(B));
         for (auto& n : lengths) n = 1 + rnd() % T;
         lengths[0] = T;
@@ -458,7 +458,7 @@ Run rnn_stack_case(int kind, bool packed = false) {
         (void)keep, (void)pointers, (void)depth;  // the plan points into them
         std::vector<int8_t> y(static_cast<size_t>(rows * D * W)), hn(h0.size()), cn(c0.size());
         std::vector<float> yf(float_out ? y.size() : 0);
-        if (packed)
+        if (as_packed)
             qt_rnn_packed(plan.get(), T, B, bs.data(), float_in ? nullptr : x.data(),
                           float_in ? xf.data() : nullptr, 20.0f, given ? h0.data() : nullptr,
                           given && kind == 0 ? c0.data() : nullptr,
