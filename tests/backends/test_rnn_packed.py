@@ -27,6 +27,7 @@ import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu.direct import DirectCall
 from quantree.backends.cpu.native_checks import NativeArgumentError
+from quantree.backends.cpu.ops_elementwise import dequantize, quantize
 from quantree.backends.cpu.ops_rnn import RnnRunner
 from quantree.backends.cpu.ops_rnn_packed import PackedRnnRunner
 from quantree.backends.cpu.packing import pack, row_sums
@@ -222,3 +223,20 @@ def test_lowered_model_makes_one_call_and_follows_its_unsorted_batch() -> None:
     out_p, (h_p, c_p) = lowered(x[order], lengths[order])
     assert torch.equal(out_p, out[order])
     assert torch.equal(h_p, h_n[:, order]) and torch.equal(c_p, c_n[:, order])
+
+
+def test_quantize_and_dequantize_around_the_op_run_inside_it_exactly() -> None:
+    spec = Op("lstm", 6, 9, 2, True, 4, 16, 3)
+    g = torch.Generator().manual_seed(4)
+    rows, sizes = torch.randn(13, 6, generator=g) * 3, torch.tensor([4, 3, 3, 2, 1])
+    hx = spec.states(4, g)
+    x_s, x_z, y_s, y_z = spec.qparams[0], int(spec.qparams[1]), spec.qparams[4], spec.qparams[5]
+    fused = RnnRunner().packed(
+        "lstm", rows, sizes, hx, *spec.args(), *spec.rest(), float_input=True, float_output=True
+    )
+    apart = RnnRunner().packed(
+        "lstm", quantize(rows, x_s, x_z), sizes, hx, *spec.args(), *spec.rest()
+    )
+    assert fused[0].dtype == torch.float32
+    assert torch.equal(fused[0], dequantize(apart[0], y_s, y_z))
+    assert torch.equal(fused[1], apart[1]) and torch.equal(fused[2], apart[2])

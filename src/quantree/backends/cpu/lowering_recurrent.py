@@ -264,13 +264,13 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     if call.batch_sizes_path is None and all(_is_zeros(ctx, s) for s in states if s):
         hx = []  # zero initial states: the kernel starts from zeros, no tensor is made for them
     graph = ctx.gm.graph
-    float_x = _float_input(x, node) if call.batch_sizes_path is None else None
-    readers = _float_readers(outputs[0]) if call.batch_sizes_path is None else []
+    float_x = _float_input(x, node)
+    readers = _float_readers(outputs[0])
     with graph.inserting_before(node):
         shape: tuple = (hidden, call.num_layers, call.bidirectional)
         rest: tuple = ([float(v) for v in qparams], hidden_bits, proj_size)
+        rest = (*rest, float_x is not None, bool(readers))
         if call.batch_sizes_path is None:
-            rest = (*rest, float_x is not None, bool(readers))
             op, args = (
                 torch.ops.quantree.rnn.default,
                 (float_x or x.node, hx, params, *shape, call.batch_first),
@@ -279,7 +279,7 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
             batch_sizes = arg_at(node, call.batch_sizes_path)
             op, args = (
                 torch.ops.quantree.rnn_packed_sequence.default,
-                (x.node, batch_sizes, hx, params, *shape),
+                (float_x or x.node, batch_sizes, hx, params, *shape),
             )
         new = graph.call_function(op, (call.kind, *args, *rest))
         new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})

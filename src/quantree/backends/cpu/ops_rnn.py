@@ -171,6 +171,8 @@ class RnnRunner:
         hidden_bits: int,
         proj_size: int,
         inner_steps: Sequence[float] | None = None,
+        float_input: bool = False,
+        float_output: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The op on a packed sequence: int8 rows ``x`` [N, K] in packed order, the output
         rows packed the same way, every layer and direction in one native call
@@ -188,19 +190,22 @@ class RnnRunner:
         width = proj_size or hidden
         lstm = kind == "lstm"
         batch = sizes[0]
-        inp = x.contiguous()
+        inp = (x.float() if float_input else x).contiguous()
         blocks = num_layers * dirs * batch
-        check.rnn_call(inp, hx, False, lstm, blocks * width, blocks * hidden,
+        check.rnn_call(inp, hx, float_input, lstm, blocks * width, blocks * hidden,
                        "rnn_packed_sequence", packed=True)  # fmt: skip
-        out = torch.empty(inp.shape[0], dirs * width, dtype=torch.int8)
+        out_dtype = torch.float32 if float_output else torch.int8
+        out = torch.empty(inp.shape[0], dirs * width, dtype=out_dtype)
         h_n = torch.empty(num_layers * dirs, batch, width, dtype=torch.int8)
         c_n = torch.empty(num_layers * dirs, batch, hidden, dtype=torch.int8) if lstm else None
         steps = torch.tensor(sizes, dtype=torch.int64)
         pinned = None if inner_steps is None else self.pinned(inner_steps, num_layers)
+        x8, xf = (None, inp.data_ptr()) if float_input else (inp.data_ptr(), None)
+        y8, yf = (None, out.data_ptr()) if float_output else (out.data_ptr(), None)
         library().qt_rnn_packed(
-            self.address, len(sizes), batch, steps.data_ptr(), inp.data_ptr(), None,
-            self.x_inv, ptr(hx[0].contiguous()) if hx else None,
-            ptr(hx[1].contiguous()) if hx and lstm else None, out.data_ptr(), None,
+            self.address, len(sizes), batch, steps.data_ptr(), x8, xf, self.x_inv,
+            ptr(hx[0].contiguous()) if hx else None,
+            ptr(hx[1].contiguous()) if hx and lstm else None, y8, yf,
             h_n.data_ptr(), None if c_n is None else c_n.data_ptr(),
             None if pinned is None else pinned.data_ptr(),
         )  # fmt: skip

@@ -23,7 +23,7 @@ from quantree.backends.cpu.registry import op
 @op(
     "rnn_packed_sequence(str kind, Tensor x, Tensor batch_sizes, Tensor[] hx, Tensor[] params, "
     "int hidden, int num_layers, bool bidirectional, float[] qparams, int hidden_bits, "
-    "int proj_size) -> (Tensor, Tensor, Tensor)"
+    "int proj_size, bool float_input=False, bool float_output=False) -> (Tensor, Tensor, Tensor)"
 )
 def rnn_packed_sequence(
     kind: str,
@@ -37,14 +37,18 @@ def rnn_packed_sequence(
     qparams: list[float],
     hidden_bits: int,
     proj_size: int,
+    float_input: bool = False,
+    float_output: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``quantree::rnn`` on packed int8 rows ``x``; the output rows are packed the same way.
+    ``float_input`` / ``float_output``: the graph's quantize before the op and dequantize
+    after it, done inside the kernel (see ``rnn``).
 
     Through the dispatcher each call builds its argument block; a lowered graph calls one
     ``PackedRnnRunner`` per node, which builds it once."""
     return PackedRnnRunner()(
         kind, x, batch_sizes, hx, params, hidden, num_layers, bidirectional, qparams,
-        hidden_bits, proj_size,
+        hidden_bits, proj_size, float_input, float_output,
     )  # fmt: skip
 
 
@@ -67,10 +71,12 @@ class PackedRnnRunner:
         qparams: list[float],
         hidden_bits: int,
         proj_size: int,
+        float_input: bool = False,
+        float_output: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         return self.runner.packed(
             kind, x, batch_sizes, hx, params, hidden, num_layers, bidirectional, qparams,
-            hidden_bits, proj_size,
+            hidden_bits, proj_size, float_input=float_input, float_output=float_output,
         )  # fmt: skip
 
     def __getstate__(self) -> dict:  # a copied graph builds its own plan from its own weights
@@ -83,8 +89,9 @@ class PackedRnnRunner:
 @torch.library.register_fake("quantree::rnn_packed_sequence")
 def _(
     kind, x, batch_sizes, hx, params, hidden, num_layers, bidirectional, qparams, hidden_bits,
-    proj_size,
+    proj_size, float_input=False, float_output=False,
 ):  # fmt: skip
     width = (proj_size or hidden) * (2 if bidirectional else 1)
     c_n = hx[1].new_empty(hx[1].shape) if kind == "lstm" else x.new_empty((0,))
-    return x.new_empty((x.shape[0], width), dtype=torch.int8), hx[0].new_empty(hx[0].shape), c_n
+    out_dtype = torch.float32 if float_output else torch.int8
+    return x.new_empty((x.shape[0], width), dtype=out_dtype), hx[0].new_empty(hx[0].shape), c_n
