@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import quantree as qt
-from quantree.backends import CPU
+from quantree.backends import CPU, load, save
 from quantree.backends.cpu.direct import DirectCall
 from quantree.backends.cpu.native_checks import NativeArgumentError
 from quantree.backends.cpu.ops_elementwise import dequantize, quantize
@@ -194,10 +194,10 @@ class Packed(nn.Module):
         return pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0], state
 
 
-def test_lowered_model_makes_one_call_and_follows_its_unsorted_batch() -> None:
+def test_lowered_model_makes_one_call_and_follows_its_unsorted_batch(tmp_path) -> None:
     """A model packing unsorted lengths (``enforce_sorted=False``): one native call per
-    op, and a permuted batch gives the permuted outputs, bit for bit (the ranges between
-    layers are over the same rows)."""
+    op, a permuted batch gives the permuted outputs, bit for bit (the ranges between
+    layers are over the same rows), and the saved model loads to the same bits."""
     torch.manual_seed(0)
     model = Packed(nn.LSTM(6, 10, 2, batch_first=True, bidirectional=True)).eval()
     g = torch.Generator().manual_seed(1)
@@ -223,6 +223,9 @@ def test_lowered_model_makes_one_call_and_follows_its_unsorted_batch() -> None:
     out_p, (h_p, c_p) = lowered(x[order], lengths[order])
     assert torch.equal(out_p, out[order])
     assert torch.equal(h_p, h_n[:, order]) and torch.equal(c_p, c_n[:, order])
+    save(lowered, tmp_path / "packed.pt2", data[0])
+    again = load(tmp_path / "packed.pt2")(x, lengths)
+    assert torch.equal(again[0], out) and torch.equal(again[1][0], h_n)
 
 
 def test_quantize_and_dequantize_around_the_op_run_inside_it_exactly() -> None:
