@@ -312,12 +312,6 @@ struct QtRnnPlan {
     const int64_t* depth;       // per layer and direction: Kp of w_ih and of w_hh
 };
 
-// A whole stacked (bidirectional) LSTM / GRU / RNN: x int8 [T, B, K] time-major (or
-// x_float, float), y int8 [T, B, dirs * width] (or y_float, float); h0 / c0 int8 initial states [layers * dirs, B, width / H] on the
-// plan's h / c grids, or null for zeros; hn / cn the final states on their own grids (null:
-// not wanted). The layers before the last write float, which becomes the next layer's int16
-// input on the range it took (two byte planes, quantized chunk by chunk inside the layer),
-// exactly as quantize16 of that range did when each layer was its own call.
 void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out);
 void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out);
 
@@ -452,6 +446,12 @@ void rnn_stack(const QtRnnPlan* p, int64_t T, int64_t B, const int64_t* bs,
 
 extern "C" {
 
+// A whole stacked (bidirectional) LSTM / GRU / RNN: x int8 [T, B, K] time-major (or
+// x_float, float), y int8 [T, B, dirs * width] (or y_float, float); h0 / c0 int8 initial states [layers * dirs, B, width / H] on the
+// plan's h / c grids, or null for zeros; hn / cn the final states on their own grids (null:
+// not wanted). The layers before the last write float, which becomes the next layer's int16
+// input on the range it took (two byte planes, quantized chunk by chunk inside the layer),
+// exactly as quantize16 of that range did when each layer was its own call.
 void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const float* x_float,
             float x_inv, const int8_t* h0, const int8_t* c0, int8_t* y, float* y_float,
             int8_t* hn, int8_t* cn) {
