@@ -165,6 +165,15 @@ def test_bad_batch_sizes_are_refused_before_the_native_call(sizes) -> None:
         )  # fmt: skip
 
 
+def test_rows_of_another_shape_are_refused() -> None:
+    spec = Op("gru", 4, 5, 1, False, 0, 8, 0)
+    with pytest.raises(NativeArgumentError, match="packed rows"):
+        torch.ops.quantree.rnn_packed_sequence(
+            "gru", torch.zeros(3, 1, 4, dtype=torch.int8), torch.tensor([2, 1]),
+            spec.states(2, torch.Generator()), *spec.args(), *spec.rest(),
+        )  # fmt: skip
+
+
 def test_states_of_another_batch_are_refused() -> None:
     spec = Op("lstm", 4, 5, 1, False, 0, 8, 0)
     with pytest.raises(NativeArgumentError, match="h_0"):

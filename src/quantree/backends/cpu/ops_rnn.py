@@ -185,6 +185,9 @@ class RnnRunner:
         """
         key = (kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, x.shape[-1])
         self.ensure(key, params, qparams)
+        if x.dim() != 2:
+            raise check.fail("rnn_packed_sequence", f"x has shape {tuple(x.shape)}, the kernel "
+                             "reads [N, K] packed rows")  # fmt: skip
         sizes = check.packed_batch_sizes("rnn_packed_sequence", batch_sizes, x.shape[0])
         dirs = 2 if bidirectional else 1
         width = proj_size or hidden
@@ -213,6 +216,8 @@ class RnnRunner:
 
     @staticmethod
     def pinned(inner_steps: Sequence[float], num_layers: int) -> Tensor:
+        """The steps as the float32 array the kernel reads, checked: it reads one per
+        layer but the last and divides by each."""
         steps = torch.tensor([float(s) for s in inner_steps], dtype=torch.float32)
         if len(steps) != num_layers - 1 or not bool(((steps > 0) & steps.isfinite()).all()):
             raise check.fail(
