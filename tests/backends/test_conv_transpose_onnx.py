@@ -18,13 +18,13 @@ pytest.importorskip(
 )
 
 import onnx
+from test_conv_transpose import Decoder, Upsampler
 
 import quantree as qt
 from quantree.backends.onnx import run_onnx
 from quantree.core.qdq import params_of
 
 from support import batches
-from test_conv_transpose import Decoder, Upsampler
 
 
 @pytest.mark.filterwarnings("ignore::quantree.QuantreeWarning")
