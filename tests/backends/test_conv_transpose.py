@@ -199,3 +199,41 @@ def test_bad_arguments_refused():
         OP(x, packed, col_offset[:2], *constants, 3, *good)
     with pytest.raises(NativeArgumentError, match="groups"):
         OP(x, packed, col_offset, *constants, 3, [2], [2], [0], [0], [1], 3, 0.0, 0, False)
+
+
+class Parallel1d(nn.Module):
+    """Two 1-d transposed convs reading the input (one grouped, dilated), summed in float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.ConvTranspose1d(12, 8, 8, stride=4, padding=2)
+        self.b = nn.ConvTranspose1d(12, 8, 3, stride=4, padding=1, output_padding=1, dilation=2,
+                                    groups=2)  # fmt: skip
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+@pytest.mark.parametrize(
+    ("cls", "shape", "wide", "narrow"),
+    [(Parallel1d, (2, 12, 9), 2, 0), (Decoder, (2, 10, 4, 5), 0, 3)],
+    ids=["1d_int16", "2d_int8"],
+)
+def test_weighted_inputs_reads_like_the_convolutions(cls, shape, wide, narrow):
+    """Under WEIGHTED_INPUTS a 1-d transposed conv reads int16 (two int8 planes, each an
+    exact int32 sum, joined in float), a 2-d one int8, as conv1d / conv2d do. The float
+    results are within the reference's float rounding: 1e-5 of the output's largest value
+    (the int16 sums exceed float32's 24 bits, so the reference rounds them). The layers
+    end the models: a quantized point after them could round one code apart."""
+    torch.manual_seed(0)
+    data = batches(shape, n=3)
+    quantizer = qt.Int8Quantizer(activations=qt.ActivationPoints.WEIGHTED_INPUTS)
+    _, ref = run(cls().eval(), data, quantizer)
+    low = qt.lower(ref, CPU)
+    targets = [n.target for n in low.graph.nodes]
+    assert targets.count(torch.ops.quantree.conv_transpose16.default) == wide
+    assert targets.count(OP) == narrow
+    with torch.no_grad():
+        for args in data:
+            want, got = ref(*args), low(*args)
+            assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())

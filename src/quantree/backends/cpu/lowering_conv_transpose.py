@@ -16,7 +16,9 @@ import torch.fx as fx
 
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
 from quantree.backends.cpu.lowering_linear import _chain, _ints
+from quantree.backends.cpu.lowering_wide import WideInput, _wide_input
 from quantree.backends.cpu.ops_conv_transpose import CHUNK, packed_transposed_weight
+from quantree.backends.cpu.ops_wide import LO_ZERO_POINT
 from quantree.backends.patterns import activation, constant, float_constant, output, replace
 from quantree.core.graphs import fetch_attr
 from quantree.core.lower import LoweringContext
@@ -65,7 +67,8 @@ def _weight(
 
 def lower_conv_transpose(ctx: LoweringContext, node: fx.Node) -> bool:
     """conv_transpose1d / conv_transpose2d (+relu): stride, padding, output_padding,
-    dilation, groups; an int8 or float result."""
+    dilation, groups; an int8 or float result. An int16 input (``WEIGHTED_INPUTS``' 1-d
+    layers) runs as ``quantree.conv_transpose16``, float out."""
     parsed = _arguments(node)
     if parsed is None:
         return False
@@ -73,21 +76,30 @@ def lower_conv_transpose(ctx: LoweringContext, node: fx.Node) -> bool:
     groups = 1 if a[6] is None else a[6]
     if not isinstance(groups, int) or groups < 1:
         return False
-    x, w = activation(ctx, a[0]), _weight(ctx, a[1], groups)
-    out = output(ctx, node)
-    if x is None or w is None or out is None or w[0].dim() != dims + 2:
+    w = _weight(ctx, a[1], groups)
+    if w is None or w[0].dim() != dims + 2:
         return False
     values, w_scale = w
     in_channels, per_group = int(values.shape[0]), int(values.shape[1])
-    kernel = [int(k) for k in values.shape[2:]]
-    if (
-        in_channels % groups
-        or (in_channels // groups) * values[0, 0].numel() * 255 * 127 >= EXACT_TERMS
-    ):
+    terms = (in_channels // groups) * values[0, 0].numel() * 255 * 127
+    if in_channels % groups or terms >= EXACT_TERMS:
         return False
     out_channels = per_group * groups
-    stride, padding = _ints(a[3], dims, 1), _ints(a[4], dims, 0)
-    output_padding, dilation = _ints(a[5], dims, 0), _ints(a[7], dims, 1)
+    geometry = (
+        out_channels,
+        [int(k) for k in values.shape[2:]],
+        _ints(a[3], dims, 1),
+        _ints(a[4], dims, 0),
+        _ints(a[5], dims, 0),
+        _ints(a[7], dims, 1),
+        groups,
+    )
+    wide = _wide_input(ctx, a[0])
+    if wide is not None:
+        return _lower_wide(ctx, node, a[2], values, w_scale, wide, geometry)
+    x, out = activation(ctx, a[0]), output(ctx, node)
+    if x is None or out is None:
+        return False
     scale = (x.scale * w_scale).float()
     bias_terms = _bias(ctx, a[2], scale, out_channels)
     if bias_terms is None:
@@ -104,10 +116,46 @@ def lower_conv_transpose(ctx: LoweringContext, node: fx.Node) -> bool:
         ]
         new = ctx.gm.graph.call_function(
             quantree_ops.conv_transpose.default,
-            (x.node, *args, out_channels, kernel, stride, padding, output_padding, dilation,
-             groups, out.scale, out.zero_point, out.relu),
-        )  # fmt: skip
+            (x.node, *args, *geometry, out.scale, out.zero_point, out.relu),
+        )
     replace(ctx, out.replaces, new, _chain(node, out))
+    return True
+
+
+def _lower_wide(
+    ctx: LoweringContext,
+    node: fx.Node,
+    bias_arg: object,
+    values: torch.Tensor,
+    w_scale: torch.Tensor,
+    wide: WideInput,
+    geometry: tuple[Any, ...],
+) -> bool:
+    """The int16 input's planes: hi on zero point 0 and 256 x the scale, lo on zero point
+    -128 and the scale, which is the int32 bias's grid (``ops_wide``)."""
+    dq, x, x_scale, qmin, qmax = wide
+    out_channels, groups = geometry[0], geometry[-1]
+    scale = (x_scale * w_scale).float()
+    bias_terms = _bias(ctx, bias_arg, scale, out_channels)
+    if bias_terms is None:
+        return False
+    offset, bias = bias_terms
+    packed, hi_col_offset = packed_transposed_weight(values, groups, 0)
+    _, lo_col_offset = packed_transposed_weight(values, groups, LO_ZERO_POINT)
+    with ctx.gm.graph.inserting_before(node):
+        args = [
+            constant(ctx, "_cpu_weight_", packed, node),
+            constant(ctx, "_cpu_col_offset_", hi_col_offset, node),
+            constant(ctx, "_cpu_col_offset_", lo_col_offset, node),
+            constant(ctx, "_cpu_offset_", offset, node),
+            constant(ctx, "_cpu_scale_", (x_scale * 256.0 * w_scale).float(), node),
+            constant(ctx, "_cpu_scale_", scale, node),
+            None if bias is None else constant(ctx, "_cpu_bias_", bias, node),
+        ]
+        new = ctx.gm.graph.call_function(
+            quantree_ops.conv_transpose16.default, (x, x_scale, qmin, qmax, *args, *geometry)
+        )
+    replace(ctx, node, new, [node, dq, dq.args[0]])  # type: ignore[list-item]
     return True
 
 
