@@ -106,14 +106,61 @@ FLOAT_TRANSPOSED = qt.Rule(
 """The transposed convolutions left float (quantree before issue 10)."""
 
 
+LAYERS = {
+    "hifigan up0 256->128 k16 s8, L 32": (nn.ConvTranspose1d(256, 128, 16, 8, 4), (1, 256, 32)),
+    "hifigan up2 64->32 k4 s2, L 2048": (nn.ConvTranspose1d(64, 32, 4, 2, 1), (1, 64, 2048)),
+    "convtasnet decoder 128->1 k16 s8, L 1001": (
+        nn.ConvTranspose1d(128, 1, 16, 8, bias=False),
+        (1, 128, 1001),
+    ),
+    "unet up0 256->128 k2 s2, 8x8": (nn.ConvTranspose2d(256, 128, 2, 2), (1, 256, 8, 8)),
+    "unet up2 64->32 k2 s2, 32x32": (nn.ConvTranspose2d(64, 32, 2, 2), (1, 64, 32, 32)),
+    "3x3 s2 p1 op1 64->32, 32x32": (nn.ConvTranspose2d(64, 32, 3, 2, 1, 1), (1, 64, 32, 32)),
+}
+"""Single layers: the float op against the lowered int8 layer alone (int8 in, int8 out)."""
+
+
+def layer_times(runs: int) -> None:
+    for name, (layer, shape) in LAYERS.items():
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(*shape, generator=g),) for _ in range(2)]
+        ref = qt.quantize(layer.eval(), data[0], data, progress=False)
+        low = qt.lower(ref, CPU)
+        (node,) = [n for n in low.graph.nodes if str(n.target).startswith("quantree.conv_t")]
+        env = {n.name: getattr(low, n.target) for n in low.graph.nodes if n.op == "get_attr"}
+        q = torch.ops.quantree.quantize.default
+        quantize = next(n for n in low.graph.nodes if n.target == q)
+        x = q(data[1][0], *quantize.args[1:])
+        call_args = [env[a.name] if isinstance(a, torch.fx.Node) and a.name in env else a
+                     for a in node.args]  # fmt: skip
+        call_args[0] = x
+        x_float = data[1][0]
+        times = interleaved_times(
+            {
+                "float": lambda layer=layer, x_float=x_float: layer(x_float),
+                "int8": lambda node=node, call_args=call_args: node.target(*call_args),
+            },
+            runs,
+        )
+        base = times["float"][1]
+        print(f"| {name} | {base * 1e3:.0f} us | {times['int8'][1] * 1e3:.0f} us "
+              f"({times['int8'][1] / base:.2f}x) |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--calibration", type=int, default=4)
     parser.add_argument("--held", type=int, default=4)
+    parser.add_argument("--layers", action="store_true", help="time single layers instead")
     args = parser.parse_args()
     one_thread()
     print(load_note())
+    if args.layers:
+        layer_times(args.runs)
+        print(load_note())
+        return
     for name, (model, sample) in cases().items():
         torch.manual_seed(0)
         model.eval()

@@ -51,6 +51,26 @@ void scatter(const Geometry& g, int64_t grp, const float* cols, int64_t ldc, int
     }
 }
 
+// One output pixel's OC channels (at stride oc): (acc + off) * scale (+ bias).
+void epilogue_float(const int32_t* acc, const int32_t* off, const float* scale,
+                    const float* bias, int64_t OC, float* out, int64_t oc) {
+    for (int64_t o = 0; o < OC; ++o) {
+        float y = static_cast<float>(acc[o] + off[o]) * scale[o];
+        if (bias) y += bias[o];
+        out[o * oc] = y;
+    }
+}
+
+// The same requantized as conv's int8 epilogue: round((acc + off) * mult + add) + zp, clamped.
+void epilogue_int8(const int32_t* acc, const int32_t* off, const float* mult, const float* add,
+                   int64_t OC, float zp, float qmin, int8_t* out, int64_t oc) {
+    for (int64_t o = 0; o < OC; ++o) {
+        float q = qt::round_even(static_cast<float>(acc[o] + off[o]) * mult[o] + add[o]) + zp;
+        q = q < qmin ? qmin : (q > 127.0f ? 127.0f : q);
+        out[o * oc] = static_cast<int8_t>(q);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -78,7 +98,8 @@ void qt_conv_transpose(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
     const int64_t Np = (N + 15) / 16 * 16;
     const int64_t panel = P < PANEL ? P : PANEL;
     std::vector<int32_t> acc(static_cast<size_t>(OH * OW * OC));
-    std::vector<uint8_t> a(static_cast<size_t>(panel * ((std::min<int64_t>(Cg, CHUNK) + 3) / 4 * 4)));
+    const int64_t Kp_max = (std::min<int64_t>(Cg, CHUNK) + 3) / 4 * 4;
+    std::vector<uint8_t> a(static_cast<size_t>(panel * Kp_max));
     const int64_t ldc = N < BLOCK ? N : BLOCK;
     std::vector<float> cols(static_cast<size_t>(panel * ldc));
     const std::vector<float> ones(static_cast<size_t>(N), 1.0f);
@@ -116,18 +137,11 @@ void qt_conv_transpose(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
             for (int64_t ow = 0; ow < OW; ++ow) {
                 const int32_t* src = acc.data() + (oh * OW + ow) * OC;
                 const int64_t base = n * on + oh * oh_s + ow * ow_s;
-                for (int64_t o = 0; o < OC; ++o) {
-                    const float v = static_cast<float>(src[o] + out_off[o]);
-                    if (out_f) {
-                        float y = v * scale[o];
-                        if (bias) y += bias[o];
-                        out_f[base + o * oc] = y;
-                    } else {
-                        float q = qt::round_even(v * mult[o] + add[o]) + zp;
-                        q = q < qmin ? qmin : (q > 127.0f ? 127.0f : q);
-                        out_q[base + o * oc] = static_cast<int8_t>(q);
-                    }
-                }
+                if (out_f)
+                    epilogue_float(src, out_off, scale, bias, OC, out_f + base, oc);
+                else
+                    epilogue_int8(src, out_off, mult.data(), add.data(), OC, zp, qmin,
+                                  out_q + base, oc);
             }
     }
 }
