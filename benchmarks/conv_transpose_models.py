@@ -161,6 +161,7 @@ def main() -> None:
         layer_times(args.runs)
         print(load_note())
         return
+    torch.manual_seed(0)  # the models' initial weights
     for name, (model, sample) in cases().items():
         torch.manual_seed(0)
         model.eval()
