@@ -237,3 +237,25 @@ def test_weighted_inputs_reads_like_the_convolutions(cls, shape, wide, narrow):
         for args in data:
             want, got = ref(*args), low(*args)
             assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_saved_and_loaded_model_computes_the_same(tmp_path):
+    """The ops survive ``torch.export`` save/load (fake kernels, constants): int8 and int16
+    inputs alike."""
+    from quantree.backends import load, save
+
+    torch.manual_seed(0)
+    for i, (cls, shape, points) in enumerate(
+        [
+            (Decoder, (2, 10, 4, 5), qt.ActivationPoints.EVERY_OP),
+            (Parallel1d, (2, 12, 9), qt.ActivationPoints.WEIGHTED_INPUTS),
+        ]
+    ):
+        data = batches(shape, n=2)
+        _, ref = run(cls().eval(), data, qt.Int8Quantizer(activations=points))
+        low = qt.lower(ref, CPU)
+        path = tmp_path / f"m{i}.pt2"
+        save(low, path, data[0])
+        loaded = load(path)
+        with torch.no_grad():
+            assert torch.equal(loaded(*data[1]), low(*data[1]))
