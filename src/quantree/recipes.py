@@ -28,6 +28,11 @@ from quantree.core.specs import (
     int8_activation,
     int8_weight,
 )
+from quantree.core.transposed import (
+    TRANSPOSED_CONVS,
+    is_transposed_convolution,
+    transposed_annotation,
+)
 from quantree.core.values import Use, Value, is_float_tensor, tensor_meta
 from quantree.core.weighted import weighted_annotation
 from quantree.recurrent.call import CELL_OPS, RECURRENT_OPS
@@ -265,11 +270,21 @@ def int8_rules(
         fused = _sole_user_is(node, fused_activations)
         return weighted_annotation(node, act, weight, None if fused else act)
 
+    def transposed(node: fx.Node) -> Annotation | None:
+        """conv_transpose1d/2d (or ``aten.convolution(transposed=True)``): as conv, the
+        weight per channel along its axis 1."""
+        if node.target is aten.convolution.default and not is_transposed_convolution(node):
+            return None
+        fused = _sole_user_is(node, fused_activations)
+        return transposed_annotation(node, act, weight, None if fused else act)
+
     def relu(node: fx.Node) -> Annotation:
         producer = node.args[0]
-        fused = isinstance(producer, fx.Node) and getattr(
-            producer.target, "overloadpacket", None
-        ) in (aten.linear, aten.conv1d, aten.conv2d)
+        fused = isinstance(producer, fx.Node) and (
+            getattr(producer.target, "overloadpacket", None)
+            in (aten.linear, aten.conv1d, aten.conv2d, *TRANSPOSED_CONVS)
+            or is_transposed_convolution(producer)
+        )
         return Annotation(outputs=act, inputs={} if fused else {(0,): act})
 
     def binary(node: fx.Node) -> Annotation | None:
@@ -317,6 +332,7 @@ def int8_rules(
 
     return (
         Rule((aten.linear, aten.conv1d, aten.conv2d), weighted),
+        Rule((*TRANSPOSED_CONVS, aten.convolution), transposed),
         Rule(fused_activations, relu),
         Rule((aten.matmul, aten.bmm, aten.mm), binary),
         Rule(BINARY_OPS, binary),

@@ -24,6 +24,7 @@ from quantree.backends.cpu.float_report import warn_float_ops
 from quantree.backends.cpu.lowering_casts import drop_identity_casts
 from quantree.backends.cpu.lowering_cat import lower_cat
 from quantree.backends.cpu.lowering_cell import lower_cell
+from quantree.backends.cpu.lowering_conv_transpose import lower_conv_transpose
 from quantree.backends.cpu.lowering_embedding import lower_embedding
 from quantree.backends.cpu.lowering_fold import fold_input_independent
 from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
@@ -137,6 +138,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_wide,
         lower_embedding,
         lower_conv2d,
+        lower_conv_transpose,
         lower_movement,
         lower_cat,
         lower_masked_fill,

@@ -434,3 +434,75 @@ def mean_hw(x: Tensor, x_zero_point: int, out_zero_point: int) -> None:
                    " on the CPU with H * W below 2**23")  # fmt: skip
     if not (-128 <= x_zero_point <= 127 and -128 <= out_zero_point <= 127):
         raise fail(op, f"zero points {x_zero_point}, {out_zero_point} are not int8 values")
+
+
+CONV_TRANSPOSE_CHUNK = 512
+"""``CHUNK`` of ``csrc/conv_transpose.cpp``: input channels one GEMM reduces over at most."""
+
+
+# void qt_conv_transpose(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W,
+#                        int64_t OC, int64_t groups, int64_t KH, int64_t KW, int64_t sh,
+#                        int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, int64_t OH,
+#                        int64_t OW, const int8_t* w, const int32_t* col_off,
+#                        const int32_t* out_off, const float* scale, const float* bias,
+#                        int8_t* out_q, float* out_f, int64_t on, int64_t oc, int64_t oh_s,
+#                        int64_t ow_s, float inv, float zp, int relu)
+def conv_transpose(x: Tensor, weight: Tensor, col_offset: Tensor, offset: Tensor,
+                   scale: Tensor, bias: Tensor | None, out_channels: int, kernel: list[int],
+                   stride: list[int], padding: list[int], output_padding: list[int],
+                   dilation: list[int], groups: int) -> None:  # fmt: skip
+    """x int8 [N, C, L] or [N, C, H, W] on the CPU (copied dense by the caller); geometry
+    in range with one padding per dimension and ``0 <= output_padding < max(stride,
+    dilation)`` (torch's rule), an output size of at least 0; groups dividing C and
+    out_channels; the weight and column offsets as ``packed_transposed_weight`` makes them:
+    per group and chunk of ``CONV_TRANSPOSE_CHUNK`` input channels, ``ceil(N / 16) * 16 * Kp``
+    bytes and N offsets, N = taps * out_channels / groups."""
+    op = "conv_transpose"
+    dtype_of(op, "x", x, I8)
+    rank = len(kernel)
+    if rank not in (1, 2) or x.dim() != rank + 2 or not x.is_cpu:
+        raise fail(op, f"x of shape {tuple(x.shape)} on {x.device} for a {rank}-d kernel: the "
+                   "kernel reads [N, C, L] or [N, C, H, W] on the CPU")  # fmt: skip
+    geometry(op, kernel, stride, padding, dilation, rank)
+    if (
+        len(padding) != rank
+        or len(output_padding) != rank
+        or not all(
+            0 <= p < max(s, d) for p, s, d in zip(output_padding, stride, dilation, strict=True)
+        )
+    ):
+        raise fail(op, f"padding {list(padding)} and output_padding {list(output_padding)}: "
+                   f"{rank} each, output_padding below max(stride, dilation)")  # fmt: skip
+    c = int(x.shape[1])
+    if not (1 <= groups < LIMIT and 0 <= out_channels < LIMIT):
+        raise fail(op, f"groups {groups} and out_channels {out_channels} out of range")
+    if c % groups or out_channels % groups:
+        raise fail(
+            op, f"groups {groups} divides neither {c} input nor {out_channels} output channels"
+        )
+    size = [
+        (int(i) - 1) * s - 2 * p + d * (k - 1) + q + 1
+        for i, k, s, p, q, d in zip(
+            x.shape[2:], kernel, stride, padding, output_padding, dilation, strict=True
+        )
+    ]
+    accumulator = out_channels
+    for extent in size:
+        accumulator *= max(extent, 0)
+    if min(size) < 0 or accumulator >= LIMIT:
+        raise fail(op, f"output size {size} x {out_channels} channels is below 0 or too large")
+    taps = kernel[0] * (kernel[1] if rank == 2 else 1)
+    n = taps * (out_channels // groups)
+    cg = c // groups
+    depths = [
+        -(-min(CONV_TRANSPOSE_CHUNK, cg - k0) // 4) * 4 for k0 in range(0, cg, CONV_TRANSPOSE_CHUNK)
+    ]
+    need = groups * -(-n // 16) * 16 * sum(depths)
+    if weight.dtype != I8 or weight.dim() != 1 or weight.numel() < need:
+        raise fail(op, f"weight is {weight.dtype} of shape {tuple(weight.shape)}; the kernel "
+                   f"reads {need} packed int8 bytes")  # fmt: skip
+    vector(op, "col_offset", col_offset, I32, groups * len(depths) * n)
+    vector(op, "offset", offset, I32, out_channels)
+    vector(op, "scale", scale, F32, out_channels)
+    if bias is not None:
+        vector(op, "bias", bias, F32, out_channels)

@@ -6,6 +6,7 @@ float scales), have fake implementations, and so survive ``torch.export`` and
 them, nothing else of quantree is needed to run a loaded model.
 """
 
+from quantree.backends.cpu.ops_conv_transpose import conv_transpose, conv_transpose16
 from quantree.backends.cpu.ops_derived import derived_bias, derived_offset, derived_scale
 from quantree.backends.cpu.ops_elementwise import binary, dequantize, lookup, quantize, softmax
 from quantree.backends.cpu.ops_embedding import embedding_rows
@@ -25,6 +26,8 @@ __all__ = [
     "conv16",
     "conv1d",
     "conv2d",
+    "conv_transpose",
+    "conv_transpose16",
     "derived_bias",
     "derived_offset",
     "derived_scale",

@@ -2,7 +2,7 @@
 // taken from the plain C++ gemm_reference, which x86-64's SSE2 portable GEMM must equal
 // too), bit for bit, on random shapes (odd sizes included): the GEMM (every epilogue kind, with and without a low
 // plane, and with weights prepared for the path: gemm_prepared) and every exported kernel built on it or beside it (linear, conv2d plain / grouped /
-// depthwise, matmul, max_pool2d, softmax, binary, lookup, quantize, dequantize, quantize16,
+// depthwise, transposed, matmul, max_pool2d, softmax, binary, lookup, quantize, dequantize, quantize16,
 // the recurrent layer in each cell kind with projection, int16 feedback and int16 input,
 // the whole stacked op on a padded batch and on a packed sequence, and a cells-mode
 // program). Built from the library's sources by
@@ -55,6 +55,11 @@ void qt_binary(int, const int8_t*, const int8_t*, int64_t, float, float, float, 
                float, int8_t*);
 void qt_lookup(const int8_t*, int64_t, const int8_t*, int8_t*);
 void qt_softmax(const int8_t*, int64_t, int64_t, const float*, float, float, int8_t*);
+void qt_conv_transpose(const int8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, int64_t, const int8_t*, const int32_t*, const int32_t*,
+                       const float*, const float*, int8_t*, float*, int64_t, int64_t, int64_t,
+                       int64_t, float, float, int);
 void qt_max_pool2d(const int8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int8_t*);
 void qt_rnn_layer(int, int64_t, int64_t, int64_t, int64_t, int, const int8_t*, float, float,
@@ -287,6 +292,46 @@ Run conv_case(int kind) {  // 0 plain, 1 grouped, 2 depthwise
             qt_conv2d_depthwise(x.data(), batch, C, H, W, zp, KH, KW, sh, sw, ph, pw, dh, dw, OH,
                                 OW, w.data(), off.data(), sc.data(), bias.data(), o.qp(), o.fp(),
                                 20.0f, 2.0f, static_cast<int>(relu));
+        return o.bytes();
+    };
+}
+
+// A transposed convolution (1-d as height 1), its weight packed per group and per chunk of
+// at most 512 input channels (conv_transpose.cpp); sometimes more than 512 channels a group.
+Run conv_transpose_case() {
+    static const int64_t sizes[] = {1, 2, 3, 5, 7}, chans[] = {1, 2, 3, 5, 17};
+    const bool wide = rnd() % 8 == 0;
+    const int64_t batch = 1 + rnd() % 2, H = wide ? 1 : pick(sizes, 5), W = pick(sizes, 5);
+    const int64_t groups = wide ? 1 : 1 + rnd() % 3;
+    const int64_t C = (wide ? 520 : pick(chans, 5)) * groups, OC = pick(chans, 5) * groups;
+    const int64_t KH = H == 1 ? 1 : 1 + rnd() % 3, KW = 1 + rnd() % 4;
+    const int64_t sh = 1 + rnd() % 3, sw = 1 + rnd() % 3, dh = 1 + rnd() % 2, dw = 1 + rnd() % 2;
+    const int64_t ph = rnd() % 2, pw = rnd() % 2, oph = rnd() % sh, opw = rnd() % sw;
+    const int64_t OH = (H - 1) * sh - 2 * ph + dh * (KH - 1) + oph + 1;
+    const int64_t OW = (W - 1) * sw - 2 * pw + dw * (KW - 1) + opw + 1;
+    if (OH < 1 || OW < 1) return conv_transpose_case();
+    const int64_t Cg = C / groups, N = KH * KW * (OC / groups);
+    std::vector<int8_t> w;
+    std::vector<int32_t> col_off;
+    for (int64_t g = 0; g < groups; ++g)
+        for (int64_t k0 = 0; k0 < Cg; k0 += 512) {
+            const int64_t Kc = Cg - k0 < 512 ? Cg - k0 : 512;
+            auto part = packed(N, Kc);
+            w.insert(w.end(), part.begin(), part.end());
+            auto off = i32(N, 3000);
+            col_off.insert(col_off.end(), off.begin(), off.end());
+        }
+    auto x = i8(batch * H * W * C);
+    auto out_off = i32(OC, 3000);
+    auto sc = f32(OC, 1e-4f, 1e-2f), bias = f32(OC, -1.0f, 1.0f);
+    const int64_t relu = rnd() % 2, with_bias = rnd() % 2;
+    const bool flt = rnd() % 2 == 0;
+    return [=] {
+        Out o(batch * OH * OW * OC, flt);
+        qt_conv_transpose(x.data(), batch, C, H, W, OC, groups, KH, KW, sh, sw, ph, pw, dh, dw,
+                          OH, OW, w.data(), col_off.data(), out_off.data(), sc.data(),
+                          with_bias ? bias.data() : nullptr, o.qp(), o.fp(), OH * OW * OC, 1,
+                          OW * OC, OC, 20.0f, 2.0f, static_cast<int>(relu));
         return o.bytes();
     };
 }
@@ -556,6 +601,7 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         {"rnn_relu", false, {}}, {"cell_loop_tanh", true, {}}, {"cell_loop_relu", false, {}},
         {"rnn_stack_lstm", true, {}}, {"rnn_stack_relu", false, {}},
         {"rnn_packed_lstm", true, {}}, {"rnn_packed_relu", false, {}},
+        {"conv_transpose", false, {}},
     };
     for (int i = 0; i < few; ++i) {
         all[0].cases.push_back(linear_case());
@@ -569,6 +615,7 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         all[19].cases.push_back(rnn_stack_case(3));
         all[20].cases.push_back(rnn_stack_case(0, true));
         all[21].cases.push_back(rnn_stack_case(3, true));
+        all[22].cases.push_back(conv_transpose_case());
     }
     return all;
 }
