@@ -29,6 +29,10 @@ from quantree.recurrent.call import RecurrentCall
 aten = torch.ops.aten
 
 
+SPLIT_LAYER_KEY = "quantree_split_layer"
+"""Node meta of each layer call but the last: its index in the stack (tools name its output
+``output l0``, ...; the last layer's output is the stacked call's)."""
+
 SPLITTABLE = (aten.rnn_relu.input, aten.rnn_tanh.input, aten.gru.input, aten.lstm.input)
 
 
@@ -52,28 +56,62 @@ def split_layers(gm: fx.GraphModule, node: fx.Node) -> None:
     graph = gm.graph
     fake_mode = detect_fake_mode([n.meta.get("val") for n in node.all_input_nodes])
 
-    def add(target, *args) -> fx.Node:
-        new = graph.call_function(target, args)
+    def add(target, *args, val: object = None, name: str | None = None) -> fx.Node:
+        new = graph.create_node("call_function", target, args, name=name)
         new.meta = {k: v for k, v in node.meta.items() if k != "val"}
         vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
         vals = [[v.meta["val"] for v in a] if isinstance(a, list) else a for a in vals]
-        if fake_mode is not None:
+        if val is not None:
+            new.meta["val"] = val
+        elif fake_mode is not None:
             with fake_mode:
                 new.meta["val"] = target(*vals)
         return new
 
-    hs = list(hx) if isinstance(hx, list | tuple) else [hx]  # LSTM: [h0, c0]
+    # A layer's values, read off the stacked call's: every layer's output has the last one's
+    # shape (one hidden size), its states are its rows of h_n / c_n. Running the op's fake
+    # kernel instead fails on a dynamic batch (ATen's lstm reads ``numel()`` of a symbol).
+    whole = node.meta.get("val")
+
+    def layer_val(layer: int) -> object:
+        if whole is None or fake_mode is None:
+            return None
+        with fake_mode:
+            states = (s[layer * dirs : (layer + 1) * dirs] for s in whole[1:])
+            return (torch.empty_like(whole[0]), *states)
+
+    def layer_state(h: fx.Node, layer: int) -> fx.Node:
+        """A layer's rows of an initial state: fresh zeros where the state is zeros (as
+        export writes a call without one: no float slice op to report), else a slice."""
+        if h.target == aten.zeros.default and not h.kwargs.get("out"):
+            shape = h.args[0]
+            assert isinstance(shape, list | tuple)
+            state = graph.create_node(
+                "call_function", aten.zeros.default, ([dirs, *shape[1:]], *h.args[1:]), h.kwargs
+            )
+            state.meta = dict(h.meta)
+            if fake_mode is not None and "val" in h.meta:
+                with fake_mode:
+                    state.meta["val"] = h.meta["val"][:dirs].clone()
+            return state
+        return add(aten.slice.Tensor, h, 0, layer * dirs, (layer + 1) * dirs)
+
+    hs = [h for h in (hx if isinstance(hx, list | tuple) else [hx]) if isinstance(h, fx.Node)]
+    assert len(hs) in (1, 2), f"{node}: initial states are not graph values"  # LSTM: [h0, c0]
     n_states = len(hs)
     states: list[list[fx.Node]] = [[] for _ in range(n_states)]
     out: fx.Node = x  # type: ignore[assignment]  # the input is a graph value
     with graph.inserting_before(node):
         for layer in range(num_layers):
-            h0 = [add(aten.slice.Tensor, h, 0, layer * dirs, (layer + 1) * dirs) for h in hs]
+            h0 = [layer_state(h, layer) for h in hs]
             weights = list(params[layer * per : (layer + 1) * per])
             call = add(
                 node.target, out, h0 if isinstance(hx, list | tuple) else h0[0], weights,
                 has_biases, 1, dropout, train, bidirectional, batch_first,
+                val=layer_val(layer), name=f"{node.name}_l{layer}",
             )  # fmt: skip
+            if layer < num_layers - 1:
+                call.meta[SPLIT_LAYER_KEY] = layer
             out = add(operator.getitem, call, 0)
             for i in range(n_states):
                 states[i].append(add(operator.getitem, call, 1 + i))
@@ -85,5 +123,8 @@ def split_layers(gm: fx.GraphModule, node: fx.Node) -> None:
         user.replace_all_uses_with(results[index])
         graph.erase_node(user)
     graph.erase_node(node)
+    for h in hs:  # zeros replaced by each layer's own: nothing reads them now
+        if h.target == aten.zeros.default and not h.users:
+            graph.erase_node(h)
     graph.lint()
     gm.recompile()
