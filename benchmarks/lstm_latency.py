@@ -5,7 +5,9 @@
 Columns: float ``nn.LSTM``; PyTorch dynamic int8 (``quantize_dynamic``); PyTorch eager
 static int8 (the custom-module flow through ``torch.ao.nn.quantizable.LSTM``); quantree
 whole mode lowered to ``quantree.backends.CPU`` (int8 hidden-state feedback, the default)
-and to ``cpu_backend(hidden_bits=16)`` (int16 feedback); quantree cells mode lowered to
+and to ``cpu_backend(hidden_bits=16)`` (int16 feedback); on stacked rows, the stacked call
+kept whole (``Int8Quantizer(split_layers=False)``: inner layers carried at int16, the
+default before each layer was observed on its own); quantree cells mode lowered to
 CPU, int8 everywhere and the integer-LSTM recipe (``i16``: int16 cell state and gates);
 ONNX Runtime dynamic int8 when ``onnxruntime`` is installed.
 Ratios are to float ``nn.LSTM`` measured in the same run.
@@ -39,6 +41,7 @@ COLUMNS = [
     "torch eager static",
     "quantree whole",
     "quantree whole h16",
+    "quantree whole stacked",
     "quantree cells",
     "quantree cells i16",
     "onnxruntime dynamic",
@@ -134,6 +137,9 @@ def variants(shape: tuple[int, int, int, int, int]) -> dict[str, Callable[[], ob
         "quantree whole": lambda: whole(x),
         "quantree whole h16": lambda: whole16(x),
     }
+    if layers > 1:  # the stacked call kept whole: inner layers at int16 (the default splits it)
+        stacked = qt.convert(calibrated(model, x, calib, qt.Int8Quantizer(split_layers=False)))
+        out["quantree whole stacked"] = functools.partial(qt.lower(stacked, CPU), x)
     cells = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
     integer = qt.Int8Quantizer(
         recurrent=qt.RecurrentMode.CELLS,

@@ -38,7 +38,7 @@ from quantree.core.weighted import weighted_annotation
 from quantree.recurrent.call import CELL_OPS, RECURRENT_OPS
 from quantree.recurrent.decompose import CellsOptions
 from quantree.recurrent.recipe import cells_rules, fixed_sigmoid, fixed_tanh
-from quantree.recurrent.split_layers import split_layers, splittable
+from quantree.recurrent.split_layers import SPLITTABLE, split_layers, splittable
 from quantree.recurrent.whole import recurrent_cell_annotation, recurrent_whole_annotation
 
 aten = torch.ops.aten
@@ -161,7 +161,11 @@ class Int8Quantizer(Quantizer):
     for the integer-LSTM convention), ``gate_dtype`` (sigmoid/tanh outputs, default the
     activation dtype) and ``points`` (a spec per point name, see ``quantree.recurrent.cell_graph``)
     shape the cells, and ``cells_scope`` limits cells mode to one module (the rest stays
-    whole). In whole mode each state a layer returns (``h_n``, ``c_n``) has its own grid;
+    whole). In whole mode a stacked call (``num_layers > 1``) becomes one call per layer at
+    prepare (``split_layers=True``, the default), so each layer's output is observed and
+    quantized like any other tensor; ``split_layers=False`` keeps the stacked call whole,
+    quantized at its boundary only (a stacked ReLU RNN is split either way: nothing bounds
+    its inner states). Each state a layer returns (``h_n``, ``c_n``) has its own grid;
     ``share_recurrent_state=True`` puts it on its initial state's grid (stateful streaming,
     where it is fed back as the next call's initial state). ``activations`` says which
     activations are quantized (``ActivationPoints``: by default every op's, except in graphs
@@ -185,6 +189,7 @@ class Int8Quantizer(Quantizer):
         points: Mapping[str, Spec] | None = None,
         cells_scope: str | None = None,
         share_recurrent_state: bool = False,
+        split_layers: bool = True,
         activations: ActivationPoints = ActivationPoints.AUTO,
         weighted_inputs_dtype: QDtype = QDtype.INT16,
         rules: tuple[Rule, ...] = (),
@@ -205,8 +210,10 @@ class Int8Quantizer(Quantizer):
             raise QuantreeError(
                 f"share_recurrent_state must be True or False, got {share_recurrent_state!r}"
             )
+        if not isinstance(split_layers, bool):
+            raise QuantreeError(f"split_layers must be True or False, got {split_layers!r}")
         image_act = activation or weighted_input_spec(QDtype.INT8, activation_observer)
-        recipe = int8_rules(act, wgt, share_recurrent_state) + weighted_inputs_rules(
+        recipe = int8_rules(act, wgt, share_recurrent_state, split_layers) + weighted_inputs_rules(
             weighted_act, wgt, activations, FLOAT_UNDER_WEIGHTED_INPUTS, image_act
         )
         if recurrent is RecurrentMode.CELLS:
@@ -260,10 +267,14 @@ class A16W8Quantizer(Int8Quantizer):
 
 
 def int8_rules(
-    act: QuantSpec, weight: QuantSpec, share_recurrent_state: bool = False
+    act: QuantSpec,
+    weight: QuantSpec,
+    share_recurrent_state: bool = False,
+    split_stacked: bool = True,
 ) -> tuple[Rule, ...]:
     """The rules of Int8Quantizer for the given activation and weight specs."""
     fused_activations = RELU_OPS
+    split_kinds = SPLITTABLE if split_stacked else (aten.rnn_relu.input,)
 
     def weighted(node: fx.Node) -> Annotation:
         """linear / conv: the output is left to a following relu it fuses with."""
@@ -326,7 +337,7 @@ def int8_rules(
         return Annotation(outputs=None, inputs={(0,): weight})
 
     def recurrent(node: fx.Node) -> Annotation:
-        if splittable(node):  # a stacked ReLU RNN: its inner layers' states observed too
+        if splittable(node, split_kinds):  # a stacked call: its inner layers observed too
             return Annotation(decompose=split_layers)
         return recurrent_whole_annotation(node, act, weight, share_recurrent_state)
 

@@ -36,7 +36,9 @@ def lowered(rnn: nn.Module, shape: tuple[int, ...]) -> tuple[torch.fx.GraphModul
     model = Output(rnn.eval()).eval()
     x = torch.randn(*shape)
     data = [(torch.randn(*shape),) for _ in range(3)]
-    return qt.lower(qt.quantize(model, (x,), data), CPU), x
+    # stacked layers kept in one call: the runner's inner-layer (int16) path is exercised too
+    quantizer = qt.Int8Quantizer(split_layers=False)
+    return qt.lower(qt.quantize(model, (x,), data, quantizer=quantizer), CPU), x
 
 
 def rnn_node(gm: torch.fx.GraphModule) -> torch.fx.Node:

@@ -196,8 +196,9 @@ def test_recurrent_whole_mode(layer):
     prepared, ref = run(model, data)
     assert_prepared_exact(model, prepared, data[0])
     assert min(output_sqnrs(model, ref, data[0])) >= THRESHOLD_DB
-    # every output leaf leaves the recurrent node through exactly one quantize
-    (node,) = [
+    # one call per layer (stacked calls are split), every output leaf of each leaves it
+    # through exactly one quantize
+    nodes = [
         n
         for n in ref.graph.nodes
         if n.op == "call_function"
@@ -209,8 +210,10 @@ def test_recurrent_whole_mode(layer):
             torch.ops.aten.lstm.input,
         )
     ]
-    for leaf in node.users:
-        assert [u.target for u in leaf.users] == [qd.quantize_per_tensor.default]
+    assert len(nodes) == layer.num_layers
+    for node in nodes:
+        for leaf in node.users:
+            assert [u.target for u in leaf.users] == [qd.quantize_per_tensor.default]
 
 
 @pytest.mark.parametrize("share", [False, True])

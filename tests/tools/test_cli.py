@@ -115,7 +115,7 @@ def test_report_has_decodable_plots(files: dict[str, Path]) -> None:
                  "-o", str(out), "--report", str(report), "--quiet"])  # fmt: skip
     assert code == 0
     page = report.read_text()
-    assert "lstm[2]" in page and "What is quantized" in page
+    assert "lstm_l1[2]" in page and "What is quantized" in page  # the last layer's c_n
     (steps,) = embedded_svgs(page)  # the LSTM's output SQNR per time step
     assert "SQNR per time step" in steps
     images = embedded_pngs(page)

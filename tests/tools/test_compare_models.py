@@ -45,7 +45,14 @@ def speech() -> tuple[nn.Module, torch.fx.GraphModule, list[tuple[torch.Tensor]]
 
 
 LAYERS = ("aten.conv1d", "aten.linear", "aten.gru", "aten.relu", "aten.transpose")
-WEIGHTED = ("conv1d", "conv1d_1", "gru", "linear")  # the model's conv, recurrent, linear nodes
+WEIGHTED = ("conv1d", "conv1d_1", "gru_l0", "gru_l1", "linear")  # conv, GRU layers, linear
+
+
+def _prepared_float(model: nn.Module, data: list[tuple[torch.Tensor]]) -> torch.fx.GraphModule:
+    """What prepare made of the model, computing float (observers return their input): the
+    stacked GRU is one call per layer there, as in the quantized graph, so each layer has a
+    float counterpart to compare with (a plain capture holds the stacked call only)."""
+    return qt.prepare(qt.capture(model, data[0]), qt.Int8Quantizer())
 
 
 def _check_worst_is_a_layer(comparison: qt.Comparison) -> None:
@@ -69,7 +76,7 @@ def _check_worst_is_a_layer(comparison: qt.Comparison) -> None:
 def test_folded_batch_norm_is_compared_with_conv_plus_batch_norm(speech) -> None:
     """Before: conv1.bias at -30 dB and conv1d at 1.7 dB (float conv vs folded conv)."""
     model, ref, data = speech
-    comparison = qt.compare(model, ref, data[:3])
+    comparison = qt.compare(_prepared_float(model, data), ref, data[:3])
     _check_worst_is_a_layer(comparison)
     names = {r.name for r in comparison.rows}
     assert "batch_norm" not in names  # folded: the conv row means conv + batch norm
@@ -79,15 +86,17 @@ def test_folded_batch_norm_is_compared_with_conv_plus_batch_norm(speech) -> None
 def test_cpu_lowered_model_has_a_row_per_kernel(speech) -> None:
     """Before: four rows, all 'quantized as float'; then conv+relu rows named 'relu'."""
     model, ref, data = speech
-    comparison = qt.compare(model, qt.lower(ref, CPU), data[:3])
+    comparison = qt.compare(_prepared_float(model, data), qt.lower(ref, CPU), data[:3])
     _check_worst_is_a_layer(comparison)
     kernels = {r.name: r for r in comparison.rows if r.quantization == "int8 kernel"}
     # every conv, linear and recurrent layer has its own row, named after the layer
-    assert {"conv1d (+relu)", "conv1d_1 (+relu)", "linear", "gru[0]"} <= set(kernels)
+    assert {"conv1d (+relu)", "conv1d_1 (+relu)", "linear", "gru_l0[0]", "gru_l1[0]"} <= set(
+        kernels
+    )
     assert kernels["conv1d (+relu)"].op == "aten.conv1d.default"
     assert not any(r.name.startswith("relu") for r in comparison.rows)
     # a fused kernel holds relu's Value: its SQNR is the reference's relu row's
-    rows = qt.compare(model, ref, data[:3]).rows
+    rows = qt.compare(_prepared_float(model, data), ref, data[:3]).rows
     reference = {r.node: r.sqnr_db for r in rows if r.kind is RowKind.VALUE}
     for row in kernels.values():
         if row.node in reference:

@@ -64,7 +64,9 @@ def test_small_demo_run_table_and_report(tmp_path: Path) -> None:
     assert "bits/char" in lines[0] and "vs dynamic" in lines[0] and "logits SQNR" in lines[0]
     assert len(lines) == 2 + len(result.rows)
     comparison = result.comparisons["int8 whole"]
-    assert {"lstm[0]", "lstm[1]", "lstm[2]"} <= {r.name for r in comparison.rows}
+    # the stacked LSTM is one call per layer (lstm_l0, lstm_l1), each leaf a row
+    layers = {f"lstm_l{i}[{leaf}]" for i in (0, 1) for leaf in (0, 1, 2)}
+    assert layers <= {r.name for r in comparison.rows}
     written = demo_report.write_report(result, tmp_path / "out" / "report.html")
     page = written.read_text()
     assert "int8 whole: per-tensor SQNR against float" in page

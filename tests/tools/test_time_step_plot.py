@@ -62,6 +62,7 @@ def test_cells_mode_states_get_a_series_per_layer_and_direction(comparisons) -> 
             assert min(row.steps) >= 15.0, row.name  # int8 everywhere: measured 24-45 dB
     whole = comparisons["whole"]
     assert {(r.layer, r.series) for r in whole.rows if r.steps} == {
+        ("enc", "output l0"),  # the stacked encoder, split per layer at prepare
         ("enc", "output"),
         ("dec", "output"),
     }
@@ -118,7 +119,8 @@ def test_report_has_one_readable_chart_per_recurrent_layer(comparisons) -> None:
     assert "hidden l1_reverse" in enc_texts and "cell l0" in enc_texts
     assert "output" in enc_texts  # a panel per variant, a line per series
     # the table beside the charts: every series' first, last and worst step
-    assert page.count("<td>enc</td>") == 1 + 1 + 8 and "at t" in page
+    # whole: layer 0's output and the encoder's; cells: the output and 8 states
+    assert page.count("<td>enc</td>") == 2 + 1 + 8 and "at t" in page
 
 
 def test_a_one_layer_loops_hidden_state_is_not_drawn_twice(comparisons) -> None:

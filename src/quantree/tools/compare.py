@@ -51,6 +51,7 @@ from quantree.tools.time_steps import (
     call_sqnrs,
     cell_state,
     layer_label,
+    output_series,
     render_steps,
     step_energies,
     step_sqnrs,
@@ -281,7 +282,8 @@ class _Session:
         node = nodes[key[1]][1]
         axis = time_axis(node, key[2], gm)
         if axis is not None:
-            return _Stat(described, time_axis=axis, layer=layer_label(node), series="output")
+            layer, series = layer_label(node), output_series(node)
+            return _Stat(described, time_axis=axis, layer=layer, series=series)
         state = cell_state(self.float_gm, scope, key[1]) if scope != ROOT else None
         if state is None or key[2]:
             return _Stat(described)
@@ -374,7 +376,8 @@ def compare(
     """Per-tensor SQNR of ``quantized_model`` against ``float_model`` over ``data``.
 
     ``float_model`` is an ``nn.Module`` (captured here on the first batch) or a captured or
-    prepared GraphModule (prepared: the cells of a cells-mode layer are compared too);
+    prepared GraphModule (prepared: the cells of a cells-mode layer and each layer of a
+    stacked recurrent call, which prepare splits, are compared too);
     ``quantized_model`` is the output of ``convert`` or ``lower`` (any module works for the
     output rows). ``data`` is an iterable of argument tuples. Neither model is changed.
     """

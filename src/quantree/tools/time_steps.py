@@ -16,6 +16,7 @@ import torch.fx as fx
 from quantree.core.values import Path
 from quantree.recurrent.call import RECURRENT_OPS, RecurrentCall
 from quantree.recurrent.loop import CellLoop, RecurrentCells
+from quantree.recurrent.split_layers import SPLIT_LAYER_KEY
 
 STATE_POINTS = ("hidden", "cell")
 """The named points of a cell body that the loop carries to the next step (README)."""
@@ -43,6 +44,14 @@ def layer_label(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     path = str(list(stack.values())[-1][0]) if stack else ""
     return path or node.name
+
+
+def output_series(node: fx.Node) -> str:
+    """``output`` for a layer's output sequence; ``output l0`` for a layer below the last of a
+    stacked call that prepare split (``recurrent/split_layers.py``), as cells mode names its
+    per-layer states."""
+    layer = node.meta.get(SPLIT_LAYER_KEY)
+    return f"output l{layer}" if isinstance(layer, int) else "output"
 
 
 def cell_state(root: torch.nn.Module, scope: str, name: str) -> tuple[str, str, bool] | None:

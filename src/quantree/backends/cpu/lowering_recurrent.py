@@ -9,7 +9,9 @@ default (36-45 dB against the reference on random models) or int16 (``hidden_bit
 55-65 dB on single layers); for the layers before the last, whose states were never
 observed, as int16 on a bound that holds for any input (``_hidden_ranges``). Outputs passed
 between stacked layers are quantized per call, as int16, on the range they took. The first
-step reads the initial state on its own int8 grid, as the reference does.
+step reads the initial state on its own int8 grid, as the reference does. (``Int8Quantizer``
+splits stacked calls per layer by default, so the inner int16 path serves
+``split_layers=False`` and other recipes' graphs.)
 """
 
 from __future__ import annotations
