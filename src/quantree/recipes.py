@@ -81,6 +81,7 @@ SAME_AS_INPUT_OPS = (
 )
 """Ops whose float outputs keep exactly the input's grid (max, clamp, splits, packing)."""
 UNARY_OPS = (
+    aten.batch_norm,  # eval, where no conv/linear absorbed it (pre-activation norms)
     aten.layer_norm,
     aten.group_norm,
     aten.avg_pool2d,

@@ -71,6 +71,7 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_conv1d": [_ptr, _ptr, *[_i64] * 7, _f32, _f32, _f32, *[_i64] * 8, *[_ptr] * 8,
                   *[_i64] * 3, _f32, _f32, _int],
     "qt_mean_hw": [_ptr, *[_i64] * 8, _f32, _i64, _f32, _f32, _ptr],
+    "qt_channel_affine": [_ptr, *[_i64] * 3, _f32, _f32, _ptr, _ptr, _f32, _f32, _f32, _ptr],
     "qt_softmax": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr],
     "qt_max_pool2d": [_ptr, *[_i64] * 14, _ptr],
     "qt_quantize16": [_ptr, _i64, _f32, _ptr],
