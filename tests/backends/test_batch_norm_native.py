@@ -87,8 +87,9 @@ def test_pre_activation_norm_lowered():
     _, ref = run(PreActivation().eval(), data, None)
     low = qt.lower(ref, CPU)
     targets = {n.target for n in low.graph.nodes}
-    assert native.channel_affine.default in targets
-    assert aten.batch_norm.default not in targets
+    affine = [n for n in low.graph.nodes if n.target == native.channel_affine.default]
+    assert [n.args[-1] for n in affine] == [True]  # the relu fused: no int8 pass of its own
+    assert aten.batch_norm.default not in targets and aten.relu.default not in targets
     with torch.no_grad():
         for args in data:
             for want, got in zip(leaves(ref(*args)), leaves(low(*args)), strict=True):
