@@ -43,6 +43,7 @@ from quantree.backends.cpu.lowering_qdq import (
 )
 from quantree.backends.cpu.lowering_recurrent import recurrent_rule
 from quantree.backends.cpu.lowering_rms_norm import recognise_rms_norm
+from quantree.backends.cpu.lowering_views import lower_view_chain
 from quantree.backends.cpu.lowering_wide import lower_wide
 from quantree.backends.cpu.native import library
 from quantree.backends.cpu.simulated import simulated_ops, warn_simulated
@@ -138,6 +139,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_wide,
         lower_embedding,
         lower_conv2d,
+        lower_view_chain,
         lower_movement,
         lower_cat,
         lower_masked_fill,
