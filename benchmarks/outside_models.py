@@ -11,7 +11,9 @@ ones), ``qt.export_onnx`` of the reference graph and ``inspection.summary`` (``q
 inspect``). Columns: the first step that failed, input-dependent SQNR of the lowered outputs
 against float (as ``zoo.py``), ratio of median thread-CPU time to float (interleaved, few
 runs: a smoke test for "slower than float", not a benchmark), and the aten ops the lowered
-graph still computes in float."""
+graph still computes in float. ``--anchor`` adds torchao + Inductor (``zoo.py``'s anchor, its
+torchao 0.18 workarounds included) on the CNN rows (``--anchor all``: every non-recurrent
+row), timed in the same interleaved rounds, with its SQNR."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from zoo import (  # noqa: E402
     outputs,
     randn,
     tokens,
+    torchao_variant,
     warm_batch_norm,
 )
 
@@ -254,6 +257,12 @@ FAMILIES = {
 BUILDERS = {"torchvision": torchvision_model, "timm": timm_model, "hf": hf}
 BUILDERS |= {"torchaudio": torchaudio_model, "plain": plain}
 MODELS = tuple(name for names in FAMILIES.values() for name in names)
+CNNS = (
+    *FAMILIES["torchvision"][:9],
+    *("ghostnet_100", "levit_128s", "poolformer_s12"),
+)
+"""The rows issue 10's "within 1.3x of torchao + Inductor" applies to (convolutional image
+models; LeViT and PoolFormer are convolutional hybrids)."""
 
 
 def build(name: str) -> Case:
@@ -286,7 +295,18 @@ def describe(err: BaseException) -> str:
     return f"{kind}: {text}" + (f" [{at}]" if at and kind != "QuantreeError" else "")
 
 
-def run_one(name: str, mode_name: str, runs: int, calib_n: int, held_n: int) -> dict:
+def anchor_variant(case: Case, calib: list[tuple], held: list[tuple], ref_out: list) -> tuple:
+    """torchao + Inductor on the same calibration batches, compiled and warmed (the first
+    calls compile for minutes: outside the timed rounds), and its input-dependent SQNR."""
+    compiled = torchao_variant(case, calib)[0]
+    with torch.inference_mode():  # the timed rounds' grad mode: compile for it here
+        compiled(*held[0])
+    return compiled, input_dependent_sqnr(ref_out, outputs(compiled, held))
+
+
+def run_one(
+    name: str, mode_name: str, runs: int, calib_n: int, held_n: int, anchor: bool = False
+) -> dict:
     import quantree as qt
     from quantree.backends import CPU, load, save
     from quantree.tools.inspection import summary
@@ -358,34 +378,55 @@ def run_one(name: str, mode_name: str, runs: int, calib_n: int, held_n: int) -> 
                     row["onnx"] = "ok"
                 except Exception as err:
                     row["onnx"] = describe(err)
+        args = held[0]
+        timed = {"float": lambda: case.model(*args), "lowered": lambda: lowered(*args)}
+        if anchor:
+            step = at("anchor")
+            try:
+                compiled, row["anchor_sqnr"] = anchor_variant(case, calib, held, ref_out)
+                timed["anchor"] = lambda: compiled(*args)
+            except Exception as err:  # the anchor failing is a result of its own
+                row["anchor_error"] = describe(err)
         step = at("time")
         if runs > 0:
-            args = held[0]
-            ms = interleaved_times(
-                {"float": lambda: case.model(*args), "lowered": lambda: lowered(*args)},
-                runs,
-                warmup=2,
-            )
+            ms = interleaved_times(timed, runs, warmup=2)
             row["ms"], row["cpu"] = ms["lowered"]
             row["float_ms"], row["float_cpu"] = ms["float"]
+            if "anchor" in ms:
+                row["anchor_ms"], row["anchor_cpu"] = ms["anchor"]
         step = at("done")
     except Exception as err:
         row["error"] = describe(err)
         row["traceback"] = traceback.format_exc()[-4000:]
     row["step"], row["seconds"] = step, times
+    row["load"] = load_note()
     return row
 
 
-def render(rows: list[dict]) -> str:
-    lines = [
-        "| model | mode | reaches | input-dep. SQNR (ref) | CPU-time ratio (wall) | save/load "
-        "| ONNX | ops left in float |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+def anchor_cells(r: dict) -> str:
+    """The torchao columns: its CPU-time ratio to float (wall), SQNR, and quantree's CPU time
+    against its (the issue's bar: at most 1.3x)."""
+    if "anchor_error" in r:
+        return f"fails: {r['anchor_error'][:160]} | | "
+    if "anchor_sqnr" not in r:
+        return " | | "
+    if "anchor_cpu" not in r:
+        return f"not timed | {r['anchor_sqnr']:.1f} dB | "
+    ratio = f"{r['anchor_cpu'] / r['float_cpu']:.2f}x ({r['anchor_ms'] / r['float_ms']:.2f}x)"
+    return f"{ratio} | {r['anchor_sqnr']:.1f} dB | {r['cpu'] / r['anchor_cpu']:.2f}x"
+
+
+def render(rows: list[dict], anchor: bool = False) -> str:
+    head = "| model | mode | reaches | input-dep. SQNR (ref) | CPU-time ratio (wall) | save/load "
+    head += "| ONNX | ops left in float |"
+    if anchor:
+        head += " torchao+inductor CPU-time ratio (wall) | torchao SQNR | quantree / torchao |"
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
+        extra = f" {anchor_cells(r)} |" if anchor else ""
         if "error" in r:
             lines.append(f"| {r['model']} | {r['mode']} | fails at {r['step']}: {r['error']} "
-                         "| | | | | |")  # fmt: skip
+                         f"| | | | | |{extra}")  # fmt: skip
             continue
         ratio = "not timed"
         if "cpu" in r:
@@ -397,7 +438,7 @@ def render(rows: list[dict]) -> str:
         onnx = onnx if onnx == "ok" or onnx.startswith("skipped") else "fails"
         lines.append(
             f"| {r['model']} | {r['mode']} | all | {r['sqnr']:.1f} dB ({r['sqnr_ref']:.1f}) "
-            f"| {ratio} | {saved} | {onnx} | {ops if left else 'none'} |"
+            f"| {ratio} | {saved} | {onnx} | {ops if left else 'none'} |{extra}"
         )
     return "\n".join(lines)
 
@@ -410,11 +451,19 @@ def main() -> None:
     parser.add_argument("--held", type=int, default=4, help="held-out inputs for SQNR")
     parser.add_argument("--json", type=Path, help="also write every row (with tracebacks) here")
     parser.add_argument("--verbose", action="store_true", help="print warnings and tracebacks")
+    parser.add_argument(
+        "--anchor", nargs="?", const="cnn", choices=("cnn", "all"),
+        help="also torchao + Inductor, timed in the same rounds: on the CNN rows (default), "
+        "or on every non-recurrent row",
+    )  # fmt: skip
     parser.add_argument("--one", help=argparse.SUPPRESS)  # name:mode, run in this process
     args = parser.parse_args()
     if args.one:
         name, mode = args.one.split(":")
-        print(json.dumps(run_one(name, mode, args.runs, args.calibration, args.held)))
+        anchor = args.anchor == "all" and mode == "whole" and name not in FAMILIES["plain"]
+        anchor = anchor or (args.anchor == "cnn" and name in CNNS)
+        row = run_one(name, mode, args.runs, args.calibration, args.held, anchor)
+        print(json.dumps(row))
         return
     rows = []
     for name in [n.strip() for n in args.models.split(",") if n.strip()]:
@@ -423,6 +472,7 @@ def main() -> None:
             print(f"# {name} {mode} ({load_note()})", file=sys.stderr, flush=True)
             cmd = [sys.executable, __file__, "--one", f"{name}:{mode}", "--runs", str(args.runs)]
             cmd += ["--calibration", str(args.calibration), "--held", str(args.held)]
+            cmd += ["--anchor", args.anchor] if args.anchor else []
             done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
             try:
                 row = json.loads(done.stdout.strip().splitlines()[-1])
@@ -439,11 +489,11 @@ def main() -> None:
                 print(f"  seconds: {row.get('seconds')}", file=sys.stderr)
                 if row.get("onnx", "ok") != "ok":
                     print(f"  onnx: {row['onnx']}", file=sys.stderr)
-            print(render([row]).splitlines()[-1], file=sys.stderr, flush=True)
+            print(render([row], bool(args.anchor)).splitlines()[-1], file=sys.stderr, flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"\n{load_note()}, torch {torch.__version__}, one thread\n")
-    print(render(rows))
+    print(render(rows, bool(args.anchor)))
 
 
 if __name__ == "__main__":

@@ -110,6 +110,9 @@ SUM_OPS = (aten.sum,)
 """A sum over float values changes the range like a mean (MobileViT's separable attention
 sums its context vector); a count over a mask is an integer and stays as it is."""
 RELU_OPS = (aten.relu, aten.relu_)
+NORM_OPS = (aten.batch_norm,)
+"""Eval batch norm no conv/linear absorbed (pre-activation norms): input and output, the
+output left to a following relu it fuses with, as a convolution's."""
 CAT_OPS = (aten.cat, aten.concat, aten.stack)
 FLOAT_UNDER_WEIGHTED_INPUTS = (
     *BINARY_OPS,
@@ -119,6 +122,7 @@ FLOAT_UNDER_WEIGHTED_INPUTS = (
     *SAME_AS_INPUT_OPS,
     *CAT_OPS,
     *UNARY_OPS,
+    *NORM_OPS,
     *SUM_OPS,
     aten.softmax,
     aten._softmax,
@@ -293,10 +297,15 @@ def int8_rules(
         producer = node.args[0]
         fused = isinstance(producer, fx.Node) and (
             getattr(producer.target, "overloadpacket", None)
-            in (aten.linear, aten.conv1d, aten.conv2d, *TRANSPOSED_CONVS)
+            in (aten.linear, aten.conv1d, aten.conv2d, *TRANSPOSED_CONVS, *NORM_OPS)
             or is_transposed_convolution(producer)
         )
         return Annotation(outputs=act, inputs={} if fused else {(0,): act})
+
+    def norm(node: fx.Node) -> Annotation:
+        """The input, and the output unless a relu it fuses with follows."""
+        fused = _sole_user_is(node, fused_activations)
+        return Annotation(outputs=None if fused else act, inputs={(0,): act})
 
     def binary(node: fx.Node) -> Annotation | None:
         inputs = {(i,): act for i, a in enumerate(node.args[:2]) if _is_float_node(a)}
@@ -352,6 +361,7 @@ def int8_rules(
         Rule(SAME_AS_INPUT_OPS, same_as_input),
         Rule(CAT_OPS, cat),
         Rule(UNARY_OPS, unary),
+        Rule(NORM_OPS, norm),
         Rule(SUM_OPS, lambda node: unary(node) if _is_float_node(node.args[0]) else None),
         Rule((aten.softmax, aten._softmax), softmax),
         Rule((aten.log_softmax, aten._log_softmax), input_only),

@@ -169,23 +169,6 @@ def test_grouped_and_depthwise(quantizer, exact):
     assert groups == [1, 2, 24, 64]
 
 
-class NarrowGroups(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Conv2d(32, 32, 3, padding=1)
-        self.b = nn.Conv2d(32, 32, 3, padding=1, groups=8)  # 4 channels a group
-
-    def forward(self, x):
-        return self.b(self.a(x))
-
-
-def test_narrow_groups_stay_float():
-    """A GEMM per group of 4 output channels is slower than the float conv: left as is."""
-    ref, low, data = lowered(NarrowGroups(), (1, 32, 8, 8))
-    assert aten.conv2d.default in targets(low) and native.conv2d.default in targets(low)
-    assert_matches(ref, low, data, exact=False)
-
-
 # --- in-place ops and relu6 ---------------------------------------------------------------
 
 

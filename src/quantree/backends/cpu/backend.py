@@ -21,6 +21,7 @@ from quantree.backends.cpu.cells_layer import NativeRecurrentCells
 from quantree.backends.cpu.cells_native import NativeCellLoop, compile_body
 from quantree.backends.cpu.direct import call_directly
 from quantree.backends.cpu.float_report import warn_float_ops
+from quantree.backends.cpu.lowering_batch_norm import lower_batch_norm
 from quantree.backends.cpu.lowering_casts import drop_identity_casts
 from quantree.backends.cpu.lowering_cat import lower_cat
 from quantree.backends.cpu.lowering_cell import lower_cell
@@ -43,6 +44,7 @@ from quantree.backends.cpu.lowering_qdq import (
 )
 from quantree.backends.cpu.lowering_recurrent import recurrent_rule
 from quantree.backends.cpu.lowering_rms_norm import recognise_rms_norm
+from quantree.backends.cpu.lowering_views import lower_view_chain
 from quantree.backends.cpu.lowering_wide import lower_wide
 from quantree.backends.cpu.native import library
 from quantree.backends.cpu.simulated import simulated_ops, warn_simulated
@@ -139,11 +141,13 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_embedding,
         lower_conv2d,
         lower_conv_transpose,
+        lower_view_chain,
         lower_movement,
         lower_cat,
         lower_masked_fill,
         lower_max_pool,
         lower_mean,
+        lower_batch_norm,
         lower_binary,
         lower_matmul,
         lower_pointwise,

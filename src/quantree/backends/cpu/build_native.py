@@ -24,11 +24,12 @@ from pathlib import Path
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     *("gemm.cpp", "gemm_sse2.cpp", "layers.cpp", "rnn.cpp", "cells.cpp", "pool.cpp"),
-    *("program.cpp", "conv1d.cpp", "mean.cpp", "conv_transpose.cpp"),
+    *("program.cpp", "conv1d.cpp", "mean.cpp", "conv_transpose.cpp", "conv_narrow.cpp"),
+    "channel_affine.cpp",
 )
 HEADERS = (
     *("qt_kernels.h", "qt_vmath.h", "qt_x86_256.h", "gemm_vnni256.h", "qt_neon.h"),
-    *("qt_neon_math.h", "qt_program.h"),
+    *("qt_neon_math.h", "qt_program.h", "conv_narrow_x86.h"),
 )
 MACHINE = platform.machine().lower()
 X86 = MACHINE in ("x86_64", "amd64")
@@ -37,6 +38,8 @@ X86_ISA_SOURCES: dict[str, tuple[str, ...]] = {
     "isa_avx512.cpp": ("-march=x86-64-v4", "-mavx512vnni"),
     "isa_avxvnni.cpp": ("-march=x86-64-v3", "-mavxvnni"),
     "isa_avx2.cpp": ("-march=x86-64-v3",),
+    "conv_narrow_vnni.cpp": ("-march=x86-64-v4", "-mavx512vnni"),
+    "conv_narrow_avx2.cpp": ("-march=x86-64-v3",),
 }
 ARM64_ISA_SOURCES: dict[str, tuple[str, ...]] = {
     "isa_neon.cpp": ("-march=armv8-a",),

@@ -180,28 +180,32 @@ def pack_conv_weight(values: torch.Tensor, groups: int) -> torch.Tensor:
     return torch.cat([pack(part) for part in rows.chunk(groups)])
 
 
-def native_conv_pays(in_channels: int, out_channels: int, groups: int) -> bool:
+def native_conv_pays(in_channels: int, out_channels: int, groups: int, narrow: bool) -> bool:
     """Whether the int8 kernels beat the reference's float conv (between native q/dq).
 
     A grouped conv runs one GEMM per group, which fills ``out_channels / groups`` of its 16
     output lanes. Measured on 3x3 convs, 1 thread, against the float conv with native q/dq
-    around it: 0.3-0.45x at 32+ output channels a group, 0.6-0.8x at 16, 0.9-1.4x at 4-8
-    (left in float). Depthwise convs have a direct kernel: 0.25-0.55x.
+    around it: 0.3-0.45x at 32+ output channels a group, 0.6-0.8x at 16, 0.9-1.4x at 4-8.
+    Depthwise convs have a direct kernel: 0.25-0.55x. So have 2-d int8 convs with fewer than
+    16 channels a group (``narrow``: the route that reaches ``csrc/conv_narrow.cpp``, every
+    group's products in one pass); elsewhere (int16 inputs, ``[N, C, L]`` conv1d) such
+    groups stay float.
     """
     if groups == 1 or is_depthwise(in_channels, out_channels, groups):
         return True
-    return out_channels // groups >= 16
+    return narrow or out_channels // groups >= 16
 
 
 def conv_geometry(
-    args: list[Any], values: torch.Tensor, dims: int
+    args: list[Any], values: torch.Tensor, dims: int, narrow: bool = False
 ) -> tuple[int, list[int], list[int], list[int], list[int], int] | None:
     """(out channels, kernel, stride, padding, dilation, groups) of a conv call's ``args``,
-    or None when its padding has no native form or its groups are too narrow to pay."""
+    or None when its padding has no native form or its groups are too narrow to pay
+    (``native_conv_pays``; ``narrow``: the int8 conv2d's narrow-group kernel is there)."""
     groups = 1 if args[6] is None else args[6]
     out_channels, in_per_group = values.shape[:2]
     if not isinstance(groups, int) or not native_conv_pays(
-        in_per_group * groups, out_channels, groups
+        in_per_group * groups, out_channels, groups, narrow
     ):
         return None
     kernel = [int(k) for k in values.shape[2:]]
@@ -217,8 +221,9 @@ def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
 
     A conv1d is ``quantree.conv1d``, on the conv2d's packed weight and arithmetic, reading
     and writing ``[N, C, L]`` as it lies (``ops_conv1d``); groups run one GEMM per group on
-    that group's channels, depthwise convs a direct kernel; grouped convs too narrow to pay
-    stay in the reference form (``native_conv_pays``).
+    that group's channels, depthwise convs a direct kernel, conv2d groups of fewer than 16
+    output channels one direct pass over all groups; conv1d groups too narrow to pay stay in
+    the reference form (``native_conv_pays``).
     """
     dims = CONVOLUTIONS.get(node.target)  # type: ignore[call-overload]
     if dims is None:
@@ -228,7 +233,7 @@ def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
     out = output(ctx, node)
     if x is None or w is None or out is None or w.values.dim() != dims + 2:
         return False
-    geometry = conv_geometry(a, w.values, dims)
+    geometry = conv_geometry(a, w.values, dims, narrow=dims == 2)
     if geometry is None:
         return False
     out_channels, kernel, stride, padding, dilation, groups = geometry

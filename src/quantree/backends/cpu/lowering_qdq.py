@@ -42,6 +42,13 @@ MOVEMENT = (
     aten.transpose.int,
     aten.squeeze.dim,
     aten.unsqueeze.default,
+    # views that keep a tensor's values: GhostNet's ``cat(...)[:, :out_chs]``, exported as an
+    # ``alias`` (or a ``slice`` where it drops channels), otherwise dequantizes and quantizes
+    # the whole map again onto the same grid
+    aten.alias.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.select.int,
 )
 
 

@@ -506,3 +506,22 @@ def conv_transpose(x: Tensor, weight: Tensor, col_offset: Tensor, offset: Tensor
     vector(op, "scale", scale, F32, out_channels)
     if bias is not None:
         vector(op, "bias", bias, F32, out_channels)
+
+
+# void qt_channel_affine(const int8_t* x, int64_t outer, int64_t C, int64_t inner,
+#     float x_scale, float x_zp, const float* alpha, const float* beta, float inv, float zp,
+#     float qmin, int8_t* out)
+def channel_affine(
+    x: Tensor, alpha: Tensor, beta: Tensor, x_zero_point: int, out_zero_point: int
+) -> None:
+    """x int8 [N, C, ...] on the CPU; alpha and beta float32 holding C values; int8 zero
+    points."""
+    op = "channel_affine"
+    dtype_of(op, "x", x, I8)
+    if x.dim() < 2 or not x.is_cpu:
+        raise fail(op, f"x of shape {tuple(x.shape)} on {x.device}: the kernel reads [N, C, ...]"
+                   " on the CPU")  # fmt: skip
+    vector(op, "alpha", alpha, F32, int(x.shape[1]))
+    vector(op, "beta", beta, F32, int(x.shape[1]))
+    if not (-128 <= x_zero_point <= 127 and -128 <= out_zero_point <= 127):
+        raise fail(op, f"zero points {x_zero_point}, {out_zero_point} are not int8 values")

@@ -6,6 +6,7 @@ float scales), have fake implementations, and so survive ``torch.export`` and
 them, nothing else of quantree is needed to run a loaded model.
 """
 
+from quantree.backends.cpu.ops_affine import channel_affine
 from quantree.backends.cpu.ops_conv_transpose import conv_transpose, conv_transpose16
 from quantree.backends.cpu.ops_derived import derived_bias, derived_offset, derived_scale
 from quantree.backends.cpu.ops_elementwise import binary, dequantize, lookup, quantize, softmax
@@ -23,6 +24,7 @@ __all__ = [
     "PER_LAYER",
     "RNN_KINDS",
     "binary",
+    "channel_affine",
     "conv16",
     "conv1d",
     "conv2d",

@@ -143,6 +143,14 @@ int qt_select_isa(int cap) {
                           lookup_avx2};
         isa = AVX2;
     }
+    if (isa == AVX512VNNI) {  // the narrow-group convolution's paths (conv_narrow_*.cpp)
+        kernels.narrow_prepare = narrow_prepare_vnni;
+        kernels.narrow = narrow_vnni;
+    } else if (isa != PORTABLE) {
+        kernels.narrow_prepare = narrow_prepare_avx2;
+        kernels.narrow = narrow_avx2;
+    }
+    if (isa != PORTABLE) kernels.rows_epilogue = rows_epilogue_avx2;
 #elif defined(__aarch64__)
     // ASIMD is part of every aarch64 CPU; the dot product (sdot) is optional (ARMv8.2+)
 #if defined(__linux__)

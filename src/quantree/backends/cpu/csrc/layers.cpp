@@ -325,9 +325,28 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
     const uint8_t pad = static_cast<uint8_t>(x_zp + 128);
     std::vector<uint8_t> col(static_cast<size_t>((P < panel ? P : panel) * lda + 8));
     const Requant rq(scale, bias, OC, inv);
+    // fewer than 16 output channels a group: every group's products at once (conv_narrow.cpp)
+    const bool narrow = groups > 1 && OCg < 16;
+    std::vector<uint8_t> narrow_w;
+    std::vector<int32_t> narrow_acc;
+    if (narrow) {
+        narrow_w.resize(static_cast<size_t>(
+            qt::kernels.narrow_prepare(w, groups, OCg, Kp, group_weight, nullptr)));
+        qt::kernels.narrow_prepare(w, groups, OCg, Kp, group_weight, narrow_w.data());
+        narrow_acc.resize(static_cast<size_t>((P < panel ? P : panel) * OC));
+    }
     for (int64_t p0 = 0; p0 < P; p0 += panel) {
         const int64_t rows = P - p0 < panel ? P - p0 : panel;
         im2col(x, x + batch * H * W * C, g, groups, p0, rows, pad, col.data(), Kp);
+        if (narrow) {
+            qt::kernels.narrow(narrow_w.data(), rows, groups, OCg, Kp, col.data(), lda,
+                               narrow_acc.data());
+            qt::kernels.rows_epilogue(
+                make_epilogue(off, scale, bias, out_f ? out_f + p0 * OC : nullptr,
+                              out_q ? out_q + p0 * OC : nullptr, OC, inv, zp, relu, &rq),
+                narrow_acc.data(), rows, OC);
+            continue;
+        }
         for (int64_t gi = 0; gi < groups; ++gi) {
             const Epilogue ep =
                 make_epilogue(off, scale, bias, out_f ? out_f + p0 * OC : nullptr,

@@ -148,6 +148,30 @@ using PreparedGemmFn = void (*)(int64_t M, int64_t N, int64_t Kp, const uint8_t*
 using LookupFn = void (*)(const int8_t* table, const int8_t* x, int8_t* out, int64_t n);
 void lookup_portable(const int8_t* table, const int8_t* x, int8_t* out, int64_t n);
 
+// Grouped convolutions with fewer than 16 output channels a group (conv_narrow.cpp): the
+// weight rearranged once per call from the GEMM-packed groups (bytes needed when out is
+// null), the int32 products of a panel of im2col rows (acc[r * groups * OCg + channel]),
+// and the epilogue of those rows (ep.ldc = N, no row_off).
+using NarrowPrepareFn = int64_t (*)(const int8_t* B, int64_t groups, int64_t OCg, int64_t Kp,
+                                   int64_t group_stride, void* out);
+using NarrowFn = void (*)(const void* prepared, int64_t rows, int64_t groups, int64_t OCg,
+                          int64_t Kp, const uint8_t* col, int64_t lda, int32_t* acc);
+using RowsEpilogueFn = void (*)(const Epilogue& ep, const int32_t* acc, int64_t rows,
+                                int64_t N);
+int64_t narrow_prepare_portable(const int8_t*, int64_t, int64_t, int64_t, int64_t, void*);
+void narrow_portable(const void*, int64_t, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
+                     int32_t*);
+void rows_epilogue_portable(const Epilogue&, const int32_t*, int64_t, int64_t);
+#if defined(__x86_64__)
+int64_t narrow_prepare_avx2(const int8_t*, int64_t, int64_t, int64_t, int64_t, void*);
+void narrow_avx2(const void*, int64_t, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
+                 int32_t*);
+void rows_epilogue_avx2(const Epilogue&, const int32_t*, int64_t, int64_t);
+int64_t narrow_prepare_vnni(const int8_t*, int64_t, int64_t, int64_t, int64_t, void*);
+void narrow_vnni(const void*, int64_t, int64_t, int64_t, int64_t, const uint8_t*, int64_t,
+                 int32_t*);
+#endif
+
 struct Kernels {
     GemmFn gemm;
     CellFn cell;
@@ -155,6 +179,9 @@ struct Kernels {
     PrepareFn prepare = nullptr;  // paths that read the packed bytes as they are have none
     PreparedGemmFn gemm_prepared = nullptr;
     LookupFn lookup = lookup_portable;
+    NarrowPrepareFn narrow_prepare = narrow_prepare_portable;
+    NarrowFn narrow = narrow_portable;
+    RowsEpilogueFn rows_epilogue = rows_epilogue_portable;
 };
 extern Kernels kernels;  // set by qt_select_isa (the portable path until then)
 
