@@ -164,6 +164,22 @@ def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS) -> int:
     return fused
 
 
+def _slice_shape(src: Shape, args: tuple[Any, ...]) -> Shape | None:
+    """``aten.slice.Tensor(x, dim, start, end, step)``'s shape from ``x``'s, where the
+    sliced size and the bounds are integers (else unknown: the op stays out of programs)."""
+    dims, dtype = src
+    defaults = (0, None, None, 1)
+    dim, start, end, step = (*args, *defaults[len(args) :])[:4]
+    if not isinstance(dim, int) or not dims:
+        return None
+    d = dim % len(dims)
+    size = dims[d]
+    if type(size) is not int or not all(v is None or type(v) is int for v in (start, end, step)):
+        return None
+    length = len(range(size)[slice(start, end, step)])
+    return ((*dims[:d], length, *dims[d + 1 :]), dtype)
+
+
 def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
     """Shape and dtype of every single-tensor value: the graph's own ``val`` metadata, and
     for the lowering's int8 ops (which have none) what they compute."""
@@ -180,6 +196,10 @@ def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
             cat_shape = _cat_shape([shapes.get(x) for x in a[0]], _cat_dim(n))
             if cat_shape is not None:
                 shapes[n] = cat_shape
+        if n.target == aten.slice.Tensor and n not in shapes and a[0] in shapes:
+            sliced = _slice_shape(shapes[a[0]], a[1:])  # an int8 slice (lowering_qdq, _views)
+            if sliced is not None:
+                shapes[n] = sliced
         if n.target in INT8_OPS and n not in shapes:
             source = a[1] if n.target == quantree_ops.binary.default else a[0]
             if source not in shapes:
