@@ -35,6 +35,8 @@ class Input:
 
     kind: str
     shape: tuple[int, ...]  # without the batch dimension
+    scale: float = 2.0  # float inputs: randn * scale + offset (images in [0, 255] too)
+    offset: float = 0.0
 
     def make(self, g: torch.Generator, batch: int = BATCH) -> Tensor:
         shape = (batch, *self.shape)
@@ -49,7 +51,7 @@ class Input:
             mask = torch.rand(shape, generator=g) < 0.3
             mask[..., 0] = False  # no row all masked (attention would give NaN)
             return mask
-        return torch.randn(shape, generator=g) * 2
+        return torch.randn(shape, generator=g) * self.scale + self.offset
 
 
 # ----------------------------------------------------------------------------- the steps
@@ -123,6 +125,8 @@ class Attention(nn.Module):
         steps = kv.shape[1]
         if self.mask == "causal":
             attn_mask = torch.ones(q.shape[1], steps, dtype=torch.bool).triu(1)
+        elif self.mask == "causal_float":  # nn.Transformer.generate_square_subsequent_mask
+            attn_mask = torch.full((q.shape[1], steps), float("-inf")).triu(1)
         elif self.mask == "lengths":
             key_padding = torch.arange(steps)[None, :] >= extra[0][:, None]
         elif self.mask == "bool":
@@ -155,8 +159,24 @@ class Sdpa(nn.Module):
         n, t, d = x.shape
         q, k, v = self.qkv(x).view(n, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         mask = None if self.mask != "bool" else ~extra[0][:, None, None, :]
+        if self.mask == "float":  # additive: -inf where padded
+            mask = torch.zeros(extra[0].shape).masked_fill(extra[0], float("-inf"))[:, None, None]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.mask == "causal")
         return (self.out(y.transpose(1, 2).reshape(n, t, d)),)
+
+
+class Encoder(nn.Module):
+    """nn.TransformerEncoderLayer, with a key padding mask from a bool input or not."""
+
+    def __init__(self, layer: nn.TransformerEncoderLayer, masked: bool) -> None:
+        super().__init__()
+        self.layer, self.masked = layer, masked
+
+    def forward(self, x: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
+        first = self.layer.self_attn.batch_first
+        mask = extra[0] if self.masked else None
+        y = self.layer(x if first else x.transpose(0, 1), src_key_padding_mask=mask)
+        return (y if first else y.transpose(0, 1),)
 
 
 class Recurrent(nn.Module):
@@ -164,9 +184,9 @@ class Recurrent(nn.Module):
     state given (computed from the input) or not; a packed sequence from lengths
     (enforce_sorted=False). Outputs the sequence and the last layer's final hidden state."""
 
-    def __init__(self, rnn: nn.RNNBase, given_state: bool, packed: bool) -> None:
+    def __init__(self, rnn: nn.RNNBase, given_state: bool, packed: bool, state_input: bool):
         super().__init__()
-        self.rnn, self.packed = rnn, packed
+        self.rnn, self.packed, self.state_input = rnn, packed, state_input
         hidden = rnn.proj_size or rnn.hidden_size
         self.init = nn.Linear(rnn.input_size, hidden) if given_state else None
         self.directions = rnn.num_layers * (2 if rnn.bidirectional else 1)
@@ -174,7 +194,10 @@ class Recurrent(nn.Module):
     def forward(self, x: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
         rnn, steps = self.rnn, x.shape[1]
         state: Any = None
-        if self.init is not None:
+        if self.state_input:  # the model's input (N, H) as every layer's initial h (and c)
+            h = extra[-1].unsqueeze(0).repeat(self.directions, 1, 1)
+            state = (h, extra[-1][None].expand_as(h) * 0.5) if isinstance(rnn, nn.LSTM) else h
+        elif self.init is not None:
             h = torch.tanh(self.init(x.mean(1))).unsqueeze(0).repeat(self.directions, 1, 1)
             if isinstance(rnn, nn.LSTM):
                 c = torch.zeros(self.directions, x.shape[0], rnn.hidden_size)
@@ -198,7 +221,7 @@ class Recurrent(nn.Module):
 
 
 class CellLoop(nn.Module):
-    """An LSTMCell/GRUCell stepped over T in Python (unrolled by export), outputs stacked."""
+    """An LSTMCell/GRUCell/RNNCell stepped over T in Python (unrolled by export), stacked."""
 
     def __init__(self, cell: nn.RNNCellBase) -> None:
         super().__init__()
@@ -321,6 +344,16 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "tanh": torch.tanh,
     "softmax": lambda x: torch.softmax(x, -1),
     "log_softmax": lambda x: torch.log_softmax(x, -1),
+    "relu6": F.relu6,
+    "hardsigmoid": F.hardsigmoid,
+    "leaky_relu": lambda x: F.leaky_relu(x, 0.1),
+    "elu": F.elu,
+    "clamp": lambda x: x.clamp(-1.0, 2.0),
+    "scale_shift": lambda x: x * 0.5 + 1.0,
+    "div_sub": lambda x: 1.0 - x / 3.0,
+    "abs_neg": lambda x: -x.abs(),
+    "exp": lambda x: x.clamp(max=4.0).exp(),
+    "dead": lambda x: torch.relu(-x.abs()),  # all zeros: a dead channel's range
 }
 
 
@@ -340,9 +373,17 @@ def _rnn(rng: random.Random, features: int) -> nn.RNNBase:
     return nn.RNN(features, hidden, nonlinearity=kind[4:].lower(), **common)
 
 
+def _in_place(t: Tensor) -> Tensor:
+    y = t * 2
+    y.relu_()
+    y += t
+    return y
+
+
 Candidate = tuple[nn.Module, tuple[int, ...]]
 STEPS_BY_RANK = {
     4: [
+        "upsample",
         "conv",
         "conv",
         "conv_t",
@@ -356,6 +397,7 @@ STEPS_BY_RANK = {
         "to_seq",
         "split",
         "mean",
+        "max_dim",
     ],
     3: [
         "conv",
@@ -366,6 +408,7 @@ STEPS_BY_RANK = {
         "act",
         "binary",
         "attention",
+        "encoder",
         "sdpa",
         "rnn",
         "cell",
@@ -373,6 +416,7 @@ STEPS_BY_RANK = {
         "layout",
         "split",
         "masked_fill",
+        "max_dim",
         "mean",
         "reduce",
         "max_dim",
@@ -388,6 +432,7 @@ def _candidates(rng: random.Random, values: list[Tensor], inputs: list[Input]) -
     tokens = [i for i, v in enumerate(values) if v.dtype == torch.int64 and v.dim() == 2]
     lengths = [i for i, s in enumerate(inputs) if s.kind == "lengths"]
     masks = [i for i, s in enumerate(inputs) if s.kind == "mask"]
+    state_inputs = [i for i, s in enumerate(inputs) if s.kind == "float" and len(s.shape) == 1]
     if tokens and rng.random() < 0.3:
         pad = rng.choice([None, 0])
         return Layer(nn.Embedding(VOCAB, rng.choice([4, 8]), padding_idx=pad)), (
@@ -403,6 +448,11 @@ def _candidates(rng: random.Random, values: list[Tensor], inputs: list[Input]) -
         return Layer(_conv(rng, rank - 2, c)), (i,)
     if kind == "conv_t":
         return Layer(_conv_transpose(rng, rank - 2, c)), (i,)
+    if kind == "upsample":
+        mode = rng.choice(["nearest", "bilinear", "pixel_shuffle"])
+        if mode == "pixel_shuffle":
+            return Layer(nn.PixelShuffle(2) if c % 4 == 0 else nn.Upsample(scale_factor=2)), (i,)
+        return Layer(nn.Upsample(scale_factor=2, mode=mode)), (i,)
     if kind == "pool":
         return Layer(_pool(rng, rank - 2)), (i,)
     if kind == "norm":
@@ -458,6 +508,18 @@ def _candidates(rng: random.Random, values: list[Tensor], inputs: list[Input]) -
             return Unary(f"chunk 2 dim {dim}", lambda t: t.chunk(2, dim)), (i,)
         return Unary("unbind(1)[:2]", lambda t: t.unbind(1)[:2]), (i,)
     if kind == "max_dim":
+        choice = rng.choice(["max", "topk", "cumsum", "where", "sum", "inplace"])
+        if choice == "topk":
+            k = min(2, shape[-1])
+            return Unary(f"topk({k})", lambda t: tuple(t.topk(k, -1))), (i,)
+        if choice == "cumsum":
+            return Unary("cumsum(1)", lambda t: t.cumsum(1)), (i,)
+        if choice == "where":
+            return Unary("where(x > 0, x, 0.1 x)", lambda t: torch.where(t > 0, t, 0.1 * t)), (i,)
+        if choice == "sum":
+            return Unary("sum(-1)", lambda t: t.sum(-1)), (i,)
+        if choice == "inplace":  # ResNet's relu(inplace=True) and out += identity on a temporary
+            return Unary("y = x * 2; y.relu_(); y += x", _in_place), (i,)
         return Unary("max(dim=1)", lambda t: tuple(t.max(dim=1))), (i,)
     if kind == "masked_fill":
         if masks and inputs[masks[0]].shape == shape[1:2] and rng.random() < 0.6:
@@ -481,24 +543,47 @@ def _candidates(rng: random.Random, values: list[Tensor], inputs: list[Input]) -
     if kind == "attention":
         heads = rng.choice([h for h in (1, 2, 4) if shape[-1] % h == 0])
         mask = rng.choice(
-            ["none", "causal"] + ["lengths"] * bool(steps_match) + ["bool"] * bool(bool_match)
+            ["none", "causal", "causal_float"]
+            + ["lengths"] * bool(steps_match)
+            + ["bool"] * bool(bool_match)
         )
         others = [j for j in floats if values[j].dim() == 3 and values[j].shape[-1] == shape[-1]]
-        kv = rng.choice(others) if mask in ("none", "causal") else i
-        if mask == "causal" and values[kv].shape[1] != shape[1]:
+        kv = rng.choice(others) if mask in ("none", "causal", "causal_float") else i
+        if mask.startswith("causal") and values[kv].shape[1] != shape[1]:
             kv = i
         extra = {"lengths": tuple(steps_match[:1]), "bool": tuple(bool_match[:1])}.get(mask, ())
         mod = Attention(shape[-1], heads, rng.random() < 0.5, mask, rng.random() < 0.3)
         return mod, (i, kv, *extra)
     if kind == "sdpa":
         heads = rng.choice([h for h in (1, 2, 4) if shape[-1] % h == 0])
-        mask = rng.choice(["none", "causal"] + ["bool"] * bool(bool_match))
-        return Sdpa(shape[-1], heads, mask), (i, *(bool_match[:1] if mask == "bool" else ()))
+        mask = rng.choice(["none", "causal"] + ["bool", "float"] * bool(bool_match))
+        return Sdpa(shape[-1], heads, mask), (
+            i,
+            *(bool_match[:1] if mask in ("bool", "float") else ()),
+        )
+    if kind == "encoder":
+        heads = rng.choice([h for h in (1, 2, 4) if shape[-1] % h == 0])
+        layer = nn.TransformerEncoderLayer(
+            shape[-1],
+            heads,
+            dim_feedforward=16,
+            dropout=0.0,
+            activation=rng.choice(["relu", "gelu"]),
+            batch_first=rng.random() < 0.5,
+            norm_first=rng.random() < 0.5,
+        )
+        return Encoder(layer, bool(bool_match) and rng.random() < 0.5), (i, *bool_match[:1])
     if kind == "rnn":
         packed = bool(steps_match) and rng.random() < 0.4
-        mod = Recurrent(_rnn(rng, shape[-1]), rng.random() < 0.4, packed)
-        return mod, (i, *(steps_match[:1] if packed else ()))
-    cell = rng.choice([nn.LSTMCell, nn.GRUCell])(shape[-1], rng.choice([4, 8]))
+        rnn = _rnn(rng, shape[-1])
+        width = rnn.proj_size or rnn.hidden_size
+        states = [j for j in state_inputs if inputs[j].shape == (width,)]
+        if states and isinstance(rnn, nn.LSTM) and rnn.proj_size:
+            states = []  # h is proj_size wide, c hidden_size: one input cannot be both
+        use_state = bool(states) and rng.random() < 0.6
+        mod = Recurrent(rnn, rng.random() < 0.4, packed, use_state)
+        return mod, (i, *(steps_match[:1] if packed else ()), *(states[:1] if use_state else ()))
+    cell = rng.choice([nn.LSTMCell, nn.GRUCell, nn.RNNCell])(shape[-1], rng.choice([4, 8]))
     return CellLoop(cell), (i,)
 
 
@@ -513,10 +598,12 @@ class Plan:
 def _inputs(rng: random.Random) -> list[Input]:
     steps = rng.choice([4, 5, 6])
     first = rng.choice(["image", "sequence", "sequence", "tokens"])
+    scale, offset = rng.choice([(2.0, 0.0), (2.0, 0.0), (0.01, 0.0), (60.0, 128.0), (1.0, -3.0)])
     if first == "image":
-        found = [Input("float", (rng.choice([3, 4, 8]), rng.choice([6, 7, 8]), rng.choice([6, 8])))]
+        shape: tuple[int, ...] = (rng.choice([3, 4, 8]), rng.choice([6, 7, 8]), rng.choice([6, 8]))
+        found = [Input("float", shape, scale, offset)]
     elif first == "sequence":
-        found = [Input("float", (steps, rng.choice([4, 6, 8, 12])))]
+        found = [Input("float", (steps, rng.choice([4, 6, 8, 12])), scale, offset)]
     else:
         found = [Input("tokens", (steps,))]
     if first != "image" and rng.random() < 0.3:
@@ -525,6 +612,8 @@ def _inputs(rng: random.Random) -> list[Input]:
         found.append(Input("mask", (steps,)))
     if rng.random() < 0.2:
         found.append(dataclasses.replace(found[0]))  # a second input like the first
+    if first != "image" and rng.random() < 0.3:
+        found.append(Input("float", (rng.choice([4, 8]),)))  # a recurrent layer's state
     return found
 
 
@@ -548,6 +637,9 @@ def plan(seed: int, length: int) -> Plan:
         for _attempt in range(30):
             if not any(v.is_floating_point() and v.dim() >= 2 for v in values):
                 step = (Layer(nn.Embedding(VOCAB, rng.choice([4, 8]))), (0,))
+            elif steps and rng.random() < 0.1:  # an earlier step's module again: shared weights
+                module, reads = rng.choice(steps)
+                step = (module, tuple(rng.choice([j, *range(len(values))]) for j in reads))
             else:
                 step = _candidates(rng, values, inputs)
             step[0].eval()
@@ -561,8 +653,11 @@ def plan(seed: int, length: int) -> Plan:
                 values += outs
                 break
     made = list(range(len(inputs), len(values)))
-    outputs = sorted({made[-1], *rng.sample(made, min(len(made), rng.choice([0, 1, 2])))})
-    container = rng.choice(["single", "tuple", "list", "dict"])
+    extra = rng.sample(made, min(len(made), rng.choice([0, 1, 2])))
+    if rng.random() < 0.1:
+        extra.append(rng.randrange(len(values)))  # an input, or a value returned twice
+    outputs = sorted([made[-1], *extra])
+    container = rng.choice(["single", "tuple", "list", "dict", "nested"])
     return Plan(inputs, steps, outputs, container)
 
 
@@ -587,6 +682,8 @@ class RandomGraph(nn.Module):
             return tuple(chosen)
         if self.container == "list":
             return chosen
+        if self.container == "nested":
+            return {"last": chosen[-1], "rest": (chosen[:-1], {"n": len(chosen)})}
         return {f"out{j}": v for j, v in zip(self.outputs, chosen, strict=True)}
 
 
