@@ -265,7 +265,7 @@ def _groups(rng: random.Random, channels: int) -> tuple[int, int]:
         if divisors:
             g = rng.choice(divisors)
             return g, g * rng.choice([1, 2, 3])
-    return 1, rng.choice([4, 6, 8, 12, 16])
+    return 1, rng.choice([4, 6, 8, 12, 16, 17, 24, 33])  # across the kernels' 16-wide panels
 
 
 def _conv(rng: random.Random, dims: int, channels: int) -> nn.Module:
@@ -468,7 +468,8 @@ def _candidates(rng: random.Random, values: list[Tensor], inputs: list[Input]) -
         name = rng.choice(list(ACTIVATIONS))
         return Unary(name, ACTIVATIONS[name]), (i,)
     if kind == "linear":
-        return Layer(nn.Linear(shape[-1], rng.choice([4, 6, 8, 16]), bias=rng.random() < 0.8)), (i,)
+        width = rng.choice([4, 6, 8, 16, 17, 40])
+        return Layer(nn.Linear(shape[-1], width, bias=rng.random() < 0.8)), (i,)
     if kind == "binary":
         same = [j for j in floats if j != i and values[j].shape == x.shape]
         op = rng.choice(["add", "mul", "cat", "stack"]) if same else "self"
@@ -596,11 +597,12 @@ class Plan:
 
 
 def _inputs(rng: random.Random) -> list[Input]:
-    steps = rng.choice([4, 5, 6])
+    steps = rng.choice([4, 5, 6, 13])
     first = rng.choice(["image", "sequence", "sequence", "tokens"])
     scale, offset = rng.choice([(2.0, 0.0), (2.0, 0.0), (0.01, 0.0), (60.0, 128.0), (1.0, -3.0)])
     if first == "image":
-        shape: tuple[int, ...] = (rng.choice([3, 4, 8]), rng.choice([6, 7, 8]), rng.choice([6, 8]))
+        channels = rng.choice([3, 4, 8, 17])
+        shape: tuple[int, ...] = (channels, rng.choice([6, 7, 15]), rng.choice([6, 8, 21]))
         found = [Input("float", shape, scale, offset)]
     elif first == "sequence":
         found = [Input("float", (steps, rng.choice([4, 6, 8, 12])), scale, offset)]
@@ -648,7 +650,7 @@ def plan(seed: int, length: int) -> Plan:
                     outs = list(step[0](*(values[j] for j in step[1])))
             except (RuntimeError, ValueError, IndexError):
                 continue
-            if all(o.numel() and o.numel() <= 4096 for o in outs):
+            if all(o.numel() and o.numel() <= 16384 for o in outs):
                 steps.append(step)
                 values += outs
                 break
