@@ -10,6 +10,7 @@ models (``random_graphs.py``); each example is printed (one JSON line) before it
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import sys
@@ -130,9 +131,11 @@ def _float_ops_named(lowered: nn.Module, notes: str) -> None:
 
 
 def _runs(model: nn.Module, args: tuple[torch.Tensor, ...]) -> bool:
+    """The float model, in eval mode, takes ``args`` (a copy: train mode would update batch
+    norm statistics)."""
     try:
         with torch.no_grad():
-            model(*args)
+            copy.deepcopy(model).eval()(*args)
     except (RuntimeError, AssertionError, ValueError, IndexError):
         return False
     return True
@@ -153,8 +156,9 @@ def check(r: dict[str, Any]) -> dict[str, Any]:
         short = tuple(s.make(g, batch=1) for s in p.inputs)
         if _runs(model, short):  # not a model that needs a batch (a squeeze, MHA's 2-D input)
             data.append(short)
-    if r.get("strided"):
-        data = [tuple(_strided(x) for x in args) for args in data]
+    strided = [tuple(_strided(x) for x in args) for args in data]
+    if r.get("strided") and _runs(model, strided[0]):  # not a model that views its input
+        data = strided
     quantizer = qt.Int8Quantizer(
         activation_observer=qt.ObserverKind(r["observer"]),
         recurrent=qt.RecurrentMode.CELLS if r["cells"] else qt.RecurrentMode.WHOLE,
