@@ -163,6 +163,14 @@ class AttentionWeights(nn.Module):
         return self.head(self.mha(x, x, x, key_padding_mask=mask)[1])
 
 
+class CausalWeights(AttentionWeights):
+    """The same with nn.Transformer's causal mask, ``triu(full(-inf), 1)``."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.head(self.mha(x, x, x, attn_mask=causal)[1])
+
+
 class AdditiveMask(nn.Module):
     """Scores plus a mask built with -inf, then softmax and log_softmax."""
 
@@ -177,7 +185,7 @@ class AdditiveMask(nn.Module):
         return pooled, scores.log_softmax(-1)
 
 
-@pytest.mark.parametrize("make", [AttentionWeights, AdditiveMask])
+@pytest.mark.parametrize("make", [AttentionWeights, CausalWeights, AdditiveMask])
 def test_scores_summed_with_an_infinite_mask_stay_float(make):
     """Calibration once refused these: "the model computed NaN or infinity at group ..
     (softmax.input[0])" (the walk to the mask stopped at the sum)."""

@@ -42,6 +42,7 @@ aten = torch.ops.aten
 MASK_CARRIERS = (
     *(aten.squeeze, aten.unsqueeze, aten.view, aten.reshape, aten.transpose, aten.permute),
     *(aten.expand, aten.contiguous, aten.clone, aten._to_copy, aten.to, aten.slice),
+    *(aten.triu, aten.tril),  # nn.Transformer's causal mask: triu(full(-inf), 1)
 )
 """Ops that pass their first operand's values on: an infinity in it stays one."""
 MASK_SUMS = (aten.add, aten.add_, aten.sub, aten.sub_, aten.baddbmm)
