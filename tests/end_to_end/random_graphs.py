@@ -648,7 +648,7 @@ def plan(seed: int, length: int) -> Plan:
             try:
                 with torch.no_grad():
                     outs = list(step[0](*(values[j] for j in step[1])))
-            except (RuntimeError, ValueError, IndexError, AssertionError):  # shapes misfit
+            except (RuntimeError, ValueError, IndexError, AssertionError, TypeError):  # misfit
                 continue
             if all(o.numel() and o.numel() <= 16384 for o in outs):
                 steps.append(step)
