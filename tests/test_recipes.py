@@ -5,8 +5,10 @@ from __future__ import annotations
 import operator
 import warnings
 
+import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 import quantree as qt
 
@@ -145,6 +147,61 @@ def test_softmax_of_energies_masked_with_infinity_reads_them_in_float():
         out = ref(*data[1])
         assert torch.isfinite(out).all()
         assert qt.sqnr(model(*data[1]), out) > 25.0
+
+
+class AttentionWeights(nn.Module):
+    """nn.MultiheadAttention's averaged weights alone (no matmul reads the softmax, so the
+    graph is quantized EVERY_OP): the key padding mask, -inf where padded, is added to the
+    scores by ``baddbmm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mha(x, x, x, key_padding_mask=mask)[1])
+
+
+class CausalWeights(AttentionWeights):
+    """The same with nn.Transformer's causal mask, ``triu(full(-inf), 1)``."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.head(self.mha(x, x, x, attn_mask=causal)[1])
+
+
+class AdditiveMask(nn.Module):
+    """Scores plus a mask built with -inf, then softmax and log_softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        additive = torch.zeros(mask.shape).masked_fill(mask, float("-inf"))
+        scores = self.score(x).squeeze(-1) + additive
+        pooled = (scores.softmax(-1).unsqueeze(-1) * x).sum(1)
+        return pooled, scores.log_softmax(-1)
+
+
+@pytest.mark.parametrize("make", [AttentionWeights, CausalWeights, AdditiveMask])
+def test_scores_summed_with_an_infinite_mask_stay_float(make):
+    """Calibration once refused these: "the model computed NaN or infinity at group ..
+    (softmax.input[0])" (the walk to the mask stopped at the sum)."""
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(2, 5, 8, generator=g), mask) for _ in range(4)]
+    torch.manual_seed(0)
+    model = make().eval()
+    ref = qt.quantize(model, data[0], data, progress=False)
+    with torch.no_grad():
+        wants, gots = tree_leaves(model(*data[1])), tree_leaves(ref(*data[1]))
+        for want, got in zip(wants, gots, strict=True):
+            assert torch.equal(torch.isfinite(want), torch.isfinite(got))
+            finite = torch.isfinite(want)
+            assert qt.sqnr(want[finite], got[finite]) > 25.0
 
 
 class SeparableAttention(nn.Module):

@@ -44,17 +44,37 @@ from quantree.recurrent.whole import recurrent_cell_annotation, recurrent_whole_
 aten = torch.ops.aten
 
 
-def _masked_with_infinity(arg: object) -> bool:
-    """``arg`` is a ``masked_fill`` (through views) whose fill value is not finite."""
+MASK_CARRIERS = (
+    *(aten.squeeze, aten.unsqueeze, aten.view, aten.reshape, aten.transpose, aten.permute),
+    *(aten.expand, aten.contiguous, aten.clone, aten._to_copy, aten.to, aten.slice),
+    *(aten.triu, aten.tril),  # nn.Transformer's causal mask: triu(full(-inf), 1)
+)
+"""Ops that pass their first operand's values on: an infinity in it stays one."""
+MASK_SUMS = (aten.add, aten.add_, aten.sub, aten.sub_, aten.baddbmm)
+"""Sums that carry an infinity in any operand to their result (an additive mask)."""
+
+
+def _masked_with_infinity(arg: object, depth: int = 0) -> bool:
+    """``arg`` can hold an infinity a mask put there: a ``masked_fill`` or ``full`` whose
+    value is not finite, seen through views and through sums with it. nn.MultiheadAttention
+    adds its key padding mask (-inf where padded) to the scores with ``baddbmm``, and
+    additive masks are added to scores by hand; no grid holds -inf, so calibration refused
+    such a sum or softmax input as "NaN or infinity" (``depth`` bounds the walk)."""
     while isinstance(arg, fx.Node) and getattr(arg.target, "overloadpacket", None) in (
-        aten.squeeze, aten.unsqueeze, aten.view, aten.reshape, aten.transpose, aten.permute,
-    ):  # fmt: skip
+        MASK_CARRIERS
+    ):
         arg = arg.args[0]
-    if not isinstance(arg, fx.Node):
+    if not isinstance(arg, fx.Node) or depth > 8:
         return False
-    if getattr(arg.target, "overloadpacket", None) not in (aten.masked_fill, aten.masked_fill_):
+    packet = getattr(arg.target, "overloadpacket", None)
+    if packet in MASK_SUMS:
+        return any(_masked_with_infinity(a, depth + 1) for a in arg.args[:3])
+    if packet in (aten.masked_fill, aten.masked_fill_):
+        value = arg.args[2] if len(arg.args) > 2 else None
+    elif packet is aten.full:
+        value = arg.args[1] if len(arg.args) > 1 else None
+    else:
         return False
-    value = arg.args[2] if len(arg.args) > 2 else None
     return isinstance(value, int | float) and not math.isfinite(value)
 
 
@@ -308,6 +328,8 @@ def int8_rules(
         return Annotation(outputs=None if fused else act, inputs={(0,): act})
 
     def binary(node: fx.Node) -> Annotation | None:
+        if node.target in BINARY_OPS and _masked_with_infinity(node):
+            return Annotation()  # a mask holding -inf added to scores: float, as the softmax
         inputs = {(i,): act for i, a in enumerate(node.args[:2]) if _is_float_node(a)}
         return Annotation(outputs=act, inputs=inputs) if inputs else None
 
@@ -339,7 +361,10 @@ def int8_rules(
 
     def input_only(node: fx.Node) -> Annotation:
         """The input on the int8 grid, the output left float (log-probabilities keep their
-        precision; an int8 grid over [-30, 0] would round them to 0.12)."""
+        precision; an int8 grid over [-30, 0] would round them to 0.12); an input masked
+        with an infinite fill stays float, as softmax's."""
+        if _masked_with_infinity(node.args[0]):
+            return Annotation()
         return Annotation(inputs={(0,): act})
 
     def embedding(node: fx.Node) -> Annotation:

@@ -1,14 +1,22 @@
-"""Property-based tests: random nested models through prepare, calibrate, convert and lower.
+"""Property-based tests: random models through capture, prepare, calibrate, convert and lower.
 
-Random models (``random_models.py``: conv1d with optional batch norm, LSTM/GRU/RNN with
-random layers, direction, layout, bias, projection and initial state, then split / chunk /
-unbind / max.dim / max_pool with indices / cat / stack / linear, returned in a tuple, list or
-dict), every observer kind, whole and cells mode. Properties, per example:
+Random DAGs (``random_graphs.py``: conv1d/2d with groups (depthwise, narrow), strides,
+dilation and padding modes, transposed convs, pooling, upsampling, batch/layer/group norm,
+activations, softmax, scalar arithmetic, residual add/mul, cat/stack/split/chunk, matmul/bmm,
+SDPA, nn.MultiheadAttention and TransformerEncoderLayer with bool/-inf/causal masks,
+embedding, LSTM/GRU/RNN with layers, directions, projections, packed sequences and given
+states, cell loops, in-place ops, shared modules), every observer kind, whole and cells mode,
+the model in train mode or not, data contiguous or strided, a short last batch. Properties,
+per example (``random_models.py`` states each bound and why):
 
-- prepared == float bit for bit; with batch norm folded within ``FOLD_TOLERANCE`` (1e-5) of
-  each output's largest magnitude; in cells mode within 1e-5 of max(1, that magnitude);
-- convert and CPU lowering run, same output structure, shapes and dtypes;
-- every float output leaf of the lowered model within 20 dB SQNR of the reference.
+- capture .. lower all succeed, or raise a ``QuantreeError`` (anything else fails);
+- the user's model is unchanged (parameters bit-equal, training modes);
+- prepared within 1e-4 of float; every float output of the lowered model within 20 dB SQNR
+  of the reference (10 dB for whole-mode recurrent layers on moving-average ranges), the
+  reference not noisier than float's signal (0 dB); near-zero outputs compared absolutely;
+- every op the lowered model computes in float is named by a lowering warning;
+- ``backends.save``/``load`` bit-equal to the lowered model; ``quantree inspect`` reads it;
+- without recurrent layers another batch size runs or raises a ``QuantreeError``.
 
 The examples run in a worker process, so a native crash (a signal) fails the test and names
 the example it died on. ``QUANTREE_RANDOM_EXAMPLES`` (default 6, for CI) and
@@ -37,7 +45,7 @@ def test_random_nested_models_hold_every_property():
     )
     lines = done.stdout.splitlines()
     tried = [line for line in lines if line.startswith("{")]
-    passed = [line for line in lines if line.startswith("ok ")]
+    passed = [line for line in lines if line.startswith(("ok ", "refused "))]
     if done.returncode < 0:
         name = signal.Signals(-done.returncode).name
         raise AssertionError(

@@ -111,6 +111,23 @@ def test_a_model_that_computes_nan_from_finite_batches_is_named_with_the_batch()
         qt.quantize(Divides(), X, DATA, progress=False)
 
 
+def test_a_mask_of_infinities_the_recipe_does_not_trace_is_named_with_its_fix():
+    """A -inf mask that reaches a quantized point by a path the recipe does not follow
+    (here through a minimum) was reported as an overflow only."""
+
+    class Masks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            mask = torch.zeros(8).masked_fill(torch.arange(8) > 5, float("-inf"))
+            return torch.softmax(torch.minimum(self.linear(x), mask), -1)
+
+    with pytest.raises(qt.QuantreeError, match=r"-inf mask, leave the op reading it float"):
+        qt.quantize(Masks(), X, DATA, progress=False)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("errors")

@@ -3,6 +3,7 @@ counted, and a model in memory and its saved .pt2 name their nodes alike."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -100,4 +101,25 @@ def test_per_channel_qparams_computed_by_the_graph_are_described_not_crashed_on(
     scale.meta["val"] = torch.tensor([0.5, 0.25])
     zp.meta["val"] = torch.tensor([0, 1])
     described = inspection._scheme(gm, dq)
+    assert described == "per-channel axis 0 (2 ch), scale 0.25..0.5, zero_point 0..1"
+
+
+def test_a_per_channel_scale_that_requires_grad_is_read_without_a_torch_warning() -> None:
+    """A loaded .pt2 can hold its scales as parameters (requires_grad): reading one as a
+    number made torch warn "Converting a tensor with requires_grad=True to a scalar" under
+    ``quantree inspect``."""
+    root = nn.Module()
+    root.scale = nn.Parameter(torch.tensor([0.5, 0.25]))
+    root.register_buffer("zp", torch.tensor([0, 1]))
+    graph = torch.fx.Graph()
+    q = graph.placeholder("q")
+    dq = graph.call_function(
+        torch.ops.quantized_decomposed.dequantize_per_channel.default,
+        (q, graph.get_attr("scale"), graph.get_attr("zp"), 0, -127, 127, torch.int8),
+    )
+    graph.output(dq)
+    gm = torch.fx.GraphModule(root, graph)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        described = inspection._scheme(gm, dq)
     assert described == "per-channel axis 0 (2 ch), scale 0.25..0.5, zero_point 0..1"

@@ -290,12 +290,14 @@ def _run(prepared: torch.nn.Module, call: Call, index: int) -> None:
         cause = (
             f"the model's parameters or buffers {', '.join(bad[:5])} hold NaN or infinity"
             if bad
-            else "an op overflowed or divided by zero"
+            else "an op overflowed or divided by zero, or a mask filled it with -inf"
         )
         raise QuantreeError(
             f"calibration batch {index} is finite, but the model computed NaN or infinity at "
             f"{error.label}: {cause}. Fix the model (finite weights, a numerically stable "
-            "op) before quantizing it"
+            "op) before quantizing it; for a -inf mask, leave the op reading it float "
+            "(rules=(qt.Rule((op,), lambda n: qt.Annotation()),)) or mask with a finite "
+            "value (torch.finfo(dtype).min)"
         ) from error
     except BadBatch:
         raise

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils._pytree import tree_map
 
 from quantree.core.data_dependent import export_on_example_values
 from quantree.core.errors import QuantreeError
@@ -61,7 +62,7 @@ def capture(
         with warnings.catch_warnings():
             # nn.RNNBase keeps a list of its weights that export reports as reassigned.
             warnings.filterwarnings("ignore", message=".*_flat_weights.*")
-            kwargs = dict(example_kwargs or {})
+            example_args, kwargs = unaliased(example_args, dict(example_kwargs or {}))
             try:
                 program = _export(model, example_args, kwargs, dynamic_shapes, dynamic_batch)
             except GuardOnDataDependentSymNode as refused:  # Python read a tensor's value
@@ -80,6 +81,28 @@ def capture(
     return explain_shape_guards(program.module())
 
 
+def unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The example inputs with each tensor that shares storage with an earlier one cloned.
+
+    torch.export (2.13) traces inputs that alias as one: ``model(x, x)`` is captured as a
+    graph that reads its last such input for all of them, which computes wrong (silently)
+    once the inputs differ. The copies hold the same values; the user's tensors are not
+    touched.
+    """
+    seen: set[tuple[torch.device, int]] = set()
+
+    def distinct(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
+            return x
+        key = (x.device, x.untyped_storage().data_ptr())
+        if key in seen and x.numel():
+            return x.clone()
+        seen.add(key)
+        return x
+
+    return tree_map(distinct, args), tree_map(distinct, kwargs)
+
+
 def batch_dims(example_args: tuple[Any, ...], example_kwargs: dict[str, Any]) -> Any:
     """``dynamic_shapes`` marking dim 0 of every tensor input ``Dim.AUTO``, shaped like the
     inputs (None for what is not a tensor)."""
@@ -96,6 +119,23 @@ def batch_dims(example_args: tuple[Any, ...], example_kwargs: dict[str, Any]) ->
     return (*(spec(a) for a in example_args), *(spec(v) for v in example_kwargs.values()))
 
 
+def batch_dims_by_name(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``batch_dims`` keyed by the names of ``model.forward``'s parameters.
+
+    torch.export matches a tuple of dynamic shapes to the named parameters, not to the
+    arguments: a ``forward(self, *inputs)`` (one parameter) given one entry per input was
+    refused, and capture fell back to fixing every batch. By name, ``*inputs`` gets a tuple
+    of entries and ``**options`` a dict of them.
+    """
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature to bind: as the arguments come
+        return batch_dims(args, kwargs)
+    return {name: batch_dims((value,), {})[0] for name, value in bound.arguments.items()}
+
+
 def _export(
     model: torch.nn.Module,
     args: tuple[Any, ...],
@@ -107,13 +147,7 @@ def _export(
     if dynamic_shapes is not None or not dynamic_batch:
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
     try:
-        dims = batch_dims(args, kwargs)
-        if kwargs:
-            names = [p for p in inspect.signature(model.forward).parameters if p not in kwargs][
-                : len(args)
-            ]
-            dims = {**dict(zip(names, dims[: len(args)], strict=False)),
-                    **dict(zip(kwargs, dims[len(args):], strict=True))}  # fmt: skip
+        dims = batch_dims_by_name(model, args, kwargs)
         return torch.export.export(model, args, kwargs, dynamic_shapes=dims)
     except QuantreeError:
         raise

@@ -147,7 +147,7 @@ def _constant(gm: torch.nn.Module, arg: object) -> torch.Tensor | None:
     found = attr_at(gm, str(arg.target)) if arg.op == "get_attr" else arg.meta.get("val")
     if not isinstance(found, torch.Tensor) or isinstance(found, FakeTensor) or found.is_meta:
         return None
-    return found
+    return found.detach()  # a loaded scale parameter requires grad: read it as a number
 
 
 def _scheme(gm: torch.nn.Module, node: fx.Node) -> str:
