@@ -38,7 +38,7 @@ from quantree.core.weighted import weighted_annotation
 from quantree.recurrent.call import CELL_OPS, RECURRENT_OPS
 from quantree.recurrent.decompose import CellsOptions
 from quantree.recurrent.recipe import cells_rules, fixed_sigmoid, fixed_tanh
-from quantree.recurrent.split_layers import SPLITTABLE, split_layers, splittable
+from quantree.recurrent.split_layers import RELU_ONLY, SPLITTABLE, split_layers, splittable
 from quantree.recurrent.whole import recurrent_cell_annotation, recurrent_whole_annotation
 
 aten = torch.ops.aten
@@ -298,7 +298,7 @@ def int8_rules(
 ) -> tuple[Rule, ...]:
     """The rules of Int8Quantizer for the given activation and weight specs."""
     fused_activations = RELU_OPS
-    split_kinds = SPLITTABLE if split_stacked else (aten.rnn_relu.input,)
+    split_kinds = SPLITTABLE if split_stacked else RELU_ONLY
 
     def weighted(node: fx.Node) -> Annotation:
         """linear / conv: the output is left to a following relu it fuses with."""

@@ -99,3 +99,30 @@ def test_single_layers_are_left_whole():
 def test_split_layers_must_be_a_bool():
     with pytest.raises(qt.QuantreeError, match="split_layers must be True or False"):
         qt.Int8Quantizer(split_layers="yes")  # type: ignore[arg-type]
+
+
+class PackedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(6, 10, 2, batch_first=True, bidirectional=True)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, True, enforce_sorted=False)
+        out, _ = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)
+        return out
+
+
+def test_packed_stacks_are_split_too():
+    """Packed input is quantized as padded input is: one native packed call per layer."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(5, 9, 6, generator=g), torch.tensor([4, 9, 2, 7, 4])) for _ in range(4)]
+    model = PackedStack().eval()
+    _, ref = run(model, data)
+    targets = [str(n.target) for n in ref.graph.nodes if n.op == "call_function"]
+    assert targets.count("aten.gru.data") == 2
+    low = qt.lower(ref, CPU)
+    assert sum("rnn_packed_sequence" in str(n.target) for n in low.graph.nodes) == 2
+    with torch.no_grad():
+        for args in data[:2]:
+            assert qt.sqnr(ref(*args), low(*args)) >= THRESHOLD_DB

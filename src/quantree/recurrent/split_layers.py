@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from quantree.recurrent.call import RecurrentCall
+from quantree.recurrent.call import PACKED_OPS, RecurrentCall
 
 aten = torch.ops.aten
 
@@ -33,15 +33,23 @@ SPLIT_LAYER_KEY = "quantree_split_layer"
 """Node meta of each layer call but the last: its index in the stack (tools name its output
 ``output l0``, ...; the last layer's output is the stacked call's)."""
 
-SPLITTABLE = (aten.rnn_relu.input, aten.rnn_tanh.input, aten.gru.input, aten.lstm.input)
+SPLITTABLE = (
+    aten.rnn_relu.input,
+    aten.rnn_tanh.input,
+    aten.gru.input,
+    aten.lstm.input,
+    *PACKED_OPS,
+)
+RELU_ONLY = (aten.rnn_relu.input, aten.rnn_relu.data)
+"""What is split with ``split_layers=False``: nothing bounds a ReLU RNN's inner states."""
 
 
-def splittable(node: fx.Node, kinds: tuple[object, ...] = (aten.rnn_relu.input,)) -> bool:
-    """A padded (not packed) recurrent call of more than one layer, of one of ``kinds``."""
+def splittable(node: fx.Node, kinds: tuple[object, ...] = RELU_ONLY) -> bool:
+    """A recurrent call (padded, or packed: the ``.data`` overloads) of more than one layer,
+    of one of ``kinds``."""
     if node.target not in kinds:
         return False
-    call = RecurrentCall.parse(node)
-    return call.num_layers > 1 and not call.packed
+    return RecurrentCall.parse(node).num_layers > 1
 
 
 def split_layers(gm: fx.GraphModule, node: fx.Node) -> None:
@@ -49,7 +57,15 @@ def split_layers(gm: fx.GraphModule, node: fx.Node) -> None:
 
     Used as an ``Annotation.decompose`` hook: the nodes added are annotated like any other.
     """
-    x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = node.args
+    packed = node.target in PACKED_OPS  # (data, batch_sizes, hx, ...): no batch_first
+    if packed:
+        x, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional = (
+            node.args
+        )
+    else:
+        x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = (
+            node.args
+        )
     assert isinstance(params, list | tuple) and isinstance(num_layers, int)
     dirs = 2 if bidirectional else 1
     per = len(params) // num_layers  # the weights of one layer, every direction
@@ -105,11 +121,14 @@ def split_layers(gm: fx.GraphModule, node: fx.Node) -> None:
         for layer in range(num_layers):
             h0 = [layer_state(h, layer) for h in hs]
             weights = list(params[layer * per : (layer + 1) * per])
-            call = add(
-                node.target, out, h0 if isinstance(hx, list | tuple) else h0[0], weights,
-                has_biases, 1, dropout, train, bidirectional, batch_first,
-                val=layer_val(layer), name=f"{node.name}_l{layer}",
-            )  # fmt: skip
+            state = h0 if isinstance(hx, list | tuple) else h0[0]
+            rest = (has_biases, 1, dropout, train, bidirectional)
+            args = (
+                (out, batch_sizes, state, weights, *rest)
+                if packed
+                else (out, state, weights, *rest, batch_first)
+            )
+            call = add(node.target, *args, val=layer_val(layer), name=f"{node.name}_l{layer}")
             if layer < num_layers - 1:
                 call.meta[SPLIT_LAYER_KEY] = layer
             out = add(operator.getitem, call, 0)
