@@ -21,6 +21,7 @@ from quantree.backends.cpu.cells_layer import NativeRecurrentCells
 from quantree.backends.cpu.cells_native import NativeCellLoop, compile_body
 from quantree.backends.cpu.direct import call_directly
 from quantree.backends.cpu.float_report import warn_float_ops
+from quantree.backends.cpu.lowering_avg_pool import lower_avg_pool
 from quantree.backends.cpu.lowering_batch_norm import lower_batch_norm
 from quantree.backends.cpu.lowering_casts import drop_identity_casts
 from quantree.backends.cpu.lowering_cat import lower_cat
@@ -147,6 +148,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_masked_fill,
         lower_max_pool,
         lower_mean,
+        lower_avg_pool,
         lower_batch_norm,
         lower_binary,
         lower_matmul,

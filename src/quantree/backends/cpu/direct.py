@@ -21,6 +21,7 @@ from torch._ops import OpOverload
 from quantree.backends.cpu.bound_calls import BINDINGS, Binding
 from quantree.backends.cpu.cells_native import cell_loop
 from quantree.backends.cpu.ops import (
+    avg_pool2d,
     binary,
     conv1d,
     conv2d,
@@ -44,9 +45,9 @@ from quantree.backends.cpu.ops_rnn_packed import PackedRnnRunner
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
-    for fn in (binary, cell_loop, conv1d, conv2d, conv16, dequantize, embedding_rows, linear,
-               linear16, lookup, matmul, max_pool2d, mean_hw, program, quantize, rnn, rnn_cell,
-               softmax)
+    for fn in (avg_pool2d, binary, cell_loop, conv1d, conv2d, conv16, dequantize,
+               embedding_rows, linear, linear16, lookup, matmul, max_pool2d, mean_hw, program,
+               quantize, rnn, rnn_cell, softmax)
 }  # fmt: skip
 """Each ``torch.ops.quantree.<name>``'s CPU implementation, by name (read only)."""
 PER_NODE: dict[str, Callable[[], Callable[..., Any]]] = {

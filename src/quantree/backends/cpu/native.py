@@ -75,6 +75,7 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_channel_affine": [_ptr, *[_i64] * 3, _f32, _f32, _ptr, _ptr, _f32, _f32, _f32, _ptr],
     "qt_softmax": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr],
     "qt_max_pool2d": [_ptr, *[_i64] * 14, _ptr],
+    "qt_avg_pool2d": [_ptr, *[_i64] * 14, _f32, _i64, _f32, _f32, _ptr],
     "qt_quantize16": [_ptr, _i64, _f32, _ptr],
     "qt_split16": [_ptr, _i64, _f32, _f32, _f32, _ptr, _ptr],
     "qt_linear16": [_ptr, *[_i64] * 4, *[_ptr] * 5, _f32, _f32, _f32],

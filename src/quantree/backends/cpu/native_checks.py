@@ -298,6 +298,30 @@ def max_pool2d(x: Tensor, kernel: list[int], stride: list[int], padding: list[in
         raise fail(op, f"padding {list(padding)} must be 2 integers")
 
 
+# void qt_avg_pool2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W,
+#     int64_t KH, int64_t KW, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t OH,
+#     int64_t OW, int64_t count_include_pad, int64_t divisor_override, float x_scale,
+#     int64_t x_zp, float inv, float zp, int8_t* out)
+def avg_pool2d(x: Tensor, kernel: list[int], stride: list[int], padding: list[int],
+               divisor_override: int, x_zero_point: int, out_zero_point: int) -> None:  # fmt: skip
+    """x int8 [N, C, H, W]; taps outside the input are skipped; a window's int32 sum of
+    codes cannot overflow below 2**24 taps; padding at most half the kernel (ATen's rule:
+    every window then holds an input tap, so no divisor is 0); int8 zero points."""
+    op = "avg_pool2d"
+    dtype_of(op, "x", x, I8)
+    if x.dim() != 4:
+        raise fail(op, f"x has shape {tuple(x.shape)}, the kernel reads [N, C, H, W]")
+    geometry(op, kernel, stride, padding, [1, 1], 2)
+    if len(padding) != 2 or kernel[0] * kernel[1] >= 1 << 24:
+        raise fail(op, f"kernel {list(kernel)} / padding {list(padding)}: 2 paddings and "
+                   "fewer than 2**24 taps")  # fmt: skip
+    if any(2 * p > k for p, k in zip(padding, kernel, strict=True)) or divisor_override < 0:
+        raise fail(op, f"padding {list(padding)} over half the kernel {list(kernel)}, or "
+                   f"divisor_override {divisor_override} < 0")  # fmt: skip
+    if not (-128 <= x_zero_point <= 127 and -128 <= out_zero_point <= 127):
+        raise fail(op, f"zero points {x_zero_point}, {out_zero_point} are not int8 values")
+
+
 def recurrent_sizes(op: str, kind: str, hidden: int, proj_size: int) -> int:
     """The gate count of ``kind``, after checking the sizes (the kernel divides by
     ``gates * hidden``)."""

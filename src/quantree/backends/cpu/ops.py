@@ -13,7 +13,7 @@ from quantree.backends.cpu.ops_elementwise import binary, dequantize, lookup, qu
 from quantree.backends.cpu.ops_embedding import embedding_rows
 from quantree.backends.cpu.ops_gemm import conv1d, conv2d, linear, matmul
 from quantree.backends.cpu.ops_mean import mean_hw
-from quantree.backends.cpu.ops_pool import max_pool2d
+from quantree.backends.cpu.ops_pool import avg_pool2d, max_pool2d
 from quantree.backends.cpu.ops_program import program
 from quantree.backends.cpu.ops_rnn import PER_LAYER, RNN_KINDS, rnn
 from quantree.backends.cpu.ops_rnn_cell import rnn_cell
@@ -23,6 +23,7 @@ from quantree.backends.cpu.ops_wide import conv16, linear16
 __all__ = [
     "PER_LAYER",
     "RNN_KINDS",
+    "avg_pool2d",
     "binary",
     "channel_affine",
     "conv16",
