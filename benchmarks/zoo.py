@@ -334,6 +334,8 @@ def float_ops(gm: nn.Module) -> collections.Counter:
             for op in program_float_ops(node):  # float still, inside one native call
                 found[op.target.split(".")[1] + " (in program)"] += 1
             target = node.target
+            if node.op == "call_function" and target == torch.ops.quantree.group_norm.default:
+                found["group_norm (native float)"] += 1
             if node.op != "call_function" or getattr(target, "namespace", "") != "aten":
                 continue
             name = target.__name__.split(".")[0]

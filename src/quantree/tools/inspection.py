@@ -65,10 +65,11 @@ INT8_MOVE = "int8 data movement"  # transpose/view/... of int8 values: exact on 
 INT8_CONSTANT = "int8 constant"  # a tensor made from nothing (zeros) and quantized
 SIMULATED = "simulated (q/dq)"  # a float op between dequantize and quantize
 PARTLY_FLOAT = "partly float"
-NATIVE_FLOAT = "float, native program"  # a backend program computing float ops in one call
+NATIVE_FLOAT = "float, native program"  # a backend program or kernel computing float ops
 FLOAT = "float"
 INT8_STATUSES = (INT8_KERNEL, INT16_KERNEL, INT8_MOVE, INT8_CONSTANT, SIMULATED)
 _INT16_INPUT_OPS = ("quantree.linear16.default", "quantree.conv16.default")
+_FLOAT_KERNEL_OPS = {"quantree.group_norm.default": "group_norm"}  # float in, float out
 
 # Ops that only move, select or reshape elements: on int8 values they are exact, so one
 # reading and writing int8 (or between a dequantize and a quantize with the same parameters)
@@ -355,6 +356,8 @@ def op_statuses(gm: fx.GraphModule) -> list[OpStatus]:
         data = [leaf for _, leaf in leaves_with_paths(n.args[0]) if isinstance(leaf, fx.Node)]
         integer_in = bool(data) and all(_is_integer(a) for a in data)  # not indices
         inside = _program_float_ops(gm, n) if lowered else None
+        if lowered and _op_name(n) in _FLOAT_KERNEL_OPS:
+            inside = collections.Counter([_FLOAT_KERNEL_OPS[_op_name(n)]])
         if inside:
             status, native = NATIVE_FLOAT, False
         elif lowered and _op_name(n) in _INT16_INPUT_OPS:

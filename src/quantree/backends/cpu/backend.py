@@ -29,6 +29,7 @@ from quantree.backends.cpu.lowering_cell import lower_cell
 from quantree.backends.cpu.lowering_conv_transpose import lower_conv_transpose
 from quantree.backends.cpu.lowering_embedding import lower_embedding
 from quantree.backends.cpu.lowering_fold import fold_input_independent
+from quantree.backends.cpu.lowering_group_norm import lower_group_norm
 from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.lowering_masked_fill import lower_masked_fill
 from quantree.backends.cpu.lowering_mean import lower_mean
@@ -150,6 +151,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_mean,
         lower_avg_pool,
         lower_batch_norm,
+        lower_group_norm,
         lower_binary,
         lower_matmul,
         lower_pointwise,

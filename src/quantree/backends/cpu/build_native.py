@@ -25,7 +25,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     *("gemm.cpp", "gemm_sse2.cpp", "layers.cpp", "rnn.cpp", "cells.cpp", "pool.cpp"),
     *("program.cpp", "conv1d.cpp", "mean.cpp", "conv_transpose.cpp", "conv_narrow.cpp"),
-    "channel_affine.cpp",
+    *("channel_affine.cpp", "group_norm.cpp"),
 )
 HEADERS = (
     *("qt_kernels.h", "qt_vmath.h", "qt_x86_256.h", "gemm_vnni256.h", "qt_neon.h"),

@@ -34,6 +34,8 @@ DATA_MOVEMENT = {
     *("_pack_padded_sequence", "_pad_packed_sequence", "index_select"),
 }
 """aten ops that move, view or create data: not "computing in float"."""
+FLOAT_KERNELS = frozenset({"group_norm"})
+"""``quantree`` ops that compute in float (native float kernels): reported like aten's."""
 SHOWN = 3  # node names shown per op
 
 
@@ -65,7 +67,10 @@ def float_ops(root: torch.nn.Module) -> list[tuple[str, fx.Node | ProgramOp, boo
         for node in graph.nodes:
             found += [(prefix, op, False) for op in program_float_ops(node)]
             namespace = getattr(node.target, "namespace", "")
-            if node.op != "call_function" or namespace != "aten" or not _is_float(node):
+            float_kernel = namespace == "quantree" and _name(node) in FLOAT_KERNELS
+            if node.op != "call_function" or not (namespace == "aten" or float_kernel):
+                continue
+            if not _is_float(node):
                 continue
             if _name(node) in DATA_MOVEMENT:
                 continue

@@ -73,6 +73,7 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_conv_transpose": [_ptr, *[_i64] * 16, *[_ptr] * 7, *[_i64] * 4, _f32, _f32, _int],
     "qt_mean_hw": [_ptr, *[_i64] * 8, _f32, _i64, _f32, _f32, _ptr],
     "qt_channel_affine": [_ptr, *[_i64] * 3, _f32, _f32, _ptr, _ptr, _f32, _f32, _f32, _ptr],
+    "qt_group_norm": [_ptr, *[_i64] * 5, _ptr, _ptr, _f32, _ptr],
     "qt_softmax": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr],
     "qt_max_pool2d": [_ptr, *[_i64] * 14, _ptr],
     "qt_avg_pool2d": [_ptr, *[_i64] * 14, _f32, _i64, _f32, _f32, _ptr],

@@ -322,6 +322,25 @@ def avg_pool2d(x: Tensor, kernel: list[int], stride: list[int], padding: list[in
         raise fail(op, f"zero points {x_zero_point}, {out_zero_point} are not int8 values")
 
 
+# void qt_group_norm(const float* x, int64_t N, int64_t C, int64_t S, int64_t channels_last,
+#     int64_t G, const float* weight, const float* bias, float eps, float* out)
+def group_norm(x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None) -> None:
+    """x float32 [N, C, *] on the CPU; C a multiple of ``groups`` >= 1; weight and bias
+    None or C float32 values."""
+    op = "group_norm"
+    dtype_of(op, "x", x, F32)
+    if x.dim() < 2 or not x.is_cpu or x.numel() >= LIMIT:
+        raise fail(op, f"x of shape {tuple(x.shape)} on {x.device}: the kernel reads [N, C, *]"
+                   " on the CPU")  # fmt: skip
+    c = int(x.shape[1])
+    if not 1 <= groups <= c or c % groups:
+        raise fail(op, f"{c} channels do not split into {groups} groups")
+    if weight is not None:
+        vector(op, "weight", weight, F32, c)
+    if bias is not None:
+        vector(op, "bias", bias, F32, c)
+
+
 def recurrent_sizes(op: str, kind: str, hidden: int, proj_size: int) -> int:
     """The gate count of ``kind``, after checking the sizes (the kernel divides by
     ``gates * hidden``)."""

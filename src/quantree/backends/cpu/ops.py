@@ -12,6 +12,7 @@ from quantree.backends.cpu.ops_derived import derived_bias, derived_offset, deri
 from quantree.backends.cpu.ops_elementwise import binary, dequantize, lookup, quantize, softmax
 from quantree.backends.cpu.ops_embedding import embedding_rows
 from quantree.backends.cpu.ops_gemm import conv1d, conv2d, linear, matmul
+from quantree.backends.cpu.ops_group_norm import group_norm
 from quantree.backends.cpu.ops_mean import mean_hw
 from quantree.backends.cpu.ops_pool import avg_pool2d, max_pool2d
 from quantree.backends.cpu.ops_program import program
@@ -36,6 +37,7 @@ __all__ = [
     "derived_scale",
     "dequantize",
     "embedding_rows",
+    "group_norm",
     "linear",
     "linear16",
     "lookup",
