@@ -101,5 +101,8 @@ def test_portable_warning_names_what_the_cpu_lacks():
     x86 = native.portable_warning(0, arm=False)
     assert "the CPU lacks AVX2, FMA (the avx2 path)" in x86
     assert "AVX-512 VNNI" in x86 and "AVX-VNNI" in x86
+    # AVX2 and FMA without the rest of x86-64-v3 (a VM masking BMI2, say): still portable
+    partial = native.portable_warning(1 | 2, arm=False)
+    assert "the CPU lacks the rest of x86-64-v3 (BMI1, BMI2, F16C, LZCNT, MOVBE)" in partial
     arm = native.portable_warning(0, arm=True)
     assert "ASIMD (NEON)" in arm
