@@ -227,3 +227,42 @@ def test_baseline_library_on_other_x86_cpus_under_qemu(baseline_check, tmp_path)
         check_path(p, kernels, f"x86-64-v3 variant, qemu -cpu Haswell\n{stdout}", X86_CASES)
     got = digests(stdout)
     assert all(expected.get(key, value) == value for key, value in got.items())
+
+
+VECTOR_REGISTER = re.compile(r"%[yz]mm\d|%k[0-7]\b|\bv[a-z0-9]+\s+.*%xmm")
+
+
+@pytest.mark.skipif(
+    not build_native.X86 or shutil.which("objdump") is None or shutil.which("nm") is None,
+    reason="needs an x86-64 host with binutils (objdump, nm)",
+)
+def test_no_vector_instruction_outside_the_isa_files(baseline_check):
+    """What qemu runs is only the code the cases reach; this reads all of it. In the baseline
+    build no object outside the ISA files holds an AVX (VEX / EVEX) instruction, none shares
+    an inline function (a COMDAT copy the linker could take from an ISA file) with an ISA
+    file, and no ISA file runs code when the library loads (a static initializer)."""
+    objects = {path.name: path for path in baseline_check.parent.glob("*.o")}
+    isa = {Path(source).stem + ".o" for source in build_native.X86_ISA_SOURCES}
+    assert isa <= set(objects)
+
+    def weak(name: str) -> set[str]:
+        listing = subprocess.run(
+            ["nm", "--defined-only", str(objects[name])], capture_output=True, text=True
+        ).stdout
+        return {f[2] for f in (line.split() for line in listing.splitlines()) if f[1] in "WVu"}
+
+    shared_with_isa = set().union(*(weak(n) for n in isa))
+    for name in sorted(set(objects) - isa):
+        code = subprocess.run(
+            ["objdump", "-d", "--no-show-raw-insn", str(objects[name])],
+            capture_output=True,
+            text=True,
+        ).stdout
+        vector = [line for line in code.splitlines() if VECTOR_REGISTER.search(line)]
+        assert not vector, (name, vector[:5])
+        assert not weak(name) & shared_with_isa, (name, sorted(weak(name) & shared_with_isa))
+    for name in isa:
+        sections = subprocess.run(
+            ["objdump", "-h", str(objects[name])], capture_output=True, text=True
+        ).stdout
+        assert ".init_array" not in sections and ".ctors" not in sections, name
