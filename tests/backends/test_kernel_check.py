@@ -12,6 +12,17 @@ natively (the x86 paths this CPU has), and cross-compiled for aarch64 under ``qe
 needs ``g++-aarch64-linux-gnu`` and ``qemu-user``; it is skipped, saying so, where they are
 missing.
 
+The x86 binary is built exactly as the shipped baseline library is (``-march=x86-64``
+outside the ISA files, each ISA file with its flags) and also runs under ``qemu-x86_64`` as
+older and other x86 CPUs (``X86_MODELS``): each must select the path its features allow
+(cpuid, and the OS's XSAVE support: ``Haswell,-xsave``), run without an illegal instruction,
+and compute every kernel's bytes, the inexact ones included, equal to this machine's run of
+the same path (the printed digests). The x86-64-v3 variant (its code outside the ISA files
+compiled for AVX2) runs under an AVX2 model the same way. qemu 7.2's TCG emulates SSE4.2,
+AVX, AVX2 and FMA but not AVX-512 or AVX-VNNI (it drops them from every model, with a
+warning), so those paths are checked natively only, and their choice from cpuid by
+``test_isa_dispatch.py``.
+
 Every vector path (x86 and aarch64) computes sigmoid and tanh with its own polynomial, not
 libm's, so the recurrent kernels with float gates (LSTM, GRU, tanh RNN, a cell program with a
 float tanh) are reported there as "inexact" and not compared bit for bit; everything else
@@ -36,11 +47,30 @@ CASES = 400
 CROSS = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 SYSROOT = Path("/usr/aarch64-linux-gnu")
+QEMU_X86 = "qemu-x86_64"
+X86_CASES = 200
+X86_MODELS = {  # qemu -cpu model: the path the library must select there (qt::Isa)
+    "Nehalem": 0,  # SSE4.2, before AVX: the portable (SSE2) path
+    "SandyBridge": 0,  # AVX without AVX2
+    "Haswell": 1,  # AVX2 + FMA, the first x86-64-v3 CPU
+    "Skylake-Client": 1,
+    "EPYC": 1,  # AMD Zen 1
+    "Haswell,-xsave": 0,  # cpuid reports AVX2, but the OS has not enabled the AVX state
+    "Haswell,-bmi2": 0,  # AVX2 + FMA without the rest of x86-64-v3 (a VM masking BMI2)
+}
 
 
-def build_check(tmp: Path, compiler: str, march: str, isa: dict[str, tuple[str, ...]]) -> Path:
+def build_check(
+    tmp: Path,
+    compiler: str,
+    march: str,
+    isa: dict[str, tuple[str, ...]],
+    reuse: tuple[str, ...] = (),
+) -> Path:
+    """The check driver linked with the library's objects (``reuse``: ISA objects already
+    compiled, with the same flags, for another build)."""
     objects = build_native.compile_objects(compiler, tmp, march, isa, more=(CHECK,))
-    return build_native.link_program(compiler, objects, tmp / "kernel_check")
+    return build_native.link_program(compiler, [*objects, *reuse], tmp / "kernel_check")
 
 
 KERNELS = {
@@ -55,18 +85,20 @@ FLOAT_GATES = {
 PORTABLE = 0  # qt::Isa
 
 
-def check_path(path: int, kernels: dict[str, tuple[int, int | None]], report: str) -> None:
+def check_path(
+    path: int, kernels: dict[str, tuple[int, int | None]], report: str, cases: int = CASES
+) -> None:
     """The kernels a path reports, each compared with none differing; only a vector path's
     float-gate kernels are inexact, and such a path's gate math is held to its tolerance."""
     expected = KERNELS if path == PORTABLE else KERNELS | {"gate_math"}
     assert set(kernels) == expected, report
-    assert kernels["gemm"] == (CASES, 0), report
-    assert kernels["gemm_prepared"] == (CASES, 0), report
+    assert kernels["gemm"] == (cases, 0), report
+    assert kernels["gemm_prepared"] == (cases, 0), report
     if path != PORTABLE:
-        assert kernels["gate_math"] == (CASES, 0), report
-    for name, (cases, bad) in kernels.items():
+        assert kernels["gate_math"] == (cases, 0), report
+    for name, (n, bad) in kernels.items():
         inexact_ok = bad is None and name in FLOAT_GATES and path != PORTABLE
-        assert cases > 0 and (bad == 0 or inexact_ok), report
+        assert n > 0 and (bad == 0 or inexact_ok), report
 
 
 def results(stdout: str) -> dict[int, dict[str, tuple[int, int | None]]]:
@@ -81,6 +113,18 @@ def results(stdout: str) -> dict[int, dict[str, tuple[int, int | None]]]:
     return found
 
 
+def selected(stdout: str) -> int:
+    """The path the library chose by itself (kernel_check's first line)."""
+    found = re.search(r"cpu features (\d+) selected path (\d+)", stdout)
+    assert found, stdout
+    return int(found.group(2))
+
+
+def digests(stdout: str) -> dict[str, str]:
+    """ "reference KERNEL" / "path P KERNEL" -> the digest of its output bytes."""
+    return dict(re.findall(r"^(reference \w+|path \d+ \w+) .*digest (\w+)$", stdout, re.M))
+
+
 def compared(found: dict[int, dict[str, tuple[int, int | None]]]) -> int:
     """How many cases were compared bit for bit, over every path and kernel."""
     return sum(
@@ -91,9 +135,17 @@ def compared(found: dict[int, dict[str, tuple[int, int | None]]]) -> int:
     )
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler (c++) on PATH")
-def test_native_paths_equal_portable(tmp_path):
-    program = build_check(tmp_path, "c++", build_native.PORTABLE_MARCH, build_native.ISA_SOURCES)
+@pytest.fixture(scope="module")
+def baseline_check(tmp_path_factory) -> Path:
+    """kernel_check built as the shipped baseline library is (its objects stay beside it)."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler (c++) on PATH")
+    tmp = tmp_path_factory.mktemp("baseline")
+    return build_check(tmp, "c++", build_native.PORTABLE_MARCH, build_native.ISA_SOURCES)
+
+
+def test_native_paths_equal_portable(baseline_check):
+    program = baseline_check
     out = subprocess.run([str(program), str(CASES)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     found = results(out.stdout)
@@ -131,3 +183,86 @@ def test_aarch64_paths_match_portable_under_qemu(tmp_path):
         for path, kernels in found.items():
             check_path(path, kernels, f"qemu -cpu {cpu}\n{out.stdout}")
         print(f"qemu -cpu {cpu}: {compared(found)} cases bit-equal to the portable path")
+
+
+@pytest.mark.skipif(
+    not build_native.X86 or shutil.which(QEMU_X86) is None or shutil.which("c++") is None,
+    reason=f"needs an x86-64 host with c++ and {QEMU_X86} (apt-get install qemu-user)",
+)
+def test_baseline_library_on_other_x86_cpus_under_qemu(baseline_check, tmp_path):
+    program, base = baseline_check, baseline_check.parent
+    here = subprocess.run([str(program), str(X86_CASES)], capture_output=True, text=True)
+    assert here.returncode == 0, here.stdout + here.stderr
+    expected = digests(here.stdout)
+
+    def under(cpu: str, binary: Path) -> str:
+        out = subprocess.run(
+            [QEMU_X86, "-cpu", cpu, str(binary), str(X86_CASES)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, (cpu, out.returncode, out.stdout, out.stderr[-2000:])
+        return out.stdout
+
+    for cpu, path in X86_MODELS.items():
+        stdout = under(cpu, program)
+        assert selected(stdout) == path, (cpu, stdout)
+        found = results(stdout)
+        assert set(found) == set(range(path + 1)), (cpu, stdout)  # the paths below it too
+        for p, kernels in found.items():
+            check_path(p, kernels, f"qemu -cpu {cpu}\n{stdout}", X86_CASES)
+        # the same bytes as here, kernel by kernel, the vector path's inexact ones included
+        got = digests(stdout)
+        assert got and all(expected.get(key, value) == value for key, value in got.items()), cpu
+        print(f"qemu -cpu {cpu}: path {path}, {compared(found)} cases bit-equal to portable")
+
+    # the x86-64-v3 variant: its own portable code, the same ISA objects
+    v3 = tmp_path
+    isa_objects = tuple(str(base / (Path(s).stem + ".o")) for s in build_native.X86_ISA_SOURCES)
+    variant = build_check(v3, "c++", "x86-64-v3", {}, reuse=isa_objects)
+    stdout = under("Haswell", variant)
+    assert selected(stdout) == 1, stdout
+    for p, kernels in results(stdout).items():
+        check_path(p, kernels, f"x86-64-v3 variant, qemu -cpu Haswell\n{stdout}", X86_CASES)
+    got = digests(stdout)
+    assert all(expected.get(key, value) == value for key, value in got.items())
+
+
+VECTOR_REGISTER = re.compile(r"%[yz]mm\d|%k[0-7]\b|\bv[a-z0-9]+\s+.*%xmm")
+
+
+@pytest.mark.skipif(
+    not build_native.X86 or shutil.which("objdump") is None or shutil.which("nm") is None,
+    reason="needs an x86-64 host with binutils (objdump, nm)",
+)
+def test_no_vector_instruction_outside_the_isa_files(baseline_check):
+    """What qemu runs is only the code the cases reach; this reads all of it. In the baseline
+    build no object outside the ISA files holds an AVX (VEX / EVEX) instruction, none shares
+    an inline function (a COMDAT copy the linker could take from an ISA file) with an ISA
+    file, and no ISA file runs code when the library loads (a static initializer)."""
+    objects = {path.name: path for path in baseline_check.parent.glob("*.o")}
+    isa = {Path(source).stem + ".o" for source in build_native.X86_ISA_SOURCES}
+    assert isa <= set(objects)
+
+    def weak(name: str) -> set[str]:
+        listing = subprocess.run(
+            ["nm", "--defined-only", str(objects[name])], capture_output=True, text=True
+        ).stdout
+        return {f[2] for f in (line.split() for line in listing.splitlines()) if f[1] in "WVu"}
+
+    shared_with_isa = set().union(*(weak(n) for n in isa))
+    for name in sorted(set(objects) - isa):
+        code = subprocess.run(
+            ["objdump", "-d", "--no-show-raw-insn", str(objects[name])],
+            capture_output=True,
+            text=True,
+        ).stdout
+        vector = [line for line in code.splitlines() if VECTOR_REGISTER.search(line)]
+        assert not vector, (name, vector[:5])
+        assert not weak(name) & shared_with_isa, (name, sorted(weak(name) & shared_with_isa))
+    for name in isa:
+        sections = subprocess.run(
+            ["objdump", "-h", str(objects[name])], capture_output=True, text=True
+        ).stdout
+        assert ".init_array" not in sections and ".ctors" not in sections, name

@@ -6,6 +6,11 @@ The prebuilt test copies the package to a temporary directory, builds the librar
 lowers and runs a model in a fresh process whose PATH has no compiler and whose extensions
 cache is empty. (`pip wheel .` then installing the wheel into a fresh venv does the same
 with the real packaging; README's deployment paragraph.)
+
+With ``QUANTREE_QEMU_PYTHON=1`` (slow: Python and torch under qemu-x86_64, 45-90 s per CPU
+model), the loader itself runs as other CPUs: with the baseline and x86-64-v3 libraries
+prebuilt, a Nehalem must take the baseline one (the v3 one would die of SIGILL there) and the
+portable path, a Haswell the v3 one and the AVX2 path, both giving the same bytes.
 """
 
 from __future__ import annotations
@@ -101,5 +106,64 @@ def test_portable_warning_names_what_the_cpu_lacks():
     x86 = native.portable_warning(0, arm=False)
     assert "the CPU lacks AVX2, FMA (the avx2 path)" in x86
     assert "AVX-512 VNNI" in x86 and "AVX-VNNI" in x86
+    # AVX2 and FMA without the rest of x86-64-v3 (a VM masking BMI2, say): still portable
+    partial = native.portable_warning(1 | 2, arm=False)
+    assert "the CPU lacks the rest of x86-64-v3 (BMI1, BMI2, F16C, LZCNT, MOVBE)" in partial
     arm = native.portable_warning(0, arm=True)
     assert "ASIMD (NEON)" in arm
+
+
+QEMU_X86 = shutil.which("qemu-x86_64") or "qemu-x86_64"  # the child's PATH has no tools
+CHOOSE = """
+import torch
+from quantree.backends import cpu_isa
+from quantree.backends.cpu import native
+lib = native.library()
+x = torch.arange(-64, 64, dtype=torch.float32) * 0.37
+q = torch.empty(128, dtype=torch.int8)
+lib.qt_quantize(x.data_ptr(), 128, 1 / 0.1, 3.0, q.data_ptr())
+print("library", native.library_path().name)
+print("isa", cpu_isa())
+print("bytes", bytes(q.numpy()).hex())
+"""
+
+
+@pytest.mark.skipif(
+    os.environ.get("QUANTREE_QEMU_PYTHON") != "1"
+    or not build_native.X86
+    or shutil.which(QEMU_X86) is None
+    or shutil.which("c++") is None,
+    reason="Python under qemu-x86_64 takes 45-90 s per CPU model: set QUANTREE_QEMU_PYTHON=1 "
+    "(needs an x86-64 host, c++ and qemu-user)",
+)
+def test_loader_takes_the_variant_the_cpu_has_under_qemu(tmp_path):
+    package = tmp_path / "site" / "quantree"
+    shutil.copytree(
+        Path(quantree.__file__).parent,
+        package,
+        ignore=shutil.ignore_patterns("__pycache__", "_kernels*", "weights"),
+    )
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    cpu = package / "backends" / "cpu"
+    build_native.compile_library("c++", cpu / f"_kernels{suffix}", "x86-64")
+    build_native.compile_library("c++", cpu / f"_kernels_x86_64_v3{suffix}", "x86-64-v3")
+    env = {**os.environ, "PYTHONPATH": str(package.parent), "PATH": str(tmp_path / "bin")}
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "cache")  # nothing may be compiled
+    env.pop("QUANTREE_CPU_ISA", None)
+    env.pop("QUANTREE_NATIVE_MARCH", None)
+    expected = {"Nehalem": ("_kernels", "portable"), "Haswell": ("_kernels_x86_64_v3", "avx2")}
+    outputs = set()
+    for model, (stem, isa) in expected.items():
+        out = subprocess.run(
+            [QEMU_X86, "-cpu", model, sys.executable, "-c", CHOOSE],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert out.returncode == 0, (model, out.stdout, out.stderr[-3000:])
+        assert f"library {stem}{suffix}" in out.stdout, (model, out.stdout)
+        assert f"isa {isa}" in out.stdout, (model, out.stdout)
+        outputs.add(out.stdout.split("bytes ")[1])
+    assert len(outputs) == 1  # the same bytes on both
+    assert not (tmp_path / "cache").exists()

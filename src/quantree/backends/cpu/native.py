@@ -141,11 +141,15 @@ def library() -> ctypes.CDLL:
     lib.qt_select_isa.restype = _int
     lib.qt_current_isa.restype = _int
     lib.qt_cpu_features.restype = _int
+    lib.qt_isa_for.argtypes = [_int, _int]
+    lib.qt_isa_for.restype = _int
     if ISA_NAMES[lib.qt_select_isa(isa_cap())] == "portable":
         warnings.warn(portable_warning(lib.qt_cpu_features()), RuntimeWarning, stacklevel=2)
     return lib
 
 
+V3 = "the rest of x86-64-v3 (BMI1, BMI2, F16C, LZCNT, MOVBE)"
+V4 = "the rest of x86-64-v4 (AVX-512 CD, DQ)"
 FEATURES = {
     "AVX2": 1,
     "FMA": 2,
@@ -156,8 +160,11 @@ FEATURES = {
     "AVX-512 VNNI": 64,
     "ASIMD (NEON)": 128,
     "the dot-product extension (sdot)": 256,
+    V3: 512,
+    V4: 1024,
 }
-"""The bits of ``qt_cpu_features()``."""
+"""The bits of ``qt_cpu_features()`` (and of ``qt_isa_for``'s first argument). Each x86
+path needs the whole -march level its files are compiled with, not only its own features."""
 
 
 def portable_warning(features: int, arm: bool | None = None) -> str:
@@ -168,18 +175,15 @@ def portable_warning(features: int, arm: bool | None = None) -> str:
         {"neon": ("ASIMD (NEON)",)}
         if arm
         else {
-            "avx2": ("AVX2", "FMA"),
-            "avxvnni": ("AVX2", "FMA", "AVX-VNNI"),
-            "avx512vnni": ("AVX-512F", "AVX-512BW", "AVX-512VL", "AVX-512 VNNI"),
+            "avx2": ("AVX2", "FMA", V3),
+            "avxvnni": ("AVX2", "FMA", V3, "AVX-VNNI"),
+            "avx512vnni": ("AVX-512F", "AVX-512BW", "AVX-512VL", V4, "AVX-512 VNNI"),
         }
     )
     if not arm and not X86:
         why = f"quantree has no vector kernels for {build_native.MACHINE or 'this CPU'}"
     else:
-        lacking = {
-            path: [name for name in names if not features & FEATURES[name]]
-            for path, names in needs.items()
-        }
+        lacking = {path: absent(features, names) for path, names in needs.items()}
         if all(lacking.values()):
             why = "the CPU lacks " + "; ".join(
                 f"{', '.join(missing)} (the {path} path)" for path, missing in lacking.items()
@@ -199,6 +203,13 @@ def portable_warning(features: int, arm: bool | None = None) -> str:
         f"PyTorch: {why}. Deploy to a CPU with AVX2 (x86-64-v3) or aarch64 NEON for fast "
         "int8 inference."
     )
+
+
+def absent(features: int, names: tuple[str, ...]) -> list[str]:
+    """What of ``names`` the CPU lacks; "the rest of" a level is named only when the
+    features before it are all there (otherwise they say enough)."""
+    lacks = [name for name in names if not features & FEATURES[name]]
+    return [name for name in lacks if name not in (V3, V4)] or lacks
 
 
 def prebuilt_path() -> Path | None:

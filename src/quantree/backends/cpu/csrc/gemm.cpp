@@ -117,31 +117,49 @@ int qt_cpu_features() {
 // The path qt_select_isa chose last (a qt::Isa).
 int qt_current_isa() { return active_isa; }
 
+// The path for a CPU reporting `features` (qt_cpu_features' bits), at most `cap` (a
+// qt::Isa). A pure function of the bits, so that tests can ask it about CPUs no machine
+// here has (Skylake-SP, Alder Lake, Sapphire Rapids). Each x86 path needs the whole -march
+// level its files are compiled with (build_native.X86_ISA_SOURCES), not only the features
+// it was written for: the compiler may use any instruction of that level there (BMI2's
+// shlx and AVX-512 DQ's vpmullq do appear in isa_avx512.cpp), and a CPU or a virtual
+// machine may report AVX2 and FMA without the rest of x86-64-v3. The bits come from libgcc
+// (__builtin_cpu_supports), which counts AVX and AVX-512 only when the OS saves their
+// registers (OSXSAVE, then XGETBV's XCR0).
+int qt_isa_for(int features, int cap) {
+    using namespace qt;
+#if defined(__x86_64__)
+    const bool v3 = (features & 512) != 0, v4 = v3 && (features & 1024) != 0;
+    if (cap >= AVX512VNNI && v4 && (features & 64)) return AVX512VNNI;
+    // an AVX-512 VNNI CPU without AVX-VNNI runs the AVX-VNNI path's EVEX twin
+    if (cap >= AVXVNNI && v3 && ((features & 4) || (v4 && (features & 64)))) return AVXVNNI;
+    if (cap >= AVX2 && v3) return AVX2;
+#elif defined(__aarch64__)
+    if (cap >= NEONDOT && (features & 256)) return NEONDOT;
+    if (cap >= NEON) return NEON;
+#else
+    (void)features, (void)cap;
+#endif
+    return PORTABLE;
+}
+
 // Chooses the path of every kernel: the best the CPU supports, at most `cap` (a qt::Isa).
 // Returns the path taken. On an AVX-512 VNNI CPU without AVX-VNNI, the AVX-VNNI path runs
 // its EVEX twin (same code, same results), so that it can be tested there.
 int qt_select_isa(int cap) {
     using namespace qt;
-    int isa = PORTABLE;
+    const int features = qt_cpu_features();
+    const int isa = qt_isa_for(features, cap);
     kernels = Kernels{gemm_portable, cell_portable, activation_portable};
 #if defined(__x86_64__)
-    __builtin_cpu_init();
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") &&
-                        __builtin_cpu_supports("avx512vnni") && avx2;
-    const bool avxvnni = __builtin_cpu_supports("avxvnni") && avx2;
-    if (cap >= AVX512VNNI && avx512) {
+    if (isa == AVX512VNNI) {
         kernels = Kernels{gemm_avx512vnni, cell_avx512, activation_avx512};
-        isa = AVX512VNNI;
-    } else if (cap >= AVXVNNI && (avxvnni || avx512)) {
-        kernels = Kernels{avxvnni ? gemm_avxvnni : gemm_vnni256_evex, cell_avx2, activation_avx2,
-                          nullptr, nullptr, lookup_avx2};
-        isa = AVXVNNI;
-    } else if (cap >= AVX2 && avx2) {
+    } else if (isa == AVXVNNI) {
+        kernels = Kernels{(features & 4) ? gemm_avxvnni : gemm_vnni256_evex, cell_avx2,
+                          activation_avx2, nullptr, nullptr, lookup_avx2};
+    } else if (isa == AVX2) {
         kernels = Kernels{gemm_avx2, cell_avx2, activation_avx2, prepare_avx2, gemm_avx2_prepared,
                           lookup_avx2};
-        isa = AVX2;
     }
     if (isa == AVX512VNNI) {  // the narrow-group convolution's paths (conv_narrow_*.cpp)
         kernels.narrow_prepare = narrow_prepare_vnni;
@@ -153,22 +171,11 @@ int qt_select_isa(int cap) {
     if (isa != PORTABLE) kernels.rows_epilogue = rows_epilogue_avx2;
 #elif defined(__aarch64__)
     // ASIMD is part of every aarch64 CPU; the dot product (sdot) is optional (ARMv8.2+)
-#if defined(__linux__)
-    const bool dot = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
-#elif defined(__APPLE__)
-    const bool dot = true;  // every Apple aarch64 CPU has it
-#else
-    const bool dot = false;
-#endif
-    if (cap >= NEONDOT && dot) {
+    if (isa == NEONDOT) {
         kernels = Kernels{gemm_neondot, cell_neon, activation_neon};
-        isa = NEONDOT;
-    } else if (cap >= NEON) {
+    } else if (isa == NEON) {
         kernels = Kernels{gemm_neon, cell_neon, activation_neon};
-        isa = NEON;
     }
-#else
-    (void)cap;
 #endif
     active_isa = isa;
     return isa;

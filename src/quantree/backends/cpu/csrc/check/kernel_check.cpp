@@ -7,7 +7,9 @@
 // the whole stacked op on a padded batch and on a packed sequence, and a cells-mode
 // program). Built from the library's sources by
 // tests/backends/test_kernel_check.py (natively, and cross-compiled for aarch64 and run under
-// qemu). Prints "path P KERNEL cases N mismatches M" per path and kernel.
+// qemu-aarch64, and under qemu-x86_64 as CPU models older and other than this one). Prints
+// "cpu features F selected path P" (qt_cpu_features, and the path qt_select_isa takes
+// uncapped), then "path P KERNEL cases N mismatches M" per path and kernel.
 //
 // The float gate math (sigmoid, tanh) of the vector paths (x86 and aarch64) is a polynomial,
 // not libm's expf / tanhf, so their recurrent layers and float activations cannot equal the
@@ -32,6 +34,7 @@
 extern "C" {
 int qt_select_isa(int cap);
 int qt_current_isa();
+int qt_cpu_features();
 void qt_linear(const int8_t*, int64_t, int64_t, int64_t, int64_t, const int8_t*, const int32_t*,
                const float*, const float*, int8_t*, float*, float, float, int);
 void qt_conv2d(const int8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -683,6 +686,14 @@ bool gate_case(int which) {
     return true;
 }
 
+// FNV-1a over output bytes: a path's outputs on one CPU, printed so that runs on different
+// CPUs (natively, under qemu) can be compared too, the inexact kernels included.
+uint64_t digest(uint64_t h, const std::vector<uint8_t>& bytes) {
+    for (const uint8_t b : bytes) h = (h ^ b) * 0x100000001b3ull;
+    return h;
+}
+constexpr uint64_t FNV = 0xcbf29ce484222325ull;
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -710,6 +721,8 @@ int main(int argc, char** argv) {
         }
         return 0;
     }
+    // what the CPU reports and the path the library takes by itself (under qemu: the model's)
+    std::printf("cpu features %d selected path %d\n", qt_cpu_features(), qt_select_isa(7));
     std::vector<Case> all;
     for (int i = 0; i < cases; ++i) all.push_back(make());
     const std::vector<Kernel> others = kernels_beyond_gemm(cases);
@@ -717,11 +730,15 @@ int main(int argc, char** argv) {
     qt_select_isa(0);
     qt::kernels.gemm = qt::gemm_reference;
     std::vector<std::vector<uint8_t>> ref;
-    for (const Case& c : all) ref.push_back(run(c));
+    uint64_t h = FNV;
+    for (const Case& c : all) ref.push_back(run(c)), h = digest(h, ref.back());
+    std::printf("reference gemm digest %016llx\n", static_cast<unsigned long long>(h));
     std::vector<std::vector<std::vector<uint8_t>>> ref_other;
     for (const Kernel& k : others) {
         ref_other.emplace_back();
-        for (const Run& r : k.cases) ref_other.back().push_back(r());
+        h = FNV;
+        for (const Run& r : k.cases) ref_other.back().push_back(r()), h = digest(h, ref_other.back().back());
+        std::printf("reference %s digest %016llx\n", k.name, static_cast<unsigned long long>(h));
     }
     int failures = 0;
     for (int isa = 0; isa < 8; ++isa) {
@@ -753,15 +770,18 @@ int main(int argc, char** argv) {
         }
         for (size_t k = 0; k < others.size(); ++k) {
             int differ = 0;
-            for (size_t i = 0; i < others[k].cases.size(); ++i)
-                differ += others[k].cases[i]() != ref_other[k][i];
-            const int n = static_cast<int>(others[k].cases.size());
-            if (others[k].float_gates && own_gates) {
-                std::printf("path %d %s cases %d inexact %d\n", isa, others[k].name, n, differ);
-            } else {
-                std::printf("path %d %s cases %d mismatches %d\n", isa, others[k].name, n, differ);
-                failures += differ;
+            h = FNV;
+            for (size_t i = 0; i < others[k].cases.size(); ++i) {
+                const std::vector<uint8_t> got = others[k].cases[i]();
+                differ += got != ref_other[k][i];
+                h = digest(h, got);
             }
+            const int n = static_cast<int>(others[k].cases.size());
+            const bool inexact = others[k].float_gates && own_gates;
+            std::printf("path %d %s cases %d %s %d digest %016llx\n", isa, others[k].name, n,
+                        inexact ? "inexact" : "mismatches", differ,
+                        static_cast<unsigned long long>(h));
+            if (!inexact) failures += differ;
         }
     }
     return failures == 0 ? 0 : 1;
