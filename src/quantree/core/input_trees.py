@@ -99,8 +99,9 @@ def leaf_paths(tree: Any) -> list[tuple[KeyPath, Any]]:
 
 
 def describe_path(path: KeyPath, names: list[str] | None = None) -> str:
-    """A leaf of ``(args, kwargs)`` as a user writes it: ``argument 0['mask']``,
-    ``keyword 'attention_mask'[1]`` (``names`` gives positional arguments their names)."""
+    """A leaf of ``(args, kwargs)`` as the user wrote it: ``inputs['mask']`` (``names`` gives
+    positional arguments their parameter names; without, ``argument 0['mask']``), a
+    keyword by its name."""
     if not path:
         return "the inputs"
     head, rest = path[0], path[1:]
@@ -108,24 +109,26 @@ def describe_path(path: KeyPath, names: list[str] | None = None) -> str:
     if index == 0 and rest:
         where = getattr(rest[0], "idx", None)
         if names is not None and isinstance(where, int) and where < len(names):
-            return f"argument {where} ({names[where]!r}){keystr(rest[1:])}"
+            return f"{names[where]}{keystr(rest[1:])}"
         return f"argument {where}{keystr(rest[1:])}"
     if index == 1 and rest:
-        return f"keyword {getattr(rest[0], 'key', rest[0])!r}{keystr(rest[1:])}"
+        return f"{getattr(rest[0], 'key', rest[0])}{keystr(rest[1:])}"
     return keystr(path)
 
 
-def structure_difference(want: TreeSpec, got: TreeSpec, path: KeyPath = ()) -> str | None:
+def structure_difference(
+    want: TreeSpec, got: TreeSpec, names: list[str] | None = None, path: KeyPath = ()
+) -> str | None:
     """Where ``got`` (a batch's tree) first differs from ``want`` (the captured example's),
     as text naming the path, or None when they have the same structure."""
-    from torch.utils._pytree import MappingKey, SequenceKey
+    from torch.utils._pytree import MappingKey
 
     if want.is_leaf():
         return None
     if got.is_leaf():
-        return f"{describe_path(path)} is a single value, the program takes a {_kind(want)}"
+        return f"{describe_path(path, names)} is a single value, the program takes a {_kind(want)}"
     if want.type is not got.type:
-        return f"{describe_path(path)} is a {_kind(got)}, the program takes a {_kind(want)}"
+        return f"{describe_path(path, names)} is a {_kind(got)}, the program takes a {_kind(want)}"
     if want.type is dict:
         missing = [k for k in want.context if k not in got.context]
         extra = [k for k in got.context if k not in want.context]
@@ -135,24 +138,38 @@ def structure_difference(want: TreeSpec, got: TreeSpec, path: KeyPath = ()) -> s
                 parts.append(f"lacks key(s) {', '.join(map(repr, missing))}")
             if extra:
                 parts.append(f"has key(s) {', '.join(map(repr, extra))} the example did not")
-            return f"{describe_path(path)} {' and '.join(parts)}"
+            return f"{describe_path(path, names)} {' and '.join(parts)}"
         by_key = dict(zip(got.context, got.children(), strict=True))
         for key, child in zip(want.context, want.children(), strict=True):
-            found = structure_difference(child, by_key[key], (*path, MappingKey(key)))
+            found = structure_difference(child, by_key[key], names, (*path, MappingKey(key)))
             if found:
                 return found
         return None
     if want.num_children != got.num_children or want.context != got.context:
         return (
-            f"{describe_path(path)} is a {_kind(got)} of {got.num_children}, the program takes "
-            f"a {_kind(want)} of {want.num_children}"
+            f"{describe_path(path, names)} is a {_kind(got)} of {got.num_children} items, the "
+            f"program takes a {_kind(want)} of {want.num_children}"
         )
-    for i, (a, b) in enumerate(zip(want.children(), got.children(), strict=True)):
-        found = structure_difference(a, b, (*path, SequenceKey(i)))
+    for key, a, b in zip(_child_keys(want), want.children(), got.children(), strict=True):
+        found = structure_difference(a, b, names, (*path, key))
         if found:
             return found
     return None
 
 
+def _child_keys(spec: TreeSpec) -> list[Any]:
+    """The keys pytree gives ``spec``'s children (``.x`` for a namedtuple's field), or
+    their positions where its type has no keyed flatten."""
+    from torch.utils._pytree import SequenceKey, tree_unflatten
+
+    dummy = tree_unflatten([0] * spec.num_leaves, spec)
+    node = SUPPORTED_NODES.get(_get_node_type(dummy))
+    if node is not None and node.flatten_with_keys_fn is not None:
+        return [key for key, _ in node.flatten_with_keys_fn(dummy)[0]]
+    return [SequenceKey(i) for i in range(spec.num_children)]
+
+
 def _kind(spec: TreeSpec) -> str:
+    if spec.type is type(None):
+        return "None"
     return getattr(spec.type, "__name__", str(spec.type))
