@@ -81,7 +81,32 @@ def capture(
         ) from error
     finally:
         _set_training(model, was_training)
+    _refuse_autocast(model, program)
     return explain_shape_guards(program.module())
+
+
+def _refuse_autocast(model: torch.nn.Module, program: torch.export.ExportedProgram) -> None:
+    """An autocast region inside ``forward`` is a QuantreeError naming it.
+
+    torch.export keeps it as a ``wrap_with_autocast`` submodule followed by checks that its
+    outputs are in the autocast dtype; quantizing the ops inside makes them float32, and
+    the quantized model then failed with torch's "Tensor dtype mismatch" on every call.
+    """
+    wrapped = [
+        str(n.name)
+        for n in program.graph.nodes
+        if n.op == "call_function"
+        and "wrap_with_autocast" in str(n.target)
+        and len(n.args) > 2
+        and n.args[2] is True  # (device, dtype, enabled, ...): a disabled region is float
+    ]
+    if wrapped:
+        raise QuantreeError(
+            f"{type(model).__name__} runs torch.autocast inside forward (captured as "
+            f"{', '.join(wrapped)}): quantree cannot quantize ops inside an autocast region "
+            "(their quantized form computes in float32, not the autocast dtype). Remove the "
+            "autocast from forward for quantization: the quantized ops set the precision"
+        )
 
 
 def unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
