@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.fx._pytree as fx_pytree
-from torch.utils._pytree import TreeSpec
+from torch.utils._pytree import TreeSpec, tree_flatten_with_path, tree_structure, tree_unflatten
 from tqdm.auto import tqdm
 
 from quantree.core.distributed import calibrate_across, in_process_group
 from quantree.core.errors import QuantreeError
+from quantree.core.input_trees import describe_path, structure_difference
 from quantree.core.observers import NonFiniteValues
 from quantree.core.shape_guards import ShapeGuardFailed
 
@@ -51,13 +52,23 @@ def as_args(batch: Any) -> tuple[Any, ...]:
     return tuple(batch) if isinstance(batch, tuple | list) else (batch,)
 
 
-def as_call(batch: Any, index: int) -> Call:
+def as_call(batch: Any, index: int, spec: TreeSpec | None = None) -> Call:
     """The positional and keyword arguments of one calibration item.
 
     A pair ``(tuple or list, dict)`` is read as ``(args, kwargs)``; anything else is the
     argument tuple itself. A lone dict is refused rather than guessed at: which of its
-    entries were captured as positional arguments is not ours to decide.
+    entries were captured as positional arguments is not ours to decide. Given the captured
+    ``spec``, a pair is read as two positional arguments where the program takes two and no
+    keywords (a model taking a NamedTuple and a dict).
     """
+    if (
+        spec is not None
+        and isinstance(batch, tuple | list)
+        and len(batch) == 2
+        and spec.child(0).num_children == 2
+        and spec.child(1).num_children == 0
+    ):
+        return tuple(batch), {}
     if isinstance(batch, Mapping):
         raise BadBatch(
             index,
@@ -116,13 +127,36 @@ def _check_arity(spec: TreeSpec, call: Call, index: int) -> None:
 
 
 def _shape(tensor: torch.Tensor) -> str:
-    return "(" + ", ".join(str(d) for d in tensor.shape) + ")"  # symbolic sizes print as s0
+    """Sizes; ``*`` for one the capture left dynamic (torch prints those as ``s0``)."""
+    return "(" + ", ".join(str(d) if isinstance(d, int) else "*" for d in tensor.shape) + ")"
 
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{_shape(value)} {value.dtype}"
     return type(value).__name__
+
+
+def _check_constant(name: str, value: Any, captured: Any, index: int) -> None:
+    """A python number, string or bool the example passed: torch.export bakes its value into
+    the program (and guards it), so a batch must pass the same value, not a tensor."""
+    if isinstance(value, torch.Tensor):
+        raise BadBatch(
+            index,
+            f"gives {name} as a tensor {_describe(value)}, the program was captured with the "
+            f"python {type(captured).__name__} {captured!r} as a constant",
+            f"pass {captured!r} there, or capture the model with a tensor in the example to "
+            "make it an input",
+        )
+    if type(value) is not type(captured) or value != captured:
+        raise BadBatch(
+            index,
+            f"gives {name} as {type(value).__name__} {value!r}, the program was captured with "
+            f"the constant {type(captured).__name__} {captured!r} (torch.export bakes python "
+            "values into the graph)",
+            f"pass {captured!r} in every batch, or capture the model with a tensor in the "
+            "example to make it an input",
+        )
 
 
 def _check_leaf(name: str, value: Any, captured: torch.Tensor, index: int) -> None:
@@ -198,8 +232,33 @@ def _run_guards(module: fx.GraphModule, leaves: dict[str, Any], index: int) -> N
             raise _shape_error(index, guard, leaves) from cause or error
 
 
-def _flatten(spec: TreeSpec, call: Call, placeholders: int, index: int) -> list[Any]:
-    """The batch's leaves in placeholder order, as the graph's own forward flattens them."""
+def _positional_names(gm: fx.GraphModule, spec: TreeSpec) -> list[str] | None:
+    """The names of the captured program's positional parameters, if its code says them."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    names = [str(a) for a in getattr(info, "orig_args", [])][: spec.child(0).num_children]
+    return names or None
+
+
+def _flatten(
+    gm: fx.GraphModule, spec: TreeSpec, call: Call, placeholders: int, index: int
+) -> list[Any]:
+    """The batch's leaves in placeholder order, as the graph's own forward flattens them.
+
+    Its structure must be the example's: torch's flatten reads a dict by the captured keys
+    only, so a key the example lacked would be dropped without a word (and a model that
+    tests ``"mask" in inputs`` would compute something else than it does in float).
+    """
+    try:
+        got = tree_structure(call)
+    except Exception:  # not a pytree torch knows: the count check below says what is wrong
+        got = None
+    found = structure_difference(spec, got, _positional_names(gm, spec)) if got else None
+    if found:
+        raise BadBatch(
+            index,
+            f"differs in structure from the captured example: {found}",
+            "give every batch the containers, keys and python values of the example",
+        )
     try:
         flat = list(fx_pytree.tree_flatten_spec(call, spec))
     except Exception:  # the count check below says what is wrong
@@ -212,6 +271,16 @@ def _flatten(spec: TreeSpec, call: Call, placeholders: int, index: int) -> list[
             "pass nested arguments (e.g. an (h, c) state) with the structure of the example",
         )
     return flat
+
+
+def leaf_names(gm: fx.GraphModule, spec: TreeSpec, count: int) -> list[str]:
+    """Each leaf of the captured ``(args, kwargs)`` as a user names it (``argument 0 ('d')
+    ['x']``), in placeholder order; numbered where the spec does not give ``count`` leaves."""
+    if spec.num_leaves != count:
+        return [f"input {i}" for i in range(count)]
+    names = _positional_names(gm, spec)
+    paths = [p for p, _ in tree_flatten_with_path(tree_unflatten(list(range(count)), spec))[0]]
+    return [describe_path(p, names) for p in paths]
 
 
 def _check_finite(index: int, leaves: dict[str, Any]) -> None:
@@ -242,11 +311,14 @@ def check_batch(module: torch.nn.Module, call: Call, index: int) -> None:
     gm, spec = captured
     _check_arity(spec, call, index)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    flat = _flatten(spec, call, len(placeholders), index)
-    for node, value in zip(placeholders, flat, strict=True):
+    flat = _flatten(gm, spec, call, len(placeholders), index)
+    names = leaf_names(gm, spec, len(placeholders))
+    for node, value, name in zip(placeholders, flat, names, strict=True):
         example = node.meta.get("val")
         if isinstance(example, torch.Tensor):
-            _check_leaf(str(node.target), value, example, index)
+            _check_leaf(name, value, example, index)
+        elif isinstance(example, int | float | bool | str):
+            _check_constant(name, value, example, index)
     _run_guards(gm, {node.name: v for node, v in zip(placeholders, flat, strict=True)}, index)
 
 
@@ -383,8 +455,10 @@ def _feed(prepared: torch.nn.Module, data: Iterable[Any], progress: bool, allow_
     count = 0
     total = len(data) if hasattr(data, "__len__") else None  # type: ignore[arg-type]
     with torch.no_grad():
+        captured = _captured(prepared)
+        spec = captured[1] if captured else None
         for batch in tqdm(data, total=total, desc="calibrating", disable=not progress, leave=False):
-            call = as_call(batch, count)
+            call = as_call(batch, count, spec)
             check_batch(prepared, call, count)
             _run(prepared, call, count)
             count += 1

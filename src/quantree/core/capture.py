@@ -13,7 +13,9 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_map
 
 from quantree.core.data_dependent import export_on_example_values
-from quantree.core.errors import QuantreeError
+from quantree.core.errors import QuantreeError, QuantreeWarning
+from quantree.core.input_trees import batch_spec, register_dataclasses
+from quantree.core.keyword_inputs import named_keywords, respelled_shapes
 from quantree.core.shape_guards import explain_shape_guards
 
 
@@ -62,6 +64,7 @@ def capture(
         with warnings.catch_warnings():
             # nn.RNNBase keeps a list of its weights that export reports as reassigned.
             warnings.filterwarnings("ignore", message=".*_flat_weights.*")
+            register_dataclasses(example_args, dict(example_kwargs or {}))
             example_args, kwargs = unaliased(example_args, dict(example_kwargs or {}))
             try:
                 program = _export(model, example_args, kwargs, dynamic_shapes, dynamic_batch)
@@ -78,7 +81,32 @@ def capture(
         ) from error
     finally:
         _set_training(model, was_training)
+    _refuse_autocast(model, program)
     return explain_shape_guards(program.module())
+
+
+def _refuse_autocast(model: torch.nn.Module, program: torch.export.ExportedProgram) -> None:
+    """An autocast region inside ``forward`` is a QuantreeError naming it.
+
+    torch.export keeps it as a ``wrap_with_autocast`` submodule followed by checks that its
+    outputs are in the autocast dtype; quantizing the ops inside makes them float32, and
+    the quantized model then failed with torch's "Tensor dtype mismatch" on every call.
+    """
+    wrapped = [
+        str(n.name)
+        for n in program.graph.nodes
+        if n.op == "call_function"
+        and "wrap_with_autocast" in str(n.target)
+        and len(n.args) > 2
+        and n.args[2] is True  # (device, dtype, enabled, ...): a disabled region is float
+    ]
+    if wrapped:
+        raise QuantreeError(
+            f"{type(model).__name__} runs torch.autocast inside forward (captured as "
+            f"{', '.join(wrapped)}): quantree cannot quantize ops inside an autocast region "
+            "(their quantized form computes in float32, not the autocast dtype). Remove the "
+            "autocast from forward for quantization: the quantized ops set the precision"
+        )
 
 
 def unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -105,18 +133,11 @@ def unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[
 
 def batch_dims(example_args: tuple[Any, ...], example_kwargs: dict[str, Any]) -> Any:
     """``dynamic_shapes`` marking dim 0 of every tensor input ``Dim.AUTO``, shaped like the
-    inputs (None for what is not a tensor)."""
-
-    def spec(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return {0: torch.export.Dim.AUTO} if x.dim() > 0 else None
-        if isinstance(x, list | tuple):
-            return type(x)(spec(v) for v in x)
-        if isinstance(x, dict):
-            return {k: spec(v) for k, v in x.items()}
-        return None
-
-    return (*(spec(a) for a in example_args), *(spec(v) for v in example_kwargs.values()))
+    inputs (None for what is not a tensor), positional then keyword values."""
+    return (
+        *(batch_spec(a) for a in example_args),
+        *(batch_spec(v) for v in example_kwargs.values()),
+    )
 
 
 def batch_dims_by_name(
@@ -133,7 +154,7 @@ def batch_dims_by_name(
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
     except (TypeError, ValueError):  # no signature to bind: as the arguments come
         return batch_dims(args, kwargs)
-    return {name: batch_dims((value,), {})[0] for name, value in bound.arguments.items()}
+    return {name: batch_spec(value) for name, value in bound.arguments.items()}
 
 
 def _export(
@@ -143,16 +164,103 @@ def _export(
     dynamic_shapes: Any,
     dynamic_batch: bool,
 ) -> torch.export.ExportedProgram:
-    """Export, with a varying batch dimension by default; without it where that fails."""
-    if dynamic_shapes is not None or not dynamic_batch:
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes)
+    """Export, with a varying batch dimension by default; at the example's shapes, with one
+    ``QuantreeWarning`` saying so and why, where the batch cannot vary."""
+    view = named_keywords(model, kwargs)
+    if dynamic_shapes is not None:
+        shapes = respelled_shapes(model, view, dynamic_shapes)
+        return torch.export.export(view, args, kwargs, dynamic_shapes=shapes)
+    if not dynamic_batch:
+        return torch.export.export(model, args, kwargs)
     try:
-        dims = batch_dims_by_name(model, args, kwargs)
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dims)
+        program = torch.export.export(
+            view, args, kwargs, dynamic_shapes=batch_dims_by_name(view, args, kwargs)
+        )
     except QuantreeError:
         raise
-    except Exception:  # the model's code does not allow it: capture the example's shapes
-        return torch.export.export(model, args, kwargs)
+    except GuardOnDataDependentSymNode:
+        raise
+    except Exception as error:  # the model's code does not allow it: the example's shapes
+        program = torch.export.export(model, args, kwargs)
+        warn_fixed_batch(
+            model, program, f"torch.export refused a varying batch: {_first_line(error)}"
+        )
+        return program
+    fixed = fixed_batch_inputs(program)
+    if fixed is not None:
+        warn_fixed_batch(model, program, fixed)
+    return program
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def _user_inputs(program: torch.export.ExportedProgram) -> list[tuple[str, Any]]:
+    """The placeholders of the user's inputs (not parameters, buffers or constants) and
+    their example values."""
+    from torch.export.graph_signature import InputKind
+
+    users = {
+        spec.arg.name
+        for spec in program.graph_signature.input_specs
+        if spec.kind is InputKind.USER_INPUT
+    }
+    return [
+        (str(n.name), n.meta.get("val"))
+        for n in program.graph.nodes
+        if n.op == "placeholder" and n.name in users
+    ]
+
+
+def fixed_batch_inputs(program: torch.export.ExportedProgram) -> str | None:
+    """Why no input's batch varies, when a varying one was asked for and none does; None
+    when one varies (or there is no tensor input with a batch dimension).
+
+    ``Dim.AUTO`` leaves a dimension static where the example's size is 0 or 1 (torch
+    specializes those) or where the model's code fixes it (a ``view(2, -1)``, a parameter
+    of that size): export does not say which, and the graph then refuses every other batch.
+    """
+    batched = [
+        (name, val)
+        for name, val in _user_inputs(program)
+        if isinstance(val, torch.Tensor) and val.dim() > 0
+    ]
+    if not batched or any(not isinstance(val.shape[0], int) for _, val in batched):
+        return None
+    small = sorted({int(val.shape[0]) for _, val in batched if int(val.shape[0]) in (0, 1)})
+    if small:
+        return (
+            f"the example's batch size is {small[0]}, which torch.export always fixes; give "
+            "an example with a batch of 2 or more"
+        )
+    return (
+        "the model's code fixes the first dimension of every input (e.g. a reshape to the "
+        "example's batch size, or a parameter of that size); write it with -1 or x.shape[0]"
+    )
+
+
+def warn_fixed_batch(
+    model: torch.nn.Module, program: torch.export.ExportedProgram, why: str
+) -> None:
+    """One ``QuantreeWarning``: the model was captured at fixed shapes, why, and the fix."""
+    shapes = (
+        ", ".join(
+            f"{name} {tuple(val.shape)}"
+            for name, val in _user_inputs(program)[:6]
+            if isinstance(val, torch.Tensor)
+        )
+        or "no tensor inputs"
+    )
+    warnings.warn(
+        f"{type(model).__name__} was captured at the example's fixed shapes ({shapes}): its "
+        f"batch dimension cannot vary because {why}. A call with another "
+        "batch size raises a QuantreeError; give dynamic_shapes= (as for torch.export) to say "
+        "which dimensions vary, or dynamic_batch=False to fix them without this warning",
+        QuantreeWarning,
+        stacklevel=5,
+    )
 
 
 def _set_training(model: torch.nn.Module, mode: bool) -> None:
