@@ -114,6 +114,74 @@ def test_layers_are_bit_equal_with_and_without_initial_states(stack, monkeypatch
     assert_equal(fast, outputs(cells, inputs))
 
 
+class PackedStack(nn.Module):
+    """A 2-layer bidirectional layer over packed sequences, its final states returned too."""
+
+    def __init__(self, layer: nn.RNNBase, sorted_: bool) -> None:
+        super().__init__()
+        self.layer, self.sorted = layer, sorted_
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor, *hx: torch.Tensor):
+        packed = nn.utils.rnn.pack_padded_sequence(
+            x, lengths, batch_first=True, enforce_sorted=self.sorted
+        )
+        state = (hx if len(hx) > 1 else hx[0]) if hx else None
+        out, final = self.layer(packed, state)
+        return nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[
+            0
+        ], final
+
+
+PACKED = {
+    "gru-sorted": (nn.GRU, True, False),
+    "lstm-unsorted": (nn.LSTM, False, False),
+    "gru-unsorted-with-states": (nn.GRU, False, True),
+    "lstm-sorted-with-states": (nn.LSTM, True, True),
+}
+
+
+@pytest.mark.parametrize("case", PACKED.values(), ids=PACKED.keys())
+def test_packed_sequences_take_the_short_path_bit_equal_to_the_op_path(case, monkeypatch):
+    kind, sorted_, with_states = case
+    torch.manual_seed(0)
+    layer = kind(6, 10, num_layers=2, bidirectional=True, batch_first=True)
+    model = PackedStack(layer, sorted_).eval()
+    g = torch.Generator().manual_seed(1)
+
+    def sample(lengths: list[int]) -> tuple:
+        x = torch.randn(len(lengths), 7, 6, generator=g)
+        n_states = 2 if kind is nn.LSTM else 1
+        hx = tuple(torch.randn(4, len(lengths), 10, generator=g) for _ in range(n_states))
+        return (x, torch.tensor(lengths), *(hx if with_states else ()))
+
+    order = [7, 5, 2] if sorted_ else [5, 7, 2]
+    data = [sample(order) for _ in range(4)]
+    low = lowered(model, data)
+    assert any(type(m) is NativeRecurrentCells for m in low.modules())
+    inputs = [*data, sample([3, 3, 1] if sorted_ else [1, 3, 3]), sample([1, 1, 1])]
+
+    def no_op_calls(*args, **kwargs):
+        raise AssertionError("a packed loop went through quantree.cell_loop_packed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(NativeCellLoop, "forward", no_op_calls)
+        fast = outputs(low, inputs)
+    op_path(monkeypatch)
+    assert_equal(fast, outputs(low, inputs))
+
+
+def test_packed_batch_sizes_are_checked_once_for_every_loop():
+    torch.manual_seed(0)
+    data = [(torch.randn(3, 7, 6), torch.tensor([7, 5, 2])) for _ in range(3)]
+    low = lowered(PackedStack(nn.GRU(6, 10, 2, batch_first=True), True).eval(), data)
+    (cells,) = [m for m in low.modules() if isinstance(m, RecurrentCells)]
+    rows = torch.randn(14, 6)
+    with pytest.raises(Exception, match="not a packed sequence's"):
+        cells(rows, None, torch.tensor([3, 3, 4, 2, 1, 1]))  # increasing
+    with pytest.raises(Exception, match="not a packed sequence's"):
+        cells(rows, None, torch.tensor([3, 3, 3, 2]))  # 11 rows, not 14
+
+
 def test_copies_and_replaced_constants_rebuild_the_argument_block():
     torch.manual_seed(0)
     model = UnrolledDecoder(steps=2).eval()

@@ -24,6 +24,7 @@ from quantree.core.weighted import weighted_annotation
 from quantree.recurrent.call import CELL_OPS, RECURRENT_OPS
 from quantree.recurrent.cell_graph import point_names
 from quantree.recurrent.decompose import CellsOptions
+from quantree.recurrent.state_observer import state_spec
 from quantree.recurrent.whole import recurrent_cell_annotation
 
 aten = torch.ops.aten
@@ -123,6 +124,7 @@ def cells_rules(
         **dict.fromkeys(("i", "f", "o", "reset", "update"), sigmoid),
         **dict.fromkeys(("g", "candidate"), tanh),
         "cell_tanh": cell_tanh,
+        # the cell state keeps the observer asked for (``state_observer``: its resolution)
         **dict.fromkeys(("forget_cell", "input_cell", "cell"), cell_state),
         **dict.fromkeys(
             ("candidate_hidden", "hidden_delta", "update_hidden", "hidden_unprojected"), act
@@ -140,7 +142,8 @@ def cells_rules(
         *(Rule((Point(name),), output(spec), scope) for name, spec in by_point.items()),
         *(Rule((Point(name),), shared_with(source), scope) for name, source in carried.items()),
     ]
-    rules.append(Rule((Point("hidden"),), _hidden_rule(act, weight, points.get("hidden")), scope))
+    hidden = _hidden_rule(act, state_spec(act), weight, points.get("hidden"))
+    rules.append(Rule((Point("hidden"),), hidden, scope))
     return tuple(rules)
 
 
@@ -170,15 +173,16 @@ def _cell_op_stays_whole(act: QuantSpec, weight: QuantSpec) -> Callable[[fx.Node
 
 
 def _hidden_rule(
-    act: QuantSpec, weight: QuantSpec, pinned: Spec | None
+    act: QuantSpec, state: QuantSpec, weight: QuantSpec, pinned: Spec | None
 ) -> Callable[[fx.Node], Annotation]:
-    """``hidden`` is o * tanh(c), a projection (proj_size), or an RNN's tanh/relu."""
+    """``hidden`` is o * tanh(c), a projection (proj_size), or an RNN's tanh/relu; carried to
+    the next step, it is calibrated as ``state`` (``state_observer``) unless ``pinned``."""
 
     def annotate(node: fx.Node) -> Annotation:
         if node.target is aten.linear.default:
-            return weighted_annotation(node, act, weight, pinned or act, name=node.name)
+            return weighted_annotation(node, act, weight, pinned or state, name=node.name)
         if node.target is aten.tanh.default and pinned is None:
             return Annotation(outputs=fixed_tanh(act.dtype), name=node.name)
-        return Annotation(outputs=pinned or act, name=node.name)
+        return Annotation(outputs=pinned or state, name=node.name)
 
     return annotate

@@ -19,6 +19,7 @@ from quantree.core.specs import (
 )
 from quantree.core.values import Path, Use, Value
 from quantree.recurrent.call import RecurrentCall
+from quantree.recurrent.state_observer import state_spec
 
 
 def recurrent_whole_annotation(
@@ -36,11 +37,15 @@ def recurrent_whole_annotation(
     initial state is requantized at the boundary. ``share_state`` puts each returned state
     on its initial state's grid instead, for stateful streaming, where the returned state is
     the next call's initial state and one grid avoids a requantization per call.
+
+    The output sequence (every step's hidden state, which the next step reads back) and the
+    states are calibrated on their extremes whatever ``act``'s observer (``state_observer``).
     """
     call = RecurrentCall.parse(node)
+    state = state_spec(act)
     inputs: dict[Path, Spec] = {(0,): act}
     for path in call.state_paths:
-        inputs[path] = act
+        inputs[path] = state
     input_use = Use.of(node, (0,))
     output = Value(node, (0,))
     hidden_use = Use.of(node, call.state_paths[0])
@@ -57,9 +62,9 @@ def recurrent_whole_annotation(
         if p.b_hh is not None:
             inputs[p.b_hh] = bias_spec(hidden_use, Use.of(node, p.w_hh))
     states = tuple(
-        SharedSpec(Use.of(node, path)) if share_state else act for path in call.state_paths
+        SharedSpec(Use.of(node, path)) if share_state else state for path in call.state_paths
     )
-    return Annotation(outputs=(act, *states), inputs=inputs, name=call.kind)
+    return Annotation(outputs=(state, *states), inputs=inputs, name=call.kind)
 
 
 def recurrent_cell_annotation(node: fx.Node, act: QuantSpec, weight: QuantSpec) -> Annotation:
@@ -67,14 +72,15 @@ def recurrent_cell_annotation(node: fx.Node, act: QuantSpec, weight: QuantSpec) 
 
     ``aten.lstm_cell(x, [h, c], w_ih, w_hh, b_ih, b_hh)`` and the single-state cells
     ``(x, h, w_ih, w_hh, b_ih, b_hh)``: biases derive from x and h, each new state shares its
-    incoming state's parameters so a loop of cells keeps one scale per state.
+    incoming state's parameters so a loop of cells keeps one scale per state, calibrated on
+    its extremes (``state_observer``).
     """
     hx = node.args[1]
     state_paths: tuple[Path, ...] = (
         tuple((1, i) for i in range(len(hx))) if isinstance(hx, list | tuple) else ((1,),)
     )
     inputs: dict[Path, Spec] = {(0,): act, (2,): weight, (3,): weight}
-    inputs.update(dict.fromkeys(state_paths, act))
+    inputs.update(dict.fromkeys(state_paths, state_spec(act)))
     if len(node.args) > 4 and isinstance(node.args[4], fx.Node):
         inputs[(4,)] = bias_spec(Use.of(node, (0,)), Use.of(node, (2,)))
     if len(node.args) > 5 and isinstance(node.args[5], fx.Node):

@@ -34,6 +34,11 @@ from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.lowering_masked_fill import lower_masked_fill
 from quantree.backends.cpu.lowering_mean import lower_mean
 from quantree.backends.cpu.lowering_packed_qkv import split_packed_qkv
+from quantree.backends.cpu.lowering_packing import (
+    lower_gather,
+    lower_metadata_reads,
+    lower_packing,
+)
 from quantree.backends.cpu.lowering_program import fuse_regions
 from quantree.backends.cpu.lowering_qdq import (
     lower_binary,
@@ -145,6 +150,9 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_conv_transpose,
         lower_view_chain,
         lower_movement,
+        lower_gather,
+        lower_packing,
+        lower_metadata_reads,
         lower_cat,
         lower_masked_fill,
         lower_max_pool,

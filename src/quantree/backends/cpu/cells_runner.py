@@ -33,6 +33,7 @@ class CellLoopRunner:
         self.widths: tuple[int, ...] = ()
         self.args: tuple = ()
         self.run: Callable[..., None] = library().qt_cell_loop
+        self.run_packed: Callable[..., None] = library().qt_cell_loop_packed
         self.keep: tuple = ()
 
     def __getstate__(self) -> dict:  # a copy builds its own block from its own tensors
@@ -97,6 +98,25 @@ class CellLoopRunner:
             slots, n_slots, xs.shape[1], code, fcode, n_code, const_ptrs,
         )  # fmt: skip
 
+    def launch_packed(
+        self,
+        xs: Tensor,
+        ys: Tensor,
+        sizes: Tensor,
+        batch: int,
+        reverse: bool,
+        states: ctypes.Array,
+    ) -> None:
+        """``launch`` on a packed sequence's float rows ``xs`` [N, I] into ``ys`` [N, H]:
+        step t on the first ``sizes[t]`` rows of the states (``sizes`` int64, dense, checked
+        by the caller as ``native_checks.packed_batch_sizes`` does; ``batch`` its first entry,
+        the states' rows)."""
+        outs, slots, n_slots, code, fcode, n_code, const_ptrs = self.args
+        self.run_packed(
+            xs.data_ptr(), ys.data_ptr(), sizes.shape[0], int(reverse), sizes.data_ptr(), states,
+            len(states), outs, slots, n_slots, batch, code, fcode, n_code, const_ptrs,
+        )  # fmt: skip
+
     def prepare(
         self,
         key: tuple[Tensor, ...],
@@ -105,6 +125,9 @@ class CellLoopRunner:
     ) -> None:
         code, fcode, slots, outs = program
         n_states = int(outs.shape[0])
+        # the program's contract once per set of tensors (``launch`` callers check only the
+        # inputs' shapes)
+        program_checks.cell_loop(n_states, consts, *program, 0)
         dense = [c.contiguous() for c in consts]
         const_ptrs = (ctypes.c_void_p * max(len(dense), 1))(*[ptr(c) for c in dense])
         self.widths = tuple(int(w) for w in slots[: 1 + n_states, 3].tolist())
@@ -114,3 +137,4 @@ class CellLoopRunner:
         )  # fmt: skip
         self.key, self.keep = key, (dense, const_ptrs)
         self.run = library().qt_cell_loop
+        self.run_packed = library().qt_cell_loop_packed
