@@ -231,3 +231,40 @@ def test_folded_batch_norm_is_within_the_stated_tolerance(seed):
             assert (want - got).abs().max() <= FOLD_TOLERANCE * want.abs().max()
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert "1e-5 \u00d7 max|output|" in readme
+
+
+class StandardizedConv(nn.Module):
+    """timm's ScaledStdConv2d (NFNet): the weight standardised by a training-mode batch
+    norm without running statistics on the parameter alone, on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 3, 3, 3))
+        self.gain = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        w = F.batch_norm(self.weight.reshape(1, 8, -1), None, None, self.gain, training=True)
+        return F.conv2d(x, w.reshape_as(self.weight))
+
+
+def test_weight_standardized_by_a_training_mode_batch_norm_is_a_folded_weight():
+    torch.manual_seed(0)
+    model = StandardizedConv().eval()
+    data = batches((1, 3, 16, 16), n=8)
+    prepared, ref = run(model, data)
+    assert not calls(prepared, aten.batch_norm.default)
+    assert_prepared_exact(model, prepared, data[0])
+    (conv,) = calls(ref, aten.conv2d.default)
+    assert conv.args[1].target is qd.dequantize_per_channel.default
+    assert min(output_sqnrs(model, ref, data[0])) >= 30.0
+
+
+class BatchStatistics(nn.Module):
+    def forward(self, x):
+        return F.batch_norm(x, None, None, training=True)
+
+
+def test_batch_statistics_of_an_activation_are_refused_by_name():
+    gm = qt.capture(BatchStatistics(), (torch.randn(4, 3, 5),))
+    with pytest.raises(qt.QuantreeError, match=r"statistics of each batch.*GroupNorm"):
+        qt.prepare(gm, qt.Int8Quantizer())
