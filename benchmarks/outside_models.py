@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import interleaved_times, load_note, one_thread  # noqa: E402
+from outside_round2 import BUILDERS2, FAMILIES2, SLOW2  # noqa: E402
 from zoo import (  # noqa: E402
     Case,
     First,
@@ -256,6 +257,8 @@ FAMILIES = {
 }  # fmt: skip
 BUILDERS = {"torchvision": torchvision_model, "timm": timm_model, "hf": hf}
 BUILDERS |= {"torchaudio": torchaudio_model, "plain": plain}
+FAMILIES |= FAMILIES2  # round 2 (benchmarks/outside_round2.py)
+BUILDERS |= BUILDERS2
 MODELS = tuple(name for names in FAMILIES.values() for name in names)
 CNNS = (
     *FAMILIES["torchvision"][:9],
@@ -267,14 +270,16 @@ models; LeViT and PoolFormer are convolutional hybrids)."""
 
 def build(name: str) -> Case:
     import_model_libraries()
-    for family, names in FAMILIES.items():
+    slow = {family: names for family, names in SLOW2.items()}
+    for family, names in [*FAMILIES.items(), *slow.items()]:
         if name in names:
             case = BUILDERS[family](name)
             for module in case.model.modules():  # classifier heads some libraries zero:
                 if isinstance(module, nn.Linear) and not module.weight.any():  # no signal
                     nn.init.normal_(module.weight, std=0.02)
             return case
-    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    others = ", ".join(n for names in SLOW2.values() for n in names)
+    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}, {others}")
 
 
 def where(err: BaseException) -> str:

@@ -77,23 +77,67 @@ def test_cross_attention_in_projection_gets_per_channel_weights():
 
 
 class WritesParameterView(nn.Module):
-    def __init__(self) -> None:
+    """In-place writes into fresh tensors made from parameters alone."""
+
+    def __init__(self, read_before_write: bool = False, write_input: bool = False) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.randn(4, 4))
+        self.read_before_write, self.write_input = read_before_write, write_input
 
     def forward(self, x):
         row = (self.w * 2.0)[0]
-        row.add_(1.0)  # writes a fresh tensor each call: folding it would accumulate
-        return x + row
+        early = x * row if self.read_before_write else x
+        row.add_(x.sum() if self.write_input else 1.0)  # a fresh tensor, written every call
+        return early + row
 
 
-def test_tensors_written_in_place_keep_running():
+def test_tensors_written_in_place_keep_running_when_a_read_or_the_write_needs_the_input():
+    for kwargs in ({"read_before_write": True}, {"write_input": True}):
+        model = WritesParameterView(**kwargs).eval()
+        x = torch.randn(2, 4)
+        gm = fold_constants(copy_graph_module(qt.capture(model, (x,))))
+        assert calls(gm, aten.mul.Tensor) and calls(gm, aten.add_.Tensor), kwargs
+        with torch.no_grad():
+            assert torch.equal(gm(x), model(x)) and torch.equal(gm(x), model(x))
+
+
+def test_writes_into_a_fresh_tensor_before_any_read_fold_once():
     model = WritesParameterView().eval()
     x = torch.randn(2, 4)
     gm = fold_constants(copy_graph_module(qt.capture(model, (x,))))
-    assert calls(gm, aten.mul.Tensor) and calls(gm, aten.add_.Tensor)
-    with torch.no_grad():
+    assert not calls(gm, aten.add_.Tensor) and not calls(gm, aten.mul.Tensor)
+    with torch.no_grad():  # the write happened once, at folding: calls do not accumulate
         assert torch.equal(gm(x), model(x)) and torch.equal(gm(x), model(x))
+
+
+class SwinV2Attention(nn.Module):
+    """torchvision's Swin V2 pattern: the key third of a cloned qkv bias zeroed in place, and
+    a position-bias MLP on a buffer with an in-place ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.mlp = nn.Sequential(nn.Linear(2, 32), nn.ReLU(inplace=True), nn.Linear(32, 4))
+        self.register_buffer("coords", torch.randn(4, 2))
+
+    def forward(self, x):
+        bias = self.qkv.bias.clone()
+        bias[16:32].zero_()
+        qkv = F.linear(x, self.qkv.weight, bias)
+        return qkv, torch.sigmoid(self.mlp(self.coords)).sum() * x
+
+
+def test_parameters_written_in_place_after_a_clone_are_quantized_weights():
+    torch.manual_seed(0)
+    model = SwinV2Attention().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = batches((8, 16), n=8)
+    prepared, ref = run(model, data)
+    assert not calls(prepared, aten.zero_.default) and not calls(prepared, aten.relu_.default)
+    assert_prepared_exact(model, prepared, data[0])
+    _weight_and_bias_are_integer_constants(ref, linears=1)  # the MLP is a constant
+    assert min(output_sqnrs(model, ref, data[0])) >= 30.0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 class LinearBatchNorm(nn.Module):
@@ -187,3 +231,40 @@ def test_folded_batch_norm_is_within_the_stated_tolerance(seed):
             assert (want - got).abs().max() <= FOLD_TOLERANCE * want.abs().max()
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert "1e-5 \u00d7 max|output|" in readme
+
+
+class StandardizedConv(nn.Module):
+    """timm's ScaledStdConv2d (NFNet): the weight standardised by a training-mode batch
+    norm without running statistics on the parameter alone, on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 3, 3, 3))
+        self.gain = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        w = F.batch_norm(self.weight.reshape(1, 8, -1), None, None, self.gain, training=True)
+        return F.conv2d(x, w.reshape_as(self.weight))
+
+
+def test_weight_standardized_by_a_training_mode_batch_norm_is_a_folded_weight():
+    torch.manual_seed(0)
+    model = StandardizedConv().eval()
+    data = batches((1, 3, 16, 16), n=8)
+    prepared, ref = run(model, data)
+    assert not calls(prepared, aten.batch_norm.default)
+    assert_prepared_exact(model, prepared, data[0])
+    (conv,) = calls(ref, aten.conv2d.default)
+    assert conv.args[1].target is qd.dequantize_per_channel.default
+    assert min(output_sqnrs(model, ref, data[0])) >= 30.0
+
+
+class BatchStatistics(nn.Module):
+    def forward(self, x):
+        return F.batch_norm(x, None, None, training=True)
+
+
+def test_batch_statistics_of_an_activation_are_refused_by_name():
+    gm = qt.capture(BatchStatistics(), (torch.randn(4, 3, 5),))
+    with pytest.raises(qt.QuantreeError, match=r"statistics of each batch.*GroupNorm"):
+        qt.prepare(gm, qt.Int8Quantizer())

@@ -35,8 +35,24 @@ class MatmulWeight(nn.Module):
         return torch.relu(x @ self.w)
 
 
+class TransposedWeight(nn.Module):
+    """Falcon's ``FalconLinear``: an ``nn.Linear`` weight transposed on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 16) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
 @pytest.mark.parametrize(
-    ("model", "op"), [(Conv1D(16, 8), aten.addmm.default), (MatmulWeight(), aten.matmul.default)]
+    ("model", "op"),
+    [
+        (Conv1D(16, 8), aten.addmm.default),
+        (MatmulWeight(), aten.matmul.default),
+        (TransposedWeight(), aten.matmul.default),
+    ],
 )
 def test_constant_matrix_products_become_per_channel_linears(model: nn.Module, op) -> None:
     data = batches((3, 5, 16), n=8)

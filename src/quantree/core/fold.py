@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -120,7 +121,9 @@ def run_on(node: fx.Node, known: dict[fx.Node, object]) -> object:
 
 
 def known_values(
-    gm: fx.GraphModule, value_of: Callable[[fx.Node, dict[fx.Node, object]], object]
+    gm: fx.GraphModule,
+    value_of: Callable[[fx.Node, dict[fx.Node, object]], object],
+    settle: bool = False,
 ) -> dict[fx.Node, object]:
     """The values ``gm``'s graph holds before any input arrives: its tensor attributes, then,
     in graph order, each node ``value_of`` gives a value for (None: it stays computed),
@@ -128,20 +131,105 @@ def known_values(
 
     The one walk behind both folding passes (parameter-only computations before calibration
     here, input-independent tensors after lowering in the CPU backend); they differ only in
-    which ops they let run.
+    which ops they let run. With ``settle``, in-place writes into a fresh tensor that no
+    one reads before the last write (``settled_writes``) run too, in graph order, on the
+    real tensors: the writes land in the fresh tensor and its views as they would at run
+    time, so the values are those every later reader sees.
     """
     pinned = written_to(gm.graph)
+    settled = settled_writes(gm.graph) if settle else {}
     known: dict[fx.Node, object] = {}
     for node in gm.graph.nodes:
-        if node in pinned:
+        group = settled.get(node)
+        if group is not None and node in group.writers:
+            if all(n in known for n in node.all_input_nodes) and _repeatable(node):
+                known[node] = run_on(node, known)  # writes into the group's fresh root
+            else:  # the write depends on an input: nothing of the group is known
+                for member in group.members:
+                    known.pop(member, None)
+            continue
+        if node in pinned and group is None:
             continue
         if node.op == "get_attr" and isinstance(attr_at(gm, str(node.target)), torch.Tensor):
             known[node] = attr_at(gm, str(node.target))
             continue
         value = value_of(node, known)
+        root = value is not None and group is not None and node is group.root
+        if root and (not isinstance(value, torch.Tensor) or _storage(value) in _storages(known)):
+            continue  # not fresh after all: a write would reach a parameter
         if value is not None:
             known[node] = value
     return known
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _storages(known: dict[fx.Node, object]) -> set[int]:
+    """The storages of the tensors known so far (parameters and buffers among them)."""
+    return {_storage(v) for v in known.values() if isinstance(v, torch.Tensor)}
+
+
+@dataclass(frozen=True)
+class WriteGroup:
+    """A fresh tensor (``root``), the views of it, and the in-place ops writing into them."""
+
+    root: fx.Node
+    members: frozenset[fx.Node]
+    writers: frozenset[fx.Node]
+
+
+def _repeatable(node: fx.Node) -> bool:
+    return (
+        isinstance(node.target, OpOverload)
+        and torch.Tag.nondeterministic_seeded not in node.target.tags
+    )
+
+
+def settled_writes(graph: fx.Graph) -> dict[fx.Node, WriteGroup]:
+    """Each node of a write group whose writes all happen before anyone else reads it.
+
+    torchvision's Swin V2 zeroes the key third of a ``clone`` of its qkv bias
+    (``clone -> slice -> zero_``) and runs its position-bias MLP as ``linear -> relu_``, all
+    on parameters alone. Written in place, those tensors were pinned as written-to, so the
+    bias and the MLP were observed and quantized as activations and computed on every call.
+    The root must be fresh (an op whose result aliases none of its inputs: no parameter
+    is ever written) and every reader outside the group must come after the group's last
+    write; then running the group in graph order gives every reader what it reads at run
+    time, and the group can fold like any parameter-only computation.
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    groups: dict[fx.Node, WriteGroup] = {}
+    roots: dict[fx.Node, None] = {}
+    for writer in graph.nodes:
+        for node in _written_inputs(writer):
+            while _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+                node = node.args[0]
+            roots[node] = None
+    for root in roots:
+        if root.op != "call_function" or _is_view(root) or not _repeatable(root):
+            continue
+        members, stack = {root}, [root]
+        while stack:  # every alias of the root: views of views, in-place results
+            for user in stack.pop().users:
+                if user not in members and _is_view(user) and user.args[0] in members:
+                    members.add(user)
+                    stack.append(user)
+        writers = {w for m in members for w in m.users if set(_written_inputs(w)) & members}
+        readers = {u for m in members for u in m.users} - members - writers
+        last = max((order[w] for w in writers), default=-1)
+        if not writers or any(order[r] < last for r in readers):
+            continue
+        if any(w.op != "call_function" or not _repeatable(w) for w in writers):
+            continue
+        group = WriteGroup(root, frozenset(members | writers), frozenset(writers))
+        for node in group.members:
+            if node in groups:  # written together with another root: keep both computed
+                break
+        else:
+            groups.update(dict.fromkeys(group.members, group))
+    return groups
 
 
 def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
@@ -152,7 +240,9 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
     computes exactly what it computed before.
     """
     graph = gm.graph
-    known = known_values(gm, lambda n, k: run_on(n, k) if _computes_from(n, k) else None)
+    known = known_values(
+        gm, lambda n, k: run_on(n, k) if _computes_from(n, k) else None, settle=True
+    )
     for node, value in known.items():
         if node.op == "get_attr" or not isinstance(value, torch.Tensor):
             continue
@@ -162,6 +252,11 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
             constant = graph.get_attr(register_constant(gm, "_folded_", value.detach()))
         constant.meta = dict(node.meta)
         node.replace_all_uses_with(constant)
+    graph.eliminate_dead_code()
+    writes = [n for n in known if n.op == "call_function" and _written_inputs(n)]
+    for node in reversed(writes):  # folded writes: what they wrote is in a constant now
+        if not node.users:
+            graph.erase_node(node)
     graph.eliminate_dead_code()
     gm.recompile()
     return gm

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from quantree.core.canonicalize import canonicalize
-from quantree.core.fold import fold_batch_norm, own_written_state
+from quantree.core.fold import fold_batch_norm, fold_constants, own_written_state
 from quantree.core.gelu_forms import gelu_forms
 from quantree.core.graphs import copy_graph_module
 from quantree.core.linear_forms import linear_forms
@@ -22,5 +22,7 @@ from quantree.core.linear_forms import linear_forms
 
 def normalize(gm: fx.GraphModule) -> fx.GraphModule:
     """A normalized copy of captured ``gm``; ``gm`` itself is not changed."""
-    gm = linear_forms(own_written_state(copy_graph_module(gm)))
+    # parameter-only computations fold first: a weight transposed on every call (Falcon's
+    # ``x @ self.weight.T``) is then the constant matrix linear_forms looks for
+    gm = linear_forms(fold_constants(own_written_state(copy_graph_module(gm))))
     return canonicalize(fold_batch_norm(gelu_forms(gm)))

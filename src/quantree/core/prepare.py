@@ -83,16 +83,40 @@ def _check_eval_mode(gm: fx.GraphModule) -> None:
 
     Such a batch norm cannot be folded or quantized, updates its running statistics on every
     calibration batch, and normalises each batch by itself; quantizing it would silently
-    leave a different model in float.
+    leave a different model in float. One without running statistics on parameters alone
+    is not a mode but arithmetic on weights (timm's NFNet standardises each conv's weight
+    with ``F.batch_norm(w, None, None, training=True)``): it folds to a constant weight.
     """
+    reached = _input_dependent(gm.graph)
     for node in gm.graph.nodes:
         index = _TRAINING_ARG.get(node.target) if node.op == "call_function" else None
-        if index is not None and len(node.args) > index and node.args[index] is True:
+        if index is None or len(node.args) <= index or node.args[index] is not True:
+            continue
+        stats = node.args[3:5]
+        if all(s is None for s in stats) and node.args[0] not in reached:
+            continue
+        if all(s is None for s in stats):
             raise QuantreeError(
-                f"node {node.name} ({node.target}) runs in training mode (training=True): the "
-                "model was captured in train mode. Call model.eval() before capturing it "
-                "(quantree.capture captures in eval mode and restores the model's mode)"
+                f"node {node.name} ({node.target}) normalises its input by the statistics of "
+                "each batch (training=True, no running statistics, as F.batch_norm(x, None, "
+                "None, training=True)): the output of one sample depends on the others in its "
+                "batch, which a quantized model cannot reproduce. Use running statistics or a "
+                "per-sample norm (nn.InstanceNorm / nn.GroupNorm) in the model"
             )
+        raise QuantreeError(
+            f"node {node.name} ({node.target}) runs in training mode (training=True): the "
+            "model was captured in train mode. Call model.eval() before capturing it "
+            "(quantree.capture captures in eval mode and restores the model's mode)"
+        )
+
+
+def _input_dependent(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes a graph input reaches."""
+    reached: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or any(n in reached for n in node.all_input_nodes):
+            reached.add(node)
+    return reached
 
 
 def _check_no_written_constant(
