@@ -12,7 +12,8 @@ from quantree.backends import CPU
 
 
 class Mixed(nn.Module):
-    """A native linear, a float layer norm, and a matmul by a folded int8 constant."""
+    """A native linear, a float layer norm, and a matmul by a folded int8 constant (batched:
+    a 2-d ``x @ W.t()`` by a constant is read as a linear since folding runs first)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -20,7 +21,7 @@ class Mixed(nn.Module):
         self.w = nn.Parameter(torch.randn(8, 8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ln(self.a(x)) @ self.w.t().exp()
+        return self.ln(self.a(x)).unsqueeze(0) @ self.w.t().exp().unsqueeze(0)
 
 
 def _lowering_notes(model: nn.Module) -> list[str]:
