@@ -25,7 +25,18 @@ from typing import Any
 
 import torch
 
+from quantree.backends.cpu.deflate import deflated_member
+from quantree.backends.cpu.load_budget import LoadBudget
 from quantree.core.errors import QuantreeError
+from quantree.tools.archive_bounds import inner_archive_error, member_sizes, tensor_meta_error
+from quantree.tools.bounded_text import (
+    MAX_JSON_DEPTH,
+    guard_bounded,
+    json_depth,
+    parse_json,
+    shape_expression_ok,
+)
+from quantree.tools.vocabulary import program_json_error
 
 
 class BadFile(QuantreeError):
@@ -59,8 +70,10 @@ _CONSTANTS_CONFIG = re.compile(r"data/constants/(\w+)_constants_config\.json")
 _RAW_WEIGHT = re.compile(r"weight_\d+")
 _RAW_CONSTANT = re.compile(r"tensor_\d+")
 _EXTRA = re.compile(r"extra/[^/]+")  # read as text by torch
-MAX_INFLATED_JSON = 1 << 30
-"""The largest a deflated JSON member may declare itself: torch inflates it whole in memory."""
+MAX_INFLATED_JSON = 64 << 20
+"""The largest a deflated JSON member may declare itself: torch inflates it whole in memory.
+The largest graph descriptions quantree writes are a few megabytes (the zoo's: 0.1-0.6 MB
+deflated, about tenfold inflated); the load budget bounds their sum."""
 _REFUSED_PREFIXES = {
     "data/aotinductor/": "compiled AOTInductor code (a shared library torch would load)",
     "data/executorch/": "an ExecuTorch payload",
@@ -70,66 +83,8 @@ _REFUSED_PREFIXES = {
 }
 
 # Symbolic shapes are stored as sympy expressions that torch parses with sympy.sympify (an
-# eval); input guards are Python expressions torch exec's when the module is built. Both
-# must be plain arithmetic on these names.
-_SYMPY_CALLS = frozenset(
-    {
-        "Symbol",
-        "Integer",
-        "Add",  # sympy.srepr of s0 * 8 + 1: Add(Mul(Integer(8), Symbol('s0')), Integer(1))
-        "Mul",
-        "Pow",
-        "Float",
-        "Rational",
-        "Max",
-        "Min",
-        "Eq",
-        "Ne",
-        "Equality",  # sympy.srepr of Eq(u2, u1) (a runtime check on packed sizes)
-        "Unequality",
-        "Lt",
-        "Le",
-        "Gt",
-        "Ge",
-        "StrictLessThan",
-        "StrictGreaterThan",
-        "LessThan",
-        "GreaterThan",
-        "And",
-        "Or",
-        "Not",
-        "Abs",
-        "Mod",
-        "floor",
-        "ceiling",
-        "sqrt",
-        "Piecewise",
-        "ExprCondPair",
-        "FloorDiv",
-        "ModularIndexing",
-        "Where",
-        "PythonMod",
-        "CleanDiv",
-        "CeilToInt",
-        "FloorToInt",
-        "CeilDiv",
-        "LShift",
-        "RShift",
-        "PowByNatural",
-        "FloatPow",
-        "FloatTrueDiv",
-        "IntTrueDiv",
-        "IsNonOverlappingAndDenseIndicator",
-        "TruncToFloat",
-        "TruncToInt",
-        "RoundToInt",
-        "RoundDecimal",
-        "ToFloat",
-        "Identity",
-    }
-)
-_SYMPY_NAMES = frozenset({"oo", "zoo", "nan", "int_oo", "pi", "E", "true", "false"})
-_SYMBOL = re.compile(r"[a-z]+\d+")
+# eval; ``bounded_text`` holds them to its grammar); input guards are Python expressions
+# torch exec's when the module is built: plain arithmetic on these names.
 _PLAIN_STRING = re.compile(r"[A-Za-z_]\w*")
 _GUARD_METHODS = frozenset({"size", "stride", "storage_offset", "dim", "numel"})
 _GUARD_CALLS = frozenset({"IsNonOverlappingAndDenseIndicator", "cast_symbool_to_symint_guardless"})
@@ -169,34 +124,6 @@ def _constant_ok(node: ast.Constant) -> bool:
     return value is None or isinstance(value, bool | int | float)
 
 
-def _sympy_expr_ok(text: str) -> bool:
-    """``text`` is arithmetic on symbols and sympy's shape functions, nothing else."""
-    try:
-        tree = ast.parse(text, mode="eval")
-    except (SyntaxError, ValueError):
-        return False
-    for node in ast.walk(tree):
-        if isinstance(node, _ARITHMETIC):
-            continue
-        if isinstance(node, ast.Constant):
-            if not _constant_ok(node):
-                return False
-        elif isinstance(node, ast.Name):
-            if not (
-                node.id in _SYMPY_CALLS or node.id in _SYMPY_NAMES or _SYMBOL.fullmatch(node.id)
-            ):
-                return False
-        elif isinstance(node, ast.Call):
-            if not (isinstance(node.func, ast.Name) and node.func.id in _SYMPY_CALLS):
-                return False
-        elif isinstance(node, ast.keyword):
-            if node.arg is None or not node.arg.isalpha():
-                return False
-        else:
-            return False
-    return True
-
-
 def _guard_ok(text: str) -> bool:
     """``text`` compares input sizes: ``L['x'].size()[0] == L['y'].size()[0]`` and the like."""
     try:
@@ -231,6 +158,8 @@ def _treespec_ok(value: Any) -> bool:
     if isinstance(value, str):
         if value[:1] not in "[{":
             return True
+        if json_depth(value.encode()) > MAX_JSON_DEPTH:
+            return False  # torch would parse it recursively
         try:
             value = json.loads(value)
         except ValueError:
@@ -253,13 +182,16 @@ def _refuse(path: Path, member: str, what: str) -> BadFile:
 
 def _check_model_json(path: Path, member: str, data: bytes) -> None:
     try:
-        program = json.loads(data)
+        program = parse_json(data)
     except ValueError as error:
         raise BadFile(f"{path}: member {member} is not valid JSON ({first_line(error)})") from None
     if not isinstance(program, dict):
         raise BadFile(f"{path}: member {member} is not a serialized ExportedProgram")
+    refused = program_json_error(program)
+    if refused is not None:
+        raise BadFile(f"{path}: refused, {refused} (quantree loads only its own dialect)")
     for guard in program.get("guards_code") or ():
-        if not (isinstance(guard, str) and _guard_ok(guard)):
+        if not (isinstance(guard, str) and guard_bounded(guard) and _guard_ok(guard)):
             raise _refuse(
                 path, member, f"an input guard that is not plain shape arithmetic: {guard!r:.80}"
             )
@@ -267,7 +199,7 @@ def _check_model_json(path: Path, member: str, data: bytes) -> None:
     def walk(value: Any) -> None:
         if isinstance(value, dict):
             for key, item in value.items():
-                if key == "expr_str" and not (isinstance(item, str) and _sympy_expr_ok(item)):
+                if key == "expr_str" and not shape_expression_ok(item):
                     raise _refuse(
                         path, member, f"a symbolic expression torch would eval: {item!r:.80}"
                     )
@@ -282,11 +214,11 @@ def _check_model_json(path: Path, member: str, data: bytes) -> None:
 
 
 def _check_payload_config(
-    path: Path, records: set[str], member: str, data: bytes, raw: re.Pattern[str]
+    path: Path, records: dict[str, int], member: str, data: bytes, raw: re.Pattern[str]
 ) -> None:
     folder = member.rsplit("/", 1)[0]
     try:
-        config = json.loads(data)["config"]
+        config = parse_json(data)["config"]
         entries = list(config.items())
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise BadFile(
@@ -301,6 +233,9 @@ def _check_payload_config(
             raise _refuse(path, where, f"a pickled value for {fqn!r} (torch would unpickle it)")
         if where not in records:
             raise BadFile(f"{path}: member {member}: {where} is missing from the archive")
+        wrong = tensor_meta_error(meta.get("tensor_meta"), records.get(where))
+        if wrong is not None:
+            raise BadFile(f"{path}: member {member}: entry {fqn!r} is {wrong}")
 
 
 @contextlib.contextmanager
@@ -316,6 +251,9 @@ def _check_sample_inputs(path: Path, member: str, data: bytes) -> None:
     """torch tries ``weights_only=True`` and falls back to full unpickling: only the first."""
     if not data:
         return
+    wrong = inner_archive_error(data)
+    if wrong is not None:
+        raise BadFile(f"{path}: member {member} holds {wrong}")
     try:
         with no_protocol_warning():
             loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
@@ -434,8 +372,9 @@ def _check_compression(path: Path) -> None:
             )
 
 
-def check_archive(path: str | Path) -> None:
-    """Raise :class:`BadFile` unless ``torch.export.load`` of ``path`` could never run code.
+def check_archive(path: str | Path, budget: LoadBudget | None = None) -> None:
+    """Raise :class:`BadFile` unless ``torch.export.load`` of ``path`` could never run code
+    nor allocate past ``budget`` (a :class:`LoadBudgetExceeded` then).
 
     The archive is read with torch's own zip reader, so the members checked are the members
     torch loads.
@@ -454,6 +393,10 @@ def check_archive(path: str | Path) -> None:
         if what is not None:
             raise BadFile(f"{p}: {what}")
     _check_compression(p)
+    sizes = member_sizes(p, budget, lambda member, what: _refuse(p, member, what))
+    if budget is not None:
+        stored = sum(n for name, n in sizes.items() if not deflated_member(name))
+        budget.charge(stored, "the tensor records")
     models = set()
     for member in sorted(records):
         if member in _FIXED_MEMBERS or _EXTRA.fullmatch(member):
@@ -492,10 +435,10 @@ def check_archive(path: str | Path) -> None:
         _check_model_json(p, f"models/{model}.json", reader.get_record(f"models/{model}.json"))
         _check_sample_inputs(p, needed["sample_inputs"], reader.get_record(needed["sample_inputs"]))
         _check_payload_config(
-            p, records, needed["weights"], reader.get_record(needed["weights"]), _RAW_WEIGHT
+            p, sizes, needed["weights"], reader.get_record(needed["weights"]), _RAW_WEIGHT
         )
         _check_payload_config(
-            p, records, needed["constants"], reader.get_record(needed["constants"]), _RAW_CONSTANT
+            p, sizes, needed["constants"], reader.get_record(needed["constants"]), _RAW_CONSTANT
         )
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from quantree.backends.cpu.load_budget import LoadBudget, LoadBudgetExceeded, budget_for
 from quantree.core.calibrate import as_args
 from quantree.core.errors import QuantreeError
 from quantree.tools.archive import (
@@ -39,6 +40,7 @@ from quantree.tools.archive import (
     no_protocol_warning,
     weights_only_everywhere,
 )
+from quantree.tools.vocabulary import program_errors
 
 
 def _existing(path: str | Path, what: str) -> Path:
@@ -56,14 +58,22 @@ def register_backend_ops() -> None:
         importlib.import_module("quantree.backends")
 
 
-def load_program(path: str | Path) -> torch.export.ExportedProgram:
-    """A program saved with ``torch.export.save``, loaded without unpickling anything.
+def load_program(
+    path: str | Path, budget: LoadBudget | None = None
+) -> torch.export.ExportedProgram:
+    """A program saved with ``torch.export.save``, loaded without unpickling anything, within
+    ``budget`` (default: ``load_budget.budget_for(path)``), of quantree's dialect only
+    (``vocabulary.py``: checked on the file's text before torch resolves a name, then on
+    the loaded graph before anything calls it).
 
     The one way quantree reads a ``.pt2`` (the CLI and ``quantree.backends.load``).
     """
     p = _existing(path, "expected a program saved with torch.export.save")
-    check_archive(p)
-    register_backend_ops()
+    register_backend_ops()  # the dialect's quantree:: ops, so that names resolve
+    try:
+        check_archive(p, budget_for(p) if budget is None else budget)
+    except LoadBudgetExceeded as error:
+        raise BadFile(f"{p}: {error}") from None
     try:
         with weights_only_everywhere() as records:
             program = torch.export.load(str(p))
@@ -78,6 +88,8 @@ def load_program(path: str | Path) -> torch.export.ExportedProgram:
         logging.getLogger(record.name).handle(record)
     if not isinstance(program, torch.export.ExportedProgram):
         raise BadFile(f"{p}: holds a {type(program).__name__}, not an ExportedProgram")
+    for refused in program_errors(program):
+        raise BadFile(f"{p}: refused, {refused} (quantree loads only its own dialect)")
     return program
 
 

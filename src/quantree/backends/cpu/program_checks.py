@@ -394,11 +394,13 @@ def symbol(inputs: Sequence[Tensor], sym: Sequence[int]) -> None:
         raise fail("program", f"size symbol {list(sym)} names no dimension of the inputs")
 
 
-def check_graph(gm: torch.fx.GraphModule) -> None:
+def check_graph(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Verdict]]:
     """Check now the tables of every region program and cell loop of ``gm`` that reads them
     from constants (a loaded model's), so that a bad table is refused when the file loads
-    (``serialize.load``), not at the first call; the verdicts are cached for those calls."""
+    (``serialize.load``), not at the first call; the verdicts are cached for those calls.
+    Returns each checked node with its verdict (``table_needs`` bounds them further)."""
     quantree = torch.ops.quantree
+    checked: list[tuple[torch.fx.Node, Verdict]] = []
     for node in gm.graph.nodes:
         target = node.target
         if not isinstance(target, OpOverload):
@@ -422,6 +424,7 @@ def check_graph(gm: torch.fx.GraphModule) -> None:
                 key = ("program", *map(stamp, tables), dtypes, n_in, len(consts))
                 remember(key, verdict, tables)
                 remember_constants("program", verdict, consts)
+                checked.append((node, verdict))
         else:
             tables = tuple(a[k] for k in ("code", "fcode", "slots", "outs"))
             if all(isinstance(t, Tensor) for t in tables):
@@ -430,6 +433,8 @@ def check_graph(gm: torch.fx.GraphModule) -> None:
                 key = ("cell_loop", *map(stamp, tables), n_states, len(consts))
                 remember(key, verdict, tables)
                 remember_constants("cell_loop", verdict, consts)
+                checked.append((node, verdict))
+    return checked
 
 
 def constant(gm: torch.fx.GraphModule, value: object) -> object:

@@ -22,9 +22,11 @@ from quantree.backends.cpu.compact import drop_provenance, one_name_per_tensor
 from quantree.backends.cpu.deflate import deflate_descriptions
 from quantree.backends.cpu.derived import fold_recipes
 from quantree.backends.cpu.direct import call_directly
+from quantree.backends.cpu.load_budget import LoadBudget, budget_for
 from quantree.backends.cpu.pooled import pool_small_tensors
-from quantree.backends.cpu.program_checks import check_graph
+from quantree.backends.cpu.recipe_bytes import charge_recipes
 from quantree.backends.cpu.saved_recipes import as_recipes
+from quantree.backends.cpu.table_needs import check_loaded_tables
 from quantree.core.capture import export_batch_dynamic
 from quantree.core.errors import QuantreeError
 from quantree.core.fast_attributes import read_buffers_directly
@@ -73,27 +75,37 @@ def write_program(program: torch.export.ExportedProgram, path: str | Path) -> No
     deflate_descriptions(path)
 
 
-def load(path: str | Path) -> torch.nn.Module:
+def load(path: str | Path, *, memory_budget: int | None = None) -> torch.nn.Module:
     """The module saved by ``save``, ready to call (its ops called without the dispatcher).
 
-    Raises ``BadFile`` for a file that is missing, broken or would run code when loaded.
+    Raises ``BadFile`` for a file that is missing, broken, would run code when loaded, calls
+    an op outside quantree's dialect, or would allocate more than ``memory_budget`` bytes
+    while loading (default: ``load_budget.budget_for``, from the file's size, or
+    ``$QUANTREE_LOAD_BUDGET``).
     """
     from quantree.tools.files import load_program  # the one safe way to read a .pt2
 
-    module = load_program(path).module()
+    budget = budget_for(path, memory_budget)
+    module = load_program(path, budget).module()
     if not isinstance(module, torch.fx.GraphModule):
         return module
-    fold_saved_recipes(module, path)
+    fold_saved_recipes(module, path, budget)
     return explain_shape_guards(read_buffers_directly(bind_flat_inputs(call_directly(module))))
 
 
-def fold_saved_recipes(module: torch.fx.GraphModule, path: str | Path) -> None:
+def fold_saved_recipes(
+    module: torch.fx.GraphModule, path: str | Path, budget: LoadBudget | None = None
+) -> None:
     """Compute each derived constant of a loaded ``module`` once, as lowering did
-    (``derived.py``); a recipe that does not fit is a ``BadFile`` naming ``path``."""
+    (``derived.py``), charging ``budget`` first; a recipe that does not fit is a
+    ``BadFile`` naming ``path``."""
     from quantree.tools.files import BadFile
 
     try:
+        if budget is not None:
+            charge_recipes(module, budget)
         fold_recipes(module)
-        check_graph(module)  # program and cell-loop tables: refused here, not at a call
+        # program and cell-loop tables: refused here, not at a call
+        check_loaded_tables(module, budget)
     except QuantreeError as error:
         raise BadFile(f"{path}: {error}") from None
