@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from quantree.backends.cpu.load_budget import LoadBudget
 from quantree.backends.cpu.ops_derived import RECIPE_OPS
 from quantree.core.graphs import fetch_attr
 
@@ -44,9 +45,8 @@ def recipe_bytes(gm: fx.GraphModule, node: fx.Node) -> int:
     return TEMPORARIES * 8 * sum(t.numel() for t in tensors)
 
 
-def recipes_bytes(gm: fx.GraphModule) -> int:
-    """What folding every recipe of ``gm`` allocates, at most."""
-    nodes = gm.graph.nodes
-    return sum(
-        recipe_bytes(gm, n) for n in nodes if n.op == "call_function" and n.target in RECIPE_OPS
-    )
+def charge_recipes(gm: fx.GraphModule, budget: LoadBudget) -> None:
+    """Charge ``budget`` with what folding each recipe of ``gm`` allocates, at most."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in RECIPE_OPS:
+            budget.charge(recipe_bytes(gm, node), f"node {node.name} ({node.target})")
