@@ -46,10 +46,6 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
-def _human(n: int) -> str:
-    return f"{-(-n // (1 << 20))}M"
-
-
 @dataclass
 class LoadBudget:
     """Bytes a load may still allocate; :meth:`charge` before each allocation."""
@@ -59,11 +55,11 @@ class LoadBudget:
 
     def charge(self, nbytes: int, what: str) -> None:
         if nbytes < 0 or self.spent + nbytes > self.total:
-            need = self.spent + max(nbytes, 0)
+            need = -(-(self.spent + max(nbytes, 0) + BASE_BYTES) // (1 << 20))  # MiB
             raise LoadBudgetExceeded(
                 f"{what} needs {nbytes} bytes, past the load budget of {self.total} bytes "
                 f"({self.spent} already charged); if you trust the file, raise the budget: "
-                f"{ENV}={_human(2 * need)} or load(path, memory_budget={2 * need})"
+                f"{ENV}={need}M or load(path, memory_budget={need << 20})"
             )
         self.spent += nbytes
 

@@ -16,17 +16,23 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._ops import OpOverload
 
 from quantree.backends.cpu.load_budget import LoadBudget
 from quantree.backends.cpu.native_checks import fail
 from quantree.backends.cpu.program_checks import Verdict, check_graph
 
 
+def _op(node: fx.Node) -> object:
+    """The op a node calls (a ``DirectCall`` wraps one)."""
+    target = node.target
+    return target if isinstance(target, OpOverload) else getattr(target, "op", target)
+
+
 def _example_size(node: fx.Node) -> int:
     """The size symbol at the saved example: a cell loop's batch, a dynamic program's
     ``(dim - a) // b`` of the dimension ``sym`` names; 1 where unknown."""
-    target = getattr(node.target, "op", node.target)
-    if target == torch.ops.quantree.cell_loop.default:
+    if _op(node) == torch.ops.quantree.cell_loop.default:
         xs = node.args[0] if node.args else None
         val = xs.meta.get("val") if isinstance(xs, fx.Node) else None
         size = val.shape[1] if isinstance(val, torch.Tensor) and val.dim() >= 2 else 1
@@ -60,8 +66,7 @@ def check_loaded_tables(gm: fx.GraphModule, budget: LoadBudget | None) -> None:
     """``check_graph``, then each table's slots dense and its workspace at the example's
     size within ``budget``."""
     for node, verdict in check_graph(gm):
-        target = getattr(node.target, "op", node.target)
-        op = "program" if target == torch.ops.quantree.program.default else "cell_loop"
+        op = "program" if _op(node) == torch.ops.quantree.program.default else "cell_loop"
         check_needs(op, verdict)
         if budget is not None:
             size = _example_size(node)
