@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import math
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,23 +30,24 @@ def member_sizes(
     path: Path, budget: LoadBudget | None, refuse: Callable[[str, str], Exception]
 ) -> dict[str, int]:
     """Each member's stored size by name (without the archive's root folder), after
-    streaming every deflated member once: at most its declared size, within the budget."""
+    streaming every member once: a deflated one at most its declared size, within the
+    budget; each of the size and checksum it declares (torch's reader checks neither for a
+    stored member, so damaged tensor bytes would load as another model)."""
     sizes: dict[str, int] = {}
     with zipfile.ZipFile(path) as archive:
         for info in archive.infolist():
             name = info.filename.split("/", 1)[-1]
             sizes[name] = info.file_size
-            if info.compress_type == zipfile.ZIP_STORED:
-                continue
-            if budget is not None:
+            if budget is not None and info.compress_type != zipfile.ZIP_STORED:
                 budget.charge(info.file_size * JSON_PARSED_FACTOR, f"member {name}, parsed")
             seen = 0
             try:
                 with archive.open(info) as stream:
                     while chunk := stream.read(CHUNK):
                         seen += len(chunk)
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as error:
-                raise refuse(info.filename, f"damaged deflated data ({error})") from None
+            except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError,
+                    NotImplementedError, RuntimeError) as error:  # fmt: skip
+                raise refuse(info.filename, f"damaged data ({error})") from None
             if seen != info.file_size:
                 raise refuse(info.filename, f"{seen} bytes inflated, {info.file_size} declared")
     return sizes

@@ -22,6 +22,7 @@ from quantree.backends.cpu.compact import drop_provenance, one_name_per_tensor
 from quantree.backends.cpu.deflate import deflate_descriptions
 from quantree.backends.cpu.derived import fold_recipes
 from quantree.backends.cpu.direct import call_directly
+from quantree.backends.cpu.fake_check import check_on_example
 from quantree.backends.cpu.load_budget import LoadBudget, budget_for
 from quantree.backends.cpu.pooled import pool_small_tensors
 from quantree.backends.cpu.recipe_bytes import charge_recipes
@@ -86,19 +87,24 @@ def load(path: str | Path, *, memory_budget: int | None = None) -> torch.nn.Modu
     from quantree.tools.files import load_program  # the one safe way to read a .pt2
 
     budget = budget_for(path, memory_budget)
-    module = load_program(path, budget).module()
+    program = load_program(path, budget)
+    module = program.module()
     if not isinstance(module, torch.fx.GraphModule):
         return module
-    fold_saved_recipes(module, path, budget)
+    fold_saved_recipes(module, path, budget, program.example_inputs)
     return explain_shape_guards(read_buffers_directly(bind_flat_inputs(call_directly(module))))
 
 
 def fold_saved_recipes(
-    module: torch.fx.GraphModule, path: str | Path, budget: LoadBudget | None = None
+    module: torch.fx.GraphModule,
+    path: str | Path,
+    budget: LoadBudget | None = None,
+    example: Any = None,
 ) -> None:
     """Compute each derived constant of a loaded ``module`` once, as lowering did
-    (``derived.py``), charging ``budget`` first; a recipe that does not fit is a
-    ``BadFile`` naming ``path``."""
+    (``derived.py``), charging ``budget`` first, then check its tables and run it on fake
+    tensors like ``example`` (``fake_check.py``); a recipe, table or node that does not fit
+    is a ``BadFile`` naming ``path``."""
     from quantree.tools.files import BadFile
 
     try:
@@ -107,5 +113,6 @@ def fold_saved_recipes(
         fold_recipes(module)
         # program and cell-loop tables: refused here, not at a call
         check_loaded_tables(module, budget)
+        check_on_example(module, example)
     except QuantreeError as error:
         raise BadFile(f"{path}: {error}") from None

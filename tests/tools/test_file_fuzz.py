@@ -1,0 +1,37 @@
+"""The saved-file fuzzer (``file_fuzz.py``) in CI: 300 mutations of a saved lowered model.
+
+Each mutant is loaded and called in a forked child under an address-space limit of twice
+the honest load's peak and a 10 s alarm; the fuzzer prints one JSON line per finding
+(a signal, a hang, a failed allocation, an exception other than ``QuantreeError``, a file
+written, raw byte damage loading as another model) and a summary. The run is a subprocess,
+so a crash in the fuzzer itself cannot take the suite down. ``QUANTREE_FUZZ_COUNT`` and
+``QUANTREE_FUZZ_SEED`` choose the run (the seed's default changes only by hand, so CI runs
+the same mutations every time; a finding prints its seed and index to replay it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+COUNT = int(os.environ.get("QUANTREE_FUZZ_COUNT", "300"))
+SEED = int(os.environ.get("QUANTREE_FUZZ_SEED", "22"))
+
+
+def test_mutated_saved_files_are_refused_or_equal_never_a_crash(tmp_path: Path) -> None:
+    runner = Path(__file__).with_name("file_fuzz.py")
+    done = subprocess.run(
+        [sys.executable, str(runner), str(COUNT), str(SEED), str(tmp_path)],
+        capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    summary = lines[-1]
+    findings = lines[:-1]
+    assert summary["count"] == COUNT and summary["findings"] == len(findings)
+    assert findings == [], findings[:5]
+    assert sum(summary["outcomes"].values()) == COUNT
+    assert summary["outcomes"].get("refused", 0) > 0 and summary["outcomes"].get("equal", 0) > 0
