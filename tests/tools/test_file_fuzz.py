@@ -3,10 +3,14 @@
 Each mutant is loaded and called in a forked child under an address-space limit of twice
 the honest load's peak and a 10 s alarm; the fuzzer prints one JSON line per finding
 (a signal, a hang, a failed allocation, an exception other than ``QuantreeError``, a file
-written, raw byte damage loading as another model) and a summary. The run is a subprocess,
-so a crash in the fuzzer itself cannot take the suite down. ``QUANTREE_FUZZ_COUNT`` and
-``QUANTREE_FUZZ_SEED`` choose the run (the seed's default changes only by hand, so CI runs
-the same mutations every time; a finding prints its seed and index to replay it).
+written, raw byte damage loading as another model) and a summary. The runs are
+subprocesses, so a crash in the fuzzer itself cannot take the suite down.
+
+The 300 are three test cases of 100 mutations (seeds ``SEED``, ``SEED + 1``, ``SEED + 2``)
+sharing one saved model, so that each stays well under a minute on a loaded machine.
+``QUANTREE_FUZZ_COUNT`` (mutations per case) and ``QUANTREE_FUZZ_SEED`` choose the run; the
+seed's default changes only by hand, so CI runs the same mutations every time, and a
+finding prints its seed and index: ``python file_fuzz.py N SEED DIR INDEX`` replays it.
 """
 
 from __future__ import annotations
@@ -17,20 +21,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-COUNT = int(os.environ.get("QUANTREE_FUZZ_COUNT", "300"))
+import pytest
+
+COUNT = int(os.environ.get("QUANTREE_FUZZ_COUNT", "100"))
 SEED = int(os.environ.get("QUANTREE_FUZZ_SEED", "22"))
 
 
-def test_mutated_saved_files_are_refused_or_equal_never_a_crash(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fuzz")  # the saved model is built once, by the first case
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2])
+def test_mutated_saved_files_are_refused_or_equal_never_a_crash(workdir, offset) -> None:
     runner = Path(__file__).with_name("file_fuzz.py")
     done = subprocess.run(
-        [sys.executable, str(runner), str(COUNT), str(SEED), str(tmp_path)],
+        [sys.executable, str(runner), str(COUNT), str(SEED + offset), str(workdir)],
         capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    summary = lines[-1]
-    findings = lines[:-1]
+    summary, findings = lines[-1], lines[:-1]
     assert summary["count"] == COUNT and summary["findings"] == len(findings)
     assert findings == [], findings[:5]
     assert sum(summary["outcomes"].values()) == COUNT

@@ -72,8 +72,12 @@ def load_program(
     register_backend_ops()  # the dialect's quantree:: ops, so that names resolve
     try:
         check_archive(p, budget_for(p) if budget is None else budget)
+    except BadFile:
+        raise
     except LoadBudgetExceeded as error:
         raise BadFile(f"{p}: {error}") from None
+    except Exception as error:  # a damaged archive the checks' readers choke on: refused
+        raise BadFile(f"{p}: not a readable torch.export archive: {first_line(error)}") from None
     try:
         with weights_only_everywhere() as records:
             program = torch.export.load(str(p))
