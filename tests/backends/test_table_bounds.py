@@ -17,8 +17,6 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.load_budget import LoadBudget
-from quantree.backends.cpu.table_needs import check_loaded_tables
 from quantree.core.graphs import fetch_attr
 from quantree.tools.files import BadFile
 
@@ -86,18 +84,3 @@ def test_a_cell_loop_row_stride_past_its_width_is_refused_at_load(tmp_path) -> N
     save(low, tmp_path / "cells.pt2", data[0])
     with pytest.raises(BadFile, match=rf"quantree\.cell_loop: slot \d+ .* {HUGE_STRIDE} apart"):
         load(tmp_path / "cells.pt2")
-
-
-def test_the_workspace_at_the_example_size_is_charged_to_the_budget(program_files) -> None:
-    """The honest program's workspace is small, but it is charged: a budget of a few bytes
-    refuses it, naming the node."""
-    from quantree.tools.files import load_program
-
-    honest, _ = program_files
-    module = load_program(honest).module()
-    from quantree.backends.cpu.derived import fold_recipes
-
-    fold_recipes(module)
-    check_loaded_tables(module, LoadBudget(1 << 20))
-    with pytest.raises(qt.QuantreeError, match=r"node \w+'s workspace"):
-        check_loaded_tables(module, LoadBudget(16))
