@@ -105,7 +105,7 @@ Q_DQ = _names(
 """The ``quantized_decomposed`` ops of pt2e's dialect (quantree's reference graph)."""
 SYMBOLIC = {
     "_operator": _names(
-        "getitem add sub mul floordiv truediv mod neg pos pow eq ne lt le gt ge and_ or_ not_"
+        "getitem add sub mul floordiv truediv mod neg pos eq ne lt le gt ge and_ or_ not_"
     ),
     "math": frozenset({"trunc", "floor", "ceil", "sqrt"}),
     "torch": _names("sym_int sym_float sym_max sym_min sym_not sym_ite sym_sqrt sym_sum"),

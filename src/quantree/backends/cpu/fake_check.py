@@ -16,14 +16,45 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from quantree.core.errors import QuantreeError
 
 
+def _cell_widths(op: Any, args: tuple[Any, ...]) -> str | None:
+    """A cell loop's input and state widths against its slot table's (the real table: a
+    fake kernel cannot read it), as the op checks them at a call."""
+    packed = op == torch.ops.quantree.cell_loop_packed.default
+    xs, state, slots = (args[0], args[2], args[6]) if packed else (args[0], args[1], args[5])
+    if not isinstance(slots, torch.Tensor) or isinstance(slots, FakeTensor):
+        return None
+    if slots.dim() != 2 or slots.shape[1] < 4 or slots.shape[0] < 1 + len(state):
+        return None  # program_checks refuses the table
+    widths = [int(w) for w in slots[: 1 + len(state), 3]]
+    got = [xs.shape[-1], *(s.shape[-1] for s in state)]
+    batch = [] if packed else [xs.shape[1], *(s.shape[0] for s in state)]
+    if got != widths or len(set(batch)) > 1 or any(s.dim() != 2 for s in state):
+        return f"inputs and states of widths {got} for a table of widths {widths}"
+    return None
+
+
+_TABLE_CHECKS: dict[object, Any] = {
+    torch.ops.quantree.cell_loop.default: _cell_widths,
+    torch.ops.quantree.cell_loop_packed.default: _cell_widths,
+}
+"""Checks of a native op's arguments against its real tables, beside its fake kernel."""
+
+
 class _Run(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
+        check = _TABLE_CHECKS.get(n.target) if n.op == "call_function" else None
+        if check is not None:
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            with unset_fake_temporarily():
+                wrong = check(n.target, args)
+            if wrong is not None:
+                raise QuantreeError(f"node {n.name} ({n.target}) reads {wrong}")
         try:
             return super().run_node(n)
         except QuantreeError:
