@@ -348,6 +348,8 @@ def fuzz(count: int, seed: int, root: Path, only: set[int] | None = None) -> dic
         for leftover in cwd.iterdir():
             leftover.unlink()
         cwd.rmdir()
+        if (n + 1) % 250 == 0:
+            print(f"# {n + 1} mutations, {counts}, {time.monotonic() - start:.0f} s", flush=True)
     ran = count if only is None else len(only)
     summary = {"count": ran, "seed": seed, "outcomes": counts, "findings": len(findings),
                "limit_bytes": limit, "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
