@@ -98,6 +98,12 @@ def tensor_meta_error(meta: Any, record_bytes: int | None) -> str | None:
         return f"sizes {sizes} and strides {strides} do not describe a tensor"
     if math.prod(sizes) == 0:
         return None
+    dims = sorted((s, n) for n, s in zip(sizes, strides, strict=True) if n > 1)
+    expected = 1
+    for stride, n in dims:  # non-overlapping and dense: what save writes for a real tensor
+        if stride != expected:
+            return f"a tensor of sizes {sizes} and strides {strides} (overlapping or gapped)"
+        expected *= n
     span = offset[0] + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True)) + 1
     needed = span * dtype.itemsize
     if needed > record_bytes:

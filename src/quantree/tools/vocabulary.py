@@ -61,7 +61,8 @@ ATEN_COMPOSITE = _names(
     native_layer_norm neg new_empty ones permute pow relu rsqrt select sigmoid slice sqrt
     stack sub sum sym_size tanh zeros arange cat add where masked_fill gt lt ge le eq ne
     logical_not logical_and logical_or bitwise_not abs minimum maximum amax amin
-    _native_batch_norm_legit_no_training _native_batch_norm_legit
+    _native_batch_norm_legit_no_training _native_batch_norm_legit empty_like item
+    _local_scalar_dense
     """
 )
 """ATen ops quantree's capture keeps or its lowering emits beyond the Core ATen opset
@@ -69,7 +70,7 @@ ATEN_COMPOSITE = _names(
 ATEN_REFUSED = _names(
     """
     as_strided as_strided_copy as_strided_scatter set resize resize_as empty_strided
-    new_empty_strided from_file _local_scalar_dense item
+    new_empty_strided from_file
     """
 )
 """Ops refused even though functional: views at strides the file chooses, storage ops."""
