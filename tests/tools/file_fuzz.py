@@ -5,7 +5,7 @@ only: a finding prints its seed and index) saves one small lowered model (a laye
 recurrence that lowers to a region program, a cells-mode LSTM that lowers to a native cell
 loop, recipes, narrowed and pooled constants), then for each of COUNT mutations writes the
 mutant and forks a child that loads it with ``quantree.backends.load`` and calls it under
-an address-space limit of twice the honest load's peak and a 10 s alarm, in an empty
+an address-space limit of twice the honest load's peak and 10 s of CPU time, in an empty
 working directory. A mutation edits the graph description (a value, a node's op, a deleted
 or duplicated entry, a symbolic shape, deep nesting), a payload config's tensor metadata,
 the zip's members (dropped, added, deflated) or raw bytes anywhere (checksums left stale).
@@ -38,6 +38,9 @@ import torch
 from torch import nn
 
 HANG_SECONDS = 10
+"""CPU seconds a child may use (``RLIMIT_CPU``: a loaded shared machine stretches wall time)."""
+WALL_SECONDS = 120
+"""Wall seconds after which a child that is not using CPU (blocked) is killed as a hang."""
 CANARY = b"canary"
 NASTY_TARGETS = [
     "torch.ops.aten.from_file.default", "torch.ops.aten.copy_.default", "torch.save",
@@ -237,7 +240,7 @@ def child(path: Path, example: tuple[torch.Tensor, ...], expected: torch.Tensor,
     from quantree.core.errors import QuantreeError
 
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    signal.alarm(HANG_SECONDS)
+    resource.setrlimit(resource.RLIMIT_CPU, (HANG_SECONDS, HANG_SECONDS + 1))
     try:
         model = load(path)
     except QuantreeError:
@@ -274,7 +277,7 @@ def run_one(path: Path, example: tuple, expected: torch.Tensor, limit: int, cwd:
             os.write(write, outcome.encode()[:4000])
             os._exit(0)
     os.close(write)
-    deadline = time.monotonic() + HANG_SECONDS + 20
+    deadline = time.monotonic() + WALL_SECONDS
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -291,7 +294,7 @@ def run_one(path: Path, example: tuple, expected: torch.Tensor, limit: int, cwd:
         return "finding: hang (killed)"
     if os.WIFSIGNALED(status):
         name = signal.Signals(os.WTERMSIG(status)).name
-        return f"finding: {'hang' if name == 'SIGALRM' else 'signal'} {name}"
+        return f"finding: {'hang' if name == 'SIGXCPU' else 'signal'} {name}"
     return outcome or "finding: child exited without an outcome"
 
 

@@ -1,7 +1,7 @@
 """The saved-file fuzzer (``file_fuzz.py``) in CI: 300 mutations of a saved lowered model.
 
 Each mutant is loaded and called in a forked child under an address-space limit of twice
-the honest load's peak and a 10 s alarm; the fuzzer prints one JSON line per finding
+the honest load's peak and 10 s of CPU time; the fuzzer prints one JSON line per finding
 (a signal, a hang, a failed allocation, an exception other than ``QuantreeError``, a file
 written, raw byte damage loading as another model) and a summary. The runs are
 subprocesses, so a crash in the fuzzer itself cannot take the suite down.
