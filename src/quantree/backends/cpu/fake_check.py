@@ -6,17 +6,27 @@ matches the tensor it views. The first real call would raise whatever the op rai
 ``RuntimeError``, an ``IndexError``) far from the file that caused it. Propagating fake
 tensors (shapes and dtypes only, nothing allocated, no kernel run) through the graph at
 load finds those nodes while the file is being read, naming the node; it costs a few
-milliseconds per hundred nodes. The native ops' own contracts (``native_checks``,
-``program_checks``) still run at each call: their fake kernels check shapes only.
+milliseconds per hundred nodes. Past a node whose output shape depends on tensor values (a
+packed sequence's batch sizes) fake tensors cannot follow: the graph is checked up to it.
+The native ops' own contracts (``native_checks``, ``program_checks``) still run at each
+call: their fake kernels check shapes only.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from quantree.core.errors import QuantreeError
@@ -46,6 +56,18 @@ _TABLE_CHECKS: dict[object, Any] = {
 """Checks of a native op's arguments against its real tables, beside its fake kernel."""
 
 
+_DATA_DEPENDENT = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    GuardOnDataDependentSymNode,
+)
+
+
+class _Unknowable(Exception):
+    """A node's output shape depends on tensor values (a packed sequence's batch sizes):
+    fake tensors cannot follow the graph past it."""
+
+
 class _Run(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         check = _TABLE_CHECKS.get(n.target) if n.op == "call_function" else None
@@ -59,6 +81,8 @@ class _Run(fx.Interpreter):
             return super().run_node(n)
         except QuantreeError:
             raise
+        except _DATA_DEPENDENT:
+            raise _Unknowable from None
         except Exception as error:
             text = str(error).strip().splitlines()
             raise QuantreeError(
@@ -80,5 +104,5 @@ def check_on_example(module: fx.GraphModule, example: Any) -> None:
         raise QuantreeError(
             f"the saved example has {len(flat)} inputs, the graph {len(placeholders)}"
         )
-    with mode:
+    with mode, contextlib.suppress(_Unknowable):  # checked up to the first such node
         _Run(module).run(*flat)
