@@ -15,8 +15,9 @@ def test_ops_outside_the_dialect_say_why() -> None:
     assert op_error(aten.lstm.input) is None  # random only with train=True (per node)
     assert "storage" in str(op_error(aten.from_file.default))
     assert "random" in str(op_error(aten.rand.default))
-    assert "mutation" in str(op_error(aten.copy_.default)) or op_error(aten.copy_.default) is None
-    assert "namespace" in str(op_error(torch.ops.c10d_functional.all_reduce.default))
+    assert op_error(aten.copy_.default) is None  # in place: where it writes is per node
+    assert "mutation" in str(op_error(aten.add.out))  # writes its ``out`` argument
+    assert "namespace" in str(op_error(torch.ops.prims.add.default))
     assert "dialect" in str(op_error(print))
 
 

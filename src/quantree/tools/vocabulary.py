@@ -156,7 +156,7 @@ def op_error(op: Any) -> str | None:
             return "writes its arguments (mutation)"
         return None  # where it writes is checked on the graph (graph_errors)
     if packet in ATEN_REFUSED:
-        return "a storage or stride op"
+        return "a file, storage or stride op"
     if torch.Tag.nondeterministic_seeded in op.tags and packet not in SEEDED:
         return "random"
     allowed_strings = STRING_ARGUMENTS.get(packet, set())
