@@ -54,3 +54,23 @@ def test_recurrent_layers_must_be_deterministic() -> None:
     node.args = tuple(args)
     (error,) = graph_errors(gm)
     assert "train=True: random" in error
+
+
+def test_results_stay_in_cpu_memory() -> None:
+    """A file cannot ask for another device (a CUDA context, data-less ``meta`` tensors),
+    pinned memory or a sparse layout."""
+
+    class Zeros(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.new_zeros(3) + x
+
+    gm = torch.export.export(Zeros(), (torch.ones(3),)).graph_module
+    assert list(graph_errors(gm)) == []
+    node = next(n for n in gm.graph.nodes if n.target == aten.new_zeros.default)
+    for extra, says in (({"pin_memory": True}, "pinned memory"),
+                        ({"device": torch.device("meta")}, "on device meta"),
+                        ({"layout": torch.sparse_coo}, "layout")):  # fmt: skip
+        node.kwargs = {**node.kwargs, **extra}
+        (error,) = graph_errors(gm)
+        assert says in error, error
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in extra}

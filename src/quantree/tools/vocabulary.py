@@ -269,12 +269,28 @@ def graph_errors(gm: fx.GraphModule) -> Iterator[str]:
                     f"{node.args[0] if node.args else 'nothing'}, which the graph did "
                     "not make"
                 )
+            placement = _placement_error(node)
+            if placement is not None:
+                yield f"node {node.name} calls {op} {placement}"
             seeded = (
                 SEEDED.get(op._schema.name.split("::")[1]) if isinstance(op, OpOverload) else None
             )
             if seeded is not None and _argument(op, node, seeded[0]) != seeded[1]:
                 value = _argument(op, node, seeded[0])
                 yield f"node {node.name} calls {op} with {seeded[0]}={value}: random"
+
+
+def _placement_error(node: fx.Node) -> str | None:
+    """Where a node would put its result, if not in ordinary CPU memory: another device
+    (a CUDA context, or ``meta`` tensors with no data), pinned memory, a sparse layout."""
+    for key, value in [*enumerate(node.args), *node.kwargs.items()]:
+        if isinstance(value, torch.device) and value.type != "cpu":
+            return f"on device {value}"
+        if key == "pin_memory" and value:
+            return "with pinned memory"
+        if isinstance(value, torch.layout) and value != torch.strided:
+            return f"with layout {value}"
+    return None
 
 
 def _argument(op: OpOverload, node: fx.Node, name: str) -> object:
