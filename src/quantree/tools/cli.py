@@ -34,6 +34,7 @@ from quantree.tools.files import (
     first_line,
     load_calibration,
     load_program,
+    program_module,
     save_program,
 )
 
@@ -210,7 +211,7 @@ def quantize_command(args: argparse.Namespace) -> int:
     backend = _backend(args.backend)
     if args.format == "onnx" and args.backend != "reference":
         raise UsageError("--format onnx writes the reference graph; drop --backend cpu")
-    module = program.module()
+    module = program_module(program, args.model)
     _check_fits(module, data[0], args.calibration)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -290,7 +291,7 @@ def inspect_command(args: argparse.Namespace) -> int:
     from quantree.tools.inspection import summary
 
     program = load_program(args.model)
-    module = program.module()
+    module = program_module(program, args.model)
     if isinstance(module, fx.GraphModule):  # derived constants read as constants, not ops
         fold_saved_recipes(module, args.model)
     print(summary(module, str(args.model)))

@@ -97,6 +97,17 @@ def load_program(
     return program
 
 
+def program_module(program: torch.export.ExportedProgram, path: str | Path) -> torch.fx.GraphModule:
+    """``program.module()``, a ``BadFile`` naming ``path`` where torch cannot build it (its
+    call graph or signature contradicts the graph: torch asserts)."""
+    try:
+        return program.module()
+    except Exception as error:
+        raise BadFile(
+            f"{path}: not a consistent torch.export program: {first_line(error)}"
+        ) from None
+
+
 def load_calibration(path: str | Path) -> list[tuple[Any, ...]]:
     """A non-empty list of argument tuples saved with ``torch.save`` (a lone tensor = 1-tuple)."""
     p = _existing(path, "expected calibration data saved with torch.save")

@@ -179,7 +179,7 @@ def fold_recipes(gm: fx.GraphModule) -> int:
             args.append(arg)
         try:
             value = node.target(*args, **kwargs)
-        except (RuntimeError, TypeError, ValueError) as error:
+        except (RuntimeError, TypeError, ValueError, ArithmeticError) as error:
             raise QuantreeError(
                 f"node {node.name} ({node.target}) cannot derive its constant: "
                 f"{str(error).splitlines()[0] if str(error) else type(error).__name__}"

@@ -84,11 +84,11 @@ def load(path: str | Path, *, memory_budget: int | None = None) -> torch.nn.Modu
     while loading (default: ``load_budget.budget_for``, from the file's size, or
     ``$QUANTREE_LOAD_BUDGET``).
     """
-    from quantree.tools.files import load_program  # the one safe way to read a .pt2
+    from quantree.tools.files import load_program, program_module  # the safe way to a .pt2
 
     budget = budget_for(path, memory_budget)
     program = load_program(path, budget)
-    module = program.module()
+    module = program_module(program, path)
     if not isinstance(module, torch.fx.GraphModule):
         return module
     fold_saved_recipes(module, path, budget, program.example_inputs)
