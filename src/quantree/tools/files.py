@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from quantree.backends.cpu.fake_check import check_on_example
 from quantree.backends.cpu.load_budget import LoadBudget, LoadBudgetExceeded, budget_for
 from quantree.core.calibrate import as_args
 from quantree.core.errors import QuantreeError
@@ -97,15 +98,23 @@ def load_program(
     return program
 
 
-def program_module(program: torch.export.ExportedProgram, path: str | Path) -> torch.fx.GraphModule:
+def program_module(
+    program: torch.export.ExportedProgram, path: str | Path, *, check: bool = True
+) -> torch.fx.GraphModule:
     """``program.module()``, a ``BadFile`` naming ``path`` where torch cannot build it (its
-    call graph or signature contradicts the graph: torch asserts)."""
+    call graph or signature contradicts the graph: torch asserts) or, with ``check``, where
+    a node does not run on fake tensors like the saved example (``fake_check.py``)."""
     try:
-        return program.module()
+        module = program.module()
     except Exception as error:
-        raise BadFile(
-            f"{path}: not a consistent torch.export program: {first_line(error)}"
-        ) from None
+        what = first_line(error)
+        raise BadFile(f"{path}: not a consistent torch.export program: {what}") from None
+    if check:
+        try:
+            check_on_example(module, program.example_inputs)
+        except QuantreeError as error:
+            raise BadFile(f"{path}: {error}") from None
+    return module
 
 
 def load_calibration(path: str | Path) -> list[tuple[Any, ...]]:

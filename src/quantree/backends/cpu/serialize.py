@@ -88,7 +88,7 @@ def load(path: str | Path, *, memory_budget: int | None = None) -> torch.nn.Modu
 
     budget = budget_for(path, memory_budget)
     program = load_program(path, budget)
-    module = program_module(program, path)
+    module = program_module(program, path, check=False)  # checked once folded, below
     if not isinstance(module, torch.fx.GraphModule):
         return module
     fold_saved_recipes(module, path, budget, program.example_inputs)
