@@ -304,6 +304,19 @@ def is_export_archive(path: str | Path) -> bool:
     return any(_MODEL.fullmatch(r) for r in records)
 
 
+def _small_stored(path: str | Path, name: str) -> bool:
+    """Member ``name`` (without the root folder) is stored uncompressed, within
+    :data:`MAX_INFLATED_JSON` bytes."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            infos = [i for i in archive.infolist() if i.filename.split("/", 1)[-1] == name]
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+    return bool(infos) and all(
+        i.compress_type == zipfile.ZIP_STORED and i.file_size <= MAX_INFLATED_JSON for i in infos
+    )
+
+
 def identify(path: str | Path) -> str | None:
     """What a file that is not a torch.export program is, and how to get the right one.
 
@@ -324,6 +337,8 @@ def identify(path: str | Path) -> str | None:
         )
     if "data.pkl" not in records:
         return None
+    if not _small_stored(path, "data.pkl"):  # not read: torch would inflate what it declares
+        return f"a torch.save file, not a torch.export program; {EXPORT_HOWTO}"
     first, names = _pickle_globals(reader.get_record("data.pkl"))
     tensor_only = all(
         n.startswith(("torch._utils.", "torch.", "collections.OrderedDict", "builtins."))
