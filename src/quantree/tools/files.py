@@ -111,7 +111,7 @@ def program_module(
         raise BadFile(f"{path}: not a consistent torch.export program: {what}") from None
     if check:
         try:
-            check_on_example(module, program.example_inputs)
+            check_on_example(module, program.example_inputs, budget_for(path).total)
         except QuantreeError as error:
             raise BadFile(f"{path}: {error}") from None
     return module

@@ -68,7 +68,21 @@ class _Unknowable(Exception):
     fake tensors cannot follow the graph past it."""
 
 
+def _nbytes(value: Any) -> int:
+    """Bytes of the tensors in a fake result (a symbolic size counts as 0: not known)."""
+    total = 0
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            numel = t.numel()
+            total += numel * t.element_size() if isinstance(numel, int) else 0
+    return total
+
+
 class _Run(fx.Interpreter):
+    def __init__(self, module: fx.GraphModule, most_bytes: int | None) -> None:
+        super().__init__(module)
+        self.most_bytes = most_bytes
+
     def run_node(self, n: fx.Node) -> Any:
         check = _TABLE_CHECKS.get(n.target) if n.op == "call_function" else None
         if check is not None:
@@ -78,7 +92,7 @@ class _Run(fx.Interpreter):
             if wrong is not None:
                 raise QuantreeError(f"node {n.name} ({n.target}) reads {wrong}")
         try:
-            return super().run_node(n)
+            result = super().run_node(n)
         except QuantreeError:
             raise
         except _DATA_DEPENDENT:
@@ -89,12 +103,20 @@ class _Run(fx.Interpreter):
                 f"node {n.name} ({n.target}) does not run on the saved example's shapes: "
                 f"{type(error).__name__}: {text[0][:200] if text else ''}"
             ) from None
+        made = _nbytes(result) if n.op == "call_function" else 0
+        if self.most_bytes is not None and made > self.most_bytes:
+            raise QuantreeError(
+                f"node {n.name} ({n.target}) makes {made} bytes at the saved example's shapes, "
+                f"more than the whole load budget ({self.most_bytes} bytes)"
+            )
+        return result
 
 
-def check_on_example(module: fx.GraphModule, example: Any) -> None:
+def check_on_example(module: fx.GraphModule, example: Any, most_bytes: int | None = None) -> None:
     """Run ``module`` on fake tensors like ``example`` (``(args, kwargs)`` as
     ``ExportedProgram.example_inputs`` holds it); a ``QuantreeError`` naming the first node
-    that does not run."""
+    that does not run, or that makes more than ``most_bytes`` (the load budget: one
+    intermediate tensor of an honest model at its example's size is far smaller)."""
     if example is None:
         return
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -105,4 +127,4 @@ def check_on_example(module: fx.GraphModule, example: Any) -> None:
             f"the saved example has {len(flat)} inputs, the graph {len(placeholders)}"
         )
     with mode, contextlib.suppress(_Unknowable):  # checked up to the first such node
-        _Run(module).run(*flat)
+        _Run(module, most_bytes).run(*flat)

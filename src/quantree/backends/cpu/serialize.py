@@ -113,6 +113,6 @@ def fold_saved_recipes(
         fold_recipes(module)
         # program and cell-loop tables: refused here, not at a call
         check_loaded_tables(module, budget)
-        check_on_example(module, example)
+        check_on_example(module, example, budget.total if budget is not None else None)
     except QuantreeError as error:
         raise BadFile(f"{path}: {error}") from None
