@@ -88,7 +88,10 @@ class _Run(fx.Interpreter):
         if check is not None:
             args, _ = self.fetch_args_kwargs_from_env(n)
             with unset_fake_temporarily():
-                wrong = check(n.target, args)
+                try:
+                    wrong = check(n.target, args)
+                except Exception as error:  # arguments of the wrong kinds or ranks
+                    wrong = f"arguments it cannot take ({type(error).__name__}: {error})"
             if wrong is not None:
                 raise QuantreeError(f"node {n.name} ({n.target}) reads {wrong}")
         try:
