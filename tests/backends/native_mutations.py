@@ -132,7 +132,9 @@ def recorded_calls() -> list[tuple[str, Any, tuple, dict]]:
         data = [tuple(a.clone() for a in args) for _ in range(3)]
         if name != "tokens":
             data = [tuple(a + 0.1 * i for a in args) for i in range(3)]
-        ref = qt.quantize(model, args, data, quantizer=quantizer, progress=False)
+        ref = qt.quantize(
+            model, args, data, quantizer=quantizer, progress=False, backend="reference"
+        )
         low = qt.lower(ref, CPU)
         through_dispatcher(low)
         recorder = Recorder()

@@ -31,7 +31,9 @@ def _ids(n: int = 6) -> list[tuple[torch.Tensor]]:
 def test_embedding_gathers_int8_rows_and_equals_the_reference(per_channel: bool) -> None:
     data = _ids()
     quantizer = qt.Int8Quantizer(per_channel=per_channel)
-    ref = qt.quantize(Tagger().eval(), data[0], data, quantizer=quantizer, progress=False)
+    ref = qt.quantize(
+        Tagger().eval(), data[0], data, quantizer=quantizer, progress=False, backend="reference"
+    )
     low = qt.lower(ref, CPU)
     assert len(calls(low, torch.ops.quantree.embedding_rows.default)) == 1
     assert not calls(low, torch.ops.aten.embedding.default)

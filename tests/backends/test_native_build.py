@@ -106,7 +106,7 @@ def test_batch_zero_gives_empty_outputs(make, mode):
     quantizer = qt.Int8Quantizer(recurrent=mode)
     dynamic = ({1: torch.export.Dim("batch", min=0, max=64)},)
     ref = qt.quantize(model, data[0], data, quantizer=quantizer, progress=False,
-                      dynamic_shapes=dynamic)  # fmt: skip
+                      dynamic_shapes=dynamic, backend="reference")  # fmt: skip
     low = qt.lower(ref, CPU)
     x = torch.randn(4, 0, 6)
     with torch.no_grad():
@@ -121,6 +121,11 @@ def test_empty_inputs_of_conv_and_linear():
                           nn.Flatten(), nn.Linear(8 * 4 * 4, 5), nn.Softmax(-1)).eval()  # fmt: skip
     data = batches((2, 3, 8, 8), n=3)
     dynamic = ({0: torch.export.Dim("batch", min=0, max=64)},)
-    low = qt.lower(qt.quantize(model, data[0], data, progress=False, dynamic_shapes=dynamic), CPU)
+    low = qt.lower(
+        qt.quantize(
+            model, data[0], data, progress=False, dynamic_shapes=dynamic, backend="reference"
+        ),
+        CPU,
+    )
     with torch.no_grad():
         assert low(torch.randn(0, 3, 8, 8)).shape == model(torch.randn(0, 3, 8, 8)).shape

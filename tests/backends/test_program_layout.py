@@ -81,7 +81,14 @@ def _lowered(dynamic_batch: bool, batch: int = 1) -> tuple[nn.Module, nn.Module,
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(batch, 8, 32, generator=g),) for _ in range(4)]
-    ref = qt.quantize(Blocks().eval(), data[0], data, dynamic_batch=dynamic_batch, progress=False)
+    ref = qt.quantize(
+        Blocks().eval(),
+        data[0],
+        data,
+        dynamic_batch=dynamic_batch,
+        progress=False,
+        backend="reference",
+    )
     original = cpu_backend.fuse_regions
     cpu_backend.fuse_regions = lambda gm: 0  # type: ignore[assignment]
     try:

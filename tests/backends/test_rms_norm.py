@@ -98,7 +98,7 @@ def test_lowered_rms_norms_run_inside_one_program(native: bool) -> None:
     data = _data()
     recipe = qt.Int8Quantizer(activations=qt.ActivationPoints.WEIGHTED_INPUTS)  # as LLaMA's
     model = NormedMLP(native=native).eval()
-    ref = qt.quantize(model, data[0], data, quantizer=recipe, progress=False)
+    ref = qt.quantize(model, data[0], data, quantizer=recipe, progress=False, backend="reference")
     low = qt.lower(ref, CPU)
     (program,) = calls(low, PROGRAM)
     code = fetch_attr(low, str(program.args[2].target))

@@ -40,7 +40,7 @@ def speech() -> tuple[nn.Module, torch.fx.GraphModule, list[tuple[torch.Tensor]]
     data = [(torch.randn(4, 20, 50) * 2 + 0.5,) for _ in range(12)]
     with warnings.catch_warnings():
         warnings.simplefilter("error", qt.QuantreeWarning)  # log_softmax has a rule now
-        ref = qt.quantize(model, data[0], data, progress=False)
+        ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
     return model, ref, data
 
 
@@ -109,7 +109,9 @@ def test_recurrent_outputs_get_an_sqnr_per_time_step(mode: qt.RecurrentMode) -> 
     model = nn.LSTM(12, 16, batch_first=False).eval()
     data = [(torch.randn(30, 3, 12),) for _ in range(6)]
     quantizer = qt.Int8Quantizer(recurrent=mode)
-    ref = qt.quantize(model, data[0], data, quantizer=quantizer, progress=False)
+    ref = qt.quantize(
+        model, data[0], data, quantizer=quantizer, progress=False, backend="reference"
+    )
     comparison = qt.compare(model, ref, data[:2])
     row = comparison.row("lstm[0]")
     assert len(row.steps) == 30  # time is axis 0 here

@@ -39,7 +39,7 @@ def _data() -> list[tuple[torch.Tensor]]:
 def deployed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
     model, data = Tagger().eval(), _data()
-    ref = qt.quantize(model, data[0], data, progress=False)
+    ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qt.QuantreeWarning)
         lowered = qt.lower(ref, CPU)
@@ -74,7 +74,9 @@ def test_the_suggested_dynamic_shapes_let_the_batch_vary(tmp_path: Path) -> None
     torch.manual_seed(0)
     model, data = Tagger().eval(), _data()
     dims = {"feats": {0: torch.export.Dim("batch")}}
-    ref = qt.quantize(model, data[0], data, dynamic_shapes=dims, progress=False)
+    ref = qt.quantize(
+        model, data[0], data, dynamic_shapes=dims, progress=False, backend="reference"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qt.QuantreeWarning)
         lowered = qt.lower(ref, CPU)
@@ -87,7 +89,7 @@ def test_the_suggested_dynamic_shapes_let_the_batch_vary(tmp_path: Path) -> None
 def test_float_ops_are_warned_about_once_per_model_not_per_call(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model, data = Tagger().eval(), _data()
-    ref = qt.quantize(model, data[0], data, progress=False)
+    ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
     with warnings.catch_warnings(record=True) as made:
         warnings.simplefilter("always")
         lowered = qt.lower(ref, CPU)

@@ -31,7 +31,7 @@ def reference() -> tuple[torch.fx.GraphModule, list[tuple[torch.Tensor]]]:
     torch.manual_seed(0)
     data = [(torch.randn(2, 8, 10),) for _ in range(4)]
     model = ConvReluTranspose().eval()
-    return qt.quantize(model, data[0], data, progress=False), data
+    return qt.quantize(model, data[0], data, progress=False, backend="reference"), data
 
 
 def _by_name(gm: torch.fx.GraphModule) -> dict[str, inspection.OpStatus]:

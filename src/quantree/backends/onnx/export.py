@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from quantree.backends.fastest import reference_of
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import copy_graph_module, nested_graphs
 from quantree.core.qdq import QUANTIZE_OPS, QUANTIZE_PER_TENSOR
@@ -54,6 +55,9 @@ def export_onnx(
 ) -> Path:
     """Write the reference graph ``ref`` (``qt.convert`` output) to ``path`` as QDQ ONNX.
 
+    A model ``qt.quantize`` or ``qt.lower`` lowered to a backend is exported from the
+    reference graph it keeps.
+
     ``example_args`` are the inputs the graph is exported with (as for ``torch.export``; its
     shapes are fixed unless ``dynamic_shapes`` says otherwise). Every tensor leaf of the
     output, nested ones included (``(out, (h, c))``), is one ONNX output, named ``output``
@@ -61,12 +65,13 @@ def export_onnx(
     or 21 when the graph quantizes to int16. Returns the path written.
     """
     _require_onnx()
+    if isinstance(ref, fx.GraphModule):
+        ref = reference_of(ref) or ref  # what qt.quantize and qt.lower lowered keeps its reference
     if not isinstance(ref, fx.GraphModule) or ref.meta.get(STAGE_KEY) != CONVERTED:
         stage = stage_of(ref) if isinstance(ref, fx.GraphModule) else type(ref).__name__
         raise QuantreeError(
-            f"export_onnx needs the reference graph qt.convert returns (or qt.quantize with the "
-            f"default backend), got a {stage} model; a model lowered to a backend holds that "
-            "backend's kernels, which ONNX cannot express"
+            f"export_onnx needs the reference graph qt.convert returns (or a model qt.quantize "
+            f"or qt.lower returned), got a {stage} model"
         )
     if not isinstance(example_args, tuple):
         raise QuantreeError(
