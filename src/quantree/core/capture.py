@@ -17,6 +17,7 @@ from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.core.input_trees import batch_spec, register_dataclasses
 from quantree.core.keyword_inputs import named_keywords, respelled_shapes
 from quantree.core.shape_guards import explain_shape_guards
+from quantree.core.train_mode import warn_train_mode
 
 
 def capture(
@@ -59,6 +60,8 @@ def capture(
             "pass torch.export.load(path).module()"
         )
     was_training = model.training
+    if not isinstance(model, fx.GraphModule):  # a saved program's module has no train mode
+        warn_train_mode(model, stacklevel=4)
     _set_training(model, False)
     try:
         with warnings.catch_warnings():

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from quantree.core.errors import QuantreeError
+from quantree.core.layout import CHANNEL_NOTE, layout_fix
 
 GUARDS = "_guards_fn"
 _EXPLAINED = "_quantree_explained"
@@ -48,7 +49,10 @@ def explain_shape_guards(module: M) -> M:
     )
     if call is None:
         return module
-    inputs = [(a.name, _captured(a)) for a in call.args if isinstance(a, fx.Node)]
+    names = _argument_names(module)
+    inputs = [
+        (names.get(a.name, a.name), _captured(a)) for a in call.args if isinstance(a, fx.Node)
+    ]
     check = guard.forward
 
     def forward(*args: Any) -> Any:
@@ -118,6 +122,27 @@ def _reads_only_sizes(check: Any) -> bool:
     return bool(code.co_names) and set(code.co_names) <= allowed and not code.co_freevars
 
 
+BATCH_DIM = "torch.export.Dim('batch')"
+
+
+def _argument_names(module: fx.GraphModule) -> dict[str, str]:
+    """Placeholder name -> the ``forward`` parameter it is, where each parameter is one tensor.
+
+    ``dynamic_shapes`` is keyed by the parameter's name (``input``), which the placeholder's
+    may not be (``input_1``); nested inputs keep the placeholder's.
+    """
+    info = getattr(module.graph._codegen, "pytree_info", None)
+    spec = getattr(info, "in_spec", None)
+    orig = [str(a) for a in getattr(info, "orig_args", None) or []]
+    placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+    if spec is None or spec.num_children != 2 or len(placeholders) != len(orig):
+        return {}
+    args, kwargs = spec.children()
+    if kwargs.num_children or any(not c.is_leaf() for c in args.children()):
+        return {}
+    return dict(zip(placeholders, orig, strict=True))
+
+
 def _captured(node: fx.Node) -> Shape | None:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
@@ -138,6 +163,9 @@ def shape_message(
         if captured is None or not isinstance(arg, torch.Tensor):
             continue
         got = tuple(arg.shape)
+        permuted = layout_fix(f"input '{name}'", got, captured, code=name)
+        if permuted is not None:
+            return f"{permuted} ({guard})"
         if len(got) != len(captured):
             parts.append(
                 f"input '{name}' has {len(got)} dimensions {_text(got)}, captured with "
@@ -152,8 +180,12 @@ def shape_message(
                 f"input '{name}' has shape {_text(got)}, captured with {_text(captured)}: "
                 f"dimension {', '.join(map(str, fixed))} was fixed at capture"
             )
+            # Dim.AUTO where a length may have a lower bound (a conv needs its kernel's size);
+            # the dimensions that vary already are named too: dynamic_shapes replaces them
+            free = sorted({*fixed, *(d for d, c in enumerate(captured) if c is None)})
             dims = ", ".join(
-                f"{d}: torch.export.Dim({'batch' if d == 0 else f'{name}_{d}'!r})" for d in fixed
+                f"{d}: {BATCH_DIM if d == 0 and d in fixed else 'torch.export.Dim.AUTO'}"
+                for d in free
             )
             fixes.append(f"{name!r}: {{{dims}}}")
     what = "; ".join(parts) or "an input's shape is not one the model was captured for"
@@ -167,4 +199,5 @@ def shape_message(
         f"qt.quantize(model, example_args, data, {fix}) (qt.capture takes the same); for a "
         "saved .pt2, quantize the float model again with it. Models with LSTM/GRU/RNN "
         "layers keep their captured shapes unless given dynamic_shapes"
+        + (CHANNEL_NOTE if any(not f.endswith(f"{{0: {BATCH_DIM}}}") for f in fixes) else "")
     )
