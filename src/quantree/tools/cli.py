@@ -1,4 +1,6 @@
-"""The ``quantree`` command line: demo, quantize a saved program, inspect one.
+"""The ``quantree`` command line: demo, quantize, inspect, compare, report.
+
+The arguments are defined in ``quantree_cli``, which parses them before torch is imported.
 
 Errors a user can fix (a missing, truncated or wrong-type file, an unavailable option) print
 one line on stderr and exit with status 2; a quantization error (quantree's own error type)
@@ -36,6 +38,7 @@ from quantree.tools.files import (
     load_program,
     save_program,
 )
+from quantree.tools.model_source import fixed_batch_note, is_factory, load_factory
 
 EXIT_QUANTIZE_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -47,58 +50,10 @@ class UsageError(BadFile):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="quantree", description="Graph-mode post-training static quantization for PyTorch."
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
+    """The arguments, defined where parsing needs no torch (``quantree_cli``)."""
+    from quantree_cli import parser
 
-    demo = commands.add_parser("demo", help="quantize the bundled char-level LSTM and report")
-    demo.add_argument("--calibration-batches", type=int, default=50)
-    demo.add_argument(
-        "--eval-chars", type=int, default=100_000, help="validation characters for bits/char"
-    )
-    demo.add_argument("--report", default="quantree-report/report.html", help="HTML report path")
-    demo.add_argument("--all", action="store_true", help="also the cells-mode and a16w8 recipes")
-
-    quantize = commands.add_parser("quantize", help="quantize a program saved by torch.export")
-    quantize.add_argument("model", help="MODEL.pt2 written by torch.export.save")
-    quantize.add_argument(
-        "--calibration", required=True, help="DATA.pt: torch.save'd list of argument tuples"
-    )
-    quantize.add_argument("-o", "--output", required=True, help="where to write OUT.pt2")
-    quantize.add_argument(
-        "--backend",
-        choices=("reference", "cpu"),
-        default="reference",
-        help="reference: quantize/dequantize graph (default); cpu: native int8 kernels "
-        "(to load the output elsewhere, import quantree first)",
-    )
-    quantize.add_argument(
-        "--static-batch",
-        action="store_true",
-        help="save OUT.pt2 with every dimension fixed to the first calibration batch's "
-        "(default: the first dimension stays dynamic where MODEL.pt2 allows it)",
-    )
-    quantize.add_argument(
-        "--recurrent",
-        choices=("whole", "cells"),
-        default="whole",
-        help="whole: LSTM/GRU/RNN quantized at their boundary (default); cells: every gate "
-        "and the cell state a quantization point",
-    )
-    quantize.add_argument(
-        "--format",
-        choices=("pt2", "onnx"),
-        default="pt2",
-        help="pt2: a torch.export archive (default); onnx: QDQ ONNX of the reference graph "
-        "(needs the [onnx] extra)",
-    )
-    quantize.add_argument("--report", help="also write an HTML report of per-tensor SQNR")
-    quantize.add_argument("--quiet", action="store_true", help="no progress bar")
-
-    inspect = commands.add_parser("inspect", help="show what a quantized .pt2 quantizes and how")
-    inspect.add_argument("model", help="a .pt2 program (e.g. written by quantree quantize)")
-    return parser
+    return parser()
 
 
 def _quantizer(recurrent: str) -> Any:
@@ -190,6 +145,24 @@ def _process_group() -> Any:
         dist.destroy_process_group()
 
 
+def _model(args: argparse.Namespace, data: list[tuple[Any, ...]]) -> fx.GraphModule:
+    """The graph to quantize: a saved program's, or a factory's model captured as
+    ``qt.quantize`` captures it (first dimension dynamic unless ``--static-batch``)."""
+    if is_factory(args.model):
+        from quantree.capturing import capture
+
+        model, example = load_factory(args.model)
+        module = capture(model, example, dynamic_batch=not args.static_batch)
+    else:
+        program = load_program(args.model)
+        note = None if args.static_batch else fixed_batch_note(program, args.model)
+        if note is not None:
+            warnings.warn(note, QuantreeWarning, stacklevel=2)
+        module = program.module()
+    _check_fits(module, data[0], args.calibration)
+    return module
+
+
 def quantize_command(args: argparse.Namespace) -> int:
     from quantree.core.convert import convert
     from quantree.core.lower import lower
@@ -204,16 +177,14 @@ def quantize_command(args: argparse.Namespace) -> int:
                 f"path, e.g. --report {Path(args.output).with_suffix('.html')}"
             )
         check_output(args.report, inputs)  # a report may go to a new directory, as the demo's
-    program = load_program(args.model)
     data = load_calibration(args.calibration)
     quantizer = _quantizer(args.recurrent)
     backend = _backend(args.backend)
     if args.format == "onnx" and args.backend != "reference":
         raise UsageError("--format onnx writes the reference graph; drop --backend cpu")
-    module = program.module()
-    _check_fits(module, data[0], args.calibration)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        module = _model(args, data)
         with _process_group():
             prepared = prepare(module, quantizer)
             _calibrate(prepared, data, args)
@@ -305,8 +276,20 @@ def demo_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(None if argv is None else list(argv))
-    command = {"demo": demo_command, "quantize": quantize_command, "inspect": inspect_command}
+    return run(_parser().parse_args(None if argv is None else list(argv)))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; errors a user can fix are one line on stderr."""
+    from quantree.tools.cli_compare import compare_command, report_command
+
+    command = {
+        "demo": demo_command,
+        "quantize": quantize_command,
+        "inspect": inspect_command,
+        "compare": compare_command,
+        "report": report_command,
+    }
     try:
         return command[args.command](args)
     except BadFile as error:
