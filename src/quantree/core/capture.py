@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_map
 
 from quantree.core.data_dependent import export_on_example_values
 from quantree.core.errors import QuantreeError, QuantreeWarning
+from quantree.core.frozen import parameters_without_grad
 from quantree.core.input_trees import batch_spec, register_dataclasses
 from quantree.core.keyword_inputs import named_keywords, respelled_shapes
 from quantree.core.shape_guards import explain_shape_guards
@@ -70,7 +71,8 @@ def capture(
             register_dataclasses(example_args, dict(example_kwargs or {}))
             example_args, kwargs = unaliased(example_args, dict(example_kwargs or {}))
             try:
-                program = _export(model, example_args, kwargs, dynamic_shapes, dynamic_batch)
+                with parameters_without_grad(model):
+                    program = _export(model, example_args, kwargs, dynamic_shapes, dynamic_batch)
             except GuardOnDataDependentSymNode as refused:  # Python read a tensor's value
                 program = export_on_example_values(
                     model, example_args, kwargs, dynamic_shapes, refused
