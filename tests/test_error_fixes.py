@@ -12,7 +12,13 @@ Messages covered here (others: tests/tools/test_error_messages.py, tests/test_de
 - (input, target) pairs as calibration items: ``[(x,) for x, _ in loader]``
 - a python constant passed as a tensor: pass the captured value
 - a model in train mode: one warning; ``model.eval()`` silences it, same model
-- a batch at the captured size of the permuted dimension: no permutation is suggested
+- a wrong channel count: no permutation is suggested, the channel note is
+- example_args not a tuple: ``(x,)``
+- an ExportedProgram given to capture: ``torch.export.load(path).module()``
+- a quantizer by name: ``quantree.Int8Quantizer()``
+- convert before calibration: ``quantree.calibrate``
+- lower before convert: calibrate and convert
+- tensors calibration never reached: ``unobserved=quantree.Unobserved.FLOAT``
 """
 
 from __future__ import annotations
@@ -203,3 +209,77 @@ def test_a_wrong_channel_count_is_not_told_to_permute() -> None:
         qt.quantize(_conv(), EXAMPLE, narrow, progress=False, backend="reference")
     message = str(raised.value)
     assert "permute" not in message and "cannot be made dynamic" in message
+
+
+def _linear() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 4), nn.ReLU()).eval()
+
+
+LINEAR_DATA = batches((3, 6), n=3)
+
+
+def test_example_args_not_a_tuple_are_told_to_write_a_tuple() -> None:
+    (x,) = LINEAR_DATA[0]
+    with pytest.raises(qt.QuantreeError, match=r"write \(x,\) for a single input"):
+        qt.capture(_linear(), x)  # type: ignore[arg-type]
+    qt.capture(_linear(), (x,))
+
+
+def test_an_exported_program_is_told_to_pass_its_module() -> None:
+    program = torch.export.export(_linear(), LINEAR_DATA[0])
+    with pytest.raises(qt.QuantreeError, match=r"pass torch\.export\.load\(path\)\.module\(\)"):
+        qt.capture(program, LINEAR_DATA[0])  # type: ignore[arg-type]
+    qt.capture(program.module(), LINEAR_DATA[0])
+
+
+def test_a_quantizer_by_name_is_told_the_type_to_pass() -> None:
+    with pytest.raises(qt.QuantreeError, match=r"e\.g\. quantree\.Int8Quantizer\(\)"):
+        qt.quantize(_linear(), LINEAR_DATA[0], LINEAR_DATA, quantizer="int8")  # type: ignore[arg-type]
+    qt.quantize(
+        _linear(), LINEAR_DATA[0], LINEAR_DATA, quantizer=qt.Int8Quantizer(), progress=False
+    )
+
+
+def test_convert_before_calibration_is_told_to_calibrate() -> None:
+    prepared = qt.prepare(qt.capture(_linear(), LINEAR_DATA[0]), qt.Int8Quantizer())
+    with pytest.raises(qt.QuantreeError, match=r"or use quantree\.calibrate\) before"):
+        qt.convert(prepared)
+    qt.calibrate(prepared, LINEAR_DATA, progress=False)
+    qt.convert(prepared)
+
+
+def test_lower_of_a_prepared_model_is_told_to_calibrate_and_convert() -> None:
+    prepared = qt.prepare(qt.capture(_linear(), LINEAR_DATA[0]), qt.Int8Quantizer())
+    with pytest.raises(qt.QuantreeError, match="calibrate and convert it first"):
+        qt.lower(prepared, "cpu")
+    qt.calibrate(prepared, LINEAR_DATA, progress=False)
+    qt.lower(qt.convert(prepared), "cpu")
+
+
+class WithMemory(nn.Module):
+    """A memory that is empty in every calibration batch: its linear is never observed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.x = nn.Linear(6, 4)
+        self.memory = nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return self.x(x) + self.memory(memory).sum(1)
+
+
+def test_tensors_never_observed_are_told_to_stay_float_and_that_works() -> None:
+    data = [(x, torch.zeros(3, 0, 5)) for (x,) in LINEAR_DATA]
+    with pytest.raises(qt.QuantreeError, match=r"unobserved=quantree\.Unobserved\.FLOAT") as e:
+        qt.quantize(WithMemory().eval(), data[0], data, progress=False, backend="reference")
+    assert "never observed" in str(e.value)
+    with pytest.warns(qt.QuantreeWarning):
+        ref = qt.quantize(
+            WithMemory().eval(), data[0], data, progress=False, backend="reference",
+            unobserved=qt.Unobserved.FLOAT,
+        )  # fmt: skip
+    x, memory = data[1][0], torch.zeros(3, 0, 5)
+    with torch.no_grad():
+        assert qt.sqnr(WithMemory().eval()(x, memory), ref(x, memory)) > 25.0

@@ -36,6 +36,8 @@ def capture(
     ``GRU``/``RNN`` modules: export pins their sequence length and packed sequences need
     the example's sizes; give those ``dynamic_shapes`` to make a dimension vary.
     """
+    if not isinstance(model, torch.nn.Module):  # the core's capture says what to pass
+        return core.capture(model, example_args, example_kwargs)
     recurrent = any(isinstance(m, torch.nn.RNNBase) for m in model.modules())
     return _capture(
         model, example_args, example_kwargs, dynamic_shapes, dynamic_batch and not recurrent

@@ -75,7 +75,10 @@ def check_calibrated(gm: fx.GraphModule, groups: dict[int, Group]) -> None:
     missing = [g for g in groups.values() if g.observer is not None and not _observer(gm, g)[0]]
     if not missing:
         return
-    if len(missing) == sum(g.observer is not None for g in groups.values()):
+    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    activations = [g for g in groups.values() if g.observer is not None and g.observer in called]
+    # observers of constants (weights) are calibrated at prepare and have no call node
+    if all(g in missing for g in activations):
         raise QuantreeError(
             f"{missing[0].label} was never observed: convert needs calibration first. Run the "
             "prepared model on representative inputs (or use quantree.calibrate) before "
