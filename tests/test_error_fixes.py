@@ -150,9 +150,9 @@ class Scaled(nn.Module):
 def test_a_constant_given_as_a_tensor_is_told_the_value_and_that_works() -> None:
     data = [(x, torch.tensor(2.0)) for (x,) in batches((3, 6), n=3)]
     with pytest.raises(qt.QuantreeError, match=r"pass 2\.0 there"):
-        qt.quantize(Scaled().eval(), (data[0][0], 2.0), data, progress=False, backend=None)
+        qt.quantize(Scaled().eval(), (data[0][0], 2.0), data, progress=False, backend="reference")
     fixed = [(x, 2.0) for x, _ in data]
-    qt.quantize(Scaled().eval(), (data[0][0], 2.0), fixed, progress=False, backend=None)
+    qt.quantize(Scaled().eval(), (data[0][0], 2.0), fixed, progress=False, backend="reference")
 
 
 class Regularised(nn.Module):

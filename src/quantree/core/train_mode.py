@@ -17,12 +17,14 @@ from torch import nn
 
 from quantree.core.errors import QuantreeWarning
 
-_TRAIN_DEPENDENT = (
-    nn.modules.batchnorm._BatchNorm,
-    nn.modules.dropout._DropoutNd,
-    nn.modules.instancenorm._InstanceNorm,
-)
+_TRAIN_DEPENDENT = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
 """Module types whose forward reads ``self.training``."""
+
+
+def _acts_differently(module: nn.Module) -> bool:
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return module.track_running_stats  # otherwise the same statistics in both modes
+    return isinstance(module, _TRAIN_DEPENDENT)
 
 
 def warn_train_mode(model: torch.nn.Module, stacklevel: int) -> None:
@@ -36,7 +38,7 @@ def warn_train_mode(model: torch.nn.Module, stacklevel: int) -> None:
     named = [
         f"{name} ({type(module).__name__})"
         for name, module in model.named_modules()
-        if isinstance(module, _TRAIN_DEPENDENT) and module.training
+        if _acts_differently(module) and module.training
     ]
     if not named:
         return
