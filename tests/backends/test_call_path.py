@@ -13,7 +13,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.direct import DirectCall
+from quantree.backends.cpu.native.direct import DirectCall
 from quantree.core.shape_guards import PassedShapes, ShapeGuardFailed, _reads_only_sizes
 
 from support import batches

@@ -286,7 +286,7 @@ def _write_report(
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    from quantree.backends.cpu.serialize import fold_saved_recipes
+    from quantree.backends.cpu.saved.serialize import fold_saved_recipes
     from quantree.tools.inspection import summary
 
     program = load_program(args.model)

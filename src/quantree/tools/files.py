@@ -28,9 +28,7 @@ from typing import Any
 
 import torch
 
-from quantree.core.calibrate import as_args
-from quantree.core.errors import QuantreeError
-from quantree.tools.archive import (
+from quantree.backends.cpu.saved.archive import (
     NEVER_UNPICKLED,
     BadFile,
     check_archive,
@@ -39,6 +37,8 @@ from quantree.tools.archive import (
     no_protocol_warning,
     weights_only_everywhere,
 )
+from quantree.core.calibrate import as_args
+from quantree.core.errors import QuantreeError
 
 
 def _existing(path: str | Path, what: str) -> Path:
@@ -178,7 +178,7 @@ def save_program(
     """Export ``module`` with ``example_args`` and write it as ``quantree.backends.save``
     does (compacted, graph description deflated); the first dimensions stay dynamic where
     the module allows it."""
-    from quantree.backends.cpu.serialize import saved_program, write_program
+    from quantree.backends.cpu.saved.serialize import saved_program, write_program
 
     try:
         program = saved_program(module, tuple(example_args), dynamic_batch)
