@@ -17,8 +17,8 @@ import torch.fx as fx
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
 from quantree.backends.cpu.ops.conv_transpose import CHUNK, packed_transposed_weight
 from quantree.backends.cpu.ops.wide import LO_ZERO_POINT
-from quantree.backends.cpu.rules.linear import _chain, _ints
-from quantree.backends.cpu.rules.wide import WideInput, _wide_input
+from quantree.backends.cpu.rules.linear import int_list, replaced_chain
+from quantree.backends.cpu.rules.wide import WideInput, wide_input
 from quantree.backends.patterns import activation, constant, float_constant, output, replace
 from quantree.core.graphs import fetch_attr
 from quantree.core.lower import LoweringContext
@@ -88,13 +88,13 @@ def lower_conv_transpose(ctx: LoweringContext, node: fx.Node) -> bool:
     geometry = (
         out_channels,
         [int(k) for k in values.shape[2:]],
-        _ints(a[3], dims, 1),
-        _ints(a[4], dims, 0),
-        _ints(a[5], dims, 0),
-        _ints(a[7], dims, 1),
+        int_list(a[3], dims, 1),
+        int_list(a[4], dims, 0),
+        int_list(a[5], dims, 0),
+        int_list(a[7], dims, 1),
         groups,
     )
-    wide = _wide_input(ctx, a[0])
+    wide = wide_input(ctx, a[0])
     if wide is not None:
         return _lower_wide(ctx, node, a[2], values, w_scale, wide, geometry)
     x, out = activation(ctx, a[0]), output(ctx, node)
@@ -118,7 +118,7 @@ def lower_conv_transpose(ctx: LoweringContext, node: fx.Node) -> bool:
             quantree_ops.conv_transpose.default,
             (x.node, *args, *geometry, out.scale, out.zero_point, out.relu),
         )
-    replace(ctx, out.replaces, new, _chain(node, out))
+    replace(ctx, out.replaces, new, replaced_chain(node, out))
     return True
 
 

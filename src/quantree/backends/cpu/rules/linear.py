@@ -107,7 +107,7 @@ def lowered_constants(
     ]
 
 
-def _chain(node: fx.Node, out: Output) -> list[fx.Node]:
+def replaced_chain(node: fx.Node, out: Output) -> list[fx.Node]:
     chain = [out.replaces]
     if out.relu:
         chain.append(next(iter(node.users)))
@@ -133,7 +133,7 @@ def lower_linear(ctx: LoweringContext, node: fx.Node) -> bool:
             quantree_ops.linear.default,
             (x.node, *args, w.values.shape[0], out.scale, out.zero_point, out.relu),
         )
-    replace(ctx, out.replaces, new, _chain(node, out))
+    replace(ctx, out.replaces, new, replaced_chain(node, out))
     return True
 
 
@@ -146,7 +146,7 @@ CONVOLUTIONS = {
 """The convolutions lowered, by number of spatial dimensions."""
 
 
-def _ints(v: object, dims: int, default: int) -> list[int]:
+def int_list(v: object, dims: int, default: int) -> list[int]:
     """A stride/dilation/padding argument as ``dims`` ints (an int or a 1-list broadcasts)."""
     if v is None:
         return [default] * dims
@@ -162,7 +162,7 @@ def _padding(v: object, kernel: list[int], dilation: list[int]) -> list[int] | N
     if v == "valid":
         return [0] * len(kernel)
     if v != "same":
-        return None if isinstance(v, str) else _ints(v, len(kernel), 0)
+        return None if isinstance(v, str) else int_list(v, len(kernel), 0)
     total = [d * (k - 1) for k, d in zip(kernel, dilation, strict=True)]
     begin = [t // 2 for t in total]
     end = [t - b for t, b in zip(total, begin, strict=True)]
@@ -209,11 +209,11 @@ def conv_geometry(
     ):
         return None
     kernel = [int(k) for k in values.shape[2:]]
-    dilation = _ints(args[5], dims, 1)
+    dilation = int_list(args[5], dims, 1)
     padding = _padding(args[4], kernel, dilation)
     if padding is None:
         return None
-    return int(out_channels), kernel, _ints(args[3], dims, 1), padding, dilation, groups
+    return int(out_channels), kernel, int_list(args[3], dims, 1), padding, dilation, groups
 
 
 def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
@@ -249,5 +249,5 @@ def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
             target.default,
             (x.node, *args, *shape, x.zero_point, out.scale, out.zero_point, out.relu, groups),
         )
-    replace(ctx, out.replaces, new, _chain(node, out))
+    replace(ctx, out.replaces, new, replaced_chain(node, out))
     return True

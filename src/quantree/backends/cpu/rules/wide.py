@@ -37,7 +37,7 @@ quantree_ops = torch.ops.quantree
 WideInput = tuple[fx.Node, fx.Node, float, int, int]
 
 
-def _wide_input(ctx: LoweringContext, arg: object) -> WideInput | None:
+def wide_input(ctx: LoweringContext, arg: object) -> WideInput | None:
     """(dequantize, float input, scale, quant_min, quant_max) of a symmetric int16 input."""
     dq = ctx.dequantized(arg)
     if dq is None or dq.is_constant or dq.source.target != QUANTIZE_PER_TENSOR:
@@ -56,7 +56,7 @@ def lower_wide(ctx: LoweringContext, node: fx.Node) -> bool:
     dims = 0 if node.target == aten.linear.default else CONVOLUTIONS.get(node.target)  # type: ignore[call-overload]
     if dims is None:
         return False
-    wide = _wide_input(ctx, node.args[0])
+    wide = wide_input(ctx, node.args[0])
     w = weight(ctx, node.args[1])
     if wide is None or w is None or w.values.dim() != dims + 2:
         return False

@@ -6,8 +6,8 @@ packed int8 tensors; running it needs only torch and ``import quantree.backends`
 registers ``torch.ops.quantree.*``), none of quantree's passes. Constants that differ per call
 site only by the call site's input grid are saved as the op deriving them from shared tensors
 (``derived.py``); ``load`` computes each once. ``load`` reads through
-``quantree.tools.files.load_program``, which refuses any archive that would make torch
-unpickle something or run code (a :class:`~quantree.tools.files.BadFile`).
+``reader.load_program``, which refuses any archive that would make torch unpickle something
+or run code (a :class:`~quantree.backends.cpu.saved.archive.BadFile`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import torch
 
 from quantree.backends.cpu.native.direct import call_directly
 from quantree.backends.cpu.native.program_checks import check_graph
+from quantree.backends.cpu.saved.archive import BadFile
 from quantree.backends.cpu.saved.compact import drop_provenance, one_name_per_tensor
 from quantree.backends.cpu.saved.deflate import deflate_descriptions
 from quantree.backends.cpu.saved.derived import fold_recipes
 from quantree.backends.cpu.saved.derived_export import as_recipes
 from quantree.backends.cpu.saved.pooled import pool_small_tensors
+from quantree.backends.cpu.saved.reader import load_program  # the one safe way to read a .pt2
 from quantree.core.capture import export_batch_dynamic
 from quantree.core.errors import QuantreeError
 from quantree.core.fast_attributes import read_buffers_directly
@@ -78,8 +80,6 @@ def load(path: str | Path) -> torch.nn.Module:
 
     Raises ``BadFile`` for a file that is missing, broken or would run code when loaded.
     """
-    from quantree.tools.files import load_program  # the one safe way to read a .pt2
-
     module = load_program(path).module()
     if not isinstance(module, torch.fx.GraphModule):
         return module
@@ -90,8 +90,6 @@ def load(path: str | Path) -> torch.nn.Module:
 def fold_saved_recipes(module: torch.fx.GraphModule, path: str | Path) -> None:
     """Compute each derived constant of a loaded ``module`` once, as lowering did
     (``derived.py``); a recipe that does not fit is a ``BadFile`` naming ``path``."""
-    from quantree.tools.files import BadFile
-
     try:
         fold_recipes(module)
         check_graph(module)  # program and cell-loop tables: refused here, not at a call
