@@ -66,7 +66,8 @@ NAMES = [PREFIX] + [PREFIX + suffix for suffix in build_native_module().PREBUILT
 
 setup(
     ext_modules=[
-        Extension(f"quantree.backends.cpu.native.{name}", sources=[], optional=True) for name in NAMES
+        Extension(f"quantree.backends.cpu.native.{name}", sources=[], optional=True)
+        for name in NAMES
     ],
     cmdclass={"build_ext": BuildKernels},
 )

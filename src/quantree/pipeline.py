@@ -9,16 +9,16 @@ import torch
 import torch.fx as fx
 
 import quantree.core.lower as core_lower
-from quantree.capturing import capture
 from quantree.core.calibrate import calibrate, check_calibration_data
 from quantree.core.convert import Unobserved, convert
-from quantree.core.distributed import in_process_group
 from quantree.core.errors import QuantreeError
 from quantree.core.lower import REFERENCE, Backend
+from quantree.core.observing.distributed import in_process_group
 from quantree.core.prepare import prepare
-from quantree.core.pt2e import is_pt2e_quantizer
 from quantree.core.quantizer import Quantizer
-from quantree.recipes import Int8Quantizer
+from quantree.recipes.int8 import Int8Quantizer
+from quantree.recipes.pt2e import is_pt2e_quantizer
+from quantree.recurrent.capture import capture
 
 BACKEND_NAMES = ("reference", "cpu")
 

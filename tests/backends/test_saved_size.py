@@ -22,7 +22,7 @@ from quantree.backends.cpu.saved.derived import RECIPE_KEY, RECIPE_OPS
 from quantree.backends.cpu.saved.narrowed import narrowed
 from quantree.backends.cpu.saved.serialize import saved_program
 from quantree.core.errors import QuantreeError
-from quantree.core.qparams import half_exact
+from quantree.core.observing.qparams import half_exact
 
 
 class Seq2SeqLike(nn.Module):

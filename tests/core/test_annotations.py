@@ -7,7 +7,7 @@ import io
 
 import torch
 
-from quantree.core.annotations import annotate, carry, notes
+from quantree.backends.cpu.saved.notes import annotate, carry, notes
 
 
 def test_notes_are_kept_beside_the_tensor_not_on_it() -> None:

@@ -12,11 +12,11 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_map
 
-from quantree.core.data_dependent import export_on_example_values
+from quantree.core.capturing.data_dependent import export_on_example_values
+from quantree.core.capturing.input_trees import batch_spec, register_dataclasses
+from quantree.core.capturing.keyword_inputs import named_keywords, respelled_shapes
+from quantree.core.capturing.shape_guards import explain_shape_guards
 from quantree.core.errors import QuantreeError, QuantreeWarning
-from quantree.core.input_trees import batch_spec, register_dataclasses
-from quantree.core.keyword_inputs import named_keywords, respelled_shapes
-from quantree.core.shape_guards import explain_shape_guards
 
 
 def capture(

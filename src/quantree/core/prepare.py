@@ -17,17 +17,17 @@ import torch.fx as fx
 
 from quantree.core.annotate import annotate, warn_float_ops
 from quantree.core.errors import QuantreeError, QuantreeWarning
-from quantree.core.fold import written_to
 from quantree.core.graphs import fetch_attr, nested_graphs
-from quantree.core.groups import form_groups
-from quantree.core.normalize import normalize
-from quantree.core.observers import NonFiniteValues, Observer, make_observer
-from quantree.core.pt2e import bind_quantizer
+from quantree.core.grouping.groups import form_groups
+from quantree.core.grouping.sharing import Group
+from quantree.core.normalizing.fold import written_to
+from quantree.core.normalizing.normalize import normalize
+from quantree.core.observing.observers import NonFiniteValues, Observer, make_observer
 from quantree.core.quantizer import Annotation, Quantizer, idle_scopes
-from quantree.core.sharing import Group
 from quantree.core.specs import QuantSpec
 from quantree.core.stages import GROUPS_KEY, NODE_KEY, OBSERVER_KEY, PREPARED, STAGE_KEY, NodeQuant
 from quantree.core.values import Key, Path, Value, value_carriers, value_of
+from quantree.recipes.pt2e import bind_quantizer
 
 # Ops whose ``training`` argument (at this position) makes them compute batch statistics.
 _TRAINING_ARG = {
@@ -41,7 +41,7 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
     """A copy of ``gm`` with observers, ready to calibrate; ``gm`` itself is not changed.
 
     ``quantizer`` is a quantree ``Quantizer`` or a pt2e one (torchao's ``Quantizer``: its
-    annotations are translated, see ``quantree.core.pt2e``).
+    annotations are translated, see ``quantree.recipes.pt2e``).
 
     Nodes whose annotation carries a ``decompose`` hook are replaced first (cells mode's
     loops); every graph nested in the modules that adds is then observed like the main one.

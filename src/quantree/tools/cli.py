@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from quantree.core.calibrate import BadBatch, as_call, calibrate, check_batch
-from quantree.core.distributed import RankFailed, in_process_group
 from quantree.core.errors import QuantreeError, QuantreeWarning
-from quantree.recipes import Int8Quantizer, RecurrentMode
+from quantree.core.observing.distributed import RankFailed, in_process_group
+from quantree.recipes.int8 import Int8Quantizer, RecurrentMode
 from quantree.tools.files import (
     BadFile,
     check_output,

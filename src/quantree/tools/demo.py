@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
 from quantree.core.convert import convert
 from quantree.core.lower import REFERENCE, Backend, lower
 from quantree.core.prepare import prepare
 from quantree.core.quantizer import Quantizer
 from quantree.core.specs import QDtype
-from quantree.recipes import A16W8Quantizer, Int8Quantizer, RecurrentMode
+from quantree.recipes.int8 import A16W8Quantizer, Int8Quantizer, RecurrentMode
+from quantree.recurrent.capture import capture
 from quantree.tools.compare import Comparison, compare
 from quantree.tools.inspection import summary
 from quantree.tools.measure import latencies_ms, model_bytes, torch_threads

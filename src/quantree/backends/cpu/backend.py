@@ -20,6 +20,8 @@ import torch.fx as fx
 from quantree.backends.cpu.cells.layer import NativeRecurrentCells
 from quantree.backends.cpu.cells.program import NativeCellLoop, compile_body
 from quantree.backends.cpu.native.direct import call_directly
+from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
+from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
 from quantree.backends.cpu.native.loader import library
 from quantree.backends.cpu.passes.casts import drop_identity_casts
 from quantree.backends.cpu.passes.float_report import warn_float_ops
@@ -27,6 +29,7 @@ from quantree.backends.cpu.passes.fold import fold_input_independent
 from quantree.backends.cpu.passes.packed_qkv import split_packed_qkv
 from quantree.backends.cpu.passes.regions import fuse_regions
 from quantree.backends.cpu.passes.rms_norm import recognise_rms_norm
+from quantree.backends.cpu.passes.shared_constants import share_identical
 from quantree.backends.cpu.passes.simulated import simulated_ops, warn_simulated
 from quantree.backends.cpu.rules.avg_pool import lower_avg_pool
 from quantree.backends.cpu.rules.batch_norm import lower_batch_norm
@@ -55,10 +58,7 @@ from quantree.backends.cpu.rules.recurrent import recurrent_rule
 from quantree.backends.cpu.rules.recurrent_cell import lower_cell
 from quantree.backends.cpu.rules.views import lower_view_chain
 from quantree.backends.cpu.rules.wide import lower_wide
-from quantree.core.constants import share_identical
 from quantree.core.errors import QuantreeWarning
-from quantree.core.fast_attributes import read_buffers_directly
-from quantree.core.flat_inputs import bind_flat_inputs
 from quantree.core.graphs import nested_graphs, replace_submodule
 from quantree.core.lower import Backend, LoweringRule, lower
 from quantree.core.stages import GROUPS_KEY

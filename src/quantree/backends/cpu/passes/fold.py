@@ -21,8 +21,8 @@ import torch.fx as fx
 from torch._ops import OpOverload
 from torch.utils import _pytree as pytree
 
-from quantree.core.fold import known_values, run_on
 from quantree.core.graphs import attr_at, register_constant
+from quantree.core.normalizing.fold import known_values, run_on
 
 aten = torch.ops.aten
 

@@ -33,8 +33,8 @@ from torch import Tensor
 
 from quantree.backends.cpu.native.packing import pack, row_sums
 from quantree.backends.cpu.saved.derived_ops import RECIPE_OPS
+from quantree.backends.cpu.saved.notes import annotate, notes
 from quantree.backends.patterns import constant
-from quantree.core.annotations import annotate, notes
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import fetch_attr
 from quantree.core.lower import LoweringContext

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from quantree.backends.cpu.native.direct import call_directly
+from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
+from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
 from quantree.backends.cpu.native.program_checks import check_graph
 from quantree.backends.cpu.saved.archive import BadFile
 from quantree.backends.cpu.saved.compact import drop_provenance, one_name_per_tensor
@@ -28,10 +30,8 @@ from quantree.backends.cpu.saved.derived_export import as_recipes
 from quantree.backends.cpu.saved.pooled import pool_small_tensors
 from quantree.backends.cpu.saved.reader import load_program  # the one safe way to read a .pt2
 from quantree.core.capture import export_batch_dynamic
+from quantree.core.capturing.shape_guards import explain_shape_guards
 from quantree.core.errors import QuantreeError
-from quantree.core.fast_attributes import read_buffers_directly
-from quantree.core.flat_inputs import bind_flat_inputs
-from quantree.core.shape_guards import explain_shape_guards
 from quantree.recurrent.packed import as_capture_ops, restore_aten
 
 

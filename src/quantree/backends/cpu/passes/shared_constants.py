@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.fx as fx
 
-from quantree.core.annotations import carry
+from quantree.backends.cpu.saved.notes import carry
 from quantree.core.graphs import owner_of
 
 READ_ONLY_BUFFERS = "quantree_read_only_buffers"

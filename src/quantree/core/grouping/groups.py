@@ -12,9 +12,7 @@ import dataclasses
 import torch.fx as fx
 
 from quantree.core.errors import QuantreeError
-from quantree.core.qparams import per_channel_mismatch
-from quantree.core.quantizer import Annotation
-from quantree.core.sharing import (
+from quantree.core.grouping.sharing import (
     ConcreteSpec,
     Group,
     UnionFind,
@@ -22,6 +20,8 @@ from quantree.core.sharing import (
     may_merge,
     resolve_group_spec,
 )
+from quantree.core.observing.qparams import per_channel_mismatch
+from quantree.core.quantizer import Annotation
 from quantree.core.specs import SPEC_TYPES, DerivedSpec, QuantSpec, SharedSpec, Spec
 from quantree.core.values import (
     Key,

@@ -20,7 +20,7 @@ from quantree.core.points import Point
 from quantree.core.quantizer import Annotation, Rule
 from quantree.core.specs import FixedSpec, QDtype, QuantSpec, SharedSpec, Spec
 from quantree.core.values import Value, tensor_meta
-from quantree.core.weighted import weighted_annotation
+from quantree.recipes.weighted import weighted_annotation
 from quantree.recurrent.call import CELL_OPS, RECURRENT_OPS
 from quantree.recurrent.cell_graph import point_names
 from quantree.recurrent.decompose import CellsOptions

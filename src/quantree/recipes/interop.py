@@ -11,10 +11,10 @@ import torch
 
 from quantree.core.quantizer import Annotation, Quantizer, Rule
 from quantree.core.specs import QuantSpec, int8_activation, int8_weight
-from quantree.recipes import RecurrentMode
+from quantree.recipes.int8 import RecurrentMode
+from quantree.recipes.recurrent import cells_rules
 from quantree.recurrent.call import CELL_OPS, RECURRENT_OPS
 from quantree.recurrent.decompose import CellsOptions
-from quantree.recurrent.recipe import cells_rules
 from quantree.recurrent.whole import recurrent_cell_annotation, recurrent_whole_annotation
 
 

@@ -13,8 +13,8 @@ import torch
 import torch.fx as fx
 
 from quantree.core.errors import QuantreeError
-from quantree.core.qparams import at_scale_floor, fixed_qparams
-from quantree.core.sharing import Group
+from quantree.core.grouping.sharing import Group
+from quantree.core.observing.qparams import at_scale_floor, fixed_qparams
 from quantree.core.specs import Derivation, FixedSpec, QParams
 from quantree.core.stages import OBSERVER_KEY
 

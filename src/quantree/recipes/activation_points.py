@@ -21,13 +21,13 @@ import torch.fx as fx
 
 from quantree.core.quantizer import Annotation, Rule, Target
 from quantree.core.specs import QuantSpec
-from quantree.core.transposed import (
+from quantree.core.values import is_float_tensor, tensor_meta
+from quantree.recipes.transposed import (
     TRANSPOSED_CONVS,
     is_transposed_convolution,
     transposed_annotation,
 )
-from quantree.core.values import is_float_tensor, tensor_meta
-from quantree.core.weighted import weighted_annotation
+from quantree.recipes.weighted import weighted_annotation
 
 aten = torch.ops.aten
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from quantree.core.errors import QuantreeError
-from quantree.core.observers import Observer
+from quantree.core.observing.observers import Observer
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from quantree.core.errors import QuantreeError
-from quantree.core.qparams import qparams_from_range
+from quantree.core.observing.qparams import qparams_from_range
 from quantree.core.specs import ObserverKind, QParams, QuantSpec
 
 

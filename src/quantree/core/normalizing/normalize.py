@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from quantree.core.canonicalize import canonicalize
-from quantree.core.fold import fold_batch_norm, fold_constants, own_written_state
-from quantree.core.gelu_forms import gelu_forms
 from quantree.core.graphs import copy_graph_module
-from quantree.core.linear_forms import linear_forms
+from quantree.core.normalizing.canonicalize import canonicalize
+from quantree.core.normalizing.fold import fold_batch_norm, fold_constants, own_written_state
+from quantree.core.normalizing.gelu_forms import gelu_forms
+from quantree.core.normalizing.linear_forms import linear_forms
 
 
 def normalize(gm: fx.GraphModule) -> fx.GraphModule:

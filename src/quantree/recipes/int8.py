@@ -15,7 +15,6 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from quantree.activation_points import ActivationPoints, weighted_inputs_rules
 from quantree.core.errors import QuantreeError
 from quantree.core.quantizer import Annotation, Quantizer, Rule
 from quantree.core.specs import (
@@ -28,16 +27,17 @@ from quantree.core.specs import (
     int8_activation,
     int8_weight,
 )
-from quantree.core.transposed import (
+from quantree.core.values import Use, Value, is_float_tensor, tensor_meta
+from quantree.recipes.activation_points import ActivationPoints, weighted_inputs_rules
+from quantree.recipes.recurrent import cells_rules, fixed_sigmoid, fixed_tanh
+from quantree.recipes.transposed import (
     TRANSPOSED_CONVS,
     is_transposed_convolution,
     transposed_annotation,
 )
-from quantree.core.values import Use, Value, is_float_tensor, tensor_meta
-from quantree.core.weighted import weighted_annotation
+from quantree.recipes.weighted import weighted_annotation
 from quantree.recurrent.call import CELL_OPS, RECURRENT_OPS
 from quantree.recurrent.decompose import CellsOptions
-from quantree.recurrent.recipe import cells_rules, fixed_sigmoid, fixed_tanh
 from quantree.recurrent.split_layers import RELU_ONLY, SPLITTABLE, split_layers, splittable
 from quantree.recurrent.whole import recurrent_cell_annotation, recurrent_whole_annotation
 
