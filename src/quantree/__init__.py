@@ -29,7 +29,6 @@ from quantree.core.observing.observers import (
     Observer,
 )
 from quantree.core.points import Point
-from quantree.core.prepare import prepare
 from quantree.core.quantizer import Annotation, Quantizer, Rule
 from quantree.core.specs import (
     DerivedSpec,
@@ -43,7 +42,7 @@ from quantree.core.specs import (
 )
 from quantree.core.stages import NodeQuant
 from quantree.core.values import Use, Value
-from quantree.pipeline import lower, quantize
+from quantree.pipeline import lower, prepare, quantize
 from quantree.recipes.activation_points import ActivationPoints
 from quantree.recipes.int8 import A16W8Quantizer, Int8Quantizer, RecurrentMode
 from quantree.recipes.interop import recurrent_rules

@@ -133,18 +133,10 @@ def from_pt2e(pt2e: Any) -> Pt2eQuantizer:
     return pt2e if isinstance(pt2e, Pt2eQuantizer) else Pt2eQuantizer(pt2e)
 
 
-def bind_quantizer(gm: fx.GraphModule, quantizer: Any) -> tuple[fx.GraphModule, Quantizer]:
-    """What ``prepare`` annotates with: a quantree quantizer as is, a pt2e one bound to ``gm``."""
-    if isinstance(quantizer, Pt2eQuantizer):
-        return quantizer.bind(gm)
-    if isinstance(quantizer, Quantizer):
-        return gm, quantizer
-    if is_pt2e_quantizer(quantizer):
-        return Pt2eQuantizer(quantizer).bind(gm)
-    raise QuantreeError(
-        f"prepare needs a quantree Quantizer (e.g. qt.Int8Quantizer()) or a pt2e Quantizer "
-        f"(torchao's X86InductorQuantizer, ExecuTorch's), got {type(quantizer).__name__}"
-    )
+def as_quantizer(quantizer: Any) -> Any:
+    """What ``quantree.prepare`` hands the core's ``prepare``: a pt2e quantizer wrapped (its
+    ``bind`` annotates the graph with it), anything else as it is (the core checks it)."""
+    return Pt2eQuantizer(quantizer) if is_pt2e_quantizer(quantizer) else quantizer
 
 
 def translate_annotations(gm: fx.GraphModule) -> dict[fx.Node, Annotation]:
