@@ -1,4 +1,8 @@
-"""capture: a model becomes an ATen-level ``GraphModule`` through ``torch.export``."""
+"""capture: a model becomes an ATen-level ``GraphModule`` through ``torch.export``.
+
+``export_graph`` is the core of the one public ``quantree.capture`` (``recurrent/capture.py``),
+which adds the recurrent wing's packed sequences around it.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from quantree.core.capturing.shape_guards import explain_shape_guards
 from quantree.core.errors import QuantreeError, QuantreeWarning
 
 
-def capture(
+def export_graph(
     model: torch.nn.Module,
     example_args: tuple[Any, ...],
     example_kwargs: Mapping[str, Any] | None = None,

@@ -27,7 +27,7 @@ def capture(
     dynamic_shapes: Any = None,
     dynamic_batch: bool = True,
 ) -> fx.GraphModule:
-    """Export ``model`` to an ATen ``GraphModule`` (see ``quantree.core.capture.capture``).
+    """Export ``model`` to an ATen ``GraphModule`` (see ``quantree.core.capture.export_graph``).
 
     A recurrent layer run on a packed sequence becomes ``aten.lstm.data`` (``gru.data``,
     ``rnn_*.data``) between ``aten._pack_padded_sequence`` and ``aten._pad_packed_sequence``.
@@ -51,7 +51,7 @@ def _capture(
 ) -> fx.GraphModule:
     with packed_sequences(model) as packed:
         try:
-            gm = core.capture(
+            gm = core.export_graph(
                 model,
                 example_args,
                 example_kwargs,

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from quantree.backends.cpu.native.packing import pack, row_sums
 from quantree.backends.cpu.saved.derived_ops import RECIPE_OPS
-from quantree.backends.cpu.saved.notes import annotate, notes
+from quantree.backends.cpu.saved.notes import note, notes
 from quantree.backends.patterns import constant
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import fetch_attr
@@ -70,7 +70,7 @@ def remember(value: Tensor, recipe: Recipe | None) -> bool:
         return False
     if not _same(derived, value):
         return False
-    annotate(value, RECIPE_NOTE, recipe)
+    note(value, RECIPE_NOTE, recipe)
     return True
 
 

@@ -23,7 +23,7 @@ def _view(t: torch.Tensor) -> tuple:
     return (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def annotate(t: torch.Tensor, name: str, value: Any) -> None:
+def note(t: torch.Tensor, name: str, value: Any) -> None:
     """Record ``name = value`` about ``t`` for as long as its storage lives."""
     storage = t.untyped_storage()
     table = getattr(storage, _NOTES, None)
@@ -47,4 +47,4 @@ def carry(kept: torch.Tensor, dropped: torch.Tensor) -> None:
     have = notes(kept)
     for name, value in notes(dropped).items():
         if name not in have:
-            annotate(kept, name, value)
+            note(kept, name, value)
