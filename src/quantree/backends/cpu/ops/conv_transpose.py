@@ -13,10 +13,17 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import F32, I64, INT, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import pack, zero_point_offset
 from quantree.backends.cpu.native.registry import inverse, op
 from quantree.backends.cpu.ops.wide import split16
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_conv_transpose": [PTR, *[I64] * 16, *[PTR] * 7, *[I64] * 4, F32, F32, INT],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 CHUNK = check.CONV_TRANSPOSE_CHUNK
 """Input channels one GEMM reduces over at most: ``csrc/conv_transpose.cpp`` reads its float
@@ -129,7 +136,7 @@ def conv_transpose(
         return out
     n, c = x.shape[:2]
     h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow = geometry
-    library().qt_conv_transpose(
+    kernels().qt_conv_transpose(
         ptr(xl), n, c, h, w, out_channels, groups, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow,
         ptr(weight), ptr(col_offset), ptr(offset), ptr(scale), ptr(bias),
         out.data_ptr() if quantized else None, None if quantized else out.data_ptr(), *strides,

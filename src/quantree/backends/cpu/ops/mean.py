@@ -13,8 +13,15 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library
+from quantree.backends.cpu.native.loader import F32, I64, PTR
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.registry import inverse, op
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_mean_hw": [PTR, *[I64] * 8, F32, I64, F32, F32, PTR],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 
 @op(
@@ -34,7 +41,7 @@ def mean_hw(
     check.mean_hw(x, x_zero_point, out_zero_point)
     n, c, h, w = x.shape
     out = torch.empty((n, c), dtype=torch.int8)
-    library().qt_mean_hw(
+    kernels().qt_mean_hw(
         x.data_ptr(), n, c, h, w, *x.stride(), float(x_scale), int(x_zero_point),
         inverse(out_scale), float(out_zero_point), out.data_ptr(),
     )  # fmt: skip

@@ -7,8 +7,16 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import F32, I64, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.registry import inverse, op
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_max_pool2d": [PTR, *[I64] * 14, PTR],
+    "qt_avg_pool2d": [PTR, *[I64] * 14, F32, I64, F32, F32, PTR],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 
 def pool_shape(
@@ -50,7 +58,7 @@ def run_max_pool2d(
     shape = pool_shape(x, kernel, stride, padding, dilation, ceil_mode)
     out = torch.empty(shape, dtype=torch.int8, memory_format=torch.channels_last)
     n, c, h, w = x.shape
-    library().qt_max_pool2d(
+    kernels().qt_max_pool2d(
         ptr(x), n, c, h, w, *kernel, *stride, *padding, *dilation, shape[2], shape[3], ptr(out)
     )
     return out
@@ -79,7 +87,7 @@ def avg_pool2d(
     shape = pool_shape(x, kernel, stride, padding, [1, 1], ceil_mode)
     out = torch.empty(shape, dtype=torch.int8, memory_format=torch.channels_last)
     n, c, h, w = x.shape
-    library().qt_avg_pool2d(
+    kernels().qt_avg_pool2d(
         ptr(x), n, c, h, w, *kernel, *stride, *padding, shape[2], shape[3],
         int(count_include_pad), int(divisor_override), float(x_scale), int(x_zero_point),
         inverse(out_scale), float(out_zero_point), ptr(out),
