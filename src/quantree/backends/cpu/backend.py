@@ -31,13 +31,12 @@ from quantree.backends.cpu.passes.regions import fuse_regions
 from quantree.backends.cpu.passes.rms_norm import recognise_rms_norm
 from quantree.backends.cpu.passes.shared_constants import share_identical
 from quantree.backends.cpu.passes.simulated import simulated_ops, warn_simulated
-from quantree.backends.cpu.rules.batch_norm import lower_batch_norm
 from quantree.backends.cpu.rules.cat import lower_cat
 from quantree.backends.cpu.rules.conv_transpose import lower_conv_transpose
 from quantree.backends.cpu.rules.embedding import lower_embedding
-from quantree.backends.cpu.rules.group_norm import lower_group_norm
 from quantree.backends.cpu.rules.linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.rules.masked_fill import lower_masked_fill
+from quantree.backends.cpu.rules.norm import lower_batch_norm, lower_group_norm
 from quantree.backends.cpu.rules.packed_sequence import (
     lower_gather,
     lower_metadata_reads,

@@ -15,56 +15,26 @@ through ``OPS``.
 """
 
 from quantree.backends.cpu.cells import program as cell_loop
-from quantree.backends.cpu.ops import (
-    affine as affine_op,
-)
-from quantree.backends.cpu.ops import (
-    conv1d as conv1d_op,
-)
-from quantree.backends.cpu.ops import (
-    conv_transpose as conv_transpose_op,
-)
-from quantree.backends.cpu.ops import (
-    elementwise as elementwise_op,
-)
-from quantree.backends.cpu.ops import (
-    embedding as embedding_op,
-)
-from quantree.backends.cpu.ops import (
-    gemm as gemm_op,
-)
-from quantree.backends.cpu.ops import (
-    group_norm as group_norm_op,
-)
-from quantree.backends.cpu.ops import (
-    mean as mean_op,
-)
-from quantree.backends.cpu.ops import (
-    pool as pool_op,
-)
-from quantree.backends.cpu.ops import (
-    program as program_op,
-)
-from quantree.backends.cpu.ops import (
-    rnn as rnn_op,
-)
-from quantree.backends.cpu.ops import (
-    rnn_cell as rnn_cell_op,
-)
-from quantree.backends.cpu.ops import (
-    rnn_packed as rnn_packed_op,
-)
-from quantree.backends.cpu.ops import (
-    wide as wide_op,
-)
+from quantree.backends.cpu.ops import affine as affine_op
+from quantree.backends.cpu.ops import conv1d as conv1d_op
+from quantree.backends.cpu.ops import conv_transpose as conv_transpose_op
+from quantree.backends.cpu.ops import elementwise as elementwise_op
+from quantree.backends.cpu.ops import embedding as embedding_op
+from quantree.backends.cpu.ops import gemm as gemm_op
+from quantree.backends.cpu.ops import group_norm as group_norm_op
+from quantree.backends.cpu.ops import pool as pool_op
+from quantree.backends.cpu.ops import program as program_op
+from quantree.backends.cpu.ops import rnn as rnn_op
+from quantree.backends.cpu.ops import rnn_cell as rnn_cell_op
+from quantree.backends.cpu.ops import rnn_packed as rnn_packed_op
+from quantree.backends.cpu.ops import wide as wide_op
 from quantree.backends.cpu.ops.affine import channel_affine
 from quantree.backends.cpu.ops.conv_transpose import conv_transpose, conv_transpose16
 from quantree.backends.cpu.ops.elementwise import binary, dequantize, lookup, quantize, softmax
 from quantree.backends.cpu.ops.embedding import embedding_rows
 from quantree.backends.cpu.ops.gemm import conv1d, conv2d, linear, matmul
 from quantree.backends.cpu.ops.group_norm import group_norm
-from quantree.backends.cpu.ops.mean import mean_hw
-from quantree.backends.cpu.ops.pool import avg_pool2d, max_pool2d
+from quantree.backends.cpu.ops.pool import avg_pool2d, max_pool2d, mean_hw
 from quantree.backends.cpu.ops.program import program
 from quantree.backends.cpu.ops.rnn import PER_LAYER, RNN_KINDS, rnn
 from quantree.backends.cpu.ops.rnn_cell import rnn_cell
@@ -83,7 +53,6 @@ OPS = (
     embedding_op,
     gemm_op,
     group_norm_op,
-    mean_op,
     pool_op,
     program_op,
     rnn_op,

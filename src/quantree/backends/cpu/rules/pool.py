@@ -9,7 +9,7 @@ is ``lower_mean``'s, other adaptive sizes (overlapping windows) stay with ATen.
 
 Global average pooling: ``dq(x int8) -> adaptive_avg_pool2d(x, 1) | mean(x, [-2, -1]) -> q``,
 x 4-d: the squeeze of a squeeze-excite block, a classifier head's pooling. The replacement
-sums the int8 codes as they lie (``ops/mean.py``) instead of dequantizing the whole map to
+sums the int8 codes as they lie (``ops/pool.py``) instead of dequantizing the whole map to
 average it.
 """
 
