@@ -1,5 +1,9 @@
 """The contracts of quantree's native entry points: what each C kernel reads and writes.
 
+Over 400 lines: one contract per native op, each beside the C signature it protects. A new
+op keeps its contract in its own module (``docs/adding-an-op.md``); these move there as
+their ops are next edited.
+
 A lowered model's graph hands the C kernels (``csrc/``, called through ``ctypes`` with raw
 pointers) tensors and integers that, in a saved model, come from the file: a crafted file
 could name a weight smaller than the kernel reads, an int8 buffer where floats are read, or

@@ -1,5 +1,10 @@
 """Runs of small lowered ops fused into one native program (``quantree.program``).
 
+Over 400 lines, on purpose for now: one pass in three phases (shapes, cover, emit) that share
+the node -> shape table and the instruction encoding. Its seam is cover (which ops a program
+takes) vs emit (the tables): the split waits for the region work in flight to land, so that
+the merges stay clean.
+
 At batch 1 a recurrence unrolled in Python (torchaudio's layer-normed LSTM, any cell written
 with modules and stepped in a loop) leaves a dozen small ops per step: a quantize, an int8
 linear, then float add, layer norm, sigmoid, tanh and mul on a few hundred values each. Every
