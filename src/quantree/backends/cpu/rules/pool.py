@@ -15,14 +15,16 @@ average it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
-from quantree.backends.patterns import activation, is_int8_per_tensor, replace
+from quantree.backends.patterns import Activation, activation, is_int8_per_tensor, replace
 from quantree.core.lower import LoweringContext
+from quantree.core.specs import QParams
 
 aten = torch.ops.aten
 Geometry = tuple[list[int], list[int], list[int], bool, bool, int]
@@ -78,16 +80,26 @@ def lower_avg_pool(ctx: LoweringContext, node: fx.Node) -> bool:
     kernel, stride, padding, ceil_mode, include, divisor = geometry
     if any(2 * p > k for p, k in zip(padding, kernel, strict=True)):
         return False  # ATen refuses it too; its error is the user's
+    return _int8_pooling(
+        ctx, node, torch.ops.quantree.avg_pool2d.default,
+        lambda x, out: (x.node, kernel, stride, padding, ceil_mode, include, divisor, x.scale,
+                        x.zero_point, float(out.scale), int(out.zero_point)),
+    )  # fmt: skip
+
+
+def _int8_pooling(
+    ctx: LoweringContext,
+    node: fx.Node,
+    op: torch._ops.OpOverload,
+    op_args: Callable[[Activation, QParams], tuple[Any, ...]],
+) -> bool:
+    """Replace ``dq(x) -> node -> q``, both int8 per tensor, by ``op(*op_args(x, q's grid))``."""
     x = activation(ctx, node.args[0])
     q = ctx.quantized_output(node)
     if x is None or q is None or not is_int8_per_tensor(q.params):
         return False
     with ctx.gm.graph.inserting_before(node):
-        pooled = ctx.gm.graph.call_function(
-            torch.ops.quantree.avg_pool2d.default,
-            (x.node, kernel, stride, padding, ceil_mode, include, divisor, x.scale,
-             x.zero_point, float(q.params.scale), int(q.params.zero_point)),
-        )  # fmt: skip
+        pooled = ctx.gm.graph.call_function(op, op_args(x, q.params))
     replace(ctx, q.node, pooled, (q.node, node))
     return True
 
@@ -121,15 +133,8 @@ def lower_mean(ctx: LoweringContext, node: fx.Node) -> bool:
     keepdim = _global_pooling(node)
     if keepdim is None:
         return False
-    x = activation(ctx, node.args[0])
-    q = ctx.quantized_output(node)
-    if x is None or q is None or not is_int8_per_tensor(q.params):
-        return False
-    with ctx.gm.graph.inserting_before(node):
-        pooled = ctx.gm.graph.call_function(
-            torch.ops.quantree.mean_hw.default,
-            (x.node, x.scale, x.zero_point, float(q.params.scale), int(q.params.zero_point),
-             keepdim),
-        )  # fmt: skip
-    replace(ctx, q.node, pooled, (q.node, node))
-    return True
+    return _int8_pooling(
+        ctx, node, torch.ops.quantree.mean_hw.default,
+        lambda x, out: (x.node, x.scale, x.zero_point, float(out.scale), int(out.zero_point),
+                        keepdim),
+    )  # fmt: skip
