@@ -54,6 +54,7 @@ from quantree.backends.cpu.rules.qdq import (
 )
 from quantree.backends.cpu.rules.recurrent import recurrent_rule
 from quantree.backends.cpu.rules.recurrent_cell import lower_cell
+from quantree.backends.cpu.rules.sum_dim import lower_sum_dim
 from quantree.backends.cpu.rules.views import lower_view_chain
 from quantree.backends.cpu.rules.wide import lower_wide
 from quantree.core.errors import QuantreeWarning
@@ -155,6 +156,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_masked_fill,
         lower_max_pool,
         lower_mean,
+        lower_sum_dim,
         lower_avg_pool,
         lower_batch_norm,
         lower_group_norm,

@@ -27,6 +27,7 @@ from quantree.backends.cpu.ops import program as program_op
 from quantree.backends.cpu.ops import rnn as rnn_op
 from quantree.backends.cpu.ops import rnn_cell as rnn_cell_op
 from quantree.backends.cpu.ops import rnn_packed as rnn_packed_op
+from quantree.backends.cpu.ops import sum_dim as sum_dim_op
 from quantree.backends.cpu.ops import wide as wide_op
 from quantree.backends.cpu.ops.affine import channel_affine
 from quantree.backends.cpu.ops.conv_transpose import conv_transpose, conv_transpose16
@@ -58,6 +59,7 @@ OPS = (
     rnn_op,
     rnn_cell_op,
     rnn_packed_op,
+    sum_dim_op,
     wide_op,
 )
 """Every module that defines ``torch.ops.quantree`` ops (the cell loops' in ``cells/``, the
