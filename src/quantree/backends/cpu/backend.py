@@ -33,6 +33,7 @@ from quantree.backends.cpu.passes.shared_constants import share_identical
 from quantree.backends.cpu.passes.simulated import simulated_ops, warn_simulated
 from quantree.backends.cpu.rules.cat import lower_cat
 from quantree.backends.cpu.rules.conv_transpose import lower_conv_transpose
+from quantree.backends.cpu.rules.cumsum import lower_cumsum
 from quantree.backends.cpu.rules.embedding import lower_embedding
 from quantree.backends.cpu.rules.linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.rules.masked_fill import lower_masked_fill
@@ -54,7 +55,6 @@ from quantree.backends.cpu.rules.qdq import (
 )
 from quantree.backends.cpu.rules.recurrent import recurrent_rule
 from quantree.backends.cpu.rules.recurrent_cell import lower_cell
-from quantree.backends.cpu.rules.sum_dim import lower_sum_dim
 from quantree.backends.cpu.rules.views import lower_view_chain
 from quantree.backends.cpu.rules.wide import lower_wide
 from quantree.core.errors import QuantreeWarning
@@ -156,7 +156,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_masked_fill,
         lower_max_pool,
         lower_mean,
-        lower_sum_dim,
+        lower_cumsum,
         lower_avg_pool,
         lower_batch_norm,
         lower_group_norm,

@@ -18,6 +18,7 @@ from quantree.backends.cpu.cells import program as cell_loop
 from quantree.backends.cpu.ops import affine as affine_op
 from quantree.backends.cpu.ops import conv1d as conv1d_op
 from quantree.backends.cpu.ops import conv_transpose as conv_transpose_op
+from quantree.backends.cpu.ops import cumsum as cumsum_op
 from quantree.backends.cpu.ops import elementwise as elementwise_op
 from quantree.backends.cpu.ops import embedding as embedding_op
 from quantree.backends.cpu.ops import gemm as gemm_op
@@ -27,7 +28,6 @@ from quantree.backends.cpu.ops import program as program_op
 from quantree.backends.cpu.ops import rnn as rnn_op
 from quantree.backends.cpu.ops import rnn_cell as rnn_cell_op
 from quantree.backends.cpu.ops import rnn_packed as rnn_packed_op
-from quantree.backends.cpu.ops import sum_dim as sum_dim_op
 from quantree.backends.cpu.ops import wide as wide_op
 from quantree.backends.cpu.ops.affine import channel_affine
 from quantree.backends.cpu.ops.conv_transpose import conv_transpose, conv_transpose16
@@ -49,6 +49,7 @@ OPS = (
     cell_loop,
     conv1d_op,
     conv_transpose_op,
+    cumsum_op,
     derived_ops,
     elementwise_op,
     embedding_op,
@@ -59,7 +60,6 @@ OPS = (
     rnn_op,
     rnn_cell_op,
     rnn_packed_op,
-    sum_dim_op,
     wide_op,
 )
 """Every module that defines ``torch.ops.quantree`` ops (the cell loops' in ``cells/``, the
