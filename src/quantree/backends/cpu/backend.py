@@ -96,7 +96,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
 def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
     """Lower every submodule graph that carries quantree's groups (cells-mode cell bodies),
     then run each cell loop whose lowered body compiles as one native program, and each
-    layer whose loops all do so on the native layer's short call path (``cells_layer``).
+    layer whose loops all do so on the native layer's short call path (``cells/layer.py``).
 
     The modules on the path to each replaced one are copied first, so the reference model,
     which shares them, is left as it was.

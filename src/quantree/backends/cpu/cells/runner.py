@@ -119,7 +119,7 @@ class CellLoopRunner:
     ) -> None:
         """``launch`` on a packed sequence's float rows ``xs`` [N, I] into ``ys`` [N, H]:
         step t on the first ``sizes[t]`` rows of the states (``sizes`` int64, dense, checked
-        by the caller as ``native_checks.packed_batch_sizes`` does; ``batch`` its first entry,
+        by the caller as ``native.checks.packed_batch_sizes`` does; ``batch`` its first entry,
         the states' rows)."""
         outs, slots, n_slots, code, fcode, n_code, const_ptrs = self.args
         self.run_packed(

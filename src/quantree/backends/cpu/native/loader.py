@@ -210,7 +210,7 @@ def prebuilt_file(variant: str) -> Path | None:
 @functools.cache
 def prebuilt_choice() -> tuple[Path, ctypes.CDLL] | None:
     """The prebuilt library for this process (see the module docstring): the baseline one,
-    or the best variant (``build_native.PREBUILT_VARIANTS``) the CPU has and the march
+    or the best variant (``native.build.PREBUILT_VARIANTS``) the CPU has and the march
     allows."""
     base = prebuilt_path()
     if (

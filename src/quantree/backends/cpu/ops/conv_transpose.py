@@ -4,7 +4,7 @@ The kernel multiplies each input pixel's channels by the weight (the shared pack
 every ISA path) and scatters the products into an exact int32 accumulator at the output
 pixels the taps reach, then runs conv's epilogue. Layouts follow the convolutions': a 2-d
 result is channels-last (what the next int8 layer reads without a copy); a 1-d float result
-is contiguous ``[N, O, L]``, an int8 one has the channels innermost (``ops_conv1d``).
+is contiguous ``[N, O, L]``, an int8 one has the channels innermost (``ops/conv1d.py``).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def conv_transpose16(
     """Float ``x`` quantized to int16 (``x_scale``, zero point 0), transposed-convolved with
     an int8 weight: the float result of ``conv_transpose(dq16(q16(x)), dq(W), dq(b))``.
 
-    As ``ops_wide``'s conv16: the int16 codes as two int8 planes, the kernel run once per
+    As ``ops/wide.py``'s conv16: the int16 codes as two int8 planes, the kernel run once per
     plane (the hi plane on ``hi_scale`` = 256 x the accumulator's scale, zero point 0; the lo
     plane on ``scale``, zero point -128, with the int32 ``offset`` and the float bias), the
     two float results added. 2 x the int8 layer's work: measured on ConvTasNet's decoder,

@@ -225,7 +225,7 @@ def conv1d(
 ) -> Tensor:
     """int8 ``[N, C, L]`` convolution; ``padding`` is ``[left]`` or ``[left, right]``.
 
-    A float result is contiguous (``ops_conv1d``: the input read in its own layout, no
+    A float result is contiguous (``ops/conv1d.py``: the input read in its own layout, no
     copies before or after the float op that reads it). An int8 result has the channels
     innermost (conv2d's channels-last strides), so a following conv1d reads it without a
     copy; an input in that layout runs as the conv2d of ``[N, C, 1, L]``.

@@ -1,6 +1,6 @@
 """``quantree.program``: a straight-line region of lowered ops run in one native call.
 
-The region's values live in one workspace laid out per call (``lowering_program``);
+The region's values live in one workspace laid out per call (``passes/regions.py``);
 ``code``, ``fcode`` and ``slots`` are its instructions (``csrc/qt_program.h``) and value
 table, ``consts`` the tensors they read. Inputs are copied in, outputs out, in the dtypes
 and shapes recorded at compile time, a dynamic program's sizes resolved from its inputs.

@@ -120,7 +120,7 @@ def conv16(
     """Float ``x`` (``[N, C, L]`` or ``[N, C, H, W]``) quantized to int16, convolved with a
     packed int8 weight as ``quantree.conv1d``/``conv2d`` would (padding reads the zero point
     of each plane, so 0 of the 16-bit value): float out, contiguous for ``[N, C, L]``
-    (``ops_conv1d``: quantized panel by panel as it lies, no copy of the tensor), else with
+    (``ops/conv1d.py``: quantized panel by panel as it lies, no copy of the tensor), else with
     channels-last strides."""
     one_d = x.dim() == 3
     if one_d:

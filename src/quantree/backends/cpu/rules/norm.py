@@ -5,14 +5,14 @@ Pattern: ``dq(x int8) -> batch_norm(x, w, b, mean, var, training=False) [-> relu
 Batch norm after a convolution or linear is folded into its weights before annotation
 (``core/fold.py``); what is left normalises something else: DenseNet's pre-activation norms
 read a concatenation (62 of them in densenet121), LeViT's a flattened linear output. The
-replacement maps each int8 code per channel (``ops_affine.py``) with the affine terms ATen's
+replacement maps each int8 code per channel (``ops/affine.py``) with the affine terms ATen's
 eval batch norm computes, ``alpha = w / sqrt(var + eps)``, ``beta = b - mean * alpha``.
 
 Float group norms: ATen's ``group_norm`` -> ``quantree.group_norm``.
 
 The default recipe leaves a group norm float (its statistics span a whole map: an int8
 input would cost accuracy and buy no kernel time), so there is no int8 pattern to match;
-the op is swapped for the native float kernel (``ops_group_norm.py``), which reads the
+the op is swapped for the native float kernel (``ops/group_norm.py``), which reads the
 channels-last maps the native convolutions produce as they lie. It still computes in
 float and is reported so (``float_report.FLOAT_KERNELS``, ``inspect``).
 """

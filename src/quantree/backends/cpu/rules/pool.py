@@ -3,7 +3,7 @@
 Pattern: ``dq(x int8) -> avg_pool2d(x, ...) | adaptive_avg_pool2d(x, size) -> q``, x 4-d:
 DenseNet's transitions, Inception's branch pools, PoolFormer's token mixer. Without it each
 was a float island (the map dequantized, pooled in float, quantized again). The replacement
-sums the int8 codes of each window (``ops_pool.avg_pool2d``). An ``adaptive_avg_pool2d``
+sums the int8 codes of each window (``ops.pool.avg_pool2d``). An ``adaptive_avg_pool2d``
 whose output size divides its input's is the same fixed-window pool; global pooling (size 1)
 is ``lower_mean``'s, other adaptive sizes (overlapping windows) stay with ATen.
 
