@@ -471,7 +471,8 @@ def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> 
 
 
 def _moved_rows(n: fx.Node, shapes: dict[fx.Node, Shape]) -> list[tuple[int, int]] | None:
-    """A permute's or an expand's output rows as source row strides (``passes/region_layout.py``)."""
+    """A permute's or an expand's output rows as source row strides
+    (``passes/region_layout.py``)."""
     a: Any = n.args
     src, out = shapes[a[0]][0], shapes[n][0]
     perm: list[int] | None = None
