@@ -267,7 +267,7 @@ def weighted_input_spec(dtype: QDtype, observer: ObserverKind | None) -> QuantSp
     Conformer 39.5 -> 48.5 dB (48.7 dB float activations), the depthwise convs' inputs alone
     5.7 dB of it. Per-token dynamic int8, torchao's other recipe, measured 33.5 / 43.8 dB.
     The CPU backend runs these layers on the int8 kernels, one pass per byte of the input
-    (``backends/cpu/ops_wide.py``). 2-d convolutions read INT8 even so (the recipe's
+    (``backends/cpu/ops/wide.py``). 2-d convolutions read INT8 even so (the recipe's
     ``image_act``): a convolution pays that second pass in full (mobilevitv2 went from 0.59x
     to 1.17x float in CPU time, load 7), and on images the int8 recipe was already level
     with torchao's (ConvNeXt 31.5 / 31.3 dB, MobileViT 11.3 / 10.4 dB). INT8 is the int8
