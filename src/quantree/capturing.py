@@ -39,9 +39,7 @@ def capture(
     one ``QuantreeWarning`` names the layer and the fix.
     """
     recurrent = any(isinstance(m, torch.nn.RNNBase) for m in model.modules())
-    gm = _capture(
-        model, example_args, example_kwargs, dynamic_shapes, dynamic_batch, recurrent
-    )
+    gm = _capture(model, example_args, example_kwargs, dynamic_shapes, dynamic_batch, recurrent)
     if recurrent and dynamic_batch and dynamic_shapes is None:
         warn_pinned_lengths(model, gm)
     return gm

@@ -28,39 +28,49 @@ KINDS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 INPUT_OPS = {kind: getattr(aten, kind).input for kind in KINDS}
 
 
-@torch.library.custom_op("quantree_capture::rnn", mutates_args=())
-def _rnn(
-    kind: str,
-    input: Tensor,
-    hx: list[Tensor],
-    params: list[Tensor],
-    has_biases: bool,
-    num_layers: int,
-    dropout: float,
-    train: bool,
-    bidirectional: bool,
-    batch_first: bool,
-) -> list[Tensor]:
-    op = getattr(VF, kind)
-    state = hx if kind == "lstm" else hx[0]
-    out = op(input, state, params, has_biases, num_layers, dropout, train, bidirectional,
-             batch_first)  # fmt: skip
-    return [t.clone() for t in out]  # a custom op may not return its inputs' storage
+def _define(kind: str) -> Any:
+    """``quantree_capture::<kind>``: one op per kind, so export names its nodes as it names
+    the ATen op's (``lstm``, ``gru_1``), and rows and errors read the same either way."""
+
+    def real(
+        input: Tensor,
+        hx: list[Tensor],
+        params: list[Tensor],
+        has_biases: bool,
+        num_layers: int,
+        dropout: float,
+        train: bool,
+        bidirectional: bool,
+        batch_first: bool,
+    ) -> list[Tensor]:
+        state = hx if kind == "lstm" else hx[0]
+        out = getattr(VF, kind)(input, state, params, has_biases, num_layers, dropout, train,
+                                bidirectional, batch_first)  # fmt: skip
+        return [t.clone() for t in out]  # a custom op may not return its inputs' storage
+
+    op = torch.library.custom_op(f"quantree_capture::{kind}", real, mutates_args=())
+
+    @op.register_fake
+    def _(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+        width = hx[0].shape[-1] * (2 if bidirectional else 1)
+        out = input.new_empty((*input.shape[:-1], width))
+        return [out, *(h.new_empty(h.shape) for h in hx)]
+
+    return op
 
 
-@_rnn.register_fake
-def _(kind, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-    width = hx[0].shape[-1] * (2 if bidirectional else 1)
-    return [input.new_empty((*input.shape[:-1], width)), *(h.new_empty(h.shape) for h in hx)]
+CAPTURE_OPS = {kind: _define(kind) for kind in KINDS}
+BY_TARGET = {getattr(torch.ops.quantree_capture, kind).default: kind for kind in KINDS}
 
 
 def call(kind: str) -> Any:
     """What ``torch._VF.<kind>`` does on a padded input, through the capture op."""
+    op = CAPTURE_OPS[kind]
 
     def run(input, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first):
         states = list(hx) if isinstance(hx, list | tuple) else [hx]
-        out = _rnn(kind, input, states, list(params), has_biases, layers, dropout, train,
-                   bidirectional, batch_first)  # fmt: skip
+        out = op(input, states, list(params), has_biases, layers, dropout, train,
+                 bidirectional, batch_first)  # fmt: skip
         return tuple(out)
 
     return run
@@ -68,10 +78,11 @@ def call(kind: str) -> Any:
 
 def restore(node: fx.Node) -> bool:
     """Turn a capture op back into ``aten.<kind>.input``; False if ``node`` is not one."""
-    if node.target != torch.ops.quantree_capture.rnn.default:
+    kind = BY_TARGET.get(node.target)  # type: ignore[arg-type]
+    if kind is None:
         return False
-    kind, input, hx, *rest = node.args
-    assert isinstance(kind, str) and isinstance(hx, list | tuple)
+    input, hx, *rest = node.args
+    assert isinstance(hx, list | tuple)
     node.target = INPUT_OPS[kind]
     node.args = (input, list(hx) if kind == "lstm" else hx[0], *rest)
     val = node.meta.get("val")
@@ -87,8 +98,8 @@ def as_capture_op(node: fx.Node) -> bool:
         return False
     input, hx, *rest = node.args
     states = list(hx) if kind == "lstm" else [hx]  # type: ignore[arg-type]
-    node.target = torch.ops.quantree_capture.rnn.default
-    node.args = (kind, input, states, *rest)
+    node.target = getattr(torch.ops.quantree_capture, kind).default
+    node.args = (input, states, *rest)
     return True
 
 
