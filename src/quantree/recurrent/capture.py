@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from quantree.core import capture as core
 from quantree.core.errors import QuantreeError
+from quantree.recurrent.free_length import warn_pinned_lengths
 from quantree.recurrent.packed import FIX, packed_sequences, restore_aten
 
 
@@ -32,14 +33,16 @@ def capture(
     A recurrent layer run on a packed sequence becomes ``aten.lstm.data`` (``gru.data``,
     ``rnn_*.data``) between ``aten._pack_padded_sequence`` and ``aten._pad_packed_sequence``.
 
-    ``dynamic_batch`` (see the core's ``capture``) applies to models without ``nn.LSTM``/
-    ``GRU``/``RNN`` modules: export pins their sequence length and packed sequences need
-    the example's sizes; give those ``dynamic_shapes`` to make a dimension vary.
+    A model with ``nn.LSTM``/``GRU``/``RNN`` modules is captured with every input dimension
+    left to vary where the model allows it (see ``quantree.recurrent.free_length``), so it
+    runs at any sequence length and batch; where the model pins a recurrent layer's length,
+    one ``QuantreeWarning`` names the layer and the fix.
     """
     recurrent = any(isinstance(m, torch.nn.RNNBase) for m in model.modules())
-    return _capture(
-        model, example_args, example_kwargs, dynamic_shapes, dynamic_batch and not recurrent
-    )
+    gm = _capture(model, example_args, example_kwargs, dynamic_shapes, dynamic_batch, recurrent)
+    if recurrent and dynamic_batch and dynamic_shapes is None:
+        warn_pinned_lengths(model, gm)
+    return gm
 
 
 def _capture(
@@ -48,6 +51,7 @@ def _capture(
     example_kwargs: Mapping[str, Any] | None,
     dynamic_shapes: Any,
     dynamic_batch: bool,
+    every_dim: bool,
 ) -> fx.GraphModule:
     with packed_sequences(model) as packed:
         try:
@@ -57,6 +61,7 @@ def _capture(
                 example_kwargs,
                 dynamic_shapes=dynamic_shapes,
                 dynamic_batch=dynamic_batch,
+                every_dim=every_dim,
             )
         except QuantreeError as error:
             if not packed or "packed sequence" in str(error):

@@ -29,21 +29,23 @@ from quantree.core.errors import QuantreeError
 BATCH = {0: torch.export.Dim.AUTO}
 
 
-def batch_spec(tree: Any) -> Any:
+def batch_spec(tree: Any, every_dim: bool = False) -> Any:
     """``dynamic_shapes`` for one input: ``{0: Dim.AUTO}`` at every tensor of one or more
-    dimensions, None elsewhere.
+    dimensions (every dimension ``Dim.AUTO`` with ``every_dim``), None elsewhere.
 
     Built-in containers (tuple, list, dict, namedtuple) are mirrored by their own type; a
     registered user type (a dataclass) by the list of its children, which is how
     torch.export (2.13) matches it (a dataclass of specs is refused).
     """
     if isinstance(tree, torch.Tensor):
-        return dict(BATCH) if tree.dim() > 0 else None
+        if tree.dim() == 0:
+            return None
+        return {d: torch.export.Dim.AUTO for d in range(tree.dim())} if every_dim else dict(BATCH)
     kind = _get_node_type(tree)
     if kind not in SUPPORTED_NODES:
         return None
     children, context = SUPPORTED_NODES[kind].flatten_fn(tree)
-    specs = [batch_spec(child) for child in children]
+    specs = [batch_spec(child, every_dim) for child in children]
     if kind in BUILTIN_TYPES:
         return SUPPORTED_NODES[kind].unflatten_fn(specs, context)
     return specs

@@ -165,6 +165,5 @@ def shape_message(
     return (
         f"{what} ({guard}). Where the model can take other sizes, capture it dynamic: "
         f"qt.quantize(model, example_args, data, {fix}) (qt.capture takes the same); for a "
-        "saved .pt2, quantize the float model again with it. Models with LSTM/GRU/RNN "
-        "layers keep their captured shapes unless given dynamic_shapes"
+        "saved .pt2, quantize the float model again with it"
     )
