@@ -91,7 +91,28 @@ def export_graph(
     finally:
         _set_training(model, was_training)
     _refuse_autocast(model, program)
-    return explain_shape_guards(program.module())
+    gm = explain_shape_guards(program.module())
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta["val"] = tree_map(concrete_sizes, node.meta["val"])
+    return gm
+
+
+def concrete_sizes(val: Any) -> Any:
+    """``val`` with each size export left symbolic but pinned to one value (a dimension
+    marked ``Dim.AUTO`` that the model fixes) as a plain int, as if it had never varied: the
+    passes after capture tell fixed sizes from varying ones by ``isinstance(size, int)``."""
+    if isinstance(val, torch.SymInt):
+        pinned = val.node.maybe_as_int()
+        return val if pinned is None else pinned
+    if not isinstance(val, torch.Tensor) or not hasattr(val, "fake_mode"):
+        return val
+    if all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+        return val
+    size = [concrete_sizes(d) for d in val.shape]
+    stride = [concrete_sizes(d) for d in val.stride()]
+    with val.fake_mode:
+        return torch.empty_strided(size, stride, dtype=val.dtype, device=val.device)
 
 
 def _refuse_autocast(model: torch.nn.Module, program: torch.export.ExportedProgram) -> None:
