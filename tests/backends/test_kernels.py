@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantree.backends.cpu import ops  # noqa: F401
-from quantree.backends.cpu.packing import pack, zero_point_offset
+from quantree.backends.cpu.native.packing import pack, zero_point_offset
 
 quantree_ops = torch.ops.quantree
 
@@ -89,7 +89,7 @@ def test_builds_a_fresh_cache(tmp_path, monkeypatch):
     and a sidecar that marks it whole."""
     import ctypes
 
-    from quantree.backends.cpu import native
+    from quantree.backends.cpu.native import loader as native
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     path = native.build("quantree_kernels_fresh")

@@ -1,4 +1,8 @@
-"""capture: a model becomes an ATen-level ``GraphModule`` through ``torch.export``."""
+"""capture: a model becomes an ATen-level ``GraphModule`` through ``torch.export``.
+
+``export_graph`` is the core of the one public ``quantree.capture`` (``recurrent/capture.py``),
+which adds the recurrent wing's packed sequences around it.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +16,14 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_map
 
-from quantree.core.data_dependent import export_on_example_values
+from quantree.core.capturing.data_dependent import export_on_example_values
+from quantree.core.capturing.input_trees import batch_spec, register_dataclasses
+from quantree.core.capturing.keyword_inputs import named_keywords, respelled_shapes
+from quantree.core.capturing.shape_guards import explain_shape_guards
 from quantree.core.errors import QuantreeError, QuantreeWarning
-from quantree.core.input_trees import batch_spec, register_dataclasses
-from quantree.core.keyword_inputs import named_keywords, respelled_shapes
-from quantree.core.shape_guards import explain_shape_guards
 
 
-def capture(
+def export_graph(
     model: torch.nn.Module,
     example_args: tuple[Any, ...],
     example_kwargs: Mapping[str, Any] | None = None,

@@ -18,7 +18,7 @@ from quantree.core.quantizer import Annotation
 from quantree.core.values import Path
 
 if TYPE_CHECKING:
-    from quantree.core.sharing import Group
+    from quantree.core.grouping.sharing import Group
 
 STAGE_KEY = "quantree_stage"
 """``gm.meta`` key: :data:`PREPARED` or :data:`CONVERTED`, so each step refuses the wrong input."""

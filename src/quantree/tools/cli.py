@@ -26,8 +26,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from quantree.core.calibrate import BadBatch, as_call, calibrate, check_batch
-from quantree.core.distributed import RankFailed, in_process_group
 from quantree.core.errors import QuantreeError, QuantreeWarning
+from quantree.core.observing.distributed import RankFailed, in_process_group
+from quantree.recipes.int8 import Int8Quantizer, RecurrentMode
 from quantree.tools.files import (
     BadFile,
     check_output,
@@ -102,14 +103,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _quantizer(recurrent: str) -> Any:
-    import quantree as qt
-
     if recurrent == "whole":
-        return qt.Int8Quantizer()
-    mode = getattr(qt, "RecurrentMode", None)
-    if mode is None:
-        raise UsageError("--recurrent cells: cells mode is not available in this build")
-    return qt.Int8Quantizer(recurrent=mode.CELLS)
+        return Int8Quantizer()
+    return Int8Quantizer(recurrent=RecurrentMode.CELLS)
 
 
 def _backend(name: str) -> Any:
@@ -286,7 +282,7 @@ def _write_report(
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    from quantree.backends.cpu.serialize import fold_saved_recipes
+    from quantree.backends.cpu.saved.serialize import fold_saved_recipes
     from quantree.tools.inspection import summary
 
     program = load_program(args.model)

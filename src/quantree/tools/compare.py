@@ -23,12 +23,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from quantree.capturing import capture
 from quantree.core.calibrate import as_args
 from quantree.core.graphs import nested_graphs
-from quantree.core.normalize import normalize
+from quantree.core.normalizing.normalize import normalize
 from quantree.core.stages import STAGE_KEY
 from quantree.core.values import Path, leaves_with_paths
+from quantree.recurrent.capture import capture
 from quantree.tools.matching import (
     OUTPUT,
     VALUE,

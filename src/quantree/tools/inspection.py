@@ -407,7 +407,7 @@ def _program_float_ops(gm: fx.GraphModule, node: fx.Node) -> collections.Counter
     table = attr_at(gm, str(code.target)) if isinstance(code, fx.Node) else None
     if not isinstance(table, torch.Tensor):
         return None
-    from quantree.backends.cpu.lowering_program import float_ops_of_code
+    from quantree.backends.cpu.passes.regions import float_ops_of_code
 
     return float_ops_of_code(table)
 

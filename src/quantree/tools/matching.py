@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from quantree.core.graphs import fetch_attr
-from quantree.core.observers import Observer
+from quantree.core.observing.observers import Observer
 from quantree.core.qdq import DEQUANTIZE_OPS, PER_CHANNEL_OPS, QUANTIZE_OPS
 from quantree.core.stages import OBSERVER_KEY, OUTPUT_GRID_KEY, REPLACES_KEY
 from quantree.core.values import Path, arg_at, get_at, is_getitem, leaves_with_paths
