@@ -46,7 +46,7 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
     ``quantizer`` is a quantree ``Quantizer`` or a pt2e one (torchao's ``Quantizer``: its
     annotations are translated, see ``quantree.recipes.pt2e``).
     """
-    return core_prepare(gm, as_quantizer(quantizer))
+    return core_prepare(gm, as_quantizer(quantizer), stacklevel=3)
 
 
 def lower(ref: fx.GraphModule, backend: Backend | str = REFERENCE) -> fx.GraphModule:

@@ -119,7 +119,8 @@ CHOOSE = """
 import torch
 from quantree.backends import cpu_isa
 from quantree.backends.cpu.native import loader as native
-lib = native.library()
+from quantree.backends.cpu.ops.elementwise import kernels
+lib = kernels()
 x = torch.arange(-64, 64, dtype=torch.float32) * 0.37
 q = torch.empty(128, dtype=torch.int8)
 lib.qt_quantize(x.data_ptr(), 128, 1 / 0.1, 3.0, q.data_ptr())

@@ -171,3 +171,20 @@ def test_no_module_imports_prepare_for_its_metadata() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "quantree.core.prepare":
                 assert {a.name for a in node.names} <= {"prepare"}, path
+
+
+def test_no_folder_holds_more_than_15_python_files() -> None:
+    folders: dict[Path, int] = {}
+    for path in modules().values():
+        folders[path.parent] = folders.get(path.parent, 0) + 1
+    crowded = {str(f.relative_to(SRC)): n for f, n in folders.items() if n > 15}
+    assert not crowded, f"folders over 15 Python files (make folders by role): {crowded}"
+
+
+def test_a_module_over_400_lines_says_why_in_its_first_lines() -> None:
+    long = []
+    for name, path in modules().items():
+        lines = path.read_text().splitlines()
+        if len(lines) > 400 and not any("Over 400 lines" in line for line in lines[:15]):
+            long.append(f"{name} ({len(lines)} lines)")
+    assert not long, f"split these, or say why they are long in their first lines: {long}"

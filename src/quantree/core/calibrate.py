@@ -1,5 +1,9 @@
 """calibrate: run a prepared model over data so its observers collect statistics.
 
+Over 400 lines: the checks of a batch against the captured program (arity, names, dtypes,
+ranks, shape guards, finiteness) are most of it, each with the fix its error suggests;
+split them out (``core/capturing/``) when they grow.
+
 A calibration item is an argument tuple (a lone tensor stands for ``(tensor,)``) or, for a
 model captured with keyword example inputs, an ``(args, kwargs)`` pair: a tuple or list of
 the positional arguments followed by a dict of the keyword ones.

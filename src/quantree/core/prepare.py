@@ -36,7 +36,9 @@ _TRAINING_ARG = {
 }
 
 
-def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
+def prepare(
+    gm: fx.GraphModule, quantizer: Quantizer | Any, *, stacklevel: int = 2
+) -> fx.GraphModule:
     """A copy of ``gm`` with observers, ready to calibrate; ``gm`` itself is not changed.
 
     ``quantizer`` is a quantree ``Quantizer``; ``quantree.prepare`` also takes a pt2e one
@@ -45,6 +47,8 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
 
     Nodes whose annotation carries a ``decompose`` hook are replaced first (cells mode's
     loops); every graph nested in the modules that adds is then observed like the main one.
+    ``stacklevel`` is where its warnings point, as ``warnings.warn`` counts (2: the caller;
+    ``quantree.prepare``, which calls this one, passes 3 so they point at its own caller).
     """
     if STAGE_KEY in gm.meta:
         raise QuantreeError(
@@ -57,14 +61,14 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
     gm = normalize(gm)
     gm, quantizer = _bind(gm, quantizer)
     seen = list(gm.graph.nodes)  # what the rules see, nodes later decomposed included
-    observe(gm, annotate(gm, quantizer))
+    observe(gm, annotate(gm, quantizer), stacklevel + 1)
     for body in nested_graphs(gm).values():
         seen += body.graph.nodes
-        observe(body, annotate(body, quantizer))
+        observe(body, annotate(body, quantizer), stacklevel + 1)
         body.meta[STAGE_KEY] = PREPARED
     gm.recompile()
     for idle in idle_scopes(quantizer.rules, seen):
-        warnings.warn(idle.message, QuantreeWarning, stacklevel=2)
+        warnings.warn(idle.message, QuantreeWarning, stacklevel=stacklevel)
     gm.meta[STAGE_KEY] = PREPARED
     return gm
 
@@ -191,7 +195,9 @@ def _check_no_nan_constants(gm: fx.GraphModule) -> None:
         )
 
 
-def observe(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) -> None:
+def observe(
+    gm: fx.GraphModule, annotations: dict[fx.Node, Annotation], stacklevel: int = 3
+) -> None:
     """Record ``annotations`` on ``gm`` in place and insert one observer per sharing group."""
     groups, group_of = form_groups(annotations)
     carriers = value_carriers(gm.graph)
@@ -230,6 +236,6 @@ def observe(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) -> None:
                 call = gm.graph.call_module(name, (carrier,))
             call.meta[OBSERVER_KEY] = gid
     gm.meta[GROUPS_KEY] = groups
-    warn_float_ops(gm, annotations)
+    warn_float_ops(gm, annotations, stacklevel + 1)
     gm.graph.lint()
     gm.recompile()

@@ -1,5 +1,8 @@
 """The default recipe: int8 activations (affine), int8 per-channel weights, int32 biases.
 
+Over 400 lines: the default recipe's rule table (``int8_rules``) and the two quantizers
+built on it read together; the A16W8 variant moves to its own module when it grows.
+
 Each rule is a small function from a node to an Annotation. Nested outputs need nothing
 special: an LSTM's annotation is a tuple of specs shaped like its output.
 """
@@ -261,7 +264,7 @@ def weighted_input_spec(dtype: QDtype, observer: ObserverKind | None) -> QuantSp
     attention float, these inputs are the only activation error left, and at 8 bits it was
     most of the error; at 16 bits it is about what float activations give, more than
     torchao's per-token dynamic int8 recovers. The CPU backend runs these layers on the int8
-    kernels, one pass per byte of the input (``backends/cpu/ops_wide.py``). 2-d
+    kernels, one pass per byte of the input (``backends/cpu/ops/wide.py``). 2-d
     convolutions read INT8 even so (the recipe's ``image_act``): a convolution pays that
     second pass in full, which cost an image model its speed-up over float, and on images
     the int8 recipe was already level with torchao's. (The figures: benchmarks/README.md,

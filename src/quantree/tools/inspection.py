@@ -1,5 +1,8 @@
 """inspection: what a quantized graph quantizes and how, read from the graph alone.
 
+Over 400 lines: the quantization points and the op statuses read the same q/dq vocabulary
+(reference and native) from a bare graph; split along that line when it grows.
+
 Works on any GraphModule with ``quantized_decomposed`` quantize/dequantize ops, or with the
 native int8 ones of ``quantree.backends.CPU``, including one loaded back from a ``.pt2`` file
 (no quantree metadata needed): each quantization point with

@@ -31,20 +31,19 @@ from quantree.backends.cpu.passes.regions import fuse_regions
 from quantree.backends.cpu.passes.rms_norm import recognise_rms_norm
 from quantree.backends.cpu.passes.shared_constants import share_identical
 from quantree.backends.cpu.passes.simulated import simulated_ops, warn_simulated
-from quantree.backends.cpu.rules.avg_pool import lower_avg_pool
-from quantree.backends.cpu.rules.batch_norm import lower_batch_norm
 from quantree.backends.cpu.rules.cat import lower_cat
 from quantree.backends.cpu.rules.conv_transpose import lower_conv_transpose
+from quantree.backends.cpu.rules.cumsum import lower_cumsum
 from quantree.backends.cpu.rules.embedding import lower_embedding
-from quantree.backends.cpu.rules.group_norm import lower_group_norm
 from quantree.backends.cpu.rules.linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.rules.masked_fill import lower_masked_fill
-from quantree.backends.cpu.rules.mean import lower_mean
+from quantree.backends.cpu.rules.norm import lower_batch_norm, lower_group_norm
 from quantree.backends.cpu.rules.packed_sequence import (
     lower_gather,
     lower_metadata_reads,
     lower_packing,
 )
+from quantree.backends.cpu.rules.pool import lower_avg_pool, lower_mean
 from quantree.backends.cpu.rules.qdq import (
     lower_binary,
     lower_matmul,
@@ -97,7 +96,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
 def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
     """Lower every submodule graph that carries quantree's groups (cells-mode cell bodies),
     then run each cell loop whose lowered body compiles as one native program, and each
-    layer whose loops all do so on the native layer's short call path (``cells_layer``).
+    layer whose loops all do so on the native layer's short call path (``cells/layer.py``).
 
     The modules on the path to each replaced one are copied first, so the reference model,
     which shares them, is left as it was.
@@ -157,6 +156,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_masked_fill,
         lower_max_pool,
         lower_mean,
+        lower_cumsum,
         lower_avg_pool,
         lower_batch_norm,
         lower_group_norm,

@@ -1,5 +1,8 @@
 """Tensor-only observers: identity modules that collect calibration statistics.
 
+Over 400 lines: the three observer kinds share the statistics contract (buffers, the
+all-zero rule, merging across ranks) that the base class states once.
+
 Observers never see tuples: prepare places them on tensor leaves. Each belongs to one
 sharing group and carries that group's label so a bad batch names the nodes involved.
 Statistics are buffers, so ``state_dict``/``load_state_dict`` save and restore them.

@@ -23,10 +23,10 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from quantree.backends.cpu.cells.runner import CellLoopRunner
+from quantree.backends.cpu.cells.runner import CellLoopRunner, kernels
 from quantree.backends.cpu.native import checks as native_checks
 from quantree.backends.cpu.native import program_checks
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import ptr
 from quantree.backends.cpu.native.packing import packed_depth
 from quantree.backends.cpu.native.registry import op
 
@@ -303,7 +303,7 @@ def cell_loop(
     void_p = ctypes.c_void_p
     state_ptrs = (void_p * len(finals))(*[ptr(s) for s in finals])
     const_ptrs = (void_p * max(len(consts), 1))(*[ptr(c.contiguous()) for c in consts])
-    library().qt_cell_loop(
+    kernels().qt_cell_loop(
         ptr(xs), ptr(ys), xs.shape[0], int(reverse), state_ptrs, len(finals), ptr(outs),
         ptr(slots), slots.shape[0], xs.shape[1], ptr(code), ptr(fcode), code.shape[0],
         const_ptrs,
@@ -363,7 +363,7 @@ def cell_loop_packed(
     void_p = ctypes.c_void_p
     state_ptrs = (void_p * len(finals))(*[ptr(s) for s in finals])
     const_ptrs = (void_p * max(len(consts), 1))(*[ptr(c.contiguous()) for c in consts])
-    library().qt_cell_loop_packed(
+    kernels().qt_cell_loop_packed(
         ptr(xs), ptr(ys), len(sizes), int(reverse), ptr(sizes_t), state_ptrs, len(finals),
         ptr(outs), ptr(slots), slots.shape[0], batch, ptr(code), ptr(fcode), code.shape[0],
         const_ptrs,

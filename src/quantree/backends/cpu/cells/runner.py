@@ -22,7 +22,17 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import program_checks
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import I64, INT, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_cell_loop": [PTR, PTR, I64, INT, PTR, I64, PTR, PTR, I64, I64, PTR, PTR,
+                     I64, PTR],
+    "qt_cell_loop_packed": [PTR, PTR, I64, INT, PTR, PTR, I64, PTR, PTR, I64, I64,
+                            PTR, PTR, I64, PTR],
+}  # fmt: skip
+"""The C entry points the cell loops call (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 
 class CellLoopRunner:
@@ -32,8 +42,8 @@ class CellLoopRunner:
         self.key: tuple[Tensor, ...] = ()
         self.widths: tuple[int, ...] = ()
         self.args: tuple = ()
-        self.run: Callable[..., None] = library().qt_cell_loop
-        self.run_packed: Callable[..., None] = library().qt_cell_loop_packed
+        self.run: Callable[..., None] = kernels().qt_cell_loop
+        self.run_packed: Callable[..., None] = kernels().qt_cell_loop_packed
         self.keep: tuple = ()
 
     def __getstate__(self) -> dict:  # a copy builds its own block from its own tensors
@@ -109,7 +119,7 @@ class CellLoopRunner:
     ) -> None:
         """``launch`` on a packed sequence's float rows ``xs`` [N, I] into ``ys`` [N, H]:
         step t on the first ``sizes[t]`` rows of the states (``sizes`` int64, dense, checked
-        by the caller as ``native_checks.packed_batch_sizes`` does; ``batch`` its first entry,
+        by the caller as ``native.checks.packed_batch_sizes`` does; ``batch`` its first entry,
         the states' rows)."""
         outs, slots, n_slots, code, fcode, n_code, const_ptrs = self.args
         self.run_packed(
@@ -136,5 +146,5 @@ class CellLoopRunner:
             const_ptrs,
         )  # fmt: skip
         self.key, self.keep = key, (dense, const_ptrs)
-        self.run = library().qt_cell_loop
-        self.run_packed = library().qt_cell_loop_packed
+        self.run = kernels().qt_cell_loop
+        self.run_packed = kernels().qt_cell_loop_packed

@@ -1,7 +1,7 @@
 """Native calls bound to one graph node: the contract checked once, then guarded per call.
 
 A layer's op gets the same constants on every call of a lowered graph (packed weight, row
-sums, scales, bias, geometry integers), so its contract (``native_checks.py``, the one source
+sums, scales, bias, geometry integers), so its contract (``native/checks.py``, the one source
 of truth) need not be re-proven per call: ``bind`` runs it once, on the first call of the
 node (``direct.py`` holds one binding per node), and records what the verdict rests on. A
 call then checks only what can change: the activation's type, dtype and the dimensions the

@@ -22,15 +22,6 @@ import subprocess
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (
-    *("gemm.cpp", "gemm_sse2.cpp", "layers.cpp", "rnn.cpp", "cells.cpp", "pool.cpp"),
-    *("program.cpp", "conv1d.cpp", "mean.cpp", "conv_transpose.cpp", "conv_narrow.cpp"),
-    *("channel_affine.cpp", "group_norm.cpp"),
-)
-HEADERS = (
-    *("qt_kernels.h", "qt_vmath.h", "qt_x86_256.h", "gemm_vnni256.h", "qt_neon.h"),
-    *("qt_neon_math.h", "qt_program.h", "conv_narrow_x86.h"),
-)
 MACHINE = platform.machine().lower()
 X86 = MACHINE in ("x86_64", "amd64")
 ARM64 = MACHINE in ("aarch64", "arm64")
@@ -46,6 +37,16 @@ ARM64_ISA_SOURCES: dict[str, tuple[str, ...]] = {
     "isa_neondot.cpp": ("-march=armv8.2-a+dotprod",),
 }
 ISA_SOURCES = X86_ISA_SOURCES if X86 else (ARM64_ISA_SOURCES if ARM64 else {})
+SOURCES = tuple(
+    sorted(
+        path.name
+        for path in CSRC.glob("*.cpp")
+        if path.name not in X86_ISA_SOURCES and path.name not in ARM64_ISA_SOURCES
+    )
+)
+"""The portable sources: every ``.cpp`` in ``csrc/`` but the instruction-set files, so a new
+op's kernel file is compiled with no list to edit."""
+HEADERS = tuple(sorted(path.name for path in CSRC.glob("*.h")))
 """Per instruction set of this machine: its file and the flags it alone is compiled with."""
 FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fPIC", f"-I{CSRC}")
 PORTABLE_MARCH = "x86-64" if X86 else ("armv8-a" if ARM64 else "")

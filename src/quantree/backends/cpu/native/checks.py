@@ -1,5 +1,9 @@
 """The contracts of quantree's native entry points: what each C kernel reads and writes.
 
+Over 400 lines: one contract per native op, each beside the C signature it protects. A new
+op keeps its contract in its own module (``docs/adding-an-op.md``); these move there as
+their ops are next edited.
+
 A lowered model's graph hands the C kernels (``csrc/``, called through ``ctypes`` with raw
 pointers) tensors and integers that, in a saved model, come from the file: a crafted file
 could name a weight smaller than the kernel reads, an int8 buffer where floats are read, or
@@ -14,7 +18,7 @@ every call made through the dispatcher (``torch.ops.quantree.*``, a graph loaded
 ``torch.export.load``), and a lowered graph's layers (linear, conv, pooling) run it once per node,
 then check per call only what the verdict rested on (``bound_calls.py``). Contiguity and
 device are checked where the pointer is taken (``native.ptr``). Region programs and cell
-loops, whose tables take O(length) to check, are in ``program_checks.py``.
+loops, whose tables take O(length) to check, are in ``native/program_checks.py``.
 
 One function per op, each with the C signature it protects.
 """
@@ -383,7 +387,7 @@ def layer_params(op: str, params: Sequence[Tensor], gates: int, hidden: int, pro
 def rnn_plan(kind: str, params: Sequence[Tensor], hidden: int, num_layers: int,
              bidirectional: bool, hidden_bits: int, proj_size: int, features: int,
              qparams: Sequence[float], per_layer: int) -> None:  # fmt: skip
-    """Everything the plan (``ops_rnn.RnnPlan``) points the kernel at; checked when a plan
+    """Everything the plan (``ops.rnn.RnnPlan``) points the kernel at; checked when a plan
     is built (``RnnRunner.prepare``: new tensors, or tensors at a new address)."""
     op = "rnn"
     gates = recurrent_sizes(op, kind, hidden, proj_size)

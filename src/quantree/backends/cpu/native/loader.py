@@ -36,6 +36,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -61,45 +62,30 @@ ISA_CAP = {"x86-64": 0, "x86-64-v2": 0, "x86-64-v3": 1, "x86-64-v4": 1}
 PREBUILT_STEM = "_kernels"
 """The extension module ``setup.py`` builds beside this file."""
 
-_i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-SIGNATURES: dict[str, list[type]] = {
-    "qt_linear": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32,
-                  _int],
-    "qt_conv2d": [_ptr, *[_i64] * 17, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _f32, _f32, _int],
-    "qt_conv2d_grouped": [_ptr, *[_i64] * 18, *[_ptr] * 6, _f32, _f32, _int],
-    "qt_conv2d_depthwise": [_ptr, *[_i64] * 15, *[_ptr] * 6, _f32, _f32, _int],
-    "qt_conv1d": [_ptr, _ptr, *[_i64] * 7, _f32, _f32, _f32, *[_i64] * 8, *[_ptr] * 8,
-                  *[_i64] * 3, _f32, _f32, _int],
-    "qt_conv_transpose": [_ptr, *[_i64] * 16, *[_ptr] * 7, *[_i64] * 4, _f32, _f32, _int],
-    "qt_mean_hw": [_ptr, *[_i64] * 8, _f32, _i64, _f32, _f32, _ptr],
-    "qt_channel_affine": [_ptr, *[_i64] * 3, _f32, _f32, _ptr, _ptr, _f32, _f32, _f32, _ptr],
-    "qt_group_norm": [_ptr, *[_i64] * 5, _ptr, _ptr, _f32, _ptr],
-    "qt_softmax": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr],
-    "qt_max_pool2d": [_ptr, *[_i64] * 14, _ptr],
-    "qt_avg_pool2d": [_ptr, *[_i64] * 14, _f32, _i64, _f32, _f32, _ptr],
-    "qt_quantize16": [_ptr, _i64, _f32, _ptr],
-    "qt_split16": [_ptr, _i64, _f32, _f32, _f32, _ptr, _ptr],
-    "qt_linear16": [_ptr, *[_i64] * 4, *[_ptr] * 5, _f32, _f32, _f32],
-    "qt_binary": [_int, _ptr, _ptr, _i64, _f32, _f32, _f32, _f32, _f32, _f32, _ptr],
-    "qt_lookup": [_ptr, _i64, _ptr, _ptr],
-    "qt_matmul": [_ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _f32, _f32, _ptr, _ptr, _f32, _f32],
-    "qt_quantize": [_ptr, _i64, _f32, _f32, _ptr],
-    "qt_dequantize": [_ptr, _i64, _f32, _f32, _ptr],
-    "qt_embedding_rows": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr],
-    "qt_cell_loop": [_ptr, _ptr, _i64, _int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
-                     _i64, _ptr],
-    "qt_cell_loop_packed": [_ptr, _ptr, _i64, _int, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
-                            _ptr, _ptr, _i64, _ptr],
-    "qt_rnn_layer": [_int, _i64, _i64, _i64, _i64, _int, _ptr, _f32, _f32, _ptr, _i64, _ptr,
-                     _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _f32, _f32, _f32, _f32, _int,
-                     _ptr, _i64, _f32, _f32, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr],
-    "qt_rnn": [_ptr, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
-    "qt_rnn_packed": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr,
-                      _ptr, _ptr],
-    "qt_program_run": [
-        *(_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr)
-    ],
-}  # fmt: skip
+I64, INT, F32, PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+"""The ctypes of the kernels' arguments: int64_t, int, float, and any pointer."""
+
+
+def kernels(
+    signatures: Mapping[str, Sequence[type]], returns: Mapping[str, type] | None = None
+) -> Callable[[], ctypes.CDLL]:
+    """The library, once ``signatures`` (C symbol -> its ctypes argument types) and
+    ``returns`` (C symbol -> its result type; void if absent) are declared on it.
+
+    Each native op module declares the C entry points it calls and calls them through
+    ``kernels(SIGNATURES)()``: one place per op, no table here to keep in step.
+    """
+
+    @functools.cache
+    def declared() -> ctypes.CDLL:
+        lib = library()
+        for symbol, argtypes in signatures.items():
+            fn = getattr(lib, symbol)
+            fn.argtypes = list(argtypes)
+            fn.restype = (returns or {}).get(symbol)
+        return lib
+
+    return declared
 
 
 def isa_cap() -> int:
@@ -132,17 +118,12 @@ def library() -> ctypes.CDLL:
                 f"quantree's CPU kernels at {path} do not load: {error}. Delete that directory "
                 "(it is rebuilt on the next use), or point TORCH_EXTENSIONS_DIR elsewhere."
             ) from error
-    for symbol, argtypes in SIGNATURES.items():
-        fn = getattr(lib, symbol)
-        fn.argtypes = argtypes
-        fn.restype = None
-    lib.qt_embedding_rows.restype = _i64  # the first index out of range, or -1
-    lib.qt_select_isa.argtypes = [_int]
-    lib.qt_select_isa.restype = _int
-    lib.qt_current_isa.restype = _int
-    lib.qt_cpu_features.restype = _int
-    lib.qt_isa_for.argtypes = [_int, _int]
-    lib.qt_isa_for.restype = _int
+    lib.qt_select_isa.argtypes = [INT]
+    lib.qt_select_isa.restype = INT
+    lib.qt_current_isa.restype = INT
+    lib.qt_cpu_features.restype = INT
+    lib.qt_isa_for.argtypes = [INT, INT]
+    lib.qt_isa_for.restype = INT
     if ISA_NAMES[lib.qt_select_isa(isa_cap())] == "portable":
         warnings.warn(portable_warning(lib.qt_cpu_features()), RuntimeWarning, stacklevel=2)
     return lib
@@ -229,7 +210,7 @@ def prebuilt_file(variant: str) -> Path | None:
 @functools.cache
 def prebuilt_choice() -> tuple[Path, ctypes.CDLL] | None:
     """The prebuilt library for this process (see the module docstring): the baseline one,
-    or the best variant (``build_native.PREBUILT_VARIANTS``) the CPU has and the march
+    or the best variant (``native.build.PREBUILT_VARIANTS``) the CPU has and the march
     allows."""
     base = prebuilt_path()
     if (
@@ -241,7 +222,7 @@ def prebuilt_choice() -> tuple[Path, ctypes.CDLL] | None:
     lib = load_prebuilt(base)
     if lib is None:
         return None
-    lib.qt_cpu_features.restype = _int
+    lib.qt_cpu_features.restype = INT
     features = lib.qt_cpu_features()
     order = ["x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4"]  # the keys of ISA_CAP
     ceiling = len(order) if MARCH == "native" else order.index(MARCH)

@@ -1,5 +1,8 @@
 """The contracts of the native programs: region programs and cell loops.
 
+Over 400 lines: the one contract of both native interpreters' tables (slots, views,
+instructions, constants), proven once per table and cached; its halves share the verdict.
+
 ``qt_program_run`` (``csrc/program.cpp``) and ``qt_cell_loop`` (``csrc/cells.cpp``) lay a
 workspace out from a slot table and run instructions (``csrc/qt_program.h``, ``run_op``)
 that index slots and constant tensors with integers from the tables. A table from a file

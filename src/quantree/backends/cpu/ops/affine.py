@@ -16,8 +16,15 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library
+from quantree.backends.cpu.native.loader import F32, I64, PTR
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.registry import inverse, op
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_channel_affine": [PTR, *[I64] * 3, F32, F32, PTR, PTR, F32, F32, F32, PTR],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 
 @op(
@@ -46,7 +53,7 @@ def channel_affine(
         outer, inner = int(x.shape[0]), math.prod(x.shape[2:])
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     qmin = float(max(out_zero_point, -128)) if relu else -128.0
-    library().qt_channel_affine(
+    kernels().qt_channel_affine(
         x.data_ptr(), outer, c, inner, float(x_scale), float(x_zero_point), alpha.data_ptr(),
         beta.data_ptr(), inverse(out_scale), float(out_zero_point), qmin, out.data_ptr(),
     )  # fmt: skip

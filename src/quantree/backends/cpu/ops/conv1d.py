@@ -16,9 +16,17 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import F32, I64, INT, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import packed_depth
 from quantree.backends.cpu.native.registry import inverse
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_conv1d": [PTR, PTR, *[I64] * 7, F32, F32, F32, *[I64] * 8, *[PTR] * 8,
+                  *[I64] * 3, F32, F32, INT],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 Wide = tuple[float, int, int, Tensor, Tensor]
 """A float input quantized to int16 inside: (scale, quant_min, quant_max, and the low
@@ -99,7 +107,7 @@ def conv1d_strided(
     n, c, length = x.shape
     x_scale, qmin, qmax = (wide[0], wide[1], wide[2]) if wide is not None else (1.0, 0, 0)
     depth = 0 if groups == c == out_channels else packed_depth(weight)
-    library().qt_conv1d(
+    kernels().qt_conv1d(
         None if wide else x.data_ptr(), x.data_ptr() if wide else None, *x.stride(), n, c,
         length, x_zero_point, 1.0 / x_scale, float(qmin), float(qmax), out_channels, groups,
         kernel[0], stride[0], padding[0], dilation[0], out.shape[2], depth, ptr(weight),

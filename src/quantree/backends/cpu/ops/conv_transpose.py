@@ -4,7 +4,7 @@ The kernel multiplies each input pixel's channels by the weight (the shared pack
 every ISA path) and scatters the products into an exact int32 accumulator at the output
 pixels the taps reach, then runs conv's epilogue. Layouts follow the convolutions': a 2-d
 result is channels-last (what the next int8 layer reads without a copy); a 1-d float result
-is contiguous ``[N, O, L]``, an int8 one has the channels innermost (``ops_conv1d``).
+is contiguous ``[N, O, L]``, an int8 one has the channels innermost (``ops/conv1d.py``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,17 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import F32, I64, INT, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import pack, zero_point_offset
 from quantree.backends.cpu.native.registry import inverse, op
 from quantree.backends.cpu.ops.wide import split16
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_conv_transpose": [PTR, *[I64] * 16, *[PTR] * 7, *[I64] * 4, F32, F32, INT],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 CHUNK = check.CONV_TRANSPOSE_CHUNK
 """Input channels one GEMM reduces over at most: ``csrc/conv_transpose.cpp`` reads its float
@@ -129,7 +136,7 @@ def conv_transpose(
         return out
     n, c = x.shape[:2]
     h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow = geometry
-    library().qt_conv_transpose(
+    kernels().qt_conv_transpose(
         ptr(xl), n, c, h, w, out_channels, groups, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow,
         ptr(weight), ptr(col_offset), ptr(offset), ptr(scale), ptr(bias),
         out.data_ptr() if quantized else None, None if quantized else out.data_ptr(), *strides,
@@ -174,7 +181,7 @@ def conv_transpose16(
     """Float ``x`` quantized to int16 (``x_scale``, zero point 0), transposed-convolved with
     an int8 weight: the float result of ``conv_transpose(dq16(q16(x)), dq(W), dq(b))``.
 
-    As ``ops_wide``'s conv16: the int16 codes as two int8 planes, the kernel run once per
+    As ``ops/wide.py``'s conv16: the int16 codes as two int8 planes, the kernel run once per
     plane (the hi plane on ``hi_scale`` = 256 x the accumulator's scale, zero point 0; the lo
     plane on ``scale``, zero point -128, with the int32 ``offset`` and the float bias), the
     two float results added. 2 x the int8 layer's work: on ConvTasNet's decoder an int8

@@ -10,8 +10,19 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import F32, I64, INT, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.registry import dense, op
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_quantize": [PTR, I64, F32, F32, PTR],
+    "qt_dequantize": [PTR, I64, F32, F32, PTR],
+    "qt_lookup": [PTR, I64, PTR, PTR],
+    "qt_binary": [INT, PTR, PTR, I64, F32, F32, F32, F32, F32, F32, PTR],
+    "qt_softmax": [PTR, I64, I64, PTR, F32, F32, PTR],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 
 @op("quantize(Tensor x, float scale, int zero_point) -> Tensor")
@@ -19,7 +30,7 @@ def quantize(x: Tensor, scale: float, zero_point: int) -> Tensor:
     """``quantized_decomposed.quantize_per_tensor`` to int8 [-128, 127], same arithmetic."""
     x = dense(x.float())
     out = torch.empty_like(x, dtype=torch.int8)
-    library().qt_quantize(ptr(x), x.numel(), 1.0 / scale, float(zero_point), ptr(out))
+    kernels().qt_quantize(ptr(x), x.numel(), 1.0 / scale, float(zero_point), ptr(out))
     return out
 
 
@@ -38,7 +49,7 @@ def dequantize(q: Tensor, scale: float, zero_point: int) -> Tensor:
     check.dequantize(q)
     q = q.contiguous()
     out = torch.empty(q.shape, dtype=torch.float32)
-    library().qt_dequantize(ptr(q), q.numel(), scale, float(zero_point), ptr(out))
+    kernels().qt_dequantize(ptr(q), q.numel(), scale, float(zero_point), ptr(out))
     return out
 
 
@@ -79,7 +90,7 @@ def lookup(x: Tensor, table: Tensor) -> Tensor:
     check.lookup(x, table)
     x = dense_any_layout(x)
     out = torch.empty_like(x)
-    library().qt_lookup(ptr(in_memory_order(x)), x.numel(), ptr(table), ptr(in_memory_order(out)))
+    kernels().qt_lookup(ptr(in_memory_order(x)), x.numel(), ptr(table), ptr(in_memory_order(out)))
     return out
 
 
@@ -125,7 +136,7 @@ def binary(
     check.binary(kind, a, b, BINARY)
     a, b = same_layout(a, b)
     out = torch.empty_like(a)
-    library().qt_binary(
+    kernels().qt_binary(
         BINARY[kind], ptr(in_memory_order(a)), ptr(in_memory_order(b)), a.numel(), a_scale,
         float(a_zero_point), b_scale, float(b_zero_point), 1.0 / out_scale,
         float(out_zero_point), ptr(in_memory_order(out)),
@@ -171,7 +182,7 @@ def softmax(x: Tensor, exp_table: Tensor, out_scale: float, out_zero_point: int)
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.int8)
     cols = x.shape[-1]
-    library().qt_softmax(
+    kernels().qt_softmax(
         ptr(x), x.numel() // cols if cols else 0, cols, ptr(exp_table), 1.0 / out_scale,
         float(out_zero_point), ptr(out),
     )  # fmt: skip

@@ -10,8 +10,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from quantree.backends.cpu.native.loader import library
+from quantree.backends.cpu.native.loader import I64, PTR
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.registry import op
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_embedding_rows": [PTR, I64, I64, PTR, I64, PTR, PTR, PTR],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES, returns={"qt_embedding_rows": I64})
+"""(``qt_embedding_rows`` returns the first index out of range, or -1.)"""
 
 
 @op(
@@ -30,7 +38,7 @@ def embedding_rows(
     if per_row and _native_rows(table, scale, zero_point, indices):
         ids = indices.contiguous()
         out = torch.empty(*ids.shape, table.shape[1])
-        first_bad = library().qt_embedding_rows(
+        first_bad = kernels().qt_embedding_rows(
             table.data_ptr(), table.shape[0], table.shape[1], ids.data_ptr(), ids.numel(),
             scale.data_ptr(), zero_point.data_ptr(), out.data_ptr(),
         )  # fmt: skip

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import F32, I64, INT, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import packed_depth
 from quantree.backends.cpu.native.registry import inverse, op
 from quantree.backends.cpu.ops.conv1d import (
@@ -17,6 +18,17 @@ from quantree.backends.cpu.ops.conv1d import (
     reads_in_place,
     stages_in_bounds,
 )
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_linear": [PTR, I64, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, F32, F32,
+                  INT],
+    "qt_conv2d": [PTR, *[I64] * 17, PTR, PTR, PTR, PTR, PTR, PTR, F32, F32, INT],
+    "qt_conv2d_grouped": [PTR, *[I64] * 18, *[PTR] * 6, F32, F32, INT],
+    "qt_conv2d_depthwise": [PTR, *[I64] * 15, *[PTR] * 6, F32, F32, INT],
+    "qt_matmul": [PTR, PTR, I64, I64, I64, I64, F32, F32, F32, PTR, PTR, F32, F32],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 
 @op(
@@ -54,7 +66,7 @@ def run_linear(x: Tensor, kp: int, pointers: tuple[int | None, ...], offset: Ten
     if x2.shape[1] == 0:  # K = 0: no product to run (some paths size their panels by K)
         return _requantized(offset.float() * scale, bias, out_scale, out_zero_point, relu, shape)
     out = torch.empty(shape, dtype=torch.int8 if quantized else torch.float32)
-    library().qt_linear(
+    kernels().qt_linear(
         ptr(x2), x2.shape[0], x2.shape[1], out_features, kp, *pointers,
         ptr(out) if quantized else None, None if quantized else ptr(out), inverse(out_scale),
         float(out_zero_point), int(relu),
@@ -161,12 +173,12 @@ def run_conv2d(x: Tensor, kp: int, pointers: tuple[int | None, ...], out_channel
     out_q, out_f = (ptr(out), None) if quantized else (None, ptr(out))
     requant = (*pointers, out_q, out_f, inverse(out_scale), float(out_zero_point), int(relu))
     if is_depthwise(c, out_channels, groups):
-        library().qt_conv2d_depthwise(
+        kernels().qt_conv2d_depthwise(
             ptr(x), n, c, h, w, x_zero_point, *kernel, *stride, *padding[:2], *dilation,
             shape[2], shape[3], *requant,
         )  # fmt: skip
     else:
-        library().qt_conv2d_grouped(
+        kernels().qt_conv2d_grouped(
             ptr(x), n, c, h, w, x_zero_point, out_channels, groups, *kernel, *stride,
             *padding[:2], *dilation, shape[2], shape[3], kp, *requant,
         )  # fmt: skip
@@ -213,7 +225,7 @@ def conv1d(
 ) -> Tensor:
     """int8 ``[N, C, L]`` convolution; ``padding`` is ``[left]`` or ``[left, right]``.
 
-    A float result is contiguous (``ops_conv1d``: the input read in its own layout, no
+    A float result is contiguous (``ops/conv1d.py``: the input read in its own layout, no
     copies before or after the float op that reads it). An int8 result has the channels
     innermost (conv2d's channels-last strides), so a following conv1d reads it without a
     copy; an input in that layout runs as the conv2d of ``[N, C, 1, L]``.
@@ -264,7 +276,7 @@ def matmul(
     if k == 0:  # an empty sum: every product is 0 (some paths size their panels by K)
         return _requantized(torch.zeros(n), None, out_scale, out_zero_point, False, (*batch, m, n))
     out = torch.empty((*batch, m, n), dtype=torch.int8 if quantized else torch.float32)
-    library().qt_matmul(
+    kernels().qt_matmul(
         ptr(a3), ptr(b3), a3.shape[0], m, k, n, float(a_zero_point), float(b_zero_point),
         a_scale * b_scale, ptr(out) if quantized else None, None if quantized else ptr(out),
         inverse(out_scale), float(out_zero_point),

@@ -15,8 +15,15 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library
+from quantree.backends.cpu.native.loader import F32, I64, PTR
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.registry import op
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_group_norm": [PTR, *[I64] * 5, PTR, PTR, F32, PTR],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 
 def _layout(x: Tensor) -> tuple[Tensor, bool]:
@@ -48,7 +55,7 @@ def group_norm(
     bias = None if bias is None else bias.contiguous()
     out = torch.empty_like(x)
     n, c = int(x.shape[0]), int(x.shape[1])
-    library().qt_group_norm(
+    kernels().qt_group_norm(
         x.data_ptr(), n, c, math.prod(x.shape[2:]), int(channels_last), int(groups),
         None if weight is None else weight.data_ptr(),
         None if bias is None else bias.data_ptr(), float(eps), out.data_ptr(),

@@ -1,5 +1,12 @@
 """int8 max and average pooling on channels-last tensors (what the native convolutions
-produce)."""
+produce), and global average pooling (``csrc/mean.cpp``).
+
+Squeeze-excite blocks (EfficientNet, RegNet-Y, MobileNetV3) and classifier heads average a
+whole feature map into C values. Without a kernel that was a float island: the int8 map
+dequantized to a float copy, averaged, the C results quantized. ``mean_hw`` sums the codes
+in int32 in one pass over the map as it lies (channels-last from a convolution, or
+contiguous), and only the C sums are converted.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +14,17 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import F32, I64, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.registry import inverse, op
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_max_pool2d": [PTR, *[I64] * 14, PTR],
+    "qt_avg_pool2d": [PTR, *[I64] * 14, F32, I64, F32, F32, PTR],
+    "qt_mean_hw": [PTR, *[I64] * 8, F32, I64, F32, F32, PTR],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 
 def pool_shape(
@@ -50,7 +66,7 @@ def run_max_pool2d(
     shape = pool_shape(x, kernel, stride, padding, dilation, ceil_mode)
     out = torch.empty(shape, dtype=torch.int8, memory_format=torch.channels_last)
     n, c, h, w = x.shape
-    library().qt_max_pool2d(
+    kernels().qt_max_pool2d(
         ptr(x), n, c, h, w, *kernel, *stride, *padding, *dilation, shape[2], shape[3], ptr(out)
     )
     return out
@@ -79,7 +95,7 @@ def avg_pool2d(
     shape = pool_shape(x, kernel, stride, padding, [1, 1], ceil_mode)
     out = torch.empty(shape, dtype=torch.int8, memory_format=torch.channels_last)
     n, c, h, w = x.shape
-    library().qt_avg_pool2d(
+    kernels().qt_avg_pool2d(
         ptr(x), n, c, h, w, *kernel, *stride, *padding, shape[2], shape[3],
         int(count_include_pad), int(divisor_override), float(x_scale), int(x_zero_point),
         inverse(out_scale), float(out_zero_point), ptr(out),
@@ -91,3 +107,33 @@ def avg_pool2d(
 def _avg_pool2d_fake(x, kernel, stride, padding, ceil_mode, *_):
     shape = pool_shape(x, kernel, stride, padding, [1, 1], ceil_mode)
     return torch.empty(shape, dtype=torch.int8, memory_format=torch.channels_last)
+
+
+@op(
+    "mean_hw(Tensor x, float x_scale, int x_zero_point, float out_scale, int out_zero_point, "
+    "bool keepdim) -> Tensor"
+)
+def mean_hw(
+    x: Tensor,
+    x_scale: float,
+    x_zero_point: int,
+    out_scale: float,
+    out_zero_point: int,
+    keepdim: bool,
+) -> Tensor:
+    """int8 ``x`` ``[N, C, H, W]`` averaged over H and W onto the output grid: ``[N, C, 1, 1]``
+    (``keepdim``) or ``[N, C]``."""
+    check.mean_hw(x, x_zero_point, out_zero_point)
+    n, c, h, w = x.shape
+    out = torch.empty((n, c), dtype=torch.int8)
+    kernels().qt_mean_hw(
+        x.data_ptr(), n, c, h, w, *x.stride(), float(x_scale), int(x_zero_point),
+        inverse(out_scale), float(out_zero_point), out.data_ptr(),
+    )  # fmt: skip
+    return out.view(n, c, 1, 1) if keepdim else out
+
+
+@torch.library.register_fake("quantree::mean_hw")
+def _(x, x_scale, x_zero_point, out_scale, out_zero_point, keepdim):
+    shape = (x.shape[0], x.shape[1], 1, 1) if keepdim else (x.shape[0], x.shape[1])
+    return x.new_empty(shape, dtype=torch.int8)

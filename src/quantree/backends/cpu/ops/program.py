@@ -1,6 +1,6 @@
 """``quantree.program``: a straight-line region of lowered ops run in one native call.
 
-The region's values live in one workspace laid out per call (``lowering_program``);
+The region's values live in one workspace laid out per call (``passes/regions.py``);
 ``code``, ``fcode`` and ``slots`` are its instructions (``csrc/qt_program.h``) and value
 table, ``consts`` the tensors they read. Inputs are copied in, outputs out, in the dtypes
 and shapes recorded at compile time, a dynamic program's sizes resolved from its inputs.
@@ -15,8 +15,17 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import program_checks
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import I64, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.registry import op
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_program_run": [
+        *(PTR, PTR, I64, PTR, PTR, I64, PTR, I64, I64, I64, PTR, PTR, I64, PTR)
+    ],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 DTYPES = (torch.float32, torch.int8)
 """Slot dtype codes: 0 float32, 1 int8."""
@@ -101,7 +110,7 @@ def program(
         dense, consts, code, fcode, slots, in_slots, out_slots, out_dtypes, size, outs
     )
     void_p = ctypes.c_void_p
-    library().qt_program_run(
+    kernels().qt_program_run(
         (void_p * max(len(dense), 1))(*[ptr(x) for x in dense]), ptr(in_slots), len(dense),
         (void_p * max(len(outs), 1))(*[ptr(o) for o in outs]), ptr(out_slots), len(outs),
         ptr(slots), slots.shape[0], slots.shape[1], size, ptr(code), ptr(fcode), code.shape[0],

@@ -10,9 +10,18 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import F32, I64, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import packed_depth
 from quantree.backends.cpu.native.registry import op
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_rnn": [PTR, I64, I64, PTR, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR],
+    "qt_rnn_packed": [PTR, I64, I64, PTR, PTR, PTR, F32, PTR, PTR, PTR, PTR, PTR,
+                      PTR, PTR],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 RNN_KINDS = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 PER_LAYER = 8  # w_ih and w_hh: packed int8, int32 row sums, per-channel scale, float bias
@@ -97,7 +106,7 @@ class RnnRunner:
         self.key: tuple | None = None
         self.qparams: list[float] = []
         self.params: list[Tensor] = []
-        self.run: Callable[..., None] = library().qt_rnn
+        self.run: Callable[..., None] = kernels().qt_rnn
         self.plan: RnnPlan | None = None
         self.x_inv = 0.0
         self.address = 0
@@ -153,7 +162,7 @@ class RnnRunner:
                      h_n.data_ptr(), cn)  # fmt: skip
         else:
             pinned = self.pinned(inner_steps, num_layers)
-            library().qt_rnn_packed(self.address, steps, batch, None, x8, xf, self.x_inv, h0,
+            kernels().qt_rnn_packed(self.address, steps, batch, None, x8, xf, self.x_inv, h0,
                                     c0, y8, yf, h_n.data_ptr(), cn, ptr(pinned))  # fmt: skip
         out = out.transpose(0, 1).contiguous() if batch_first else out
         return out, h_n, x.new_empty((0,)) if c_n is None else c_n
@@ -206,7 +215,7 @@ class RnnRunner:
         pinned = None if inner_steps is None else self.pinned(inner_steps, num_layers)
         x8, xf = (None, inp.data_ptr()) if float_input else (inp.data_ptr(), None)
         y8, yf = (None, out.data_ptr()) if float_output else (out.data_ptr(), None)
-        library().qt_rnn_packed(
+        kernels().qt_rnn_packed(
             self.address, len(sizes), batch, steps.data_ptr(), x8, xf, self.x_inv,
             ptr(hx[0].contiguous()) if hx else None,
             ptr(hx[1].contiguous()) if hx and lstm else None, y8, yf,
@@ -264,7 +273,7 @@ class RnnRunner:
             depth=ctypes.cast(depth, ctypes.POINTER(ctypes.c_int64)), **values,
         )  # fmt: skip
         self.key, self.qparams, self.params, self.plan = key, list(qparams), list(params), plan
-        self.run = library().qt_rnn
+        self.run = kernels().qt_rnn
         self.x_inv = 1.0 / qparams[0]  # as ``quantize`` computes it
         self.address = ctypes.addressof(plan)
         self.addresses = [p.data_ptr() for p in params]

@@ -12,11 +12,20 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import F32, I64, INT, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import packed_depth
 from quantree.backends.cpu.native.registry import op
 from quantree.backends.cpu.ops.elementwise import dequantize, quantize
 from quantree.backends.cpu.ops.rnn import RNN_KINDS
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_rnn_layer": [INT, I64, I64, I64, I64, INT, PTR, F32, F32, PTR, I64, PTR,
+                     PTR, PTR, PTR, I64, PTR, PTR, PTR, F32, F32, F32, F32, INT,
+                     PTR, I64, F32, F32, PTR, PTR, PTR, I64, PTR, PTR, PTR, PTR],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 
 @op(
@@ -44,7 +53,7 @@ def rnn_cell(
     c = dequantize(hx[1].reshape(batch, hidden), c_s, int(c_z)) if lstm else None
     y = torch.empty(batch, hidden, dtype=torch.int8)
     w_ih, sum_ih, sc_ih, b_ih, w_hh, sum_hh, sc_hh, b_hh = params
-    library().qt_rnn_layer(
+    kernels().qt_rnn_layer(
         RNN_KINDS[kind], 1, batch, k_in, hidden, 0, ptr(x), x_s, x_z, ptr(w_ih),
         packed_depth(w_ih), ptr(sum_ih), ptr(sc_ih), ptr(b_ih), ptr(w_hh), packed_depth(w_hh),
         ptr(sum_hh), ptr(sc_hh), ptr(b_hh), h_s, h_z, h_s, h_z, 0, ptr(y), hidden, y_s, y_z,

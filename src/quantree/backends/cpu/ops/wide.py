@@ -18,12 +18,21 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import library, ptr
+from quantree.backends.cpu.native.loader import F32, I64, PTR, ptr
+from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import packed_depth
 from quantree.backends.cpu.native.registry import op
 from quantree.backends.cpu.ops.conv1d import conv1d_strided, stages_in_bounds
 from quantree.backends.cpu.ops.elementwise import dense_any_layout, in_memory_order
 from quantree.backends.cpu.ops.gemm import as_conv2d_geometry, conv2d
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_quantize16": [PTR, I64, F32, PTR],
+    "qt_split16": [PTR, I64, F32, F32, F32, PTR, PTR],
+    "qt_linear16": [PTR, *[I64] * 4, *[PTR] * 5, F32, F32, F32],
+}  # fmt: skip
+"""The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
+kernels = native_kernels(SIGNATURES)
 
 LO_ZERO_POINT = -128
 """The zero point of the low byte plane: ``lo + 128`` is the byte ``q & 255``."""
@@ -34,7 +43,7 @@ def split16(x: Tensor, scale: float, quant_min: int, quant_max: int) -> tuple[Te
     in ``x``'s memory order (a channels-last ``x`` gives channels-last planes)."""
     x = dense_any_layout(x.float())
     hi, lo = torch.empty_like(x, dtype=torch.int8), torch.empty_like(x, dtype=torch.int8)
-    library().qt_split16(
+    kernels().qt_split16(
         ptr(in_memory_order(x)), x.numel(), 1.0 / scale, float(quant_min), float(quant_max),
         ptr(in_memory_order(hi)), ptr(in_memory_order(lo)),
     )  # fmt: skip
@@ -72,7 +81,7 @@ def run_linear16(x: Tensor, x_scale: float, quant_min: int, quant_max: int, kp: 
     data pointers of weight, offset, scale and bias."""
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
-    library().qt_linear16(
+    kernels().qt_linear16(
         ptr(x2), x2.shape[0], x2.shape[1], out_features, kp, *pointers, ptr(out),
         1.0 / x_scale, float(quant_min), float(quant_max),
     )  # fmt: skip
@@ -111,7 +120,7 @@ def conv16(
     """Float ``x`` (``[N, C, L]`` or ``[N, C, H, W]``) quantized to int16, convolved with a
     packed int8 weight as ``quantree.conv1d``/``conv2d`` would (padding reads the zero point
     of each plane, so 0 of the 16-bit value): float out, contiguous for ``[N, C, L]``
-    (``ops_conv1d``: quantized panel by panel as it lies, no copy of the tensor), else with
+    (``ops/conv1d.py``: quantized panel by panel as it lies, no copy of the tensor), else with
     channels-last strides."""
     one_d = x.dim() == 3
     if one_d:

@@ -4,7 +4,7 @@ removed after lowering.
 Hugging Face's norms write ``hidden_states.to(torch.float32)`` on float32 activations; export
 keeps each as ``aten.to.dtype`` (which returns its input unchanged) preceded by an
 ``_assert_tensor_metadata`` on the same value. Neither computes anything, but both read the
-value: a region program (``lowering_program``) ends wherever an op it does not run reads
+value: a region program (``passes/regions.py``) ends wherever an op it does not run reads
 one of its values, so every RMSNorm of LLaMA or T5 cut the regions around it, and each is a
 dispatcher call on every forward. The dtypes of computed values are fixed by the graph's ops,
 and so are the constants', so the check on them cannot fail at run time; checks on the

@@ -81,7 +81,7 @@ def float_ops(root: torch.nn.Module) -> list[tuple[str, fx.Node | ProgramOp, boo
 
 @dataclasses.dataclass(frozen=True)
 class ProgramOp:
-    """A float op a native region program computes (``lowering_program``): float still,
+    """A float op a native region program computes (``passes/regions.py``): float still,
     though no longer a node of the graph."""
 
     target: str

@@ -6,7 +6,7 @@ then ``proj[0]``, ``proj[1]``, ``proj[2]``: six dispatcher calls and a copy of t
 projection, to take columns ``i * E : (i + 1) * E`` of it. Rewritten as those column slices
 (each made contiguous, as the views after it need), the split is three ``slice`` +
 ``contiguous`` pairs a region program runs as copies out of the projection it computes
-(``lowering_program``); outside a program they are the same values, bit for bit.
+(``passes/regions.py``); outside a program they are the same values, bit for bit.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """Runs of small lowered ops fused into one native program (``quantree.program``).
 
+Over 400 lines, on purpose for now: one pass in three phases (shapes, cover, emit) that share
+the node -> shape table and the instruction encoding. Its seam is cover (which ops a program
+takes) vs emit (the tables): the split waits for the region work in flight to land, so that
+the merges stay clean.
+
 At batch 1 a recurrence unrolled in Python (torchaudio's layer-normed LSTM, any cell written
 with modules and stepped in a loop) leaves a dozen small ops per step: a quantize, an int8
 linear, then float add, layer norm, sigmoid, tanh and mul on a few hundred values each. Every
@@ -12,7 +17,7 @@ add/mul/sub (an operand broadcast along rows too), sigmoid/tanh/relu/gelu/silu/n
 norm and RMSNorm over the last dimension, chunk / unbind / getitem / row and column slices /
 order-keeping views as views, views and reshapes of dense rows as new views, stack and cat
 as copies, and at fixed sizes transposes, permutes and expands as row copies:
-``program_layout``) and, when it holds at least ``MIN_OPS`` of them, replaces it by one
+``passes/region_layout.py``) and, when it holds at least ``MIN_OPS`` of them, replaces it by one
 call. Layer norms and
 gelus over many values stay ATen's (``FLOAT_MAX_ELEMENTS``). The arithmetic is each op's
 own: the int8 ops the same bits as their kernels, the float ones float32 (layer norm sums
@@ -81,7 +86,7 @@ after they are made, so a clone needs no copy either."""
 RESHAPES = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
 }  # fmt: skip
-"""Of ``SAME_SLOT``, those that may also change the last dimension (``program_layout``)."""
+"""Of ``SAME_SLOT``, those that may also change the last dimension (``passes/region_layout.py``)."""
 PERMUTES = {aten.permute.default, aten.transpose.int}
 FLOAT_MAX_ELEMENTS = 12288
 """Layer norm (summing in double) and gelu (libm's erf/tanh, element by element) are scalar
@@ -466,7 +471,8 @@ def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> 
 
 
 def _moved_rows(n: fx.Node, shapes: dict[fx.Node, Shape]) -> list[tuple[int, int]] | None:
-    """A permute's or an expand's output rows as source row strides (``program_layout``)."""
+    """A permute's or an expand's output rows as source row strides
+    (``passes/region_layout.py``)."""
     a: Any = n.args
     src, out = shapes[a[0]][0], shapes[n][0]
     perm: list[int] | None = None

@@ -2,7 +2,7 @@
 
 LLaMA, Mistral and T5 compute their norm as ``x * rsqrt(x.pow(2).mean(-1, keepdim=True) +
 eps)`` times a weight: export keeps ``pow``, ``mean``, ``add``, ``rsqrt`` and two ``mul``s,
-six dispatcher calls per norm, each a value a region program (``lowering_program``) cannot
+six dispatcher calls per norm, each a value a region program (``passes/regions.py``) cannot
 take apart (a ``[rows, 1]`` mean broadcast back over the row). As one ``rms_norm`` the norm is
 a single instruction of a program (``RMS_NORM`` in ``csrc/qt_program.h``), as layer norm is.
 Outside a program ATen's ``rms_norm`` computes the same formula (float rounding aside).

@@ -2,9 +2,9 @@
 
 Pattern: ``dq(x int8) -> conv_transpose(dq(W int8, per channel on axis 1 or per tensor),
 dq(b int32)) [-> relu] [-> q]``, also as ``aten.convolution(transposed=True)``. The
-replacement is ``quantree.conv_transpose`` (``ops_conv_transpose.py``), whose int32
+replacement is ``quantree.conv_transpose`` (``ops/conv_transpose.py``), whose int32
 accumulation is exact; an int32 bias on exactly the accumulator's scale is added to it,
-another bias in float, as for conv (``lowering_linear.accumulator_terms``).
+another bias in float, as for conv (``rules.linear.accumulator_terms``).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _lower_wide(
     geometry: tuple[Any, ...],
 ) -> bool:
     """The int16 input's planes: hi on zero point 0 and 256 x the scale, lo on zero point
-    -128 and the scale, which is the int32 bias's grid (``ops_wide``)."""
+    -128 and the scale, which is the int32 bias's grid (``ops/wide.py``)."""
     dq, x, x_scale, qmin, qmax = wide
     out_channels, groups = geometry[0], geometry[-1]
     scale = (x_scale * w_scale).float()

@@ -220,7 +220,7 @@ def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
     """conv1d / conv2d (+relu), any padding (also 'same'/'valid'), stride, dilation, groups.
 
     A conv1d is ``quantree.conv1d``, on the conv2d's packed weight and arithmetic, reading
-    and writing ``[N, C, L]`` as it lies (``ops_conv1d``); groups run one GEMM per group on
+    and writing ``[N, C, L]`` as it lies (``ops/conv1d.py``); groups run one GEMM per group on
     that group's channels, depthwise convs a direct kernel, conv2d groups of fewer than 16
     output channels one direct pass over all groups; conv1d groups too narrow to pay stay in
     the reference form (``native_conv_pays``).

@@ -16,7 +16,7 @@ running for nothing once the packed rows stay int8: a tensor factory (``nn.RNNBa
 default zero state, ``data.new_zeros(...)``, which the capture of a packed layer makes
 explicit) reads its dtype and device, export's runtime checks of the packed rows' unbacked
 size (``sym_size``) its shape. The factory is made without it (a fixed-shape result is then
-folded once, ``lowering_fold``) and the size is read from the integers.
+folded once, ``passes/fold.py``) and the size is read from the integers.
 """
 
 from __future__ import annotations

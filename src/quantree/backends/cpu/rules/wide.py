@@ -3,7 +3,7 @@
 Pattern: ``dq16(q16(x)) -> linear/conv(dq(W int8), dq(b int32))``, the input symmetric
 int16 per tensor, the output float (what the recipe makes of what weights read in a
 transformer, see ``quantree.recipes.activation_points``). The replacement reads the float ``x`` and
-quantizes it inside the op (``ops_wide.py``: two int8 byte planes on the int8 kernels), so
+quantizes it inside the op (``ops/wide.py``: two int8 byte planes on the int8 kernels), so
 no int16 tensor is materialised and the int32 bias lands exactly on the low plane's grid.
 """
 

@@ -1,5 +1,9 @@
 """archive: decide, before torch opens it, whether a ``.pt2`` could run code when loaded.
 
+Over 400 lines: the allowlist is one reading of one untrusted format (members, the JSON
+schema, shape expressions, pickled globals), top to bottom; split, a check could be skipped
+by calling the wrong half.
+
 ``torch.export.load`` unpickles with the full unpickler where it falls back (example inputs,
 constants saved as pickles, legacy state files), ``exec``s input guards and ``sympify``s shape
 expressions. Every member is checked here against an allowlist of what ``torch.export.save``

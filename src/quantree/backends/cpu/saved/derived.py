@@ -7,7 +7,7 @@ program's requantization multipliers, a lookup table made from two grids. ``shar
 cannot merge those; stored as they are they made the seq2seq model's saved file 20-40% larger
 than its int8 weights.
 
-Lowering computes each such constant with one of the ops of ``ops_derived.py``, from the
+Lowering computes each such constant with one of the ops of ``saved/derived_ops.py``, from the
 float bias, the weight's scales (the same tensors at every call site) and the call site's
 grids (numbers), and records the call about the constant tensor itself (:func:`remember`,
 ``core.annotations``), only after checking that it gives the constant bit for bit. Recording
@@ -15,7 +15,7 @@ it about the tensor, not on the graph node reading it, reaches every holder of t
 the top graph, a native cell loop's constants, a region program's. (A deep copy of the
 lowered model has new tensors: it saves its constants as they are.) The model in memory
 reads the constant as before. ``save`` writes the call instead of the constant
-(``saved_recipes.py``), ``load`` runs it once and reads its result from then on
+(``saved/derived_export.py``), ``load`` runs it once and reads its result from then on
 (:func:`fold_recipes`): the same op on the same tensors, so the loaded model computes what
 the lowered one did. The file stays data: a recipe is an op of this library with tensor and
 number arguments, like every other node of the graph (a plain ``torch.export.load`` runs it
