@@ -5,7 +5,7 @@ The prebuilt test copies the package to a temporary directory, builds the librar
 ``setup.py`` does (``build_native.compile_library`` into ``_kernels<ext suffix>``), and
 lowers and runs a model in a fresh process whose PATH has no compiler and whose extensions
 cache is empty. (`pip wheel .` then installing the wheel into a fresh venv does the same
-with the real packaging; README's deployment paragraph.)
+with the real packaging; docs/deployment.md, "Building wheels".)
 
 With ``QUANTREE_QEMU_PYTHON=1`` (slow: Python and torch under qemu-x86_64, 45-90 s per CPU
 model), the loader itself runs as other CPUs: with the baseline and x86-64-v3 libraries

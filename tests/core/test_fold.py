@@ -219,7 +219,7 @@ class ConvBnStack(nn.Module):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_folded_batch_norm_is_within_the_stated_tolerance(seed):
-    """Folding is not bit-equal: the README and FOLD_TOLERANCE say how close it is."""
+    """Folding is not bit-equal: docs/capture.md and FOLD_TOLERANCE say how close it is."""
     from quantree.core.normalizing.fold import FOLD_TOLERANCE
 
     model = ConvBnStack(seed).eval()
@@ -229,8 +229,8 @@ def test_folded_batch_norm_is_within_the_stated_tolerance(seed):
     with torch.no_grad():
         for want, got in zip(model(x), prepared(x), strict=True):
             assert (want - got).abs().max() <= FOLD_TOLERANCE * want.abs().max()
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert "1e-5 \u00d7 max|output|" in readme
+    documented = (Path(__file__).resolve().parents[2] / "docs" / "capture.md").read_text()
+    assert "1e-5 \u00d7 max|output|" in documented
 
 
 class StandardizedConv(nn.Module):

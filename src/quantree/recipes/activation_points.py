@@ -3,8 +3,9 @@
 Quantizing every activation keeps int8 end to end between kernels, which is what CNNs and
 recurrent models want. Transformers are different: their residual stream and layer-norm
 inputs carry outliers an 8-bit grid cannot hold, and elementwise chains (GPT-2's tanh GELU,
-softmax, the residual add) lose 10-17 dB when each step is rounded, for no speed (the
-backend runs them in float anyway). There the recipe quantizes what layers with weights
+softmax, the residual add) lose much of their accuracy when each step is rounded, for no
+speed (the backend runs them in float anyway; figures in benchmarks/README.md, "Recipe
+choices"). There the recipe quantizes what layers with weights
 read (linear, conv, a matrix product with a constant operand, embeddings), as torchao's X86
 recipe does, and leaves the rest float, products of two activations (attention) included.
 Those inputs are then the only activation error left, so the recipe gives linear/conv inputs
@@ -117,8 +118,8 @@ def weighted_inputs_rules(
 
     def transposed(node: fx.Node) -> Annotation | None:
         """As the convolutions: a 2-d transposed convolution reads ``image_act``, a 1-d one
-        ``act`` (int16 by default: ConvTasNet's decoder, its last layer, measured 44.3 dB
-        with an int16 input, 35.2 dB with an int8 one)."""
+        ``act`` (int16 by default: a 1-d transposed convolution is typically an audio
+        decoder's last layer, where an int8 input was the model's largest error)."""
         if node.target is aten.convolution.default and not is_transposed_convolution(node):
             return None
         two_d = _packet(node) is aten.conv_transpose2d or (
@@ -131,8 +132,8 @@ def weighted_inputs_rules(
         """A product with a constant operand is a layer with a weight: its inputs are
         quantized. A product of two activations (attention's ``q @ k^T`` and ``p @ v``)
         stays float, as in torchao's X86 recipe: rounding the softmax and both operands cost
-        a small GPT-2 1.4 dB, and quantizing both operands on every call made it slower than
-        the float product (measured 0.91-0.95x float against 0.66-0.78x, load 17)."""
+        accuracy, and quantizing both operands on every call made the model slower than with
+        the float product (benchmarks/README.md, "Recipe choices")."""
         operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
         if not any(a.op == "get_attr" for a in operands):
             return Annotation()

@@ -262,15 +262,13 @@ def weighted_input_spec(dtype: QDtype, observer: ObserverKind | None) -> QuantSp
 
     int16 by default (w8a16, symmetric, min-max): with the residual stream, norms and
     attention float, these inputs are the only activation error left, and at 8 bits it was
-    most of the error. Measured (input-dependent SQNR against float, 16 calibration
-    batches): GPT-2 31.4 -> 35.3 dB, int8 weights with float activations being 35.3 dB;
-    Conformer 39.5 -> 48.5 dB (48.7 dB float activations), the depthwise convs' inputs alone
-    5.7 dB of it. Per-token dynamic int8, torchao's other recipe, measured 33.5 / 43.8 dB.
-    The CPU backend runs these layers on the int8 kernels, one pass per byte of the input
-    (``backends/cpu/ops/wide.py``). 2-d convolutions read INT8 even so (the recipe's
-    ``image_act``): a convolution pays that second pass in full (mobilevitv2 went from 0.59x
-    to 1.17x float in CPU time, load 7), and on images the int8 recipe was already level
-    with torchao's (ConvNeXt 31.5 / 31.3 dB, MobileViT 11.3 / 10.4 dB). INT8 is the int8
+    most of the error; at 16 bits it is about what float activations give, more than
+    torchao's per-token dynamic int8 recovers. The CPU backend runs these layers on the int8
+    kernels, one pass per byte of the input (``backends/cpu/ops/wide.py``). 2-d
+    convolutions read INT8 even so (the recipe's ``image_act``): a convolution pays that
+    second pass in full, which cost an image model its speed-up over float, and on images
+    the int8 recipe was already level with torchao's. (The figures: benchmarks/README.md,
+    "Recipe choices" and "Accuracy on the transformers".) INT8 is the int8
     recipe torchao's X86 quantizer makes: long-tailed inputs (layer-norm, GELU, attention
     outputs), so the histogram's range that minimises the expected error unless ``observer``
     says otherwise.

@@ -11,9 +11,9 @@ output an ordinary Value: observed, quantized, and each call one native layer.
 The same holds for LSTM, GRU and tanh RNN stacks, whose inner states are bounded: left whole,
 the CPU backend carries them at int16 (a bound that holds for any input, or the range the
 call took), which costs two byte-plane passes of the next layer's input and of the inner
-layers' recurrent products. Observed, each boundary is one int8 tensor like any other:
-measured on random-weight stacks (2-3 layers, LSTM/GRU/RNN, bidirectional or not), 0.4-0.7
-dB lower SQNR against float and 15-35% less time (benchmarks/README.md, "Stacked layers").
+layers' recurrent products. Observed, each boundary is one int8 tensor like any other: on
+random-weight stacks that traded a little SQNR for a clear saving of time
+(benchmarks/README.md, "Stacked layers split per layer").
 """
 
 from __future__ import annotations

@@ -14,13 +14,10 @@ sequence and every initial and returned state (``c_n`` too: a streaming model fe
 back as the next call's ``c_0``; inside, the kernel keeps c in float), in cells mode
 ``hidden`` (``h_prev`` shares it; a ``hidden`` pinned in ``points`` keeps the spec given).
 Cells mode's int8 ``cell`` point keeps the observer asked for: c is unbounded and requantized
-every step, so there the range trades clipping against resolution (min-max on it cost 4-5
-dB where the initial cell states were drawn wide; an int16 cell state is min-max anyway).
-
-Measured (input-dependent SQNR against float, lowered; ``benchmarks/README.md``, "Recurrent
-states and moving averages"): a whole-mode LSTM 16 -> 32 given initial states of a spread
-that varies by batch, h_n / c_n with the moving average 28.6 / 28.3 dB before, 33.4 / 34.1
-dB after, min-max 37.3 / 38.1 dB (the rest of the gap is the input's own averaged range).
+every step, so there the range trades clipping against resolution (min-max on it lost
+resolution where the initial cell states were drawn wide; an int16 cell state is min-max
+anyway). The measurements: ``benchmarks/README.md``, "Recurrent layers: packed cells mode,
+int8 packing, states and moving averages".
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from quantree.recurrent.loop import CellLoop, RecurrentCells
 from quantree.recurrent.split_layers import SPLIT_LAYER_KEY
 
 STATE_POINTS = ("hidden", "cell")
-"""The named points of a cell body that the loop carries to the next step (README)."""
+"""The named points of a cell body that the loop carries to the next step (docs/recurrent.md)."""
 
 
 def time_axis(node: fx.Node, path: Path, root: torch.nn.Module | None = None) -> int | None:

@@ -135,9 +135,9 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
     """The native CPU backend; ``hidden_bits`` is how recurrent layers feed h back.
 
     8 (``CPU``): int8 like every other activation, the fastest. 16: int16 split into two
-    byte planes, one fused VNNI pass; free at batch 1 (the step is memory bound), about 1.2x
-    the recurrence cost at large batch, and single-layer recurrences then match the
-    reference to 55-65 dB instead of 38-45 dB.
+    byte planes, one fused VNNI pass; free at batch 1 (the step is memory bound), a little
+    dearer at large batch, and single-layer recurrences then follow the reference much more
+    closely (figures: benchmarks/README.md, "Figures moved from docstrings").
     """
     rules: tuple[LoweringRule, ...] = (
         recurrent_rule(hidden_bits),

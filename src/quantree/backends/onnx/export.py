@@ -204,7 +204,7 @@ def onnx_session(path: str | os.PathLike[str], *, threads: int | None = None) ->
     options = ort.SessionOptions()
     # ONNX Runtime fuses dequantize(int8 weight) -> MatMul into MatMulNBits, which by default
     # (accuracy level 4) rounds its float input to int8 first: an int16 input (what weights
-    # read in a transformer) lost 3 dB there (encoder: 0.008 off the reference, 2e-7 at level 1).
+    # read in a transformer) loses most of its extra precision there (benchmarks/README.md).
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     if threads is not None:
         options.intra_op_num_threads = threads

@@ -72,9 +72,9 @@ def explain_shape_guards(module: M) -> M:
 class PassedShapes(torch.nn.Module):
     """A shape guard that remembers the input shapes it passed.
 
-    torch.export's guard function asserts one size at a time inside a dynamo config patch
-    and costs 6-7 us per model call, 11-21 us right after a kernel has filled the caches:
-    on a 1.3 ms LSTM that alone is about the gap to ONNX Runtime. Its conditions read input
+    torch.export's guard function asserts one size at a time inside a dynamo config patch,
+    on every model call: on a small LSTM that alone was about the gap to ONNX Runtime.
+    Its conditions read input
     sizes only (checked when it is wrapped), so
     shapes that passed once pass again: a call with plain tensors of those shapes is one
     tuple lookup. Anything else (fake tensors while exporting, a new shape, non-tensor

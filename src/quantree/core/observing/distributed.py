@@ -54,7 +54,7 @@ def shard(data: Sequence[T]) -> Sequence[T]:
         raise QuantreeError(
             f"quantree.shard needs a sequence of batches (a list), got {type(data).__name__}; "
             "for a DataLoader give it a torch.utils.data.DistributedSampler(dataset, "
-            "shuffle=False) instead (its shards interleave, see the README)"
+            "shuffle=False) instead (its shards interleave, see docs/calibration.md)"
         )
     world, rank = dist.get_world_size(), dist.get_rank()
     start, stop = (len(data) * rank) // world, (len(data) * (rank + 1)) // world

@@ -24,10 +24,9 @@ def half_exact(scale: torch.Tensor) -> torch.Tensor:
     exact in float16 times one power of two per tensor, so the saved file holds it in 2
     bytes (``backends/cpu/narrowed.py``). Each scale moves by under 2^-11 (0.05%), up or
     down, so the grid stays on average where the range put it; the extreme weight lands
-    within 0.07 of a step of where it did, inside the rounding every weight has. Measured
-    (zoo, 64 held-out inputs): rounding to nearest moved input-dependent SQNR by +0.02 dB
-    (transformer_encoder) and +0.2 dB (squeezenet); rounding every scale up instead cost
-    0.05 / 0.3 dB.
+    within 0.07 of a step of where it did, inside the rounding every weight has. Rounding
+    to nearest left the zoo's SQNR as it was; rounding every scale up instead cost a little
+    (benchmarks/README.md, "Branch ``size3``").
     """
     drop = 24 - SCALE_SIGNIFICANT_BITS  # of float32's 24 significant bits (23 stored)
     bits = scale.float().contiguous().view(torch.int32)

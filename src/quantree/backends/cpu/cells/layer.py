@@ -2,18 +2,17 @@
 
 ``RecurrentCells`` is backend-neutral: per layer and direction it selects each initial
 state, calls the loop module, and stacks the final states at the end, about a dozen tensor
-ops and two module calls. For a decoder stepped once per output token that was ~20 us per
-step around ~20 us of native work. Once the CPU backend has made every loop of a layer a
+ops and two module calls. For a decoder stepped once per output token that Python cost as
+much as the native work of the step. Once the CPU backend has made every loop of a layer a
 ``NativeCellLoop``, this subclass runs the same computation with the final states made
 first (one copy of each initial state, or zeros) and each loop's program reading and
 updating its rows in place through pointers, so a call is the input transpose, one output
 tensor per loop and the native calls. A packed sequence takes the same path, each loop one
 ``qt_cell_loop_packed`` call on the rows: through the generic forward each loop was a
 dispatcher call of ``quantree.cell_loop_packed`` that checked and copied ``batch_sizes``,
-read the program's widths back element by element and rebuilt its argument block, ~130 us
-of Python around ~70-100 us of native work for a 2-layer bidirectional GRU of 4 short
-sequences (outside models' ``gru_packed``, 0.55x float in cells mode against 0.22x whole).
-Here ``batch_sizes`` is checked once per call for every loop. Anything the fast path does
+read the program's widths back element by element and rebuilt its argument block: more
+Python than native work for a small packed GRU (outside models' ``gru_packed``). Here
+``batch_sizes`` is checked once per call for every loop. Anything the fast path does
 not cover (the fake tensors of ``torch.export`` when the model is saved, inputs of the
 wrong shape, which the loop then names) runs ``RecurrentCells.forward`` as before.
 """

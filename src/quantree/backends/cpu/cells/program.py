@@ -242,7 +242,7 @@ class NativeCellLoop(nn.Module):
 
     def program(self) -> tuple[list[Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]:
         """The constants and ``(code, fcode, slots, outs)`` as the module holds them now,
-        read from ``_buffers`` (``Module.__getattr__`` costs ~0.7 us a name)."""
+        read from ``_buffers`` (``Module.__getattr__`` searches three dictionaries a name)."""
         buffers: Any = self._buffers
         consts = [buffers[name] for name in self.const_names]
         return consts, (buffers["code"], buffers["fcode"], buffers["slots"], buffers["outs"])
@@ -339,7 +339,7 @@ def cell_loop_packed(
     trace; as an op with a fake kernel it is one node. One native call runs every step on
     the sequences still running at it (``qt_cell_loop_packed``); one loop per group of
     equal lengths ran a batch of 4 sequences of different lengths as 4 loops of one row,
-    slower than float PyTorch's packed GRU (1.28x, the outside models' ``gru_packed``).
+    slower than float PyTorch's packed GRU (the outside models' ``gru_packed``).
     """
     if xs.dim() != 2:
         raise ValueError(

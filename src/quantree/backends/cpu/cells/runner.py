@@ -1,8 +1,8 @@
 """A native cell loop's call path with its argument block built once.
 
 An unrolled decoder (a seq2seq model stepping its ``nn.LSTM`` once per output token) runs
-one cells-mode loop per step, each a single time step of ~20 us of native work. Through the
-op, each call paid ~115 us of Python around it: the dispatcher boxing eight arguments, a
+one cells-mode loop per step, each a single time step of native work. Through the op, each
+call paid several times that in Python around it: the dispatcher boxing eight arguments, a
 constant list read through ``Module.__getattr__``, the program's widths read back from a
 tensor element by element, and a ctypes array of every constant's pointer made again. The
 runner keeps what does not change between calls (the pointers of the program and its

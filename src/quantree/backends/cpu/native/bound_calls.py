@@ -23,8 +23,9 @@ The ways a constant changes after binding, and how each is seen (``Binding``):
 - A crafted file: its constants are only ever run after a full check (the first call).
 - ``torch.ops.quantree.*`` called by the user does not come here: each op runs its contract.
 
-A per-call verdict cache keyed by these stamps was measured no cheaper than the checks it
-replaced (README "Native argument checks"): the gain here is that the key is read from the
+A per-call verdict cache keyed by these stamps was no cheaper than the checks it replaced
+(docs/backends.md, "Native argument checks"; benchmarks/README.md, branch ``bind``): the
+gain here is that the key is read from the
 arguments the call already holds, and the kernel takes the pointers recorded with it (no
 per-call ``ptr`` of the constants, no ``packed_depth``).
 """
@@ -218,7 +219,7 @@ def guarded(
 
     Straight-line code over values held in the closure: a layer has three constants, four
     with a bias, and every read on the way costs (attribute loads and a loop over the stamps
-    cost ~1 us a call more, measured)."""
+    were measurably slower)."""
     x = bound[0]
     dtype, rank, axis = x.dtype, x.ndim, binding.axis
     width, rest = x.shape[axis], bound[1:]

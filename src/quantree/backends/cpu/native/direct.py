@@ -1,8 +1,8 @@
 """Calling quantree's ops without the dispatcher, in memory.
 
 A custom op implemented in Python pays the dispatcher on every call: it boxes each argument
-and unboxes it again for the Python kernel, 3 us for one tensor and 8-18 us for a
-convolution's fifteen arguments, which is more than a small int8 layer computes. A lowered
+and unboxes it again for the Python kernel, which for a convolution's fifteen arguments is
+more than a small int8 layer computes. A lowered
 graph therefore calls each op's CPU implementation directly through ``DirectCall``; the
 graph still reads as the op (``str``, ``==``, ``hash``), and anything that is not a plain
 tensor (the fake tensors of ``torch.export`` when the model is saved) goes through the op,
@@ -64,8 +64,8 @@ class DirectCall:
 
     ``node_args`` (the node's ``args``, when known) says where tensors can be: only an
     argument that is a graph value (or a list of them) can hold one, the rest are constants
-    the graph spells out. Checking just those positions costs ~1 us for an LSTM's 17 tensors
-    where scanning every argument cost ~6 us, on every call.
+    the graph spells out. Checking just those positions is several times cheaper than
+    scanning every argument, on every call.
     """
 
     def __init__(

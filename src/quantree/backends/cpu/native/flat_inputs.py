@@ -3,8 +3,8 @@
 torch.export's graph modules start ``forward`` with ``fx_pytree.tree_flatten_spec(([x],
 {}), self._in_spec)`` and end with ``pytree.tree_unflatten((y,), self._out_spec)``. When
 every input is a leaf (no nested arguments, no keywords) the first is the identity and
-costs 2.4 us per call (5-10 us right after a kernel has filled the caches); when the output
-is one leaf the second is too (0.3 us). On a small lowered model that is a visible share
+still costs on every call; when the output is one leaf the second is too. On a small
+lowered model that is a visible share
 of the call, so such graphs get a code generator that binds the arguments directly. Any
 other structure keeps torch's code generator: the generated ``forward`` computes the same
 values either way, and ``model.code`` shows it.

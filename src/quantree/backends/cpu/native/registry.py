@@ -2,8 +2,8 @@
 
 Each op is defined with a schema on a ``torch.library.Library`` fragment, with a CPU kernel
 and ``torch.library.register_fake``. ``torch.library.custom_op`` would do the same with less
-text, but its Python wrapper costs about 10 us a call against 3 us here, which is most of
-the time of a small int8 layer.
+text, but its Python wrapper costs several times what a call costs here, which would be
+most of the time of a small int8 layer.
 """
 
 from __future__ import annotations

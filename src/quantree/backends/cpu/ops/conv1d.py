@@ -3,8 +3,8 @@
 torch has no 3-d channels-last memory format, so the conv2d-of-height-1 route left a float
 op after every convolution (group norm, PReLU, GELU: each 1-d model under
 ``WEIGHTED_INPUTS``) copying the channels-last result back, and the next convolution
-copying its input to channels-last again: ConvTasNet spent 44% of its lowered aten time in
-``copy_`` and ran 1.2x float. This kernel reads the input through its strides and writes a
+copying its input to channels-last again: ConvTasNet spent most of its lowered time in
+``copy_`` and ran slower than float. This kernel reads the input through its strides and writes a
 float result contiguous, transposing panel by panel in cache, with conv2d's arithmetic (the
 results are equal bit for bit). An int8 result keeps the channels-last strides: what reads
 it is the next int8 layer, which reads that layout without a copy.

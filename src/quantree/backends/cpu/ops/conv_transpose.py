@@ -184,8 +184,9 @@ def conv_transpose16(
     As ``ops/wide.py``'s conv16: the int16 codes as two int8 planes, the kernel run once per
     plane (the hi plane on ``hi_scale`` = 256 x the accumulator's scale, zero point 0; the lo
     plane on ``scale``, zero point -128, with the int32 ``offset`` and the float bias), the
-    two float results added. 2 x the int8 layer's work: measured on ConvTasNet's decoder,
-    an int8 input there cost the model 9 dB (44.3 -> 35.2 dB).
+    two float results added. 2 x the int8 layer's work: on ConvTasNet's decoder an int8
+    input there was the model's largest error (benchmarks/README.md, "CNNs against torchao
+    + Inductor").
     """
     geometry = (kernel, stride, padding, output_padding, dilation, groups)
     hi, lo = split16(x, x_scale, quant_min, quant_max)

@@ -33,8 +33,8 @@ def embedding_rows(
     ``quantized_decomposed.dequantize_per_channel`` (axis 0) or ``_per_tensor``.
 
     Per row, with the dtypes lowering makes, one native call (``qt_embedding_rows``, the
-    same int32 difference and float product) replaces five ATen ops: ~20 us a lookup
-    before, at every step of an unrolled decoder."""
+    same int32 difference and float product) replaces five ATen ops, at every step of an
+    unrolled decoder."""
     if per_row and _native_rows(table, scale, zero_point, indices):
         ids = indices.contiguous()
         out = torch.empty(*ids.shape, table.shape[1])

@@ -114,7 +114,7 @@ def conv2d_shape(
 def is_depthwise(in_channels: int, out_channels: int, groups: int) -> bool:
     """One input and one output channel per group: the direct kernel, weight ``[taps, C]``.
 
-    A GEMM per group would fill 1 of its 16 output lanes (measured 10x slower than float).
+    A GEMM per group would fill 1 of its 16 output lanes (far slower than float).
     """
     return groups == in_channels == out_channels
 

@@ -3,8 +3,8 @@
 ConvTasNet, HDemucs, wav2vec2's feature extractor and PoolFormer normalise float maps
 between int8 convolutions. The convolutions hand their float outputs over channels-last,
 and ATen's CPU group norm copies such a map to contiguous before normalising it: at batch 1
-that copy made the norm about 4x as slow as on a contiguous map, a quarter of ConvTasNet's
-lowered time. The kernel reads either layout as it lies and writes the same layout.
+that copy made the norm several times as slow as on a contiguous map, a large share of
+ConvTasNet's lowered time. The kernel reads either layout as it lies and writes the same layout.
 """
 
 from __future__ import annotations

@@ -94,8 +94,9 @@ class RnnRunner:
     arguments stay the same objects.
 
     A lowered graph holds one runner per node (``direct.py``), so a call converts five
-    pointers instead of ~40 arguments per layer and direction (0.1-0.2 ms a call in Python
-    before). The plan keeps the weights' data pointers, nothing derived from their values,
+    pointers instead of ~40 arguments per layer and direction, which cost more Python than
+    a small layer's native work. The plan keeps the weights' data pointers, nothing
+    derived from their values,
     so weights changed in place (``load_state_dict``) are read as they are (their version
     moved: the plan is checked and built again, once); weights replaced by other tensors,
     or by ``.data =``, make a new plan.

@@ -92,8 +92,8 @@ FLOAT_MAX_ELEMENTS = 12288
 """Layer norm (summing in double) and gelu (libm's erf/tanh, element by element) are scalar
 loops in a program: they win on the small tensors programs are for (an Emformer's 24 x 512,
 a recurrent step's few hundred values) and lose to ATen's vectorized kernels on a
-transformer's activations (GPT-2's 128 x 512 gelus and 128 x 128 layer norms in programs:
-1.15x float against 0.59x without; BERT 0.79x against 0.60x; one thread, load 2-3). Larger
+transformer's activations (GPT-2's 128 x 512 gelus and 128 x 128 layer norms in programs
+made the model slower than float; benchmarks/README.md, "Figures moved from docstrings"). Larger
 ones stay ATen's (add/mul/relu loops vectorize, sigmoid/tanh are the vector kernels'). A
 dynamic size counts at batch 1."""
 FLOAT_OPS = {aten.layer_norm.default, aten.gelu.default}

@@ -184,9 +184,9 @@ def native_conv_pays(in_channels: int, out_channels: int, groups: int, narrow: b
     """Whether the int8 kernels beat the reference's float conv (between native q/dq).
 
     A grouped conv runs one GEMM per group, which fills ``out_channels / groups`` of its 16
-    output lanes. Measured on 3x3 convs, 1 thread, against the float conv with native q/dq
-    around it: 0.3-0.45x at 32+ output channels a group, 0.6-0.8x at 16, 0.9-1.4x at 4-8.
-    Depthwise convs have a direct kernel: 0.25-0.55x. So have 2-d int8 convs with fewer than
+    output lanes, so narrow groups stop paying against the float conv with native q/dq
+    around it (the ratios by group width: benchmarks/README.md, "Figures moved from
+    docstrings"). Depthwise convs have a direct kernel. So have 2-d int8 convs with fewer than
     16 channels a group (``narrow``: the route that reaches ``csrc/conv_narrow.cpp``, every
     group's products in one pass); elsewhere (int16 inputs, ``[N, C, L]`` conv1d) such
     groups stay float.

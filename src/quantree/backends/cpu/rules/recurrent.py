@@ -5,8 +5,8 @@ dequantize, whose weights are folded int8 and biases folded int32, and whose eve
 output leaf is quantized. Inside, the kernel keeps the cell state in float. The hidden state
 fed back each step is requantized: for the last layer on the range observed for its output
 and the state (clipped to [-1, 1] where the state is bounded: LSTM, tanh RNN), to int8 by
-default (36-45 dB against the reference on random models) or int16 (``hidden_bits=16``:
-55-65 dB on single layers); for the layers before the last, whose states were never
+default or int16 (``hidden_bits=16``: closer to the reference, at the cost of a second
+byte plane); for the layers before the last, whose states were never
 observed, as int16 on a bound that holds for any input (``_hidden_ranges``). Outputs passed
 between stacked layers are quantized per call, as int16, on the range they took. The first
 step reads the initial state on its own int8 grid, as the reference does. (``Int8Quantizer``

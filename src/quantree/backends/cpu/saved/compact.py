@@ -4,7 +4,7 @@
 an unrolled decoder's call sites read one weight through many names (``share_identical``):
 the seq2seq model's 16 steps gave 235 buffer names for 90 tensors, each name a few hundred
 bytes of JSON in the graph, the signature and the weights config. Its example inputs are
-stored as a tensor file (a 224 x 224 image is 0.6 MB, half of squeezenet's int8 weights),
+stored as a tensor file (an example image can weigh as much as a small model's int8 weights),
 though loading reads only their structure (``module()`` names inputs in its shape guards by
 them), and every node carries its tracing provenance (``from_node``, ``torch_fn``,
 ``stack_trace``) that nothing reads after loading. Module scopes (``nn_module_stack``) are

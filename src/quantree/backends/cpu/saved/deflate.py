@@ -2,8 +2,8 @@
 
 ``torch.export.save`` stores every member uncompressed. Its tensors hardly compress, but the
 graph description (``models/*.json`` and the payload configs) is verbose JSON in torch's own
-schema, with keys we cannot shorten without breaking ``torch.export.load``: 0.1-0.6 MB on the
-zoo's models, 10-15% of a small model's int8 weights, and it deflates about tenfold (the
+schema, with keys we cannot shorten without breaking ``torch.export.load``: a visible share
+of a small model's int8 weights, and it deflates about tenfold (the
 example inputs' stand-ins too: ``deflated_member``). torch
 reads its archives with miniz, which inflates deflated members, so the file stays a
 ``torch.export`` archive that a plain ``torch.export.load`` reads. Tensor members stay stored,

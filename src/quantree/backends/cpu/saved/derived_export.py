@@ -52,9 +52,9 @@ def _recipe(program: torch.export.ExportedProgram, spec: InputSpec) -> Recipe | 
 
 RECIPE_CALL_BYTES = 96
 """What one recipe call is taken to add to the deflated graph description (its node and its
-result's tensor description): measured 24-25 bytes a call on seq2seq and rnnt_predictor,
-whose calls repeat and deflate well; four times that leaves a margin for graphs whose calls
-do not."""
+result's tensor description): about a quarter of this on graphs whose calls repeat and
+deflate well (benchmarks/README.md, "Figures moved from docstrings"), so this leaves a margin
+for graphs whose calls do not."""
 
 
 class _Keys:

@@ -24,8 +24,8 @@ from quantree.backends.cpu.saved.derived_ops import FILLED_DTYPES, MAX_EXPONENT
 
 MIN_SAVED_BYTES = 64
 """Save a constant narrow only where that saves at least this much: each recipe costs a node
-in the graph description (measured 19-30 bytes deflated on conformer: a ``widened`` or
-``filled`` call with its result's description)."""
+in the graph description (a ``widened`` or ``filled`` call with its result's description;
+its deflated size: benchmarks/README.md, "Figures moved from docstrings")."""
 _NARROWER = {
     torch.int64: (torch.int8, torch.int16, torch.int32),
     torch.int32: (torch.int8, torch.int16),
