@@ -52,6 +52,7 @@ from quantree.tools.time_steps import (
     call_sqnrs,
     cell_state,
     layer_label,
+    module_path,
     output_series,
     render_steps,
     step_energies,
@@ -102,6 +103,9 @@ class TensorRow:
     layer: str = ""  # with steps: the recurrent layer they belong to (its module path)
     series: str = ""  # with steps: "output", or a cells-mode state ("cell l0_reverse")
     read_at: tuple[str, Path] | None = None
+    module: str = ""
+    """The user's module the row belongs to (``layer1.0.conv1``, ``lstm``): a fused kernel's
+    row is its conv's, a split or cells-mode recurrent layer's rows are the layer's."""
     """Where the quantized graph was read: a node (of the row's scope) and the leaf path in
     its output, or in its arguments for a constant; None for a model output."""
 
@@ -124,6 +128,7 @@ class TensorRow:
             "steps_sqnr_db": list(self.steps),
             "layer": self.layer,
             "series": self.series,
+            "module": self.module,
         }
 
 
@@ -182,6 +187,7 @@ class _Stat:
     noise: float = 0.0
     seen: bool = False
     missing: str = ""  # why the quantized model has no counterpart (while not seen)
+    owner: str = ""  # the float node whose module the row belongs to, when not the key's
     time_axis: int | None = None
     step_signal: torch.Tensor | None = None
     step_noise: torch.Tensor | None = None
@@ -350,6 +356,7 @@ class _Session:
                     stat.described = self._scoped(
                         scope, Described(fused, op_name(producer), order), index
                     )
+                    stat.owner = producer.name
                     inner = self.stats.get((scope, (VALUE, producer.name, ())))
                     if inner is not None:
                         inner.missing = f"fused into a kernel: read as row {fused}"
@@ -376,6 +383,22 @@ class _Session:
         for (_, key), stat in self.stats.items():
             if key[0] == OUTPUT and not stat.seen and not stat.missing:
                 stat.missing = NO_OUTPUT
+
+    def _module(self, scope: str, name: str) -> str:
+        """The user's module path of node ``name``; inside a nested graph (a cells-mode
+        body), the module of the root node that runs it."""
+        if scope != ROOT:
+            owner = next(
+                (
+                    n
+                    for n in self.float_gm.graph.nodes
+                    if n.op == "call_module" and scope.startswith(f"{n.target}.")
+                ),
+                None,
+            )
+            return module_path(owner) if owner is not None else ""
+        node = next((n for n in self.float_gm.graph.nodes if n.name == name), None)
+        return module_path(node) if node is not None else ""
 
     def unmatched(self) -> list[Unmatched]:
         found: list[tuple[int, Unmatched]] = []
@@ -410,6 +433,7 @@ class _Session:
                     stat.layer if steps else "",
                     stat.series if steps else "",
                     plans[scope].read_at.get(key) if scope in plans else None,
+                    self._module(scope, stat.owner or key[1]) if key[0] != OUTPUT else "",
                 )
             )
         rows.sort(key=lambda r: (r.sqnr_db, r.order, r.name))
