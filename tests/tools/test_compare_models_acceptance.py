@@ -92,15 +92,15 @@ def _user_layers(model: nn.Module) -> set[str]:
 def quantized(request):
     model, data = MODELS[request.param]()
     ref = qt.quantize(model, data[0], data, backend=qt.REFERENCE, progress=False)
-    return model, ref, data
+    return model, ref, data, float_graph(model, data[0])
 
 
 @pytest.mark.parametrize("lowered", [False, True], ids=["reference", "cpu"])
 def test_rows_match_an_independent_measurement_and_cover_every_layer(quantized, lowered):
-    model, ref, data = quantized
+    model, ref, data, float_gm = quantized
     qmodel = qt.lower(ref, CPU) if lowered else ref
     comparison = qt.compare(model, qmodel, data[:2])
-    assert_rows_match(comparison, float_graph(model, data[0]), qmodel, data[:2])
+    assert_rows_match(comparison, float_gm, qmodel, data[:2])
     values = [r for r in comparison.rows if r.kind is RowKind.VALUE]
     missing = _user_layers(model) - {r.module for r in values}
     assert not missing, f"layers without a row: {sorted(missing)}\n{comparison.render()}"
