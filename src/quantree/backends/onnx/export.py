@@ -54,10 +54,12 @@ def export_onnx(
 ) -> Path:
     """Write the reference graph ``ref`` (``qt.convert`` output) to ``path`` as QDQ ONNX.
 
-    ``example_args`` are the inputs the graph is exported with (as for ``torch.export``; its
-    shapes are fixed unless ``dynamic_shapes`` says otherwise). Every tensor leaf of the
-    output, nested ones included (``(out, (h, c))``), is one ONNX output, named ``output``
-    or ``output_<path>`` (``output_1_0`` for ``h``). ``opset`` defaults to the exporter's,
+    ``example_args`` are the inputs the graph is exported with (as for ``torch.export``).
+    A dimension varies in ONNX where it varies in ``ref`` (captured with ``dynamic_shapes``);
+    ``dynamic_shapes`` here may fix more, never free one ``ref`` fixed (see ``shapes``).
+    Every tensor leaf of the output, nested ones included (``(out, (h, c))``), is one ONNX
+    output, named ``output`` or ``output_<path>`` (``output_1_0`` for ``h``). ``opset``
+    defaults to the exporter's,
     or 21 when the graph quantizes to int16. Returns the path written.
     """
     _require_onnx()
@@ -74,10 +76,17 @@ def export_onnx(
             f"{type(example_args).__name__}; write (x,) for a single input"
         )
     from quantree.backends.onnx.recurrent import rewrite_recurrent
+    from quantree.backends.onnx.shapes import (
+        captured_dynamic_shapes,
+        check_exported_dims,
+        pin_numeric_dims,
+    )
 
     gm = copy_graph_module(ref)
     rewrite_recurrent(gm)
     kwargs = dict(example_kwargs or {})
+    if dynamic_shapes is None:
+        dynamic_shapes = captured_dynamic_shapes(ref, example_args, kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -86,6 +95,7 @@ def export_onnx(
             raise QuantreeError(
                 f"torch.export could not trace the reference graph for ONNX: {_first(error)}"
             ) from error
+    check_exported_dims(ref, program)
     if opset is None and _needs_int16(ref):
         opset = INT16_OPSET
     table = _translations()
@@ -108,6 +118,7 @@ def export_onnx(
                 f"torch.onnx.export failed on the reference graph{where}: {_first(error)}"
             ) from error
     assert onnx_program is not None
+    pin_numeric_dims(onnx_program.model)
     target = Path(path)
     onnx_program.save(str(target))
     return target
