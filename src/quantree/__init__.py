@@ -10,7 +10,7 @@ ref = convert(prepared)
 # works once quantree is imported (the kernels themselves load at first use).
 import quantree.backends.cpu.ops  # noqa: F401
 from quantree.activation_points import ActivationPoints
-from quantree.backends.onnx import export_onnx
+from quantree.backends.onnx import OnnxTarget, export_onnx
 from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
 from quantree.core.convert import Unobserved, convert
@@ -94,6 +94,7 @@ __all__ = [
     "compare",
     "convert",
     "export_onnx",
+    "OnnxTarget",
     "from_pt2e",
     "recurrent_rules",
     "lower",

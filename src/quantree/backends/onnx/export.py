@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from quantree.backends.onnx.target import OnnxTarget, finish_for_onnxruntime, float_in_qdq
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import copy_graph_module, nested_graphs
 from quantree.core.qdq import QUANTIZE_OPS, QUANTIZE_PER_TENSOR
@@ -51,6 +52,7 @@ def export_onnx(
     example_kwargs: Mapping[str, Any] | None = None,
     dynamic_shapes: Any = None,
     opset: int | None = None,
+    target: OnnxTarget = OnnxTarget.QDQ,
 ) -> Path:
     """Write the reference graph ``ref`` (``qt.convert`` output) to ``path`` as QDQ ONNX.
 
@@ -60,7 +62,8 @@ def export_onnx(
     Every tensor leaf of the output, nested ones included (``(out, (h, c))``), is one ONNX
     output, named ``output`` or ``output_<path>`` (``output_1_0`` for ``h``). ``opset``
     defaults to the exporter's,
-    or 21 when the graph quantizes to int16. Returns the path written.
+    or 21 when the graph quantizes to int16. ``target`` (see ``target``): standard QDQ for
+    any runtime, or ONNX Runtime's integer recurrent operators. Returns the path written.
     """
     _require_onnx()
     if not isinstance(ref, fx.GraphModule) or ref.meta.get(STAGE_KEY) != CONVERTED:
@@ -70,6 +73,8 @@ def export_onnx(
             f"default backend), got a {stage} model; a model lowered to a backend holds that "
             "backend's kernels, which ONNX cannot express"
         )
+    if not isinstance(target, OnnxTarget):
+        raise QuantreeError(f"target must be a qt.OnnxTarget (QDQ or ONNXRUNTIME), got {target!r}")
     if not isinstance(example_args, tuple):
         raise QuantreeError(
             f"example_args must be a tuple of the model's positional arguments, got "
@@ -119,9 +124,13 @@ def export_onnx(
             ) from error
     assert onnx_program is not None
     pin_numeric_dims(onnx_program.model)
-    target = Path(path)
-    onnx_program.save(str(target))
-    return target
+    written = Path(path)
+    onnx_program.save(str(written))
+    if target is OnnxTarget.ONNXRUNTIME:
+        finish_for_onnxruntime(written)
+    else:
+        float_in_qdq([(n.op_type, n.name or "") for n in onnx_program.model.graph])
+    return written
 
 
 def _first(error: BaseException) -> str:
