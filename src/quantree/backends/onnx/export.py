@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from quantree.backends.onnx.target import OnnxTarget, finish_for_onnxruntime, float_in_qdq
+from quantree.backends.onnx.target import OnnxTarget, finish_export
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import copy_graph_module, nested_graphs
 from quantree.core.qdq import QUANTIZE_OPS, QUANTIZE_PER_TENSOR
@@ -126,10 +126,7 @@ def export_onnx(
     pin_numeric_dims(onnx_program.model)
     written = Path(path)
     onnx_program.save(str(written))
-    if target is OnnxTarget.ONNXRUNTIME:
-        finish_for_onnxruntime(written)
-    else:
-        float_in_qdq([(n.op_type, n.name or "") for n in onnx_program.model.graph])
+    finish_export(written, target)
     return written
 
 

@@ -92,7 +92,7 @@ class Rewriter:
                 rewritten.extend(scan_recurrence(self, node, W, R, B))
         del self.graph.node[:]
         self.graph.node.extend(rewritten)
-        _drop_dead(self.graph)
+        drop_dead(self.graph)
         uses_ms = any(n.domain == MS_DOMAIN for n in self.graph.node)
         if uses_ms and not any(o.domain == MS_DOMAIN for o in self.model.opset_import):
             self.model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
@@ -130,7 +130,7 @@ class Rewriter:
         )
 
 
-def _drop_dead(graph: onnx.GraphProto) -> None:
+def drop_dead(graph: onnx.GraphProto) -> None:
     """Remove nodes and initializers nothing reads any more (the replaced weights' DQs)."""
     live = {o.name for o in graph.output}
     kept: list[onnx.NodeProto] = []

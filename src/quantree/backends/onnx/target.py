@@ -26,32 +26,38 @@ class OnnxTarget(enum.Enum):
 FLOAT_IN_QDQ = ("LSTM", "GRU", "RNN")
 
 
-def float_in_qdq(op_types: list[tuple[str, str]]) -> None:
-    """Warn once naming the ``(op_type, name)`` nodes a QDQ runtime computes in float."""
-    named = [f"{op} {name}" for op, name in op_types if op in FLOAT_IN_QDQ]
-    if named:
-        warnings.warn(
-            f"{len(named)} op(s) of this QDQ export run in float in ONNX Runtime, OpenVINO and "
-            f"TensorRT (no runtime fuses a dequantized recurrent layer): {', '.join(named)}; "
-            "for int8 recurrent layers in ONNX Runtime export with "
-            "target=qt.OnnxTarget.ONNXRUNTIME",
-            QuantreeWarning,
-            stacklevel=3,
-        )
-
-
-def finish_for_onnxruntime(path: str | os.PathLike[str]) -> None:
-    """Rewrite the QDQ model at ``path`` for ONNX Runtime in place; warn about what stays float."""
+def finish_export(path: str | os.PathLike[str], target: OnnxTarget) -> None:
+    """Rewrite the exported model at ``path`` in place for ``target``: quantize/dequantize
+    pairs on constants folded (``constant_qdq``); recurrent layers on ONNX Runtime's integer
+    operators for ``ONNXRUNTIME``, with float weights for ``QDQ``; one warning naming what
+    runs float."""
     import onnx
 
+    from quantree.backends.onnx.constant_qdq import float_recurrent_weights, fold_constant_qdq
     from quantree.backends.onnx.ort_target import to_onnxruntime
 
     model = onnx.load(str(path))
-    left = to_onnxruntime(model)
+    fold_constant_qdq(model)
+    if target is OnnxTarget.ONNXRUNTIME:
+        left = to_onnxruntime(model)
+        where = "the ONNX Runtime export"
+    else:
+        float_recurrent_weights(model)
+        left = [f"{n.op_type} {n.name}" for n in model.graph.node if n.op_type in FLOAT_IN_QDQ]
+        where = (
+            "this QDQ export in ONNX Runtime, OpenVINO and TensorRT (none fuses a dequantized "
+            "recurrent layer)"
+        )
     onnx.save(model, str(path))
     if left:
+        hint = (
+            ""
+            if target is OnnxTarget.ONNXRUNTIME
+            else "; for int8 recurrent layers in ONNX Runtime export with "
+            "target=qt.OnnxTarget.ONNXRUNTIME"
+        )
         warnings.warn(
-            f"{len(left)} recurrent op(s) stay float in the ONNX Runtime export: {', '.join(left)}",
+            f"{len(left)} op(s) run in float in {where}: {', '.join(left)}{hint}",
             QuantreeWarning,
             stacklevel=3,
         )
