@@ -67,6 +67,18 @@ class Rewriter:
             return name
         return str(q.input[0])
 
+    def unless_zeros(self, name: str) -> str:
+        """``""`` for an all-zero constant (an absent initial state is zeros in ONNX, and the
+        kernel then skips reading one), else ``name``."""
+        if not name:
+            return name
+        node = self.reader.producers.get(name)
+        source = node.input[0] if node is not None and node.op_type == "Identity" else name
+        if source not in self.reader.initializers:
+            return name
+        value = self.reader.array(source)
+        return "" if value is not None and not value.any() else name
+
     def run(self) -> list[str]:
         from quantree.backends.onnx.ort_recurrence import can_scan, scan_recurrence
 
@@ -109,7 +121,7 @@ class Rewriter:
             inputs.append(self.initializer(f"{name}_B", B.astype(np.float32)))
         else:
             inputs.append("")
-        rest = list(node.input[4:8])
+        rest = [self.unless_zeros(n) for n in node.input[4:8]]
         inputs += rest + [""] * (4 - len(rest))  # sequence_lens, initial_h, initial_c, P
         inputs += [
             self.initializer(f"{name}_W_scale", W.scale.astype(np.float32)),
