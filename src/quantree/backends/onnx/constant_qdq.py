@@ -10,8 +10,7 @@ replaced by its value, computed with ONNX's rounding (half to even, saturating, 
 ``Clip`` of a narrowed range), for an initializer or a ``ConstantOfShape`` fill.
 
 With the states folded, OpenVINO compiles the layer but takes its own u8 route for it when
-the weights are ``DequantizeLinear`` of int8, and that route computes wrong numbers (about
--5 dB). No runtime has an integer QDQ pattern for ``LSTM``/``GRU``/``RNN`` (ONNX Runtime
+the weights are ``DequantizeLinear`` of int8, and that route computes wrong numbers. No runtime has an integer QDQ pattern for ``LSTM``/``GRU``/``RNN`` (ONNX Runtime
 dequantizes such weights again on every call), so in the portable export their ``W``, ``R``
 and ``B`` are written as the float values the reference graph computes with, dequantized
 once here: the same numbers, in every runtime, at float speed. ONNX Runtime's int8 layers

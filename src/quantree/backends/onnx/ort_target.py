@@ -1,8 +1,10 @@
 """The ONNX Runtime target: recurrent layers of the QDQ export rewritten to run in int8 there.
 
-In standard QDQ, ``LSTM``/``GRU``/``RNN`` read ``W``/``R`` from ``DequantizeLinear``: no
-runtime has a QDQ pattern for them, so ONNX Runtime runs the float kernel and dequantizes the
-int8 weights again on every call (slower than not quantizing). The choice per operator:
+In the QDQ graph torch's exporter writes, ``LSTM``/``GRU``/``RNN`` read ``W``/``R`` from
+``DequantizeLinear``: no runtime has a QDQ pattern for them, so ONNX Runtime would run the
+float kernel and dequantize the int8 weights again on every call (slower than not quantizing;
+the portable target gives them float weights instead, see ``constant_qdq``). Here, per
+operator:
 
 - ``LSTM`` -> ``com.microsoft.DynamicQuantizeLSTM``, ONNX Runtime's own int8 LSTM (what its
   ``quantize_dynamic`` emits): int8 ``W``/``R`` stored transposed with per-row scales, the
