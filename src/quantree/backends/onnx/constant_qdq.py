@@ -3,18 +3,18 @@
 The reference graph quantizes a recurrent layer's initial states on their own grid; when the
 model passes none, they are zeros, and the export writes ``zeros -> QuantizeLinear ->
 DequantizeLinear`` in front of the layer. OpenVINO's CPU plugin then refuses the ``LSTM``
-at batch sizes above one (``LSTMSequence ... expects Constant for port 4``): its
-transformations keep the pair as a quantization of the states, which it has no kernel for.
-``dq(q(c))`` of a constant is itself a constant (zeros stay exact zeros), so the pair is
-replaced by its value, computed with ONNX's rounding (half to even, saturating, and the
-``Clip`` of a narrowed range), for an initializer or a ``ConstantOfShape`` fill.
+at batch sizes above one (``LSTMSequence ... expects Constant for port 4``). ``dq(q(c))`` of
+a constant is itself a constant (zeros stay exact zeros), so the pair is replaced by its
+value, computed with ONNX's rounding (half to even, saturating, and the ``Clip`` of a
+narrowed range), for an initializer or a ``ConstantOfShape`` fill.
 
 With the states folded, OpenVINO compiles the layer but takes its own u8 route for it when
-the weights are ``DequantizeLinear`` of int8, and that route computes wrong numbers. No runtime has an integer QDQ pattern for ``LSTM``/``GRU``/``RNN`` (ONNX Runtime
-dequantizes such weights again on every call), so in the portable export their ``W``, ``R``
-and ``B`` are written as the float values the reference graph computes with, dequantized
-once here: the same numbers, in every runtime, at float speed. ONNX Runtime's int8 layers
-are the other target (``ort_target``).
+the weights are ``DequantizeLinear`` of int8, and that route computes wrong numbers. No
+runtime has an integer QDQ pattern for ``LSTM``/``GRU``/``RNN`` (ONNX Runtime dequantizes
+such weights again on every call), so in the portable export their ``W``, ``R`` and ``B``
+are written as the float values the reference graph computes with, dequantized once here:
+the same numbers, in every runtime, at float speed. ONNX Runtime's int8 layers are the other
+target (``ort_target``).
 """
 
 from __future__ import annotations
