@@ -9,7 +9,7 @@ ref = convert(prepared)
 # Registers torch.ops.quantree.*, so that a plain torch.export.load of a CPU-lowered program
 # works once quantree is imported (the kernels themselves load at first use).
 import quantree.backends.cpu.ops  # noqa: F401
-from quantree.backends.onnx import export_onnx
+from quantree.backends.onnx import OnnxTarget, export_onnx
 from quantree.core.calibrate import calibrate
 from quantree.core.convert import Unobserved, convert
 from quantree.core.errors import QuantreeError, QuantreeWarning
@@ -93,6 +93,7 @@ __all__ = [
     "compare",
     "convert",
     "export_onnx",
+    "OnnxTarget",
     "from_pt2e",
     "recurrent_rules",
     "lower",
