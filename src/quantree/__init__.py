@@ -10,6 +10,7 @@ ref = convert(prepared)
 # works once quantree is imported (the kernels themselves load at first use).
 import quantree.backends.cpu.ops  # noqa: F401
 from quantree.activation_points import ActivationPoints
+from quantree.backends.executorch import export_executorch
 from quantree.backends.onnx import export_onnx
 from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
@@ -93,6 +94,7 @@ __all__ = [
     "capture",
     "compare",
     "convert",
+    "export_executorch",
     "export_onnx",
     "from_pt2e",
     "recurrent_rules",
