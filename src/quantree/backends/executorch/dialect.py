@@ -26,6 +26,8 @@ this pass changes so the numbers stay the reference's:
   XNNPACK partitions a dequantize with the op reading it, so one shared by two partitions
   makes a dependency cycle (mobilenet_v2 fails to partition). Each user gets its own copy,
   as ``convert_pt2e`` does.
+- **Constants that are views** (a saved program's constants share one buffer) get storage of
+  their own: XNNPACK's serializer reads a view from the start of its storage.
 - **``out_dtype=float32``** on dequantize calls (the default, written out) is dropped, so the
   nodes read as ``convert_pt2e``'s.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from quantree.backends.executorch.recurrent import decompose_lstm, is_int8_lstm
 from quantree.core.graphs import copy_graph_module, drop_attr, fetch_attr, register_constant
 from quantree.core.qdq import DEQUANTIZE_PER_TENSOR, QUANTIZE_PER_TENSOR, is_dequantize
 
@@ -54,6 +57,7 @@ WEIGHTED = {
     aten.conv2d.padding: "conv",
 }
 """Ops XNNPACK's GEMM configs run as static int8: weight at argument 1, bias at 2."""
+DEQUANTIZE_DYNAMIC = torch.ops.quantized_decomposed.dequantize_per_tensor.tensor
 FUSED_ACTIVATIONS = (aten.relu.default, aten.relu_.default, aten.hardtanh.default)
 
 
@@ -90,8 +94,11 @@ def _is_int8_per_tensor(node: object, target: object) -> bool:
 
 
 def is_xnnpack_int8(layer: fx.Node) -> bool:
-    """Whether XNNPACK's static int8 GEMM config takes ``layer`` as it stands."""
+    """Whether XNNPACK's static (or dynamic, ``qd8``) int8 GEMM config takes ``layer``."""
     act = layer.args[0]
+    if isinstance(act, fx.Node) and act.target == DEQUANTIZE_DYNAMIC:
+        weight = layer.args[1]
+        return is_dequantize(weight) and weight.args[-1] == torch.int8  # type: ignore[union-attr]
     weight = layer.args[1] if len(layer.args) > 1 else None
     if not _is_int8_per_tensor(act, DEQUANTIZE_PER_TENSOR):
         return False
@@ -152,6 +159,18 @@ def fold_constant_dequantize(gm: fx.GraphModule) -> int:
     return folded
 
 
+def _reads_constant(node: fx.Node) -> bool:
+    return isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
+
+
+def decompose_recurrent(gm: fx.GraphModule) -> int:
+    """Each int8 whole-mode LSTM layer as XNNPACK's int8 linears (``recurrent``)."""
+    layers = [n for n in gm.graph.nodes if is_int8_lstm(n)]
+    for node in layers:
+        decompose_lstm(gm, node)
+    return len(layers)
+
+
 def duplicate_shared_dequantize(gm: fx.GraphModule) -> int:
     """Give each user of a dequantize its own copy; return how many copies were made.
 
@@ -195,10 +214,30 @@ def fp32_layers(gm: fx.GraphModule) -> list[str]:
     return [n.name for n in gm.graph.nodes if n.meta.get(LAYER_KEY)]
 
 
+def own_storage(gm: fx.GraphModule) -> int:
+    """Give each constant that is a view into a larger storage a copy of its own.
+
+    A program saved by ``quantree quantize`` and loaded again keeps its constants as views
+    of one shared buffer; ExecuTorch's XNNPACK serializer reads such a tensor from the
+    start of its storage (wrong weights, no error)."""
+    copied = 0
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = fetch_attr(gm, str(node.target))
+        if value.untyped_storage().nbytes() == value.numel() * value.element_size():
+            continue
+        node.target = register_constant(gm, FOLDED_PREFIX, value.clone().contiguous())
+        copied += 1
+    return copied
+
+
 def to_xnnpack_dialect(ref: fx.GraphModule) -> fx.GraphModule:
     """A copy of the reference graph ``ref`` whose q/dq patterns are XNNPACK's (see above)."""
     gm = copy_graph_module(ref)
+    own_storage(gm)
     fold_wide_dequantize(gm)
+    decompose_recurrent(gm)
     fold_fp32_weights(gm)
     fold_constant_dequantize(gm)
     duplicate_shared_dequantize(gm)

@@ -26,6 +26,7 @@ import torch.fx as fx
 from quantree.backends.executorch.dialect import fp32_layers, to_xnnpack_dialect
 from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.core.graphs import nested_graphs
+from quantree.core.qdq import is_dequantize, is_quantize
 from quantree.core.stages import CONVERTED, STAGE_KEY, stage_of
 
 INSTALL = (
@@ -48,8 +49,16 @@ def require_executorch() -> None:
 
 
 def check_reference(model: object) -> fx.GraphModule:
-    """``model`` must be a reference graph: what XNNPACK lowers is its q/dq patterns."""
-    if not isinstance(model, fx.GraphModule) or model.meta.get(STAGE_KEY) != CONVERTED:
+    """``model`` must be a reference graph: what XNNPACK lowers is its q/dq patterns.
+
+    ``qt.convert``'s output is marked converted; one saved with ``torch.export.save`` and
+    loaded again has lost the mark but still reads q/dq ops."""
+    loaded = isinstance(model, fx.GraphModule) and any(
+        is_quantize(n) or is_dequantize(n) for n in model.graph.nodes
+    )
+    if not isinstance(model, fx.GraphModule) or not (
+        model.meta.get(STAGE_KEY) == CONVERTED or loaded
+    ):
         got = stage_of(model) if isinstance(model, fx.GraphModule) else type(model).__name__
         raise QuantreeError(
             f"export_executorch expects quantree's reference graph (qt.convert output), got "
