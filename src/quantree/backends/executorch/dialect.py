@@ -8,10 +8,10 @@ this pass changes so the numbers stay the reference's:
 - **int32 biases.** quantree quantizes a conv/linear bias to int32 on the grid input scale x
   weight scale (a ``dequantize_per_channel`` of an int32 constant); ``convert_pt2e`` leaves
   the bias float. XNNPACK's quantized conv/linear take the bias as a float constant and
-  quantize it themselves on that grid (an int32 dequantize in front of the bias is read as
-  something else: wrong numbers), and a dequantize of int32 has no out-variant kernel in
-  ExecuTorch's portable or quantized libraries. Each such dequantize is folded to its float
-  value: XNNPACK re-quantizes it to the integers it came from.
+  quantize it themselves on that grid (with the int32 dequantize left in front of the bias
+  the lowered program computes wrong numbers), and a dequantize of int32 has no out-variant
+  kernel in ExecuTorch's portable or quantized libraries. Each such dequantize is folded to
+  its float value: XNNPACK re-quantizes it to the integers it came from.
 - **Weights of layers XNNPACK cannot run as int8.** XNNPACK's static int8 conv/linear is
   ``dq(int8 act) -> op(dq(int8 weight)) [-> relu|hardtanh] -> q(int8)``. A layer whose input
   is int16 (the w8a16 recipe for transformers), or whose output is not quantized (only
@@ -20,6 +20,8 @@ this pass changes so the numbers stay the reference's:
   it dequantizes to, so XNNPACK runs the layer in fp32 on exactly the reference's weights
   (the activation's q/dq pair stays, as portable ops, so the numbers are still the
   reference's). :func:`fp32_layers` names these layers.
+- **Whole-mode LSTM layers** become XNNPACK's dynamically quantized int8 linears, unrolled
+  over the example's steps (:mod:`.recurrent` says how and why).
 - **Other dequantized constants** (an embedding table, a matrix product's constant operand)
   are folded to their float values for the same reason.
 - **Shared dequantize nodes.** The reference dequantizes a value once for all its users;
@@ -157,10 +159,6 @@ def fold_constant_dequantize(gm: fx.GraphModule) -> int:
             continue
         folded += fold_dequantize(gm, node)
     return folded
-
-
-def _reads_constant(node: fx.Node) -> bool:
-    return isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
 
 
 def decompose_recurrent(gm: fx.GraphModule) -> int:
