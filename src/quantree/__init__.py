@@ -9,6 +9,7 @@ ref = convert(prepared)
 # Registers torch.ops.quantree.*, so that a plain torch.export.load of a CPU-lowered program
 # works once quantree is imported (the kernels themselves load at first use).
 import quantree.backends.cpu.ops  # noqa: F401
+from quantree.backends.executorch import export_executorch
 from quantree.backends.onnx import OnnxTarget, export_onnx
 from quantree.core.calibrate import calibrate
 from quantree.core.convert import Unobserved, convert
@@ -92,6 +93,7 @@ __all__ = [
     "capture",
     "compare",
     "convert",
+    "export_executorch",
     "export_onnx",
     "OnnxTarget",
     "from_pt2e",
