@@ -135,3 +135,22 @@ def test_the_shape_error_fix_for_a_fixed_length_works() -> None:
     shapes = {"x": {1: Dim("x_1")}}
     again = qt.quantize(model, data[0], data, backend=qt.REFERENCE, dynamic_shapes=shapes)
     assert _sqnr(model, again, torch.randn(3, 37, 8)) >= 25.0
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_onnx_export_runs_at_any_length_and_batch(kind: str, tmp_path: Path) -> None:
+    """The QDQ export of a reference captured at length 50 runs in ONNX Runtime at other
+    lengths and batches (the exported graph keeps the captured symbolic dimensions)."""
+    ort = pytest.importorskip("onnxruntime")
+    model, reference = _quantize(kind, qt.RecurrentMode.WHOLE, qt.REFERENCE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)  # which ops run float there
+        path = qt.export_onnx(reference, (torch.randn(3, 50, 8),), tmp_path / "m.onnx")
+    session = ort.InferenceSession(str(path))
+    name = session.get_inputs()[0].name
+    for batch, length in SHAPES:
+        x = torch.randn(batch, length, 8)
+        (got,) = session.run(None, {name: x.numpy()})
+        assert got.shape == (batch, length, 4)
+        with torch.no_grad():
+            assert float(qt.sqnr(reference(x), torch.from_numpy(got))) >= 30.0, (batch, length)
