@@ -142,7 +142,7 @@ def test_onnx_export_runs_at_any_length_and_batch(kind: str, tmp_path: Path) -> 
     """The QDQ export of a reference captured at length 50 runs in ONNX Runtime at other
     lengths and batches (the exported graph keeps the captured symbolic dimensions)."""
     ort = pytest.importorskip("onnxruntime")
-    model, reference = _quantize(kind, qt.RecurrentMode.WHOLE, qt.REFERENCE)
+    _, reference = _quantize(kind, qt.RecurrentMode.WHOLE, qt.REFERENCE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qt.QuantreeWarning)  # which ops run float there
         path = qt.export_onnx(reference, (torch.randn(3, 50, 8),), tmp_path / "m.onnx")
