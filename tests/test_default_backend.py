@@ -17,7 +17,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import load, save
-from quantree.backends.cpu import native
+from quantree.backends.cpu.native import loader as native
 from quantree.backends.fastest import fastest_backend
 from quantree.core.stages import CONVERTED, STAGE_KEY
 

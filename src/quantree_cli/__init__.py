@@ -7,8 +7,8 @@ wait for it. Here argparse runs first; only a command that will do work imports
 ``quantree.tools.cli``, which runs it.
 
 Each subcommand is one ``add_<name>`` function registered in ``SUBCOMMANDS``: a new command
-is a new function and one entry there, with its handler ``<name>_command`` in
-``quantree.tools.cli``.
+is a new function and one entry there, with its handler ``<name>_command`` run by
+``quantree.tools.cli.run``.
 """
 
 from __future__ import annotations
@@ -104,12 +104,28 @@ def add_report(commands: argparse._SubParsersAction) -> None:
     report.add_argument("-o", "--output", required=True, help="where to write REPORT.html")
 
 
+def add_export(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser(
+        "export", help="write a quantized .pt2 (quantree quantize's output) for a runtime"
+    )
+    export.add_argument("model", help="OUT.pt2 written by quantree quantize (reference backend)")
+    export.add_argument(
+        "--executorch", required=True, metavar="MODEL.pte", help="write an ExecuTorch program"
+    )
+    export.add_argument(
+        "--example",
+        help="DATA.pt (torch.save'd list of argument tuples): the first fixes the input "
+        "shapes (default: the example inputs saved in the program)",
+    )
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_demo,
     add_quantize,
     add_inspect,
     add_compare,
     add_report,
+    add_export,
 )
 
 

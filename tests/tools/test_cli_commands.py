@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import quantree as qt
-from quantree.tools.cli import EXIT_BAD_INPUT, main
+from quantree.tools.cli import EXIT_BAD_INPUT
+from quantree_cli import main
 
 from support import batches
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.tools.cli import EXIT_BAD_INPUT, EXIT_QUANTIZE_FAILED, main
+from quantree.tools.cli import EXIT_BAD_INPUT, EXIT_QUANTIZE_FAILED
+from quantree_cli import main
 
 
 def _small() -> nn.Module:

@@ -27,7 +27,7 @@ reads only q/dq graphs (ONNX export) still works on ``qt.quantize``'s default ou
 def fastest_backend() -> Backend:
     """``CPU`` if its kernels load on this machine, else ``REFERENCE`` with one warning."""
     from quantree.backends.cpu.backend import CPU
-    from quantree.backends.cpu.native import library
+    from quantree.backends.cpu.native.loader import library
 
     try:
         library()

@@ -1,6 +1,7 @@
-"""The ``quantree`` command line: demo, quantize, inspect, compare, report.
+"""The ``quantree`` command line: demo, quantize, inspect, compare, report, export.
 
-The arguments are defined in ``quantree_cli``, which parses them before torch is imported.
+The arguments are defined in ``quantree_cli``, which parses them before torch is imported
+and then calls :func:`run` (``python -m quantree_cli`` or the ``quantree`` script).
 
 Errors a user can fix (a missing, truncated or wrong-type file, an unavailable option) print
 one line on stderr and exit with status 2; a quantization error (quantree's own error type)
@@ -19,7 +20,6 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from quantree.core.calibrate import BadBatch, as_call, calibrate, check_batch
-from quantree.core.distributed import RankFailed, in_process_group
 from quantree.core.errors import QuantreeError, QuantreeWarning
+from quantree.core.observing.distributed import RankFailed, in_process_group
+from quantree.recipes.int8 import Int8Quantizer, RecurrentMode
+from quantree.tools.commands.model_source import fixed_batch_note, is_factory, load_factory
 from quantree.tools.files import (
     BadFile,
     check_output,
@@ -38,7 +40,6 @@ from quantree.tools.files import (
     load_program,
     save_program,
 )
-from quantree.tools.model_source import fixed_batch_note, is_factory, load_factory
 
 EXIT_QUANTIZE_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -49,22 +50,10 @@ class UsageError(BadFile):
     """An option that cannot be honoured in this build (cells mode, a backend)."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    """The arguments, defined where parsing needs no torch (``quantree_cli``)."""
-    from quantree_cli import parser
-
-    return parser()
-
-
 def _quantizer(recurrent: str) -> Any:
-    import quantree as qt
-
     if recurrent == "whole":
-        return qt.Int8Quantizer()
-    mode = getattr(qt, "RecurrentMode", None)
-    if mode is None:
-        raise UsageError("--recurrent cells: cells mode is not available in this build")
-    return qt.Int8Quantizer(recurrent=mode.CELLS)
+        return Int8Quantizer()
+    return Int8Quantizer(recurrent=RecurrentMode.CELLS)
 
 
 def _backend(name: str) -> Any:
@@ -149,7 +138,7 @@ def _model(args: argparse.Namespace, data: list[tuple[Any, ...]]) -> fx.GraphMod
     """The graph to quantize: a saved program's, or a factory's model captured as
     ``qt.quantize`` captures it (first dimension dynamic unless ``--static-batch``)."""
     if is_factory(args.model):
-        from quantree.capturing import capture
+        from quantree.recurrent.capture import capture
 
         model, example = load_factory(args.model)
         module = capture(model, example, dynamic_batch=not args.static_batch)
@@ -257,7 +246,7 @@ def _write_report(
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    from quantree.backends.cpu.serialize import fold_saved_recipes
+    from quantree.backends.cpu.saved.serialize import fold_saved_recipes
     from quantree.tools.inspection import summary
 
     program = load_program(args.model)
@@ -275,13 +264,10 @@ def demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run(_parser().parse_args(None if argv is None else list(argv)))
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run the parsed command; errors a user can fix are one line on stderr."""
-    from quantree.tools.cli_compare import compare_command, report_command
+    """Run the command ``quantree_cli`` parsed; errors a user can fix are one line on stderr."""
+    from quantree.tools.commands.compare import compare_command, report_command
+    from quantree.tools.commands.export import export_command
 
     command = {
         "demo": demo_command,
@@ -289,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
         "inspect": inspect_command,
         "compare": compare_command,
         "report": report_command,
+        "export": export_command,
     }
     try:
         return command[args.command](args)
@@ -303,7 +290,3 @@ def run(args: argparse.Namespace) -> int:
         message = " ".join(str(error).split())
         print(f"quantree: error: {message[:500]}", file=sys.stderr)
         return EXIT_QUANTIZE_FAILED
-
-
-if __name__ == "__main__":
-    sys.exit(main())
