@@ -92,3 +92,17 @@ def test_a_gru_runs_in_fp32_named_in_a_warning_and_close_to_the_reference() -> N
     for (x,) in batches((1, 3, 6), n=2, seed=5):
         (got,) = run_executorch(lowered.buffer, (x,))
         assert qt.sqnr(tree_leaves(ref(x))[0], got) >= SQNR_VS_REFERENCE_DB
+
+
+def test_cells_mode_is_refused_with_the_fix_and_whole_mode_exports() -> None:
+    torch.manual_seed(0)
+    model = Gru().eval()
+    data = batches((1, 3, 6), n=4)
+    cells = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
+    ref = qt.quantize(model, data[0], data, quantizer=cells, progress=False, dynamic_batch=False)
+    with pytest.raises(qt.QuantreeError, match=r"RecurrentMode\.WHOLE"):
+        lower_executorch(ref, data[0])
+    whole = qt.Int8Quantizer(recurrent=qt.RecurrentMode.WHOLE)
+    ref = qt.quantize(model, data[0], data, quantizer=whole, progress=False, dynamic_batch=False)
+    with pytest.warns(qt.QuantreeWarning, match="recurrent layer"):
+        assert lower_executorch(ref, data[0]).delegation.delegate_calls >= 1
