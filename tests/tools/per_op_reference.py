@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten_with_path, tree_map
 
 import quantree as qt
-from quantree.core.normalize import normalize
+from quantree.core.normalizing.normalize import normalize
 from quantree.core.stages import OUTPUT_GRID_KEY
 from quantree.tools.compare import TensorRow
 
