@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import quantree as qt
+from quantree.core.errors import QuantreeError
 from quantree.backends import CPU
 from quantree.backends.cpu.bound_calls import BINDINGS
 from quantree.backends.cpu.direct import DirectCall
@@ -251,8 +252,10 @@ def main(examples: int, hypothesis_seed: int) -> None:
                 else:
                     func(*args, **kwargs)
             outcome = "ran"
-        except Exception as error:  # a clean error is a pass; a signal is not
+        except QuantreeError as error:  # a clean error is a pass; a signal is not
             outcome = type(error).__name__
+        except Exception as error:  # a raw error: the test names it
+            outcome = f"raw {type(error).__name__}: {str(error)[:200]!r}"
         finally:
             for t, original, _ in reversed(swaps):
                 t.data = original

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from quantree.backends.cpu import program_checks
 from quantree.backends.cpu.native import library, ptr
+from quantree.backends.cpu.native_checks import fail
 
 
 class CellLoopRunner:
@@ -67,10 +68,11 @@ class CellLoopRunner:
             or xs.shape[2] != widths[0]
             or any(f.shape != (batch, w) for f, w in zip(finals, widths[1:], strict=True))
         ):
-            raise ValueError(
-                f"cell loop compiled for [batch, {widths[0]}] inputs and states of widths "
+            raise fail(
+                "cell_loop",
+                f"compiled for [batch, {widths[0]}] inputs and states of widths "
                 f"{list(widths[1:])}, got input {tuple(xs.shape)} and states "
-                f"{[tuple(f.shape) for f in finals]}"
+                f"{[tuple(f.shape) for f in finals]}",
             )
         program_checks.cell_loop(len(finals), consts, *program, batch)  # cached verdicts
         ys = torch.empty(xs.shape[0], batch, widths[1])

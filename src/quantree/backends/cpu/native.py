@@ -42,6 +42,7 @@ import torch
 from torch.utils import cpp_extension
 
 from quantree.backends.cpu import build_native
+from quantree.backends.cpu.native_checks import NativeArgumentError
 from quantree.core.errors import QuantreeError
 
 CSRC = build_native.CSRC
@@ -374,5 +375,9 @@ def ptr(t: torch.Tensor | None) -> int | None:
     if not t.is_cpu or not (
         t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=CHANNELS_LAST))
     ):
-        raise ValueError("quantree's CPU kernels read dense CPU tensors only")
+        raise NativeArgumentError(
+            f"a tensor of shape {tuple(t.shape)}, strides {t.stride()} on {t.device} reached "
+            "quantree's CPU kernels, which read dense CPU tensors only; the native kernel was "
+            "not run (an op copies strided inputs through native_args.NativeArgs)"
+        )
     return t.data_ptr()

@@ -21,6 +21,7 @@ One function per op, each with the C signature it protects.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +51,13 @@ def fail(op: str, what: str) -> NativeArgumentError:
 def dtype_of(op: str, name: str, t: Tensor, dtype: torch.dtype) -> None:
     if t.dtype != dtype:
         raise fail(op, f"{name} is {t.dtype}, the kernel reads {dtype}")
+
+
+def positive(op: str, name: str, value: float) -> None:
+    """A scale the kernel divides by: finite and above 0 (0 is no grid, and 1 / 0 is a
+    Python ``ZeroDivisionError`` before the kernel or an infinity inside it)."""
+    if not 0.0 < value < math.inf:
+        raise fail(op, f"{name} {value} is not a positive finite scale")
 
 
 def vector(op: str, name: str, t: Tensor | None, dtype: torch.dtype, n: int) -> None:
@@ -394,6 +402,8 @@ def rnn_plan(kind: str, params: Sequence[Tensor], hidden: int, num_layers: int,
             f"num_layers {num_layers}, hidden_bits {hidden_bits} or {len(qparams)} qparams "
             "(18 expected) out of range",
         )
+    for index, name in ((0, "x scale"), (14, "h_n scale"), (16, "c_n scale")):
+        positive(op, f"qparams[{index}] ({name})", qparams[index])
     if len(params) != num_layers * dirs * per_layer:
         raise fail(op, f"{len(params)} params for {num_layers} x {dirs} blocks of {per_layer}")
     if not 0 <= features < LIMIT:

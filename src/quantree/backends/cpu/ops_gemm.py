@@ -9,6 +9,7 @@ from torch import Tensor
 
 from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library, ptr
+from quantree.backends.cpu.native_args import NativeArgs
 from quantree.backends.cpu.ops_conv1d import (
     conv1d_strided,
     empty_output,
@@ -36,7 +37,8 @@ def linear(
 ) -> Tensor:
     """int8 ``x[..., K]`` times a packed weight; int8 out (``out_scale > 0``) or float."""
     check.linear(x, weight, offset, scale, bias, out_features)
-    pointers = (ptr(weight), ptr(offset), ptr(scale), ptr(bias))
+    held = NativeArgs("linear")  # alive through the call below
+    pointers = held.layer(weight, offset, scale, bias)
     return run_linear(x, packed_depth(weight), pointers, offset, scale, bias, out_features,
                       out_scale, out_zero_point, relu)  # fmt: skip
 
@@ -139,7 +141,8 @@ def conv2d(
     """
     check.conv2d(x, weight, offset, scale, bias, out_channels, kernel, stride, padding,
                  dilation, x_zero_point, groups)  # fmt: skip
-    pointers = (ptr(weight), ptr(offset), ptr(scale), ptr(bias))
+    held = NativeArgs("conv2d")  # alive through the call below
+    pointers = held.layer(weight, offset, scale, bias)
     depthwise = is_depthwise(int(x.shape[1]), out_channels, groups)
     return run_conv2d(x, 0 if depthwise else packed_depth(weight), pointers, out_channels,
                       kernel, stride, padding, dilation, x_zero_point, out_scale,

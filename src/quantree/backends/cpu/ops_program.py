@@ -8,14 +8,15 @@ and shapes recorded at compile time, a dynamic program's sizes resolved from its
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from quantree.backends.cpu import program_checks
-from quantree.backends.cpu.native import library, ptr
+from quantree.backends.cpu.native import library
+from quantree.backends.cpu.native_args import NativeArgs
+from quantree.backends.cpu.native_checks import fail
 from quantree.backends.cpu.registry import op
 
 DTYPES = (torch.float32, torch.int8)
@@ -80,14 +81,18 @@ def program(
 ) -> list[Tensor]:
     """The region's outputs for ``inputs``, which must have the compiled shapes (a dynamic
     program's symbol resolved from ``inputs`` first)."""
+    if any(d not in (0, 1) for d in out_dtypes):
+        raise fail("program", f"out_dtypes {list(out_dtypes)}: each is a dtype code, 0 "
+                   "(float32) or 1 (int8)")  # fmt: skip
     program_checks.symbol(inputs, sym or [])
     size = _size(inputs, sym or [])
     expected = _shapes(_resolve(in_shapes, in_coeffs or [], size), in_ranks)
     if [list(x.shape) for x in inputs] != expected:
-        raise ValueError(
-            "a quantree region program was compiled for inputs of shapes "
+        raise fail(
+            "program",
+            "compiled for inputs of shapes "
             f"{expected}, got {[list(x.shape) for x in inputs]}: lower the model again with "
-            "example inputs of these shapes"
+            "example inputs of these shapes",
         )
     dense = [x.contiguous() for x in inputs]
     outs = [
@@ -100,12 +105,12 @@ def program(
     program_checks.program(
         dense, consts, code, fcode, slots, in_slots, out_slots, out_dtypes, size, outs
     )
-    void_p = ctypes.c_void_p
+    a = NativeArgs("program")  # every address below points into a tensor ``a`` holds
     library().qt_program_run(
-        (void_p * max(len(dense), 1))(*[ptr(x) for x in dense]), ptr(in_slots), len(dense),
-        (void_p * max(len(outs), 1))(*[ptr(o) for o in outs]), ptr(out_slots), len(outs),
-        ptr(slots), slots.shape[0], slots.shape[1], size, ptr(code), ptr(fcode), code.shape[0],
-        (void_p * max(len(consts), 1))(*[ptr(c) for c in consts]),
+        a.inputs("inputs", dense), a.input("in_slots", in_slots), len(dense),
+        a.outputs("outputs", outs), a.input("out_slots", out_slots), len(outs),
+        a.input("slots", slots), slots.shape[0], slots.shape[1], size, a.input("code", code),
+        a.input("fcode", fcode), code.shape[0], a.inputs("consts", consts),
     )  # fmt: skip
     return outs
 
