@@ -295,7 +295,8 @@ def cell_loop(
             f"xs has shape {tuple(xs.shape)} and {len(state)} states; the kernel reads "
             "[T, B, I] and at least one state",
         )
-    program_checks.cell_loop(len(state), consts, code, fcode, slots, outs, xs.shape[1])
+    io_bytes = 4 * (xs.numel() + sum(s.numel() for s in state))
+    program_checks.cell_loop(len(state), consts, code, fcode, slots, outs, xs.shape[1], io_bytes)
     xs = xs.float().contiguous()
     finals = [s.float().contiguous().clone() for s in state]
     widths = [int(w) for w in slots[: 1 + len(finals), 3]]
@@ -354,7 +355,8 @@ def cell_loop_packed(
         )
     sizes = native_checks.packed_batch_sizes("cell_loop_packed", batch_sizes, xs.shape[0])
     batch = sizes[0]
-    program_checks.cell_loop(len(state), consts, code, fcode, slots, outs, batch)
+    io_bytes = 4 * (xs.numel() + sum(s.numel() for s in state))
+    program_checks.cell_loop(len(state), consts, code, fcode, slots, outs, batch, io_bytes)
     xs = xs.float().contiguous()
     finals = [s.float().contiguous().clone() for s in state]
     widths = [int(w) for w in slots[: 1 + len(finals), 3]]

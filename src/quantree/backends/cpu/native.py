@@ -36,13 +36,15 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils import cpp_extension
 
 from quantree.backends.cpu import build_native
-from quantree.backends.cpu.native_checks import NativeArgumentError
+from quantree.backends.cpu.native_checks import NativeArgumentError, NativeMemoryError
 from quantree.core.errors import QuantreeError
 
 CSRC = build_native.CSRC
@@ -97,6 +99,7 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_rnn": [_ptr, _i64, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     "qt_rnn_packed": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr,
                       _ptr, _ptr],
+    "qt_guard_probe": [_int],
     "qt_program_run": [
         *(_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr)
     ],
@@ -133,10 +136,14 @@ def library() -> ctypes.CDLL:
                 f"quantree's CPU kernels at {path} do not load: {error}. Delete that directory "
                 "(it is rebuilt on the next use), or point TORCH_EXTENSIONS_DIR elsewhere."
             ) from error
+    lib.qt_take_error.argtypes = []
+    lib.qt_take_error.restype = _int
+    raised = raise_caught(lib.qt_take_error, _int.in_dll(lib, "qt_errors_pending"))
     for symbol, argtypes in SIGNATURES.items():
         fn = getattr(lib, symbol)
         fn.argtypes = argtypes
         fn.restype = None
+        fn.errcheck = raised
     lib.qt_embedding_rows.restype = _i64  # the first index out of range, or -1
     lib.qt_select_isa.argtypes = [_int]
     lib.qt_select_isa.restype = _int
@@ -147,6 +154,30 @@ def library() -> ctypes.CDLL:
     if ISA_NAMES[lib.qt_select_isa(isa_cap())] == "portable":
         warnings.warn(portable_warning(lib.qt_cpu_features()), RuntimeWarning, stacklevel=2)
     return lib
+
+
+def raise_caught(take_error: Callable[[], int], pending: ctypes.c_int) -> Callable[..., Any]:
+    """The ``errcheck`` of every entry point: what its C++ caught (``QT_CATCH`` in
+    ``csrc/qt_kernels.h``: no exception crosses ``extern "C"``) raised here, as a Python
+    exception: ``NativeMemoryError`` (a ``MemoryError``) for an allocation that failed,
+    ``NativeArgumentError`` for anything else. ``pending`` (errors recorded on any thread,
+    not yet taken) is read first: no second foreign call when it is 0."""
+
+    def errcheck(result: Any, func: Any, args: tuple) -> Any:
+        error = take_error() if pending.value else 0
+        if error:
+            name = getattr(func, "__name__", "a native kernel")
+            if error == 1:
+                raise NativeMemoryError(
+                    f"{name} could not allocate its workspace (std::bad_alloc); nothing was "
+                    "returned. Run it on fewer rows, or with more memory"
+                )
+            raise NativeArgumentError(
+                f"{name} stopped on a C++ exception (error {error}); nothing was returned"
+            )
+        return result
+
+    return errcheck
 
 
 V3 = "the rest of x86-64-v3 (BMI1, BMI2, F16C, LZCNT, MOVBE)"
@@ -293,8 +324,11 @@ def library_name() -> str:
 
 
 def source_digest(compiler: str) -> str:
-    """A hash of everything the build reads: sources, headers, flags and the compiler."""
-    digest = hashlib.sha256(repr((FLAGS, MARCH, ISA_SOURCES, compiler)).encode())
+    """A hash of everything the build reads: sources, headers, flags, the compiler, and what
+    the march means on this machine (``build_native.march_meaning``: ``native`` is this
+    CPU's instruction set, so a cache shared with another CPU holds one library each)."""
+    meaning = build_native.march_meaning(compiler, MARCH) if MARCH == "native" else ""
+    digest = hashlib.sha256(repr((FLAGS, MARCH, ISA_SOURCES, compiler, meaning)).encode())
     digest.update(build_native.sources_digest().encode())
     return digest.hexdigest()[:16]
 

@@ -40,6 +40,11 @@ class NativeArgumentError(QuantreeError, ValueError):
     """Arguments a native kernel would read or write out of bounds; nothing was run."""
 
 
+class NativeMemoryError(QuantreeError, MemoryError):
+    """A native kernel could not allocate its workspace (``std::bad_alloc`` caught at its
+    ``extern "C"`` entry point, ``QT_CATCH``); nothing was returned."""
+
+
 def fail(op: str, what: str) -> NativeArgumentError:
     return NativeArgumentError(
         f"quantree.{op}: {what}; the native kernel was not run. The graph calling it was "
