@@ -31,10 +31,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import quantree as qt
-from quantree.core.errors import QuantreeError
 from quantree.backends import CPU
 from quantree.backends.cpu.bound_calls import BINDINGS
 from quantree.backends.cpu.direct import DirectCall
+from quantree.core.errors import QuantreeError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -59,6 +59,13 @@ compiler vectorizes on its own: im2col, quantize, tables, ...): file stem suffix
 takes the best one the CPU (and ``QUANTREE_NATIVE_MARCH``) allows, else the baseline one."""
 
 
+SANITIZERS: dict[str, tuple[str, ...]] = {
+    "address": ("-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1"),
+}
+"""Flags of the sanitizer builds (``QUANTREE_NATIVE_SANITIZE``), compile and link: checks,
+not speed, so -O1 (it builds faster and reports exact lines)."""
+
+
 class BuildError(RuntimeError):
     """A compiler invocation failed; the message holds the command and its errors."""
 

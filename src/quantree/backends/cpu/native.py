@@ -55,6 +55,9 @@ ISA_SOURCES = build_native.ISA_SOURCES
 """Per instruction set: its file and the flags it alone is compiled with."""
 CHANNELS_LAST = torch.channels_last
 MARCH = os.environ.get("QUANTREE_NATIVE_MARCH", "native")
+SANITIZE = os.environ.get("QUANTREE_NATIVE_SANITIZE", "").strip()
+"""``address``: an AddressSanitizer build (``build_native.SANITIZERS``), run with libasan
+preloaded into the process (``tests/backends/test_native_asan.py``); never the prebuilt one."""
 """``-march`` of the portable code, and a cap on the path: see ``ISA_CAP``."""
 FLAGS = build_native.FLAGS
 ISA_NAMES = ("portable", "avx2", "avxvnni", "avx512vnni", "neon", "neondot")
@@ -266,6 +269,7 @@ def prebuilt_choice() -> tuple[Path, ctypes.CDLL] | None:
     base = prebuilt_path()
     if (
         base is None
+        or SANITIZE
         or os.environ.get("QUANTREE_NATIVE_PREBUILT", "1") == "0"
         or not (MARCH == "native" or MARCH in ISA_CAP)
     ):
@@ -320,7 +324,7 @@ def cpu_isa() -> str:
 def library_name() -> str:
     """The library's file stem; the march is part of it, so builds never overwrite others."""
     suffix = "" if MARCH == "native" else "_" + MARCH.replace("-", "_").replace(".", "_")
-    return "quantree_cpu_kernels" + suffix
+    return "quantree_cpu_kernels" + suffix + (f"_{SANITIZE}" if SANITIZE else "")
 
 
 def source_digest(compiler: str) -> str:
@@ -328,7 +332,8 @@ def source_digest(compiler: str) -> str:
     the march means on this machine (``build_native.march_meaning``: ``native`` is this
     CPU's instruction set, so a cache shared with another CPU holds one library each)."""
     meaning = build_native.march_meaning(compiler, MARCH) if MARCH == "native" else ""
-    digest = hashlib.sha256(repr((FLAGS, MARCH, ISA_SOURCES, compiler, meaning)).encode())
+    key = (FLAGS, MARCH, ISA_SOURCES, compiler, meaning, sanitizer_flags())
+    digest = hashlib.sha256(repr(key).encode())
     digest.update(build_native.sources_digest().encode())
     return digest.hexdigest()[:16]
 
@@ -388,10 +393,20 @@ def build(name: str) -> Path:
     return target
 
 
+def sanitizer_flags() -> tuple[str, ...]:
+    """The compile and link flags ``QUANTREE_NATIVE_SANITIZE`` asks for (none by default)."""
+    if SANITIZE not in ("", *build_native.SANITIZERS):
+        raise QuantreeError(
+            f"QUANTREE_NATIVE_SANITIZE={SANITIZE!r} is not a sanitizer quantree builds; use "
+            f"one of {', '.join(build_native.SANITIZERS)}, or unset it"
+        )
+    return build_native.SANITIZERS.get(SANITIZE, ())
+
+
 def compile_library(compiler: str, out: Path) -> Path:
     """Compile every source (each ISA file with its own flags, two at a time) and link."""
     try:
-        return build_native.compile_library(compiler, out, MARCH)
+        return build_native.compile_library(compiler, out, MARCH, extra=sanitizer_flags())
     except build_native.BuildError as error:
         raise QuantreeError(
             f"building quantree's CPU kernels failed ({error})\n"
