@@ -33,13 +33,21 @@ CHILD = textwrap.dedent(
     library()
     size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
     resource.setrlimit(resource.RLIMIT_AS, (size + (2 << 30), size + (2 << 30)))
-    ld, cols = int(sys.argv[1]), int(sys.argv[2])
-    slots = torch.tensor([[0, 0, 0, 4, 4], [0, 1, 0, 4, 4], [0, 2, 0, cols, ld]])
+    ld, cols, op = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     try:
-        torch.ops.quantree.cell_loop(
-            torch.zeros(1, 1, 4), [torch.zeros(1, 4)], [], torch.zeros(0, 12, dtype=torch.int64),
-            torch.zeros(0, 8), slots, torch.tensor([1]), False,
-        )
+        if op == "cell_loop":
+            slots = torch.tensor([[0, 0, 0, 4, 4], [0, 1, 0, 4, 4], [0, 2, 0, cols, ld]])
+            torch.ops.quantree.cell_loop(
+                torch.zeros(1, 1, 4), [torch.zeros(1, 4)], [],
+                torch.zeros(0, 12, dtype=torch.int64), torch.zeros(0, 8), slots,
+                torch.tensor([1]), False,
+            )
+        else:  # a region program copying its [2, 4] input into an output slot of stride ld
+            slots = torch.tensor([[0, 0, 0, 4, 4, 2], [0, 1, 0, cols, ld, 2]])
+            torch.ops.quantree.program(
+                [torch.zeros(2, 4)], [], torch.tensor([[5, 1, 0] + [0] * 9]), torch.zeros(1, 8),
+                slots, torch.tensor([0]), torch.tensor([1]), [2, 4], [2], [2, 4], [2], [0],
+            )
         print(json.dumps(["ran", ""]))
     except Exception as error:
         print(json.dumps([type(error).__name__, str(error)[:400]]))
@@ -47,9 +55,9 @@ CHILD = textwrap.dedent(
 )
 
 
-def child(ld: int, cols: int, **env: str) -> tuple[str, str]:
+def child(ld: int, cols: int, op: str = "cell_loop", **env: str) -> tuple[str, str]:
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(ld), str(cols)],
+        [sys.executable, "-c", CHILD, str(ld), str(cols), op],
         capture_output=True,
         text=True,
         timeout=600,
@@ -64,6 +72,9 @@ def test_a_row_stride_of_2_31_is_refused_before_the_kernel() -> None:
     kind, message = child((1 << 31) - 1, 4)
     assert kind == "NativeArgumentError"
     assert "slot 2 owns its storage with a row stride of 2147483647 for 4 columns" in message
+    kind, message = child((1 << 31) - 1, 4, "program")
+    assert kind == "NativeArgumentError"
+    assert "quantree.program: slot 1 owns its storage with a row stride of 2147483647" in message
 
 
 def test_a_width_the_program_does_not_need_is_refused_before_the_kernel() -> None:
