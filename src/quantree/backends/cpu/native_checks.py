@@ -13,7 +13,10 @@ Each function here is the op's whole contract and its only statement: the op run
 every call made through the dispatcher (``torch.ops.quantree.*``, a graph loaded with plain
 ``torch.export.load``), and a lowered graph's layers (linear, conv, pooling) run it once per node,
 then check per call only what the verdict rested on (``bound_calls.py``). Contiguity and
-device are checked where the pointer is taken (``native.ptr``). Region programs and cell
+device are checked where the pointer is taken (``native_args.NativeArgs``: a strided input is
+read through a dense copy held through the call; ``native.ptr`` refuses one). What an op's
+body would raise on arguments no contract foresees is a ``NativeArgumentError`` too
+(``registry.contract_errors``), and a C++ exception is caught at the kernel's entry point. Region programs and cell
 loops, whose tables take O(length) to check, are in ``program_checks.py``.
 
 One function per op, each with the C signature it protects.
