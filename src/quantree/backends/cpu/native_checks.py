@@ -16,8 +16,9 @@ then check per call only what the verdict rested on (``bound_calls.py``). Contig
 device are checked where the pointer is taken (``native_args.NativeArgs``: a strided input is
 read through a dense copy held through the call; ``native.ptr`` refuses one). What an op's
 body would raise on arguments no contract foresees is a ``NativeArgumentError`` too
-(``registry.contract_errors``), and a C++ exception is caught at the kernel's entry point. Region programs and cell
-loops, whose tables take O(length) to check, are in ``program_checks.py``.
+(``registry.contract_errors``), and a C++ exception is caught at the kernel's entry point.
+Region programs and cell loops, whose tables take O(length) to check, are in
+``program_checks.py``.
 
 One function per op, each with the C signature it protects.
 """
