@@ -23,6 +23,7 @@ import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu.direct import DirectCall
 from quantree.backends.cpu.native_checks import NativeArgumentError
+from quantree.backends.cpu.ops_rnn import RnnRunner
 
 ops = torch.ops.quantree
 CPU_DIR = Path(qt.__file__).parent / "backends" / "cpu"
@@ -157,6 +158,16 @@ def test_raw_errors_are_native_argument_errors_naming_the_op_and_argument(
     slots, ins, outs = torch.tensor([[0, 0, 0, 4, 4, 1]]), torch.tensor([0]), torch.tensor([0])
     with pytest.raises(NativeArgumentError, match=r"quantree\.program: out_dtypes \[7\]"):
         ops.program([x[:1, :4]], [], *program, slots, ins, outs, [1, 4], [2], [1, 4], [2], [7])
+
+
+def test_a_lowered_graphs_own_rnn_runner_raises_native_argument_errors_too(
+    lstm_call: tuple,
+) -> None:
+    """The per-node runner a lowered (or loaded) graph calls without the dispatcher."""
+    args = list(lstm_call)
+    args[1], args[7] = args[1][0, 0], True  # a 1-d activation, batch first
+    with pytest.raises(NativeArgumentError, match=r"quantree\.rnn: .*IndexError"):
+        RnnRunner()(*args)
 
 
 def test_an_error_no_contract_names_is_still_a_native_argument_error() -> None:

@@ -13,7 +13,7 @@ from quantree.backends.cpu import native_checks as check
 from quantree.backends.cpu.native import library
 from quantree.backends.cpu.native_args import NativeArgs
 from quantree.backends.cpu.packing import packed_depth
-from quantree.backends.cpu.registry import op
+from quantree.backends.cpu.registry import contracted, op
 
 RNN_KINDS = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 PER_LAYER = 8  # w_ih and w_hh: packed int8, int32 row sums, per-channel scale, float bias
@@ -111,6 +111,7 @@ class RnnRunner:
     def __setstate__(self, state: dict) -> None:
         self.__init__()  # type: ignore[misc]
 
+    @contracted("rnn")
     def __call__(
         self,
         kind: str,
@@ -158,6 +159,7 @@ class RnnRunner:
         out = out.transpose(0, 1).contiguous() if batch_first else out
         return out, h_n, x.new_empty((0,)) if c_n is None else c_n
 
+    @contracted("rnn_packed_sequence")
     def packed(
         self,
         kind: str,

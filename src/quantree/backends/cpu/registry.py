@@ -40,6 +40,12 @@ RAW = (ZeroDivisionError, IndexError, KeyError, ValueError, TypeError, OverflowE
 a 1-d activation indexed as 2-d, a list one item short, torch refusing a reshape)."""
 
 
+def contracted(name: str) -> Callable[[F], F]:
+    """``contract_errors`` as a decorator: for an op's per-node implementations (a runner's
+    methods, which a lowered graph calls without the dispatcher)."""
+    return lambda fn: contract_errors(name, fn)
+
+
 def contract_errors(name: str, fn: F) -> F:
     """``fn`` raising ``NativeArgumentError`` (naming the op) where its body would raise a
     raw Python or torch error: the net under every op's own contract (``native_checks``),
