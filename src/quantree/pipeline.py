@@ -9,16 +9,16 @@ import torch
 import torch.fx as fx
 
 import quantree.core.lower as core_lower
-from quantree.capturing import capture
 from quantree.core.calibrate import calibrate, check_calibration_data
 from quantree.core.convert import Unobserved, convert
-from quantree.core.distributed import in_process_group
 from quantree.core.errors import QuantreeError
 from quantree.core.lower import REFERENCE, Backend
-from quantree.core.prepare import prepare
-from quantree.core.pt2e import is_pt2e_quantizer
+from quantree.core.observing.distributed import in_process_group
+from quantree.core.prepare import prepare as core_prepare
 from quantree.core.quantizer import Quantizer
-from quantree.recipes import Int8Quantizer
+from quantree.recipes.int8 import Int8Quantizer
+from quantree.recipes.pt2e import as_quantizer, is_pt2e_quantizer
+from quantree.recurrent.capture import capture
 
 BACKEND_NAMES = ("reference", "cpu")
 
@@ -38,6 +38,15 @@ def resolve_backend(backend: Backend | str) -> Backend:
         f"backend must be a Backend (quantree.REFERENCE, quantree.backends.CPU) or one of the "
         f"names {', '.join(map(repr, BACKEND_NAMES))}, got {type(backend).__name__} {shown}"
     )
+
+
+def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
+    """A copy of ``gm`` with observers, ready to calibrate (``quantree.core.prepare``).
+
+    ``quantizer`` is a quantree ``Quantizer`` or a pt2e one (torchao's ``Quantizer``: its
+    annotations are translated, see ``quantree.recipes.pt2e``).
+    """
+    return core_prepare(gm, as_quantizer(quantizer), stacklevel=3)
 
 
 def lower(ref: fx.GraphModule, backend: Backend | str = REFERENCE) -> fx.GraphModule:
@@ -94,4 +103,4 @@ def quantize(
     return core_lower.lower(convert(prepared, unobserved=unobserved), resolved)
 
 
-__all__ = ["BACKEND_NAMES", "lower", "quantize", "resolve_backend"]
+__all__ = ["BACKEND_NAMES", "lower", "prepare", "quantize", "resolve_backend"]

@@ -32,8 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.bound_calls import BINDINGS
-from quantree.backends.cpu.direct import DirectCall
+from quantree.backends.cpu.native.bound_calls import BINDINGS
+from quantree.backends.cpu.native.direct import DirectCall
 from quantree.core.errors import QuantreeError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -13,8 +13,8 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.direct import DirectCall
-from quantree.core.shape_guards import PassedShapes, ShapeGuardFailed, _reads_only_sizes
+from quantree.backends.cpu.native.direct import DirectCall
+from quantree.core.capturing.shape_guards import PassedShapes, ShapeGuardFailed, _reads_only_sizes
 
 from support import batches
 
@@ -144,7 +144,7 @@ def test_a_tensor_subclass_in_a_list_argument_goes_through_the_op() -> None:
 def test_buffers_read_directly_still_behave_as_buffers(lowered) -> None:
     _, low, data = lowered
     gm = copy.deepcopy(low)
-    from quantree.core.fast_attributes import read_buffers_directly
+    from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 
     read_buffers_directly(gm)
     name = next(n.target for n in gm.graph.find_nodes(op="get_attr") if "." not in n.target)

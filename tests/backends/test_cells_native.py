@@ -13,7 +13,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.derived import RECIPE_KEY
+from quantree.backends.cpu.saved.derived import RECIPE_KEY
 from quantree.tools.metrics import sqnr
 
 from support import calls

@@ -12,9 +12,9 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
-from quantree.backends.cpu.lowering_linear import pack_conv_weight
-from quantree.backends.cpu.ops_gemm import as_conv2d_geometry, conv2d
-from quantree.backends.cpu.ops_wide import LO_ZERO_POINT, split16
+from quantree.backends.cpu.ops.gemm import as_conv2d_geometry, conv2d
+from quantree.backends.cpu.ops.wide import LO_ZERO_POINT, split16
+from quantree.backends.cpu.rules.linear import pack_conv_weight
 
 quantree_ops = torch.ops.quantree
 

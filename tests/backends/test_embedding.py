@@ -8,7 +8,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.native_checks import NativeArgumentError
+from quantree.backends.cpu.native.checks import NativeArgumentError
 
 from support import calls, qd
 
@@ -58,7 +58,7 @@ def test_lowered_embedding_saves_and_loads(tmp_path) -> None:
 def test_native_row_gather_is_bit_equal_to_the_aten_ops() -> None:
     """The per-row lookup runs natively (one call); its bits are the five ATen ops' it
     replaced, and an index out of range raises as ``embedding`` does."""
-    from quantree.backends.cpu.ops_embedding import embedding_rows
+    from quantree.backends.cpu.ops.embedding import embedding_rows
 
     g = torch.Generator().manual_seed(0)
     table = torch.randint(-128, 128, (300, 37), dtype=torch.int8, generator=g)

@@ -19,8 +19,8 @@ from torch import nn
 import quantree as qt
 import quantree.backends.cpu.ops
 from quantree.backends import CPU, cpu_isa
-from quantree.backends.cpu.native import ISA_NAMES, isa_cap, library
-from quantree.backends.cpu.packing import pack, zero_point_offset
+from quantree.backends.cpu.native.loader import ISA_NAMES, isa_cap, library
+from quantree.backends.cpu.native.packing import pack, zero_point_offset
 
 from support import batches, leaves
 

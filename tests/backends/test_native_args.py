@@ -1,4 +1,4 @@
-"""Strided tensors reaching the native kernels (``native_args.NativeArgs``), and raw errors
+"""Strided tensors reaching the native kernels (``native/args.py``: ``NativeArgs``), and raw errors
 under every op turned into ``NativeArgumentError`` (``registry.contract_errors``).
 
 A non-contiguous state or weight (a weight stored with doubled strides in a file, an
@@ -21,9 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.direct import DirectCall
-from quantree.backends.cpu.native_checks import NativeArgumentError
-from quantree.backends.cpu.ops_rnn import RnnRunner
+from quantree.backends.cpu.native.checks import NativeArgumentError
+from quantree.backends.cpu.native.direct import DirectCall
+from quantree.backends.cpu.ops.rnn import RnnRunner
 
 ops = torch.ops.quantree
 CPU_DIR = Path(qt.__file__).parent / "backends" / "cpu"
@@ -189,14 +189,14 @@ def _temporaries(path: Path) -> list[str]:
         if isinstance(func, ast.Name) and func.id == "ptr" and node.args:
             arg = node.args[0]
             if isinstance(arg, ast.Call) and getattr(arg.func, "id", None) not in views:
-                found.append(f"{path.name}:{node.lineno}")
+                found.append(f"{path.relative_to(CPU_DIR)}:{node.lineno}")
         if isinstance(func, ast.Attribute) and func.attr == "data_ptr":
             value = func.value
             if isinstance(value, ast.Call) and getattr(value.func, "attr", "") != "untyped_storage":
-                found.append(f"{path.name}:{node.lineno}")
+                found.append(f"{path.relative_to(CPU_DIR)}:{node.lineno}")
     return found
 
 
 def test_no_address_is_taken_of_a_temporary() -> None:
-    found = [hit for path in sorted(CPU_DIR.glob("*.py")) for hit in _temporaries(path)]
+    found = [hit for path in sorted(CPU_DIR.rglob("*.py")) for hit in _temporaries(path)]
     assert found == []

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from quantree.backends.cpu import native
+from quantree.backends.cpu.native import loader as native
 
 HERE = Path(__file__).resolve().parent
-SRC = str(Path(native.__file__).resolve().parents[3])
+SRC = str(Path(native.__file__).resolve().parents[4])
 FULL = os.environ.get("QUANTREE_ASAN_FULL", "") == "1"
 
 
@@ -91,7 +91,7 @@ def test_mutated_native_calls_are_clean_under_asan(tmp_path: Path) -> None:
     one: a library of its own in the cache)."""
     examples = 400 if FULL else 40
     code = (
-        "from quantree.backends.cpu.native import library_path; print(library_path()); "
+        "from quantree.backends.cpu.native.loader import library_path; print(library_path()); "
         f"import native_mutations; native_mutations.main({examples}, 0)"
     )
     done = under_asan(["-c", code], 3600, tmp_path)

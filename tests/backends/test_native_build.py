@@ -21,7 +21,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu import native
+from quantree.backends.cpu.native import loader as native
 
 from support import batches, leaves
 

@@ -23,8 +23,8 @@ import torch
 
 import quantree as qt
 from quantree.backends import CPU, save
-from quantree.backends.cpu.native_checks import NativeArgumentError
-from quantree.backends.cpu.packing import pack
+from quantree.backends.cpu.native.checks import NativeArgumentError
+from quantree.backends.cpu.native.packing import pack
 
 from support import batches
 
@@ -245,7 +245,7 @@ def test_empty_sums_on_every_path_never_signal(isa: str) -> None:
     script = (
         "import torch\n"
         "from quantree.backends.cpu import ops\n"
-        "from quantree.backends.cpu.packing import pack\n"
+        "from quantree.backends.cpu.native.packing import pack\n"
         "w, x = pack(torch.ones(8, 0, dtype=torch.int8)), torch.zeros(4, 0, dtype=torch.int8)\n"
         "off, sc = torch.full((8,), 3, dtype=torch.int32), torch.ones(8)\n"
         "print(ops.linear(x, w, off, sc, None, 8, 0.0, 0, False).tolist()[0][0])\n"

@@ -19,16 +19,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantree.backends.cpu import build_native, native
-from quantree.backends.cpu.native_checks import NativeArgumentError
+from quantree.backends.cpu.cells import runner as cell_runner
+from quantree.backends.cpu.native import build as build_native
+from quantree.backends.cpu.native import loader as native
+from quantree.backends.cpu.native.checks import NativeArgumentError
+from quantree.backends.cpu.ops import OPS, elementwise
 
-SRC = str(Path(native.__file__).resolve().parents[3])
+SRC = str(Path(native.__file__).resolve().parents[4])
+ENTRY_POINTS = {s for m in (*OPS, cell_runner) for s in vars(m).get("SIGNATURES", {})}
+"""Every C entry point an op module declares (``ops.OPS``; the cell loops' in ``cells/``)."""
 
 CHILD = textwrap.dedent(
     """
     import json, resource, sys
     import torch
-    from quantree.backends.cpu.native import library
+    from quantree.backends.cpu.native.loader import library
     import quantree.backends  # the ops
     library()
     size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
@@ -102,7 +107,7 @@ def test_every_entry_point_reports_what_its_cxx_threw() -> None:
         lib.qt_guard_probe(2)
     lib.qt_guard_probe(0)  # the error was taken: the next call is clean
     x, out = torch.randn(8), torch.empty(8, dtype=torch.int8)
-    lib.qt_quantize(x.data_ptr(), 8, 10.0, 0.0, out.data_ptr())
+    elementwise.kernels().qt_quantize(x.data_ptr(), 8, 10.0, 0.0, out.data_ptr())
     assert torch.equal(out, torch.ops.quantree.quantize(x, 0.1, 0))
 
 
@@ -111,7 +116,7 @@ def test_every_entry_point_is_guarded() -> None:
     unguarded, found = [], set()
     for path in sorted(build_native.CSRC.glob("*.cpp")):
         text = path.read_text()
-        for name in native.SIGNATURES:
+        for name in (*sorted(ENTRY_POINTS), "qt_guard_probe"):
             start = text.find(f"void {name}(")
             if start < 0:
                 continue

@@ -230,17 +230,16 @@ def test_recurrent_whole_is_one_onnx_op_per_layer(kind, options, tmp_path):
     assert ops[onnx_op] == options.get("num_layers", 1)
     assert ops["Slice"] <= 2 * options.get("num_layers", 1)  # initial states only, no gate slicing
     graph = onnx.load(str(path)).graph
-    producers = {o: n for n in graph.node for o in n.output}
+    inits = {i.name: i for i in graph.initializer}
     for node in graph.node:
-        if node.op_type == onnx_op:  # W and R come from DequantizeLinear (through a Concat)
-            for name in node.input[1:3]:
-                producer = producers[name]
-                inputs = (
-                    [producer]
-                    if producer.op_type != "Concat"
-                    else [producers[i] for i in producer.input]
-                )
-                assert all(p.op_type == "DequantizeLinear" for p in inputs)
+        if node.op_type == onnx_op:  # W, R, B: float initializers, dequantized once at export
+            for name in node.input[1:4]:
+                assert inits[name].data_type == onnx.TensorProto.FLOAT
+    assert not any(
+        n.op_type == "DequantizeLinear" and len(inits[n.input[0]].dims) > 1
+        for n in graph.node
+        if n.input[0] in inits
+    )
     ref_db, onnx_db = _sqnr_band(layer, ref, path, data[1])
     assert onnx_db >= ref_db - SQNR_BAND_DB, (ref_db, onnx_db)
     del model

@@ -18,7 +18,7 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu import backend as cpu_backend
-from quantree.backends.cpu.native import ISA_NAMES, isa_cap, library
+from quantree.backends.cpu.native.loader import ISA_NAMES, isa_cap, library
 from quantree.core.graphs import fetch_attr
 from quantree.tools.inspection import NATIVE_FLOAT, op_statuses
 from quantree.tools.metrics import sqnr

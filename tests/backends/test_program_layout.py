@@ -18,8 +18,8 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu import backend as cpu_backend
-from quantree.backends.cpu.cells_native import Program
-from quantree.backends.cpu.program_layout import gather, reshape, row_map
+from quantree.backends.cpu.cells.program import Program
+from quantree.backends.cpu.passes.region_layout import gather, reshape, row_map
 
 from support import calls
 

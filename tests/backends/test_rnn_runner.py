@@ -17,9 +17,9 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.direct import DirectCall
-from quantree.backends.cpu.ops_elementwise import dequantize, quantize
-from quantree.backends.cpu.ops_rnn import RnnRunner
+from quantree.backends.cpu.native.direct import DirectCall
+from quantree.backends.cpu.ops.elementwise import dequantize, quantize
+from quantree.backends.cpu.ops.rnn import RnnRunner
 
 
 class Output(nn.Module):

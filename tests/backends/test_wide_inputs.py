@@ -18,7 +18,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.ops_wide import split16
+from quantree.backends.cpu.ops.wide import split16
 from quantree.tools.inspection import INT16_KERNEL, op_statuses
 
 from support import batches, calls, qd
@@ -156,8 +156,8 @@ def test_programs_run_int16_linears_as_one_instruction_and_save(tmp_path) -> Non
 def test_a_programs_int16_linear_reads_only_whole_constants() -> None:
     """LINEAR16 instructions are checked like LINEAR ones: a weight constant shorter than
     N x Kp is refused before the native call (the checker's verdict, not a signal)."""
-    from quantree.backends.cpu.native_checks import NativeArgumentError
-    from quantree.backends.cpu.program_checks import LINEAR16
+    from quantree.backends.cpu.native.checks import NativeArgumentError
+    from quantree.backends.cpu.native.program_checks import LINEAR16
 
     torch.manual_seed(0)
     data = batches((1, 12, 32), n=4)

@@ -78,7 +78,7 @@ def test_a_stopped_rank_fails_the_merge_after_quantrees_timeout(tmp_path: Path) 
 
 
 def test_the_timeout_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quantree.core.distributed import merge_timeout
+    from quantree.core.observing.distributed import merge_timeout
 
     monkeypatch.setenv("QUANTREE_MERGE_TIMEOUT", "soon")
     with pytest.raises(qt.QuantreeError, match="QUANTREE_MERGE_TIMEOUT='soon'"):

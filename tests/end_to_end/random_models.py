@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.float_report import DATA_MOVEMENT, program_float_ops
+from quantree.backends.cpu.passes.float_report import DATA_MOVEMENT, program_float_ops
 from quantree.tools import cli
 
 PREPARED_TOLERANCE = 1e-4

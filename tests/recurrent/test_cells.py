@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 import quantree as qt
 from quantree.core.graphs import nested_graphs
-from quantree.recurrent.recipe import RECURRENT_OPS
+from quantree.recipes.recurrent import RECURRENT_OPS
 
 from support import batches, qparams_of
 

@@ -51,7 +51,7 @@ def test_transpose_between_int8_qdq_and_fused_conv_relu_are_int8(reference) -> N
 
 def test_lowered_native_ops_and_int8_transpose_count_as_int8(reference, tmp_path: Path) -> None:
     from quantree.backends import CPU, save
-    from quantree.backends.cpu.serialize import fold_saved_recipes
+    from quantree.backends.cpu.saved.serialize import fold_saved_recipes
     from quantree.tools.files import load_program
 
     gm, data = reference

@@ -410,7 +410,7 @@ def test_derived_row_sums_and_tables_that_do_not_fit_are_refused(lowered_file, t
 
 def test_only_json_members_may_be_deflated(lowered_file, tmp_path, monkeypatch) -> None:
     from quantree.backends import load
-    from quantree.tools import archive
+    from quantree.backends.cpu.saved import archive
 
     deflated_weight = tmp_path / "deflated_weight.pt2"
     with zipfile.ZipFile(lowered_file) as src, zipfile.ZipFile(deflated_weight, "w") as dst:

@@ -1,5 +1,9 @@
 """calibrate: run a prepared model over data so its observers collect statistics.
 
+Over 400 lines: the checks of a batch against the captured program (arity, names, dtypes,
+ranks, shape guards, finiteness) are most of it, each with the fix its error suggests;
+split them out (``core/capturing/``) when they grow.
+
 A calibration item is an argument tuple (a lone tensor stands for ``(tensor,)``) or, for a
 model captured with keyword example inputs, an ``(args, kwargs)`` pair: a tuple or list of
 the positional arguments followed by a dict of the keyword ones.
@@ -10,7 +14,7 @@ is reported as a :class:`BadBatch` naming its index and the fix, and it never re
 observer: the statistics gathered so far stay clean.
 
 Inside a ``torch.distributed`` process group each process calibrates on its own shard and
-the statistics are merged at the end (``quantree.core.distributed``).
+the statistics are merged at the end (``quantree.core.observing.distributed``).
 """
 
 from __future__ import annotations
@@ -26,11 +30,11 @@ import torch.fx._pytree as fx_pytree
 from torch.utils._pytree import TreeSpec, tree_flatten_with_path, tree_structure, tree_unflatten
 from tqdm.auto import tqdm
 
-from quantree.core.distributed import calibrate_across, in_process_group
+from quantree.core.capturing.input_trees import describe_path, structure_difference
+from quantree.core.capturing.shape_guards import ShapeGuardFailed
 from quantree.core.errors import QuantreeError
-from quantree.core.input_trees import describe_path, structure_difference
-from quantree.core.observers import NonFiniteValues
-from quantree.core.shape_guards import ShapeGuardFailed
+from quantree.core.observing.distributed import calibrate_across, in_process_group
+from quantree.core.observing.observers import NonFiniteValues
 
 GUARDS_MODULE = "_guards_fn"  # the submodule torch.export's ``module()`` calls to check shapes
 _GUARD_PREFIXES = ("Guard failed: ", "Expected input at ")  # export's two guard styles

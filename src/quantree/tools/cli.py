@@ -26,8 +26,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from quantree.core.calibrate import BadBatch, as_call, calibrate, check_batch
-from quantree.core.distributed import RankFailed, in_process_group
 from quantree.core.errors import QuantreeError, QuantreeWarning
+from quantree.core.observing.distributed import RankFailed, in_process_group
+from quantree.recipes.int8 import Int8Quantizer, RecurrentMode
+from quantree.tools.export_command import add_export_parser, export_command
 from quantree.tools.files import (
     BadFile,
     check_output,
@@ -96,20 +98,17 @@ def _parser() -> argparse.ArgumentParser:
     quantize.add_argument("--report", help="also write an HTML report of per-tensor SQNR")
     quantize.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    add_export_parser(commands)
+
     inspect = commands.add_parser("inspect", help="show what a quantized .pt2 quantizes and how")
     inspect.add_argument("model", help="a .pt2 program (e.g. written by quantree quantize)")
     return parser
 
 
 def _quantizer(recurrent: str) -> Any:
-    import quantree as qt
-
     if recurrent == "whole":
-        return qt.Int8Quantizer()
-    mode = getattr(qt, "RecurrentMode", None)
-    if mode is None:
-        raise UsageError("--recurrent cells: cells mode is not available in this build")
-    return qt.Int8Quantizer(recurrent=mode.CELLS)
+        return Int8Quantizer()
+    return Int8Quantizer(recurrent=RecurrentMode.CELLS)
 
 
 def _backend(name: str) -> Any:
@@ -286,7 +285,7 @@ def _write_report(
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    from quantree.backends.cpu.serialize import fold_saved_recipes
+    from quantree.backends.cpu.saved.serialize import fold_saved_recipes
     from quantree.tools.inspection import summary
 
     program = load_program(args.model)
@@ -306,7 +305,12 @@ def demo_command(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(None if argv is None else list(argv))
-    command = {"demo": demo_command, "quantize": quantize_command, "inspect": inspect_command}
+    command = {
+        "demo": demo_command,
+        "quantize": quantize_command,
+        "inspect": inspect_command,
+        "export": export_command,
+    }
     try:
         return command[args.command](args)
     except BadFile as error:

@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_map
 
-from quantree.capturing import capture
 from quantree.core.calibrate import as_args
 from quantree.core.graphs import nested_graphs
-from quantree.core.normalize import normalize
+from quantree.core.normalizing.normalize import normalize
 from quantree.core.stages import STAGE_KEY
 from quantree.core.values import Path, leaves_with_paths
+from quantree.recurrent.capture import capture
 from quantree.tools.matching import (
     OUTPUT,
     VALUE,
@@ -51,14 +52,29 @@ from quantree.tools.time_steps import (
     call_sqnrs,
     cell_state,
     layer_label,
+    module_path,
     output_series,
     render_steps,
     step_energies,
     step_sqnrs,
     time_axis,
 )
+from quantree.tools.unmatched import (
+    NEVER_RAN,
+    NO_OUTPUT,
+    NOT_A_GRAPH,
+    Unmatched,
+    render_unmatched,
+    shapes_differ,
+)
 
 ROOT = ""
+
+
+def fresh(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A copy of every tensor in ``args``: a model that writes into its input in place
+    would otherwise hand the next model (and the user) a changed batch."""
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args)
 
 
 class RowKind(enum.Enum):
@@ -86,6 +102,12 @@ class TensorRow:
     steps: tuple[float, ...] = ()  # SQNR dB per time step of a recurrent output or state
     layer: str = ""  # with steps: the recurrent layer they belong to (its module path)
     series: str = ""  # with steps: "output", or a cells-mode state ("cell l0_reverse")
+    read_at: tuple[str, Path] | None = None
+    module: str = ""
+    """The user's module the row belongs to (``layer1.0.conv1``, ``lstm``): a fused kernel's
+    row is its conv's, a split or cells-mode recurrent layer's rows are the layer's."""
+    """Where the quantized graph was read: a node (of the row's scope) and the leaf path in
+    its output, or in its arguments for a constant; None for a model output."""
 
     @property
     def sqnr_db(self) -> float:
@@ -106,6 +128,7 @@ class TensorRow:
             "steps_sqnr_db": list(self.steps),
             "layer": self.layer,
             "series": self.series,
+            "module": self.module,
         }
 
 
@@ -115,6 +138,8 @@ class Comparison:
 
     rows: tuple[TensorRow, ...]
     batches: int
+    unmatched: tuple[Unmatched, ...] = ()
+    """Float tensors with no row, each with the reason (printed by ``render``)."""
 
     def records(self) -> list[dict[str, Any]]:
         return [row.record() for row in self.rows]
@@ -146,7 +171,8 @@ class Comparison:
         if limit is not None and len(self.rows) > limit:
             lines.append(f"... and {len(self.rows) - limit} more")
         steps = render_steps((r.name, r.steps) for r in self.rows)
-        return "\n".join([*lines, *([steps] if steps else [])])
+        missing = render_unmatched(self.unmatched)
+        return "\n".join([*lines, *([steps] if steps else []), *([missing] if missing else [])])
 
     def __str__(self) -> str:
         return self.render()
@@ -160,6 +186,8 @@ class _Stat:
     signal: float = 0.0
     noise: float = 0.0
     seen: bool = False
+    missing: str = ""  # why the quantized model has no counterpart (while not seen)
+    owner: str = ""  # the float node whose module the row belongs to, when not the key's
     time_axis: int | None = None
     step_signal: torch.Tensor | None = None
     step_noise: torch.Tensor | None = None
@@ -228,8 +256,8 @@ class _Session:
         store = self.reference.setdefault((scope, call), dict(self.weights[scope]))
 
         def keep(key: Key, value: Any) -> None:
-            if is_float(value):
-                store[key] = value.detach()
+            if is_float(value):  # a copy: a later in-place op (relu_, add_) writes into it
+                store[key] = value.detach().clone()
 
         return keep
 
@@ -238,7 +266,10 @@ class _Session:
 
         def accumulate(key: Key, value: Any) -> None:
             ref = store.get(key)
-            if ref is None or not is_float(value) or value.shape != ref.shape:
+            if ref is None or not is_float(value):
+                return
+            if value.shape != ref.shape:
+                self.stats[(scope, key)].missing = shapes_differ(tuple(ref.shape), value.shape)
                 return
             if key[0] == WEIGHT:
                 if (scope, key) in self.weights_done:
@@ -257,6 +288,7 @@ class _Session:
 
     def run_float(self, args: tuple[Any, ...]) -> None:
         self.reference.clear()
+        args = fresh(args)
         nested = {s: p for s, p in self.float_plans.items() if s != ROOT}
         with torch.no_grad(), recording_nested(self.float_gm, nested, self.keeper):
             out = Recorder(self.float_gm, self.float_plans[ROOT], self.keeper(ROOT, 0)).run(*args)
@@ -304,11 +336,15 @@ class _Session:
                     described = self._scoped(scope, describe_value(nodes, key), index)
                     self.stats[(scope, key)] = self._value_stat(scope, gm, nodes, key, described)
             if not isinstance(self.quantized, fx.GraphModule):
+                for (s, key), stat in self.stats.items():
+                    stat.missing = NOT_A_GRAPH if s == scope and key[0] != OUTPUT else ""
                 continue
             target = self.quantized if scope == ROOT else self.quantized.get_submodule(scope)
             assert isinstance(target, fx.GraphModule)
             plan, how = quantized_plan(target, gm, [k for s, k in self.stats if s == scope])
             self.quantized_plans[scope] = plan
+            for key, reason in plan.missing.items():
+                self.stats[(scope, key)].missing = reason
             for key, text in how.items():
                 stat = self.stats[(scope, key)]
                 stat.quantization = text
@@ -320,6 +356,10 @@ class _Session:
                     stat.described = self._scoped(
                         scope, Described(fused, op_name(producer), order), index
                     )
+                    stat.owner = producer.name
+                    inner = self.stats.get((scope, (VALUE, producer.name, ())))
+                    if inner is not None:
+                        inner.missing = f"fused into a kernel: read as row {fused}"
         if isinstance(self.quantized, fx.GraphModule):
             outputs = [k for s, k in self.stats if s == ROOT and k[0] == OUTPUT]
             for key, how_out in zip(outputs, output_quantization(self.quantized), strict=False):
@@ -328,6 +368,7 @@ class _Session:
 
     def run_quantized(self, args: tuple[Any, ...]) -> None:
         plans = self.quantized_plans or {}
+        args = fresh(args)
         with torch.no_grad():
             if isinstance(self.quantized, fx.GraphModule):
                 nested = {s: p for s, p in plans.items() if s != ROOT}
@@ -339,9 +380,38 @@ class _Session:
         accumulate = self.accumulator(ROOT, 0)
         for path, leaf in leaves_with_paths(out):
             accumulate((OUTPUT, "output", path), leaf)
+        for (_, key), stat in self.stats.items():
+            if key[0] == OUTPUT and not stat.seen and not stat.missing:
+                stat.missing = NO_OUTPUT
+
+    def _module(self, scope: str, name: str) -> str:
+        """The user's module path of node ``name``; inside a nested graph (a cells-mode
+        body), the module of the root node that runs it."""
+        if scope != ROOT:
+            owner = next(
+                (
+                    n
+                    for n in self.float_gm.graph.nodes
+                    if n.op == "call_module" and scope.startswith(f"{n.target}.")
+                ),
+                None,
+            )
+            return module_path(owner) if owner is not None else ""
+        node = next((n for n in self.float_gm.graph.nodes if n.name == name), None)
+        return module_path(node) if node is not None else ""
+
+    def unmatched(self) -> list[Unmatched]:
+        found: list[tuple[int, Unmatched]] = []
+        for (scope, key), stat in self.stats.items():
+            if stat.seen:
+                continue
+            d = stat.described
+            node = key[1] if scope == ROOT else f"{scope}/{key[1]}"
+            found.append((d.order, Unmatched(d.name, node, d.op, stat.missing or NEVER_RAN)))
+        return [u for _, u in sorted(found, key=lambda f: (f[0], f[1].name))]
 
     def rows(self) -> list[TensorRow]:
-        rows = []
+        rows, plans = [], self.quantized_plans or {}
         for (scope, key), stat in self.stats.items():
             if not stat.seen:
                 continue
@@ -362,6 +432,8 @@ class _Session:
                     steps := stat.steps(),
                     stat.layer if steps else "",
                     stat.series if steps else "",
+                    plans[scope].read_at.get(key) if scope in plans else None,
+                    self._module(scope, stat.owner or key[1]) if key[0] != OUTPUT else "",
                 )
             )
         rows.sort(key=lambda r: (r.sqnr_db, r.order, r.name))
@@ -397,4 +469,6 @@ def compare(
         session.run_float(args)
         session.run_quantized(args)
         count += 1
-    return Comparison(tuple(session.rows() if session else ()), count)
+    if session is None:
+        return Comparison((), count)
+    return Comparison(tuple(session.rows()), count, tuple(session.unmatched()))

@@ -17,9 +17,6 @@ half-written file and the input is never opened for writing.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import logging
 import os
 import pickle
 import tempfile
@@ -28,62 +25,25 @@ from typing import Any
 
 import torch
 
-from quantree.core.calibrate import as_args
-from quantree.core.errors import QuantreeError
-from quantree.tools.archive import (
+from quantree.backends.cpu.saved.archive import (
     NEVER_UNPICKLED,
     BadFile,
-    check_archive,
     first_line,
     is_export_archive,
     no_protocol_warning,
-    weights_only_everywhere,
 )
-
-
-def _existing(path: str | Path, what: str) -> Path:
-    p = Path(path)
-    if not p.exists():
-        raise BadFile(f"{p}: no such file ({what})")
-    if not p.is_file():
-        raise BadFile(f"{p}: not a regular file ({what})")
-    return p
-
-
-def register_backend_ops() -> None:
-    """Import the built-in backends so programs using their custom ops can be loaded."""
-    with contextlib.suppress(ImportError):
-        importlib.import_module("quantree.backends")
-
-
-def load_program(path: str | Path) -> torch.export.ExportedProgram:
-    """A program saved with ``torch.export.save``, loaded without unpickling anything.
-
-    The one way quantree reads a ``.pt2`` (the CLI and ``quantree.backends.load``).
-    """
-    p = _existing(path, "expected a program saved with torch.export.save")
-    check_archive(p)
-    register_backend_ops()
-    try:
-        with weights_only_everywhere() as records:
-            program = torch.export.load(str(p))
-    except Exception as error:
-        raise BadFile(
-            f"{p}: not a readable torch.export program (truncated, or saved some other way): "
-            f"{first_line(error)}"
-        ) from None
-    for record in records:
-        if "weights_only=False" in record.getMessage():  # cannot happen: checked, then forced
-            raise BadFile(f"{p}: torch fell back to unpickling a member; {NEVER_UNPICKLED}")
-        logging.getLogger(record.name).handle(record)
-    if not isinstance(program, torch.export.ExportedProgram):
-        raise BadFile(f"{p}: holds a {type(program).__name__}, not an ExportedProgram")
-    return program
+from quantree.backends.cpu.saved.reader import (  # noqa: F401  (load_program: re-exported)
+    existing,
+    load_program,
+    register_backend_ops,
+)
+from quantree.core.calibrate import as_args
+from quantree.core.errors import QuantreeError
 
 
 def load_calibration(path: str | Path) -> list[tuple[Any, ...]]:
     """A non-empty list of argument tuples saved with ``torch.save`` (a lone tensor = 1-tuple)."""
-    p = _existing(path, "expected calibration data saved with torch.save")
+    p = existing(path, "expected calibration data saved with torch.save")
     if is_export_archive(p):
         raise BadFile(
             f"{p}: is a torch.export program, not calibration data; the model comes first: "
@@ -178,7 +138,7 @@ def save_program(
     """Export ``module`` with ``example_args`` and write it as ``quantree.backends.save``
     does (compacted, graph description deflated); the first dimensions stay dynamic where
     the module allows it."""
-    from quantree.backends.cpu.serialize import saved_program, write_program
+    from quantree.backends.cpu.saved.serialize import saved_program, write_program
 
     try:
         program = saved_program(module, tuple(example_args), dynamic_batch)

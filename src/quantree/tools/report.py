@@ -1,5 +1,8 @@
 """report: a self-contained HTML file with tables and plots embedded inline.
 
+Over 400 lines: the HTML report's plots and tables in one self-contained writer; the
+plots move to their own module when another one is added.
+
 Plots are drawn with matplotlib's canvases directly (no pyplot, no global backend switch):
 bar charts as PNG inlined as base64 ``data:`` URIs, line charts of SQNR per time step as
 inline SVG (text stays text, lines stay sharp at any zoom). The report is one file that
