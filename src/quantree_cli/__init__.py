@@ -63,10 +63,11 @@ def add_quantize(commands: argparse._SubParsersAction) -> None:
     )
     quantize.add_argument(
         "--format",
-        choices=("pt2", "onnx"),
+        choices=("pt2", "onnx", "onnxruntime"),
         default="pt2",
         help="pt2: a torch.export archive (default); onnx: QDQ ONNX of the reference graph "
-        "(needs the [onnx] extra)",
+        "for any runtime; onnxruntime: the same with recurrent layers on ONNX Runtime's "
+        "integer operators (both need the [onnx] extra)",
     )
     quantize.add_argument("--report", help="also write an HTML report of per-tensor SQNR")
     quantize.add_argument("--quiet", action="store_true", help="no progress bar")

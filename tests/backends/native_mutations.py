@@ -34,6 +34,7 @@ import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu.native.bound_calls import BINDINGS
 from quantree.backends.cpu.native.direct import DirectCall
+from quantree.core.errors import QuantreeError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -253,8 +254,10 @@ def main(examples: int, hypothesis_seed: int) -> None:
                 else:
                     func(*args, **kwargs)
             outcome = "ran"
-        except Exception as error:  # a clean error is a pass; a signal is not
+        except QuantreeError as error:  # a clean error is a pass; a signal is not
             outcome = type(error).__name__
+        except Exception as error:  # a raw error: the test names it
+            outcome = f"raw {type(error).__name__}: {str(error)[:200]!r}"
         finally:
             for t, original, _ in reversed(swaps):
                 t.data = original

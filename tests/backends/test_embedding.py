@@ -8,6 +8,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
+from quantree.backends.cpu.native.checks import NativeArgumentError
 
 from support import calls, qd
 
@@ -72,5 +73,6 @@ def test_native_row_gather_is_bit_equal_to_the_aten_ops() -> None:
         got = embedding_rows(table, scale, zero_point, ids, True)
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
     for bad in (300, -1):
-        with pytest.raises(IndexError):
+        # an index out of range is a clean error naming the op (torch's IndexError beneath)
+        with pytest.raises(NativeArgumentError, match=r"quantree\.embedding_rows: .*IndexError"):
             embedding_rows(table, scale, zero_point, torch.tensor([[3, bad]]), True)

@@ -72,3 +72,37 @@ def test_lstm_runs_in_xnnpack_close_to_the_reference() -> None:
         for g, w, f in zip(got, want, floats, strict=True):
             assert qt.sqnr(w, g) >= SQNR_VS_REFERENCE_DB
             assert qt.sqnr(f, g) >= qt.sqnr(f, w) - BAND_DB
+
+
+class Gru(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(6, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(x)[0]
+
+
+def test_a_gru_runs_in_fp32_named_in_a_warning_and_close_to_the_reference() -> None:
+    torch.manual_seed(0)
+    data = batches((1, 3, 6), n=6)
+    ref = qt.quantize(Gru().eval(), data[0], data, progress=False, dynamic_batch=False)
+    with pytest.warns(qt.QuantreeWarning, match="recurrent layer"):
+        lowered = lower_executorch(ref, data[0])
+    for (x,) in batches((1, 3, 6), n=2, seed=5):
+        (got,) = run_executorch(lowered.buffer, (x,))
+        assert qt.sqnr(tree_leaves(ref(x))[0], got) >= SQNR_VS_REFERENCE_DB
+
+
+def test_cells_mode_is_refused_with_the_fix_and_whole_mode_exports() -> None:
+    torch.manual_seed(0)
+    model = Gru().eval()
+    data = batches((1, 3, 6), n=4)
+    cells = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
+    ref = qt.quantize(model, data[0], data, quantizer=cells, progress=False, dynamic_batch=False)
+    with pytest.raises(qt.QuantreeError, match=r"RecurrentMode\.WHOLE"):
+        lower_executorch(ref, data[0])
+    whole = qt.Int8Quantizer(recurrent=qt.RecurrentMode.WHOLE)
+    ref = qt.quantize(model, data[0], data, quantizer=whole, progress=False, dynamic_batch=False)
+    with pytest.warns(qt.QuantreeWarning, match="recurrent layer"):
+        assert lower_executorch(ref, data[0]).delegation.delegate_calls >= 1

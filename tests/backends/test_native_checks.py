@@ -49,6 +49,9 @@ def test_mutated_native_calls_run_or_raise_never_signal() -> None:
         raise AssertionError(f"worker killed by {name} (seed {seed}) on {tried[-1:]}")
     assert done.returncode == 0, f"seed {seed}: {done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert passed and len(passed) == len(tried) <= examples, done.stdout[-2000:]
+    # every refusal is a QuantreeError (NativeArgumentError), never a raw Python error
+    raw = [(t, p) for t, p in zip(tried, passed, strict=True) if p.startswith("ok raw")]
+    assert raw == [], raw[:5]
     # the mutations reach the checks, and legit-looking ones still run
     assert any("NativeArgumentError" in line for line in passed)
     assert any(line == "ok ran" for line in passed)

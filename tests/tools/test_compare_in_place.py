@@ -79,3 +79,15 @@ def test_the_eager_float_and_the_batches_are_left_as_they_were(block) -> None:
     assert all(torch.equal(x, b) for (x,), b in zip(data, before, strict=True))
     (output,) = comparison.outputs
     assert output.sqnr_db > 25.0, comparison.render()  # measured 40 dB; a doubled input: ~0
+
+
+def test_the_prepared_model_as_float_is_read_before_in_place_writes(block) -> None:
+    """The prepared graph keeps ``relu_``/``add_`` too: the same rows, read the same way."""
+    model, ref, data = block
+    prepared = qt.prepare(qt.capture(model, data[0]), qt.Int8Quantizer())
+    qt.calibrate(prepared, data, progress=False)
+    comparison = qt.compare(prepared, ref, data[:2])
+    values = [r for r in comparison.rows if r.kind is RowKind.VALUE]
+    assert {"conv2d_1", "add_"} <= {r.name for r in values}, comparison.render()
+    assert min(r.sqnr_db for r in values) >= ROW_FLOOR_DB, comparison.render()
+    assert_rows_match(comparison, prepared, ref, data[:2])

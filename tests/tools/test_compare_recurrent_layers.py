@@ -114,3 +114,15 @@ def test_a_model_that_is_not_a_graph_says_only_outputs_are_compared(quantized) -
     assert comparison.unmatched and all(
         "not a GraphModule" in u.reason for u in comparison.unmatched
     )
+
+
+def test_the_html_report_lists_what_was_not_compared(quantized) -> None:
+    from quantree.tools.report import Report
+
+    model, _, _, low, data = quantized
+    comparison = qt.compare(model, low, data[:1])
+    report = Report("t")
+    report.comparison(comparison, "per-tensor SQNR")
+    page = report.html()
+    assert f"{len(comparison.unmatched)} float tensor(s) not compared" in page
+    assert all(u.reason.replace("'", "&#x27;") in page for u in comparison.unmatched)

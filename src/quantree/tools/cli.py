@@ -169,8 +169,8 @@ def quantize_command(args: argparse.Namespace) -> int:
     data = load_calibration(args.calibration)
     quantizer = _quantizer(args.recurrent)
     backend = _backend(args.backend)
-    if args.format == "onnx" and args.backend != "reference":
-        raise UsageError("--format onnx writes the reference graph; drop --backend cpu")
+    if args.format != "pt2" and args.backend != "reference":
+        raise UsageError(f"--format {args.format} writes the reference graph; drop --backend cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module = _model(args, data)
@@ -181,18 +181,19 @@ def quantize_command(args: argparse.Namespace) -> int:
             if processes > 1 and dist.get_rank() != 0:
                 return 0  # rank 0 writes the outputs
         quantized = lower(convert(prepared), backend)
-    for w in caught:
-        if issubclass(w.category, QuantreeWarning):
-            print(f"quantree: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
-    if args.format == "onnx":
-        from quantree.backends.onnx import export_onnx
+    if args.format != "pt2":
+        from quantree.backends.onnx import OnnxTarget, export_onnx
         from quantree.tools.files import atomic_write
 
-        written = atomic_write(
-            args.output,
-            lambda tmp: export_onnx(quantized, data[0], tmp),
-            protect=(args.model, args.calibration),
-        )
+        target = OnnxTarget.ONNXRUNTIME if args.format == "onnxruntime" else OnnxTarget.QDQ
+        with warnings.catch_warnings(record=True) as exported:
+            warnings.simplefilter("always")
+            written = atomic_write(
+                args.output,
+                lambda tmp: export_onnx(quantized, data[0], tmp, target=target),
+                protect=(args.model, args.calibration),
+            )
+        caught += exported
     else:
         written = save_program(
             quantized,
@@ -201,6 +202,9 @@ def quantize_command(args: argparse.Namespace) -> int:
             protect=(args.model,),
             dynamic_batch=not args.static_batch,
         )
+    for w in caught:
+        if issubclass(w.category, QuantreeWarning):
+            print(f"quantree: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     across = f" on {processes} processes" if processes > 1 else ""
     print(f"quantized {args.model} on {len(data)} calibration batch(es){across} -> {written}")
     if args.report:

@@ -10,12 +10,17 @@ Graphs nested in both models (the cell body of a cells-mode layer, run once per 
 are compared too, call by call, when the float model has them: pass the prepared model as
 the float reference (its observers are the identity and are not run). Signal and noise
 energies accumulate over every batch and call before the ratio is taken.
+
+Each float tensor is kept as a copy taken when its op ran: torch.export keeps in-place ops
+(``relu_`` of ``ReLU(inplace=True)``, ``add_`` of ``out += identity``), which would otherwise
+overwrite the reference before the quantized tensor is compared with it. A stacked recurrent
+call that prepare split into layers is found through the nodes that record which of its
+leaves they hold (``VALUE_OF_KEY``), so its rows keep the user's layer. A float tensor with
+no counterpart is listed in ``Comparison.unmatched`` with the reason, never dropped.
 """
 
 from __future__ import annotations
 
-import enum
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +33,9 @@ from quantree.core.calibrate import as_args
 from quantree.core.graphs import nested_graphs
 from quantree.core.normalizing.normalize import normalize
 from quantree.core.stages import STAGE_KEY
-from quantree.core.values import Path, leaves_with_paths
+from quantree.core.values import leaves_with_paths
 from quantree.recurrent.capture import capture
+from quantree.tools.comparison import Comparison, RowKind, TensorRow
 from quantree.tools.matching import (
     OUTPUT,
     VALUE,
@@ -54,7 +60,6 @@ from quantree.tools.time_steps import (
     layer_label,
     module_path,
     output_series,
-    render_steps,
     step_energies,
     step_sqnrs,
     time_axis,
@@ -64,7 +69,6 @@ from quantree.tools.unmatched import (
     NO_OUTPUT,
     NOT_A_GRAPH,
     Unmatched,
-    render_unmatched,
     shapes_differ,
 )
 
@@ -75,107 +79,6 @@ def fresh(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """A copy of every tensor in ``args``: a model that writes into its input in place
     would otherwise hand the next model (and the user) a changed batch."""
     return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args)
-
-
-class RowKind(enum.Enum):
-    """What a row measures: a node's output leaf, a constant an op reads, or a model output."""
-
-    VALUE = VALUE
-    WEIGHT = WEIGHT
-    OUTPUT = OUTPUT
-
-
-@dataclass(frozen=True)
-class TensorRow:
-    """SQNR of one tensor over every compared batch."""
-
-    name: str  # "lstm[1]", "head.weight -> linear[1]", "output", "<scope>/gates_split[0] (i_pre)"
-    node: str  # node name, prefixed by "<scope>/" inside a nested graph
-    path: Path
-    kind: RowKind
-    op: str
-    quantization: str  # "int8", "int16", "int8 per-channel", or "float" (no q/dq found)
-    shape: tuple[int, ...]
-    signal: float  # sum of squares of the float tensor
-    noise: float  # sum of squares of (float - quantized)
-    order: int  # position in the float graph
-    steps: tuple[float, ...] = ()  # SQNR dB per time step of a recurrent output or state
-    layer: str = ""  # with steps: the recurrent layer they belong to (its module path)
-    series: str = ""  # with steps: "output", or a cells-mode state ("cell l0_reverse")
-    read_at: tuple[str, Path] | None = None
-    module: str = ""
-    """The user's module the row belongs to (``layer1.0.conv1``, ``lstm``): a fused kernel's
-    row is its conv's, a split or cells-mode recurrent layer's rows are the layer's."""
-    """Where the quantized graph was read: a node (of the row's scope) and the leaf path in
-    its output, or in its arguments for a constant; None for a model output."""
-
-    @property
-    def sqnr_db(self) -> float:
-        if self.noise == 0.0:
-            return math.inf
-        return 10.0 * math.log10(max(self.signal, 1e-30) / self.noise)
-
-    def record(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "node": self.node,
-            "path": list(self.path),
-            "kind": self.kind.value,
-            "op": self.op,
-            "quantization": self.quantization,
-            "shape": list(self.shape),
-            "sqnr_db": self.sqnr_db,
-            "steps_sqnr_db": list(self.steps),
-            "layer": self.layer,
-            "series": self.series,
-            "module": self.module,
-        }
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """The rows of :func:`compare`, worst SQNR first."""
-
-    rows: tuple[TensorRow, ...]
-    batches: int
-    unmatched: tuple[Unmatched, ...] = ()
-    """Float tensors with no row, each with the reason (printed by ``render``)."""
-
-    def records(self) -> list[dict[str, Any]]:
-        return [row.record() for row in self.rows]
-
-    def row(self, name: str) -> TensorRow:
-        for row in self.rows:
-            if row.name == name:
-                return row
-        raise KeyError(f"no row named {name!r}; rows: {[r.name for r in self.rows]}")
-
-    @property
-    def outputs(self) -> tuple[TensorRow, ...]:
-        return tuple(r for r in self.rows if r.kind is RowKind.OUTPUT)
-
-    def render(self, limit: int | None = None) -> str:
-        rows = self.rows[:limit] if limit is not None else self.rows
-        width = max([len("tensor"), *(len(r.name) for r in rows)])
-        opw = max([len("op"), *(len(r.op) for r in rows)])
-        lines = [
-            f"per-tensor SQNR over {self.batches} batch(es), worst first",
-            f"{'tensor':<{width}}  {'op':<{opw}}  {'quantized as':<18}  {'shape':<16}  SQNR dB",
-        ]
-        for r in rows:
-            shape = "x".join(str(s) for s in r.shape) or "scalar"
-            lines.append(
-                f"{r.name:<{width}}  {r.op:<{opw}}  {r.quantization:<18}  {shape:<16}  "
-                + (f"{r.sqnr_db:7.1f}" if math.isfinite(r.sqnr_db) else "  exact")
-            )
-        if limit is not None and len(self.rows) > limit:
-            lines.append(f"... and {len(self.rows) - limit} more")
-        steps = render_steps((r.name, r.steps) for r in self.rows)
-        missing = render_unmatched(self.unmatched)
-        return "\n".join([*lines, *([steps] if steps else []), *([missing] if missing else [])])
-
-    def __str__(self) -> str:
-        return self.render()
 
 
 @dataclass
@@ -245,6 +148,7 @@ class _Session:
         self.reference: dict[tuple[str, int], dict[Key, torch.Tensor]] = {}
         self.quantized_plans: dict[str, Plan] | None = None
         self.weights_done: set[tuple[str, Key]] = set()
+        self.modules: dict[str, str] = {}  # float node name -> the user's module path
 
     @staticmethod
     def _scoped(scope: str, d: Described, index: int) -> Described:
@@ -337,7 +241,8 @@ class _Session:
                     self.stats[(scope, key)] = self._value_stat(scope, gm, nodes, key, described)
             if not isinstance(self.quantized, fx.GraphModule):
                 for (s, key), stat in self.stats.items():
-                    stat.missing = NOT_A_GRAPH if s == scope and key[0] != OUTPUT else ""
+                    if s == scope and key[0] != OUTPUT:
+                        stat.missing = NOT_A_GRAPH
                 continue
             target = self.quantized if scope == ROOT else self.quantized.get_submodule(scope)
             assert isinstance(target, fx.GraphModule)
@@ -397,8 +302,9 @@ class _Session:
                 None,
             )
             return module_path(owner) if owner is not None else ""
-        node = next((n for n in self.float_gm.graph.nodes if n.name == name), None)
-        return module_path(node) if node is not None else ""
+        if not self.modules:
+            self.modules = {n.name: module_path(n) for n in self.float_gm.graph.nodes}
+        return self.modules.get(name, "")
 
     def unmatched(self) -> list[Unmatched]:
         found: list[tuple[int, Unmatched]] = []

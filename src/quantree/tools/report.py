@@ -413,6 +413,12 @@ class Report:
                 for r in comparison.rows
             ],
         )
+        if comparison.unmatched:  # never dropped silently: what has no row, and why
+            self.paragraph(f"{len(comparison.unmatched)} float tensor(s) not compared:")
+            self.table(
+                ["tensor", "op", "why"],
+                [(u.name, u.op, u.reason) for u in comparison.unmatched],
+            )
 
     def html(self) -> str:
         title = html.escape(self.title)

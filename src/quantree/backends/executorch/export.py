@@ -34,6 +34,11 @@ INSTALL = (
     "pyyaml packaging expecttest"
 )
 DELEGATE_CALL = "executorch_call_delegate"
+aten = torch.ops.aten
+FLOAT_RECURRENT = (
+    *(aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input),
+    *(aten.lstm.data, aten.gru.data, aten.rnn_tanh.data, aten.rnn_relu.data),
+)
 
 
 def require_executorch() -> None:
@@ -141,6 +146,16 @@ def lower_executorch(
             f"{', '.join(layers[:5])}{' ...' if len(layers) > 5 else ''}. XNNPACK runs int8 "
             "only a layer whose int8 input and int8 output are both quantized; for that, "
             "quantize with qt.Int8Quantizer(activations=qt.ActivationPoints.EVERY_OP)",
+            QuantreeWarning,
+            stacklevel=3,
+        )
+    recurrent = [n.name for n in gm.graph.nodes if n.target in FLOAT_RECURRENT]
+    if recurrent:
+        warnings.warn(
+            f"export_executorch: recurrent layer(s) {', '.join(recurrent[:5])} run in fp32 "
+            "(ExecuTorch unrolls them; only a one-direction LSTM is rewritten into XNNPACK's "
+            "int8 linears so far); their quantized inputs and outputs are rounded as the "
+            "reference does",
             QuantreeWarning,
             stacklevel=3,
         )

@@ -16,7 +16,7 @@ Outputs keep the layer's shapes: ``Y [seq, dirs, batch, H]``, ``Y_h [dirs, batch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -24,8 +24,15 @@ from onnx import TensorProto, helper
 
 from quantree.backends.onnx.ort_constants import QuantizedConstant
 
-if TYPE_CHECKING:
-    from quantree.backends.onnx.ort_target import Rewriter
+
+class Rewriter(Protocol):
+    """What a recurrence takes from ``ort_target.Rewriter`` (named here, not imported: that
+    module calls this one)."""
+
+    def initializer(self, base: str, value: np.ndarray) -> str: ...
+
+    def unquantized(self, name: str) -> str: ...
+
 
 MS_DOMAIN = "com.microsoft"
 

@@ -69,6 +69,15 @@ class Rewriter:
             return name
         return str(q.input[0])
 
+    def wide_input(self, name: str) -> bool:
+        """Whether ``name`` is dequantized from a 16-bit grid (an A16W8 recipe's activation):
+        the integer operators quantize their input to uint8, losing what 16 bits keep."""
+        dq = self.reader.producers.get(name)
+        if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 3:
+            return False
+        zp = self.reader.array(dq.input[2]) if dq.input[2] else None
+        return zp is not None and zp.dtype.itemsize >= 2
+
     def unless_zeros(self, name: str) -> str:
         """``""`` for an all-zero constant (an absent initial state is zeros in ONNX, and the
         kernel then skips reading one), else ``name``."""
@@ -94,6 +103,8 @@ class Rewriter:
             why = None if node.op_type == "LSTM" else can_scan(node)
             if not (_symmetric_int8(W) and _symmetric_int8(R)):
                 why = "weights not int8 constants with zero points at zero"
+            if self.wide_input(node.input[0]):
+                why = "16-bit input: the integer operators would quantize it to 8 bits"
             if why is not None:
                 self.float_ops.append(f"{node.op_type} {node.name} ({why})")
                 rewritten.append(node)

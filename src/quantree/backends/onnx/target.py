@@ -41,6 +41,7 @@ def finish_export(path: str | os.PathLike[str], target: OnnxTarget) -> None:
     if target is OnnxTarget.ONNXRUNTIME:
         left = to_onnxruntime(model)
         where = "the ONNX Runtime export"
+        float_recurrent_weights(model)  # those left float: weights dequantized once, here
     else:
         float_recurrent_weights(model)
         left = [f"{n.op_type} {n.name}" for n in model.graph.node if n.op_type in FLOAT_IN_QDQ]

@@ -12,8 +12,11 @@ anywhere, or models that differ, raise on every rank instead of leaving the othe
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -66,22 +69,47 @@ def observers(module: torch.nn.Module) -> list[tuple[str, Observer]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, Observer)]
 
 
-def _cpu_group() -> Any:
-    """The default process group if it carries CPU tensors, else a gloo group of its ranks.
+MERGE_TIMEOUT_S = 600.0
+"""How long a rank waits for the others at the merge (they may still be calibrating their
+shards) before it raises ``MergeTimeout``; ``QUANTREE_MERGE_TIMEOUT`` (seconds) sets another.
+torch's own default, 30 minutes, would leave every rank hanging that long when one stopped."""
 
-    Statistics live on the CPU; a NCCL world cannot carry them, so a gloo group over the same
-    processes is made once per world (a collective: every rank calibrates, so every rank
+
+class MergeTimeout(QuantreeError):
+    """The ranks did not all reach the merge of calibration statistics in time, or one of
+    them left it: no statistics were merged."""
+
+
+def merge_timeout() -> float:
+    """The merge's timeout in seconds (``QUANTREE_MERGE_TIMEOUT``, else ``MERGE_TIMEOUT_S``)."""
+    raw = os.environ.get("QUANTREE_MERGE_TIMEOUT", "").strip()
+    try:
+        seconds = float(raw) if raw else MERGE_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e9:
+        raise QuantreeError(
+            f"QUANTREE_MERGE_TIMEOUT={raw!r} is not a number of seconds above 0; unset it "
+            f"for the default ({MERGE_TIMEOUT_S:g} s)"
+        )
+    return seconds
+
+
+def _cpu_group() -> Any:
+    """A gloo group over the default group's ranks, with quantree's merge timeout.
+
+    Statistics live on the CPU (a NCCL world cannot carry them), and the default group's
+    timeout is the user's (torch's default: 30 minutes), so the merge runs in a group of its
+    own, made once per world and timeout (a collective: every rank calibrates, so every rank
     makes it).
     """
-    backend = str(dist.get_backend())
-    if "gloo" in backend or "mpi" in backend:
-        return None
-    return _gloo_group(id(dist.distributed_c10d._get_default_group()))
+    default = id(dist.distributed_c10d._get_default_group())
+    return _gloo_group(default, merge_timeout())
 
 
 @functools.cache
-def _gloo_group(default_group_id: int) -> Any:
-    return dist.new_group(backend="gloo")
+def _gloo_group(default_group_id: int, seconds: float) -> Any:
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
 
 
 def _check_same_observers(mine: list[str], everyone: list[list[str]]) -> None:
@@ -133,13 +161,46 @@ def _agree_and_merge(module: torch.nn.Module, error: Exception | None, count: in
         if error is not None:
             raise error
         return count or 0
-    group = _cpu_group()
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with _waiting(world, rank):
+        group = _cpu_group()
+    return _merge(module, error, count, group, world, rank)
+
+
+@contextlib.contextmanager
+def _waiting(world: int, rank: int) -> Iterator[None]:
+    """Collectives whose failure (gloo's timeout, a peer that left: ``RuntimeError``,
+    ``DistBackendError``) is a ``MergeTimeout`` naming the timeout and its setting."""
+    try:
+        yield
+    except RuntimeError as failed:
+        if isinstance(failed, QuantreeError):
+            raise
+        raise MergeTimeout(
+            f"rank {rank} of {world} waited for the other ranks at the merge of calibration "
+            f"statistics and gave up after {merge_timeout():g} s (quantree's merge timeout), "
+            f"or a rank left ({type(failed).__name__}: {str(failed)[:300]}): no statistics "
+            "were merged. Every rank must calibrate and reach the merge; a rank that stopped "
+            "or died leaves the others here. If some ranks need longer to calibrate their "
+            "shard, set QUANTREE_MERGE_TIMEOUT (seconds) above that"
+        ) from failed
+
+
+def _merge(
+    module: torch.nn.Module,
+    error: Exception | None,
+    count: int | None,
+    group: Any,
+    world: int,
+    rank: int,
+) -> int:
+    """The agreement and the merge, as collectives of ``group``."""
     found = observers(module)
     signatures = [f"{name}: {observer.merge_signature()}" for name, observer in found]
     message = None if error is None else f"{type(error).__name__}: {error}"
     reports: list[Any] = [None] * world
-    dist.all_gather_object(reports, (message, count, signatures), group=group)
+    with _waiting(world, rank):
+        dist.all_gather_object(reports, (message, count, signatures), group=group)
     failed = [(r, report[0]) for r, report in enumerate(reports) if report[0] is not None]
     if error is not None:
         error.add_note(f"on rank {rank} of {world}; no statistics were merged")
@@ -153,6 +214,7 @@ def _agree_and_merge(module: torch.nn.Module, error: Exception | None, count: in
             f"calibration data gave 0 batches on every one of the {world} processes: give "
             "at least one argument tuple of representative inputs to one of them"
         )
-    for _, observer in found:
-        observer.merge(group)
+    with _waiting(world, rank):
+        for _, observer in found:
+            observer.merge(group)
     return total

@@ -13,7 +13,6 @@ and dispatch go away. Bodies with anything else keep their Python loop.
 
 from __future__ import annotations
 
-import ctypes
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from torch import Tensor, nn
 from quantree.backends.cpu.cells.runner import CellLoopRunner, kernels
 from quantree.backends.cpu.native import checks as native_checks
 from quantree.backends.cpu.native import program_checks
-from quantree.backends.cpu.native.loader import ptr
+from quantree.backends.cpu.native.args import NativeArgs
 from quantree.backends.cpu.native.packing import packed_depth
 from quantree.backends.cpu.native.registry import op
 
@@ -289,24 +288,32 @@ def cell_loop(
     reverse: bool,
 ) -> list[Tensor]:
     """Run a compiled cell program over ``xs`` [T, B, I]: ``[ys, *final_states]``."""
-    program_checks.cell_loop(len(state), consts, code, fcode, slots, outs, xs.shape[1])
+    op_name = "cell_loop"
+    if xs.dim() != 3 or not state:
+        raise native_checks.fail(
+            op_name,
+            f"xs has shape {tuple(xs.shape)} and {len(state)} states; the kernel reads "
+            "[T, B, I] and at least one state",
+        )
+    io_bytes = 4 * (xs.numel() + sum(s.numel() for s in state))
+    program_checks.cell_loop(len(state), consts, code, fcode, slots, outs, xs.shape[1], io_bytes)
     xs = xs.float().contiguous()
     finals = [s.float().contiguous().clone() for s in state]
     widths = [int(w) for w in slots[: 1 + len(finals), 3]]
     shapes = [tuple(xs.shape[1:]), *(tuple(f.shape) for f in finals)]
     if shapes != [(xs.shape[1], w) for w in widths]:
-        raise ValueError(
-            f"cell loop compiled for [batch, {widths[0]}] inputs and states of widths "
-            f"{widths[1:]}, got input {tuple(xs.shape)} and states {shapes[1:]}"
+        raise native_checks.fail(
+            op_name,
+            f"compiled for [batch, {widths[0]}] inputs and states of widths "
+            f"{widths[1:]}, got input {tuple(xs.shape)} and states {shapes[1:]}",
         )
     ys = torch.empty(xs.shape[0], xs.shape[1], finals[0].shape[-1])
-    void_p = ctypes.c_void_p
-    state_ptrs = (void_p * len(finals))(*[ptr(s) for s in finals])
-    const_ptrs = (void_p * max(len(consts), 1))(*[ptr(c.contiguous()) for c in consts])
+    a = NativeArgs(op_name)  # every address below points into a tensor ``a`` holds
     kernels().qt_cell_loop(
-        ptr(xs), ptr(ys), xs.shape[0], int(reverse), state_ptrs, len(finals), ptr(outs),
-        ptr(slots), slots.shape[0], xs.shape[1], ptr(code), ptr(fcode), code.shape[0],
-        const_ptrs,
+        a.input("xs", xs), a.output("ys", ys), xs.shape[0], int(reverse),
+        a.outputs("state", finals), len(finals), a.input("outs", outs),
+        a.input("slots", slots), slots.shape[0], xs.shape[1], a.input("code", code),
+        a.input("fcode", fcode), code.shape[0], a.inputs("consts", consts),
     )  # fmt: skip
     return [ys, *finals]
 
@@ -341,32 +348,35 @@ def cell_loop_packed(
     equal lengths ran a batch of 4 sequences of different lengths as 4 loops of one row,
     slower than float PyTorch's packed GRU (the outside models' ``gru_packed``).
     """
-    if xs.dim() != 2:
-        raise ValueError(
-            f"cell_loop_packed: xs of shape {tuple(xs.shape)} are not a packed sequence's rows"
+    if xs.dim() != 2 or not state:
+        raise native_checks.fail(
+            "cell_loop_packed",
+            f"xs of shape {tuple(xs.shape)} are not a packed sequence's rows, or no state",
         )
     sizes = native_checks.packed_batch_sizes("cell_loop_packed", batch_sizes, xs.shape[0])
     batch = sizes[0]
-    program_checks.cell_loop(len(state), consts, code, fcode, slots, outs, batch)
+    io_bytes = 4 * (xs.numel() + sum(s.numel() for s in state))
+    program_checks.cell_loop(len(state), consts, code, fcode, slots, outs, batch, io_bytes)
     xs = xs.float().contiguous()
     finals = [s.float().contiguous().clone() for s in state]
     widths = [int(w) for w in slots[: 1 + len(finals), 3]]
     shapes = [(xs.shape[1],), *(tuple(f.shape) for f in finals)]
     if shapes != [(widths[0],), *((batch, w) for w in widths[1:])]:
-        raise ValueError(
-            f"cell loop compiled for [*, {widths[0]}] inputs and states of widths "
+        raise native_checks.fail(
+            "cell_loop_packed",
+            f"compiled for [*, {widths[0]}] inputs and states of widths "
             f"{widths[1:]}, got input {tuple(xs.shape)} and states {shapes[1:]} for a batch "
-            f"of {batch}"
+            f"of {batch}",
         )
     ys = xs.new_empty((xs.shape[0], widths[1]))
     sizes_t = torch.tensor(sizes, dtype=torch.int64)
-    void_p = ctypes.c_void_p
-    state_ptrs = (void_p * len(finals))(*[ptr(s) for s in finals])
-    const_ptrs = (void_p * max(len(consts), 1))(*[ptr(c.contiguous()) for c in consts])
+    a = NativeArgs("cell_loop_packed")  # every address below points into a tensor it holds
     kernels().qt_cell_loop_packed(
-        ptr(xs), ptr(ys), len(sizes), int(reverse), ptr(sizes_t), state_ptrs, len(finals),
-        ptr(outs), ptr(slots), slots.shape[0], batch, ptr(code), ptr(fcode), code.shape[0],
-        const_ptrs,
+        a.input("xs", xs), a.output("ys", ys), len(sizes), int(reverse),
+        a.input("batch_sizes", sizes_t), a.outputs("state", finals), len(finals),
+        a.input("outs", outs), a.input("slots", slots), slots.shape[0], batch,
+        a.input("code", code), a.input("fcode", fcode), code.shape[0],
+        a.inputs("consts", consts),
     )  # fmt: skip
     return [ys, *finals]
 

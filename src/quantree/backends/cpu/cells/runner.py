@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import program_checks
+from quantree.backends.cpu.native.checks import fail
 from quantree.backends.cpu.native.loader import I64, INT, PTR, ptr
 from quantree.backends.cpu.native.loader import kernels as native_kernels
 
@@ -45,6 +46,8 @@ class CellLoopRunner:
         self.run: Callable[..., None] = kernels().qt_cell_loop
         self.run_packed: Callable[..., None] = kernels().qt_cell_loop_packed
         self.keep: tuple = ()
+        self.workspace = (0, 0, 0)
+        """The verdict's workspace bytes ``ws0 + ws1 batch``, and the constants' bytes."""
 
     def __getstate__(self) -> dict:  # a copy builds its own block from its own tensors
         return {}
@@ -77,12 +80,14 @@ class CellLoopRunner:
             or xs.shape[2] != widths[0]
             or any(f.shape != (batch, w) for f, w in zip(finals, widths[1:], strict=True))
         ):
-            raise ValueError(
-                f"cell loop compiled for [batch, {widths[0]}] inputs and states of widths "
+            raise fail(
+                "cell_loop",
+                f"compiled for [batch, {widths[0]}] inputs and states of widths "
                 f"{list(widths[1:])}, got input {tuple(xs.shape)} and states "
-                f"{[tuple(f.shape) for f in finals]}"
+                f"{[tuple(f.shape) for f in finals]}",
             )
-        program_checks.cell_loop(len(finals), consts, *program, batch)  # cached verdicts
+        io_bytes = 4 * (xs.numel() + sum(f.numel() for f in finals))
+        program_checks.cell_loop(len(finals), consts, *program, batch, io_bytes)  # cached
         ys = torch.empty(xs.shape[0], batch, widths[1])
         states = (ctypes.c_void_p * len(finals))(*[f.data_ptr() for f in finals])
         self.launch(xs, ys, reverse, states)
@@ -103,6 +108,7 @@ class CellLoopRunner:
         states read from and written back to the float rows ``states`` points at; after
         ``ready``, with shapes checked by the caller."""
         outs, slots, n_slots, code, fcode, n_code, const_ptrs = self.args
+        self.bound(xs.shape[1], xs, ys)
         self.run(
             xs.data_ptr(), ys.data_ptr(), xs.shape[0], int(reverse), states, len(states), outs,
             slots, n_slots, xs.shape[1], code, fcode, n_code, const_ptrs,
@@ -122,10 +128,20 @@ class CellLoopRunner:
         by the caller as ``native.checks.packed_batch_sizes`` does; ``batch`` its first entry,
         the states' rows)."""
         outs, slots, n_slots, code, fcode, n_code, const_ptrs = self.args
+        self.bound(batch, xs, ys)
         self.run_packed(
             xs.data_ptr(), ys.data_ptr(), sizes.shape[0], int(reverse), sizes.data_ptr(), states,
             len(states), outs, slots, n_slots, batch, code, fcode, n_code, const_ptrs,
         )  # fmt: skip
+
+    def bound(self, batch: int, xs: Tensor, ys: Tensor) -> None:
+        """The workspace the kernel lays out for ``batch`` rows, bounded as
+        ``program_checks.call`` bounds it (the tables were checked at ``prepare``)."""
+        ws0, ws1, held = self.workspace
+        ws = ws0 + ws1 * batch
+        if ws > program_checks.WORKSPACE_FLOOR:
+            io_bytes = xs.numel() * xs.element_size() + ys.numel() * ys.element_size()
+            program_checks.workspace_bound("cell_loop", ws, batch, held + io_bytes)
 
     def prepare(
         self,
@@ -137,7 +153,9 @@ class CellLoopRunner:
         n_states = int(outs.shape[0])
         # the program's contract once per set of tensors (``launch`` callers check only the
         # inputs' shapes)
-        program_checks.cell_loop(n_states, consts, *program, 0)
+        verdict = program_checks.cell_loop(n_states, consts, *program, 0)
+        held = sum(c.numel() * c.element_size() for c in consts)
+        self.workspace = (verdict.ws0, verdict.ws1, held)
         dense = [c.contiguous() for c in consts]
         const_ptrs = (ctypes.c_void_p * max(len(dense), 1))(*[ptr(c) for c in dense])
         self.widths = tuple(int(w) for w in slots[: 1 + n_states, 3].tolist())

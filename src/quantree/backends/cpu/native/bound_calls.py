@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import ptr
+from quantree.backends.cpu.native.args import NativeArgs
 from quantree.backends.cpu.native.packing import packed_depth
 from quantree.backends.cpu.ops.gemm import as_conv2d_geometry, is_depthwise, run_conv2d, run_linear
 from quantree.backends.cpu.ops.pool import run_max_pool2d
@@ -105,9 +105,13 @@ class Binding:
         derived = self.verdict(args)
         tensors = [args[i] for i in self.positions]
         given = [(i, t) for i, t in zip(self.positions, tensors, strict=True) if t is not None]
-        pointers = tuple(ptr(t) for t in tensors)  # dense CPU tensors, or a ValueError
+        held = NativeArgs(self.fallback.__name__)  # dense copies of strided constants
+        pointers = tuple(
+            held.input(f"argument {i}", t) for i, t in zip(self.positions, tensors, strict=True)
+        )
         self.derived, self.pointers = derived, pointers
-        self.keep = tuple(t.detach() for _, t in given)  # the checked storages stay alive
+        # the checked storages (and any dense copies the pointers address) stay alive
+        self.keep = (*(t.detach() for _, t in given), held)  # type: ignore[arg-type]
         stamps = tuple((i, t, t._version, t.data_ptr()) for i, t in given)
         self.fast = guarded(self, args, stamps)
         return self.run(args, pointers, derived)
@@ -143,6 +147,7 @@ class BoundLinear16(Binding):
 
     def verdict(self, args: tuple[Any, ...]) -> Any:
         check.linear16(args[0], *args[4:9])
+        check.positive("linear16", "x_scale", args[1])
         return packed_depth(args[4])
 
     def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:

@@ -15,6 +15,7 @@ sources is never used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -59,6 +60,13 @@ compiler vectorizes on its own: im2col, quantize, tables, ...): file stem suffix
 takes the best one the CPU (and ``QUANTREE_NATIVE_MARCH``) allows, else the baseline one."""
 
 
+SANITIZERS: dict[str, tuple[str, ...]] = {
+    "address": ("-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1"),
+}
+"""Flags of the sanitizer builds (``QUANTREE_NATIVE_SANITIZE``), compile and link: checks,
+not speed, so -O1 (it builds faster and reports exact lines)."""
+
+
 class BuildError(RuntimeError):
     """A compiler invocation failed; the message holds the command and its errors."""
 
@@ -70,6 +78,41 @@ def sources_digest() -> str:
         path = CSRC / name
         digest.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b""))
     return digest.hexdigest()[:16]
+
+
+@functools.cache
+def march_meaning(compiler: str, march: str) -> str:
+    """What ``-march=<march>`` makes ``compiler`` target on this machine: a digest of the
+    macros it predefines with it (``__AVX512F__``, ``__AVX2__``, ``__ARM_FEATURE_DOTPROD``...).
+
+    ``native`` means the build host's CPU: a library built with it on an AVX-512 machine
+    and found in the same cache by an AVX2 one (a shared home, NFS, a container image)
+    would die there with SIGILL at the first call. The cache key holds this digest, so the
+    other CPU builds its own. A compiler that cannot say gives ``"unknown"`` plus the
+    machine's CPU description, which still separates CPUs that differ.
+    """
+    cmd = [compiler, f"-march={march}", "-dM", "-E", "-x", "c++", "-"]
+    try:
+        done = subprocess.run(
+            cmd, input="", capture_output=True, text=True, timeout=60, check=False
+        )
+        text = done.stdout if done.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    if not text:
+        text = "unknown " + cpu_description()
+    defines = sorted(line for line in text.splitlines() if line.startswith("#define"))
+    return hashlib.sha256("\n".join(defines).encode()).hexdigest()[:16]
+
+
+def cpu_description() -> str:
+    """The CPU's model and flags as the OS reports them (empty where it does not)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keys = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in keys}))
 
 
 def compile_objects(

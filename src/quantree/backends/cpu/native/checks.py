@@ -17,14 +17,19 @@ Each function here is the op's whole contract and its only statement: the op run
 every call made through the dispatcher (``torch.ops.quantree.*``, a graph loaded with plain
 ``torch.export.load``), and a lowered graph's layers (linear, conv, pooling) run it once per node,
 then check per call only what the verdict rested on (``bound_calls.py``). Contiguity and
-device are checked where the pointer is taken (``native.ptr``). Region programs and cell
-loops, whose tables take O(length) to check, are in ``native/program_checks.py``.
+device are checked where the pointer is taken (``native/args.py``'s ``NativeArgs``: a strided
+input is read through a dense copy held through the call; ``loader.ptr`` refuses one). What
+an op's body would raise on arguments no contract foresees is a ``NativeArgumentError`` too
+(``registry.contract_errors``), and a C++ exception is caught at the kernel's entry point
+(``native/caught.py``). Region programs and cell loops, whose tables take O(length) to check,
+are in ``native/program_checks.py``.
 
 One function per op, each with the C signature it protects.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -43,6 +48,11 @@ class NativeArgumentError(QuantreeError, ValueError):
     """Arguments a native kernel would read or write out of bounds; nothing was run."""
 
 
+class NativeMemoryError(QuantreeError, MemoryError):
+    """A native kernel could not allocate its workspace (``std::bad_alloc`` caught at its
+    ``extern "C"`` entry point, ``QT_CATCH``); nothing was returned."""
+
+
 def fail(op: str, what: str) -> NativeArgumentError:
     return NativeArgumentError(
         f"quantree.{op}: {what}; the native kernel was not run. The graph calling it was "
@@ -54,6 +64,13 @@ def fail(op: str, what: str) -> NativeArgumentError:
 def dtype_of(op: str, name: str, t: Tensor, dtype: torch.dtype) -> None:
     if t.dtype != dtype:
         raise fail(op, f"{name} is {t.dtype}, the kernel reads {dtype}")
+
+
+def positive(op: str, name: str, value: float) -> None:
+    """A scale the kernel divides by: finite and above 0 (0 is no grid, and 1 / 0 is a
+    Python ``ZeroDivisionError`` before the kernel or an infinity inside it)."""
+    if not 0.0 < value < math.inf:
+        raise fail(op, f"{name} {value} is not a positive finite scale")
 
 
 def vector(op: str, name: str, t: Tensor | None, dtype: torch.dtype, n: int) -> None:
@@ -398,6 +415,8 @@ def rnn_plan(kind: str, params: Sequence[Tensor], hidden: int, num_layers: int,
             f"num_layers {num_layers}, hidden_bits {hidden_bits} or {len(qparams)} qparams "
             "(18 expected) out of range",
         )
+    for index, name in ((0, "x scale"), (14, "h_n scale"), (16, "c_n scale")):
+        positive(op, f"qparams[{index}] ({name})", qparams[index])
     if len(params) != num_layers * dirs * per_layer:
         raise fail(op, f"{len(params)} params for {num_layers} x {dirs} blocks of {per_layer}")
     if not 0 <= features < LIMIT:

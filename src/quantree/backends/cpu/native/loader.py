@@ -43,6 +43,8 @@ import torch
 from torch.utils import cpp_extension
 
 from quantree.backends.cpu.native import build as build_native
+from quantree.backends.cpu.native.caught import caught
+from quantree.backends.cpu.native.checks import NativeArgumentError
 from quantree.core.errors import QuantreeError
 
 CSRC = build_native.CSRC
@@ -54,6 +56,9 @@ ISA_SOURCES = build_native.ISA_SOURCES
 CHANNELS_LAST = torch.channels_last
 MARCH = os.environ.get("QUANTREE_NATIVE_MARCH", "native")
 """``-march`` of the portable code, and a cap on the path: see ``ISA_CAP``."""
+SANITIZE = os.environ.get("QUANTREE_NATIVE_SANITIZE", "").strip()
+"""``address``: an AddressSanitizer build (``build_native.SANITIZERS``), run with libasan
+preloaded into the process (``tests/backends/test_native_asan.py``); never the prebuilt one."""
 FLAGS = build_native.FLAGS
 ISA_NAMES = ("portable", "avx2", "avxvnni", "avx512vnni", "neon", "neondot")
 """The kernel paths, by the number ``qt_select_isa`` takes and returns (``qt::Isa``)."""
@@ -73,7 +78,8 @@ def kernels(
     ``returns`` (C symbol -> its result type; void if absent) are declared on it.
 
     Each native op module declares the C entry points it calls and calls them through
-    ``kernels(SIGNATURES)()``: one place per op, no table here to keep in step.
+    ``kernels(SIGNATURES)()``: one place per op, no table here to keep in step. Each entry
+    point raises what its C++ caught (``raise_caught``).
     """
 
     @functools.cache
@@ -83,6 +89,7 @@ def kernels(
             fn = getattr(lib, symbol)
             fn.argtypes = list(argtypes)
             fn.restype = (returns or {}).get(symbol)
+            fn.errcheck = caught(lib)
         return lib
 
     return declared
@@ -118,6 +125,12 @@ def library() -> ctypes.CDLL:
                 f"quantree's CPU kernels at {path} do not load: {error}. Delete that directory "
                 "(it is rebuilt on the next use), or point TORCH_EXTENSIONS_DIR elsewhere."
             ) from error
+    lib.qt_take_error.argtypes = []
+    lib.qt_take_error.restype = INT
+    # the error plumbing's own probe (tests/backends/test_native_guard.py): not an op
+    lib.qt_guard_probe.argtypes = [INT]
+    lib.qt_guard_probe.restype = None
+    lib.qt_guard_probe.errcheck = caught(lib)
     lib.qt_select_isa.argtypes = [INT]
     lib.qt_select_isa.restype = INT
     lib.qt_current_isa.restype = INT
@@ -215,6 +228,7 @@ def prebuilt_choice() -> tuple[Path, ctypes.CDLL] | None:
     base = prebuilt_path()
     if (
         base is None
+        or SANITIZE
         or os.environ.get("QUANTREE_NATIVE_PREBUILT", "1") == "0"
         or not (MARCH == "native" or MARCH in ISA_CAP)
     ):
@@ -269,12 +283,16 @@ def cpu_isa() -> str:
 def library_name() -> str:
     """The library's file stem; the march is part of it, so builds never overwrite others."""
     suffix = "" if MARCH == "native" else "_" + MARCH.replace("-", "_").replace(".", "_")
-    return "quantree_cpu_kernels" + suffix
+    return "quantree_cpu_kernels" + suffix + (f"_{SANITIZE}" if SANITIZE else "")
 
 
 def source_digest(compiler: str) -> str:
-    """A hash of everything the build reads: sources, headers, flags and the compiler."""
-    digest = hashlib.sha256(repr((FLAGS, MARCH, ISA_SOURCES, compiler)).encode())
+    """A hash of everything the build reads: sources, headers, flags, the compiler, and what
+    the march means on this machine (``build_native.march_meaning``: ``native`` is this
+    CPU's instruction set, so a cache shared with another CPU holds one library each)."""
+    meaning = build_native.march_meaning(compiler, MARCH) if MARCH == "native" else ""
+    key = (FLAGS, MARCH, ISA_SOURCES, compiler, meaning, sanitizer_flags())
+    digest = hashlib.sha256(repr(key).encode())
     digest.update(build_native.sources_digest().encode())
     return digest.hexdigest()[:16]
 
@@ -334,10 +352,20 @@ def build(name: str) -> Path:
     return target
 
 
+def sanitizer_flags() -> tuple[str, ...]:
+    """The compile and link flags ``QUANTREE_NATIVE_SANITIZE`` asks for (none by default)."""
+    if SANITIZE not in ("", *build_native.SANITIZERS):
+        raise QuantreeError(
+            f"QUANTREE_NATIVE_SANITIZE={SANITIZE!r} is not a sanitizer quantree builds; use "
+            f"one of {', '.join(build_native.SANITIZERS)}, or unset it"
+        )
+    return build_native.SANITIZERS.get(SANITIZE, ())
+
+
 def compile_library(compiler: str, out: Path) -> Path:
     """Compile every source (each ISA file with its own flags, two at a time) and link."""
     try:
-        return build_native.compile_library(compiler, out, MARCH)
+        return build_native.compile_library(compiler, out, MARCH, extra=sanitizer_flags())
     except build_native.BuildError as error:
         raise QuantreeError(
             f"building quantree's CPU kernels failed ({error})\n"
@@ -355,5 +383,9 @@ def ptr(t: torch.Tensor | None) -> int | None:
     if not t.is_cpu or not (
         t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=CHANNELS_LAST))
     ):
-        raise ValueError("quantree's CPU kernels read dense CPU tensors only")
+        raise NativeArgumentError(
+            f"a tensor of shape {tuple(t.shape)}, strides {t.stride()} on {t.device} reached "
+            "quantree's CPU kernels, which read dense CPU tensors only; the native kernel was "
+            "not run (an op copies strided inputs through native/args.py: NativeArgs)"
+        )
     return t.data_ptr()

@@ -141,6 +141,12 @@ def parse_slots(op: str, rows: list, fields: int) -> list[Slot]:
             slot = Slot(d[0], d[1], d[2], d[7], d[3], d[4], d[5], d[6])
         if slot.owner == i:  # an owner starts its own storage: the offset is not read
             slot = Slot(slot.dtype, i, 0, 0, slot.cols, slot.ld, slot.rows0, slot.rows1)
+            if slot.ld != slot.cols:  # lowering lays owners out dense (views have strides)
+                raise fail(
+                    op,
+                    f"slot {i} owns its storage with a row stride of {slot.ld} for {slot.cols} "
+                    "columns; an owner's rows are dense",
+                )
         slots.append(slot)
     for i, s in enumerate(slots):
         if s.dtype not in (0, 1):
@@ -270,9 +276,28 @@ def remember(key: tuple, verdict: Verdict, tables: tuple[Tensor, ...]) -> Verdic
     return _VERDICTS.put(key, verdict, tables)
 
 
-def call(op: str, verdict: Verdict, size: int, consts: Sequence[Tensor]) -> None:
+WORKSPACE_FLOOR = 64 << 20
+"""Bytes of workspace any program may lay out, whatever it reads and writes."""
+WORKSPACE_FACTOR = 64
+"""Above the floor, a workspace is at most this many times the bytes of the tensors its call
+reads and writes (inputs, states, outputs, constants): a program's intermediates are
+values computed from those, a few of each. A table entry larger than the program needs (a
+row stride, a width or a row count of 2**31 - 1 in a 9 KB file) would otherwise make the
+kernel allocate gigabytes. ``QUANTREE_NATIVE_WORKSPACE_FACTOR`` sets another factor."""
+
+
+def workspace_factor() -> float:
+    raw = os.environ.get("QUANTREE_NATIVE_WORKSPACE_FACTOR", "")
+    try:
+        return float(raw) if raw else WORKSPACE_FACTOR
+    except ValueError:
+        raise fail("program", f"QUANTREE_NATIVE_WORKSPACE_FACTOR={raw!r} is not a number") from None
+
+
+def call(op: str, verdict: Verdict, size: int, consts: Sequence[Tensor], io_bytes: int = 0) -> None:
     """What one call adds: the constants as the instructions read them, and a workspace
-    this machine can allocate."""
+    this machine can allocate and the call's tensors (``io_bytes`` besides the constants)
+    account for (``WORKSPACE_FACTOR``)."""
     if not 0 <= size < LIMIT:
         raise fail(op, f"size symbol {size} out of range")
     for index, dtype, least in verdict.consts:
@@ -281,8 +306,25 @@ def call(op: str, verdict: Verdict, size: int, consts: Sequence[Tensor]) -> None
             raise fail(
                 op, f"constant {index} is {t.dtype} of {t.numel()} values, read as {least} {dtype}"
             )
-    if verdict.ws0 + verdict.ws1 * size > memory_bytes():
+    ws = verdict.ws0 + verdict.ws1 * size
+    if ws > WORKSPACE_FLOOR:
+        workspace_bound(op, ws, size, io_bytes + sum(t.numel() * t.element_size() for t in consts))
+
+
+def workspace_bound(op: str, ws: int, size: int, held: int) -> None:
+    """A workspace of ``ws`` bytes this machine can allocate and ``held`` bytes of the call's
+    tensors account for (``WORKSPACE_FACTOR``)."""
+    if ws > memory_bytes():
         raise fail(op, f"the workspace for size {size} would exceed this machine's memory")
+    factor = workspace_factor()
+    if ws > WORKSPACE_FLOOR and ws > factor * held:
+        raise fail(
+            op,
+            f"the workspace for size {size} is {ws} bytes, over {factor:g} times the "
+            f"{held} bytes of the tensors the call reads and writes: a table entry (a "
+            "row stride, a width, a row count) is larger than the program needs (set "
+            "QUANTREE_NATIVE_WORKSPACE_FACTOR for a program that does need it)",
+        )
 
 
 def rows_at(s: Slot, size: int) -> int:
@@ -305,7 +347,8 @@ def program(inputs: Sequence[Tensor], consts: Sequence[Tensor], code: Tensor, fc
     if verdict is None:
         verdict = program_verdict(*tables, out_dtypes, len(inputs), len(consts))
         remember(key, verdict, tables)
-    call(op, verdict, size, consts)
+    io_bytes = sum(t.numel() * t.element_size() for t in (*inputs, *outs))
+    call(op, verdict, size, consts, io_bytes)
     for name, tensors, which in (("input", inputs, verdict.ins), ("output", outs, verdict.outs)):
         for i, (t, index) in enumerate(zip(tensors, which, strict=True)):
             s = verdict.slots[index]
@@ -348,17 +391,19 @@ def program_verdict(code: Tensor, fcode: Tensor, slots: Tensor, in_slots: Tensor
 #     int64_t n_states, const int64_t* outs, const int64_t* slots, int64_t n_slots, int64_t B,
 #     const int64_t* code, const float* fcode, int64_t n_code, void** consts)
 def cell_loop(n_states: int, consts: Sequence[Tensor], code: Tensor, fcode: Tensor,
-              slots: Tensor, outs: Tensor, batch: int) -> None:  # fmt: skip
+              slots: Tensor, outs: Tensor, batch: int, io_bytes: int = 0) -> Verdict:  # fmt: skip
     """A cell loop's call: slot 0 the float input, slots ``1..n_states`` the float states,
     ``outs[k]`` float slots at least as wide as state ``k`` (``outs[0]`` exactly: it is
-    also the output row); the caller checks the inputs' widths against the slots'."""
+    also the output row); the caller checks the inputs' widths against the slots'.
+    ``io_bytes``: the float bytes of the input and states (``call``)."""
     tables = (code, fcode, slots, outs)
     key = ("cell_loop", *map(stamp, tables), n_states, len(consts))
     verdict = _VERDICTS.get(key)
     if verdict is None:
         verdict = cell_verdict(n_states, len(consts), *tables)
         remember(key, verdict, tables)
-    call("cell_loop", verdict, batch, consts)
+    call("cell_loop", verdict, batch, consts, io_bytes)
+    return verdict
 
 
 def cell_verdict(n_states: int, n_consts: int, code: Tensor, fcode: Tensor, slots: Tensor,

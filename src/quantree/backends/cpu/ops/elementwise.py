@@ -28,6 +28,7 @@ kernels = native_kernels(SIGNATURES)
 @op("quantize(Tensor x, float scale, int zero_point) -> Tensor")
 def quantize(x: Tensor, scale: float, zero_point: int) -> Tensor:
     """``quantized_decomposed.quantize_per_tensor`` to int8 [-128, 127], same arithmetic."""
+    check.positive("quantize", "scale", scale)
     x = dense(x.float())
     out = torch.empty_like(x, dtype=torch.int8)
     kernels().qt_quantize(ptr(x), x.numel(), 1.0 / scale, float(zero_point), ptr(out))
@@ -134,6 +135,7 @@ def binary(
     and written in that layout; others are made contiguous first.
     """
     check.binary(kind, a, b, BINARY)
+    check.positive("binary", "out_scale", out_scale)
     a, b = same_layout(a, b)
     out = torch.empty_like(a)
     kernels().qt_binary(
@@ -179,6 +181,7 @@ def softmax(x: Tensor, exp_table: Tensor, out_scale: float, out_zero_point: int)
     output step).
     """
     check.softmax(x, exp_table)
+    check.positive("softmax", "out_scale", out_scale)
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.int8)
     cols = x.shape[-1]

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
+from quantree.backends.cpu.native.args import NativeArgs
 from quantree.backends.cpu.native.loader import F32, I64, INT, PTR, ptr
 from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import packed_depth
@@ -48,7 +49,8 @@ def linear(
 ) -> Tensor:
     """int8 ``x[..., K]`` times a packed weight; int8 out (``out_scale > 0``) or float."""
     check.linear(x, weight, offset, scale, bias, out_features)
-    pointers = (ptr(weight), ptr(offset), ptr(scale), ptr(bias))
+    held = NativeArgs("linear")  # alive through the call below
+    pointers = held.layer(weight, offset, scale, bias)
     return run_linear(x, packed_depth(weight), pointers, offset, scale, bias, out_features,
                       out_scale, out_zero_point, relu)  # fmt: skip
 
@@ -151,7 +153,8 @@ def conv2d(
     """
     check.conv2d(x, weight, offset, scale, bias, out_channels, kernel, stride, padding,
                  dilation, x_zero_point, groups)  # fmt: skip
-    pointers = (ptr(weight), ptr(offset), ptr(scale), ptr(bias))
+    held = NativeArgs("conv2d")  # alive through the call below
+    pointers = held.layer(weight, offset, scale, bias)
     depthwise = is_depthwise(int(x.shape[1]), out_channels, groups)
     return run_conv2d(x, 0 if depthwise else packed_depth(weight), pointers, out_channels,
                       kernel, stride, padding, dilation, x_zero_point, out_scale,

@@ -8,14 +8,15 @@ and shapes recorded at compile time, a dynamic program's sizes resolved from its
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import program_checks
-from quantree.backends.cpu.native.loader import I64, PTR, ptr
+from quantree.backends.cpu.native.args import NativeArgs
+from quantree.backends.cpu.native.checks import fail
+from quantree.backends.cpu.native.loader import I64, PTR
 from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.registry import op
 
@@ -89,14 +90,18 @@ def program(
 ) -> list[Tensor]:
     """The region's outputs for ``inputs``, which must have the compiled shapes (a dynamic
     program's symbol resolved from ``inputs`` first)."""
+    if any(d not in (0, 1) for d in out_dtypes):
+        raise fail("program", f"out_dtypes {list(out_dtypes)}: each is a dtype code, 0 "
+                   "(float32) or 1 (int8)")  # fmt: skip
     program_checks.symbol(inputs, sym or [])
     size = _size(inputs, sym or [])
     expected = _shapes(_resolve(in_shapes, in_coeffs or [], size), in_ranks)
     if [list(x.shape) for x in inputs] != expected:
-        raise ValueError(
-            "a quantree region program was compiled for inputs of shapes "
+        raise fail(
+            "program",
+            "compiled for inputs of shapes "
             f"{expected}, got {[list(x.shape) for x in inputs]}: lower the model again with "
-            "example inputs of these shapes"
+            "example inputs of these shapes",
         )
     dense = [x.contiguous() for x in inputs]
     outs = [
@@ -109,12 +114,12 @@ def program(
     program_checks.program(
         dense, consts, code, fcode, slots, in_slots, out_slots, out_dtypes, size, outs
     )
-    void_p = ctypes.c_void_p
+    a = NativeArgs("program")  # every address below points into a tensor ``a`` holds
     kernels().qt_program_run(
-        (void_p * max(len(dense), 1))(*[ptr(x) for x in dense]), ptr(in_slots), len(dense),
-        (void_p * max(len(outs), 1))(*[ptr(o) for o in outs]), ptr(out_slots), len(outs),
-        ptr(slots), slots.shape[0], slots.shape[1], size, ptr(code), ptr(fcode), code.shape[0],
-        (void_p * max(len(consts), 1))(*[ptr(c) for c in consts]),
+        a.inputs("inputs", dense), a.input("in_slots", in_slots), len(dense),
+        a.outputs("outputs", outs), a.input("out_slots", out_slots), len(outs),
+        a.input("slots", slots), slots.shape[0], slots.shape[1], size, a.input("code", code),
+        a.input("fcode", fcode), code.shape[0], a.inputs("consts", consts),
     )  # fmt: skip
     return outs
 

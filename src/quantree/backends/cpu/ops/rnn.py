@@ -10,10 +10,11 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import F32, I64, PTR, ptr
+from quantree.backends.cpu.native.args import NativeArgs
+from quantree.backends.cpu.native.loader import F32, I64, PTR
 from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import packed_depth
-from quantree.backends.cpu.native.registry import op
+from quantree.backends.cpu.native.registry import contracted, op
 
 SIGNATURES: dict[str, list[type]] = {
     "qt_rnn": [PTR, I64, I64, PTR, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR],
@@ -120,6 +121,7 @@ class RnnRunner:
     def __setstate__(self, state: dict) -> None:
         self.__init__()  # type: ignore[misc]
 
+    @contracted("rnn")
     def __call__(
         self,
         kind: str,
@@ -152,21 +154,22 @@ class RnnRunner:
         out = torch.empty(steps, batch, dirs * width, dtype=out_dtype)
         h_n = torch.empty(num_layers * dirs, batch, width, dtype=torch.int8)
         c_n = torch.empty(num_layers * dirs, batch, hidden, dtype=torch.int8) if lstm else None
-        x8, xf = (None, inp.data_ptr()) if float_input else (inp.data_ptr(), None)
-        y8, yf = (None, out.data_ptr()) if float_output else (out.data_ptr(), None)
-        h0 = ptr(hx[0].contiguous()) if hx else None
-        c0 = ptr(hx[1].contiguous()) if hx and lstm else None
-        cn = None if c_n is None else c_n.data_ptr()
+        a = NativeArgs("rnn")  # every address below points into a tensor ``a`` holds
+        x8, xf = (None, a.input("x", inp)) if float_input else (a.input("x", inp), None)
+        y8, yf = (None, a.output("y", out)) if float_output else (a.output("y", out), None)
+        h0 = a.input("h_0", hx[0], torch.int8) if hx else None
+        c0 = a.input("c_0", hx[1], torch.int8) if hx and lstm else None
+        hn, cn = a.output("h_n", h_n), a.optional_output("c_n", c_n)
         if inner_steps is None:
-            self.run(self.address, steps, batch, x8, xf, self.x_inv, h0, c0, y8, yf,
-                     h_n.data_ptr(), cn)  # fmt: skip
+            self.run(self.address, steps, batch, x8, xf, self.x_inv, h0, c0, y8, yf, hn, cn)
         else:
-            pinned = self.pinned(inner_steps, num_layers)
+            pinned = a.input("inner_steps", self.pinned(inner_steps, num_layers))
             kernels().qt_rnn_packed(self.address, steps, batch, None, x8, xf, self.x_inv, h0,
-                                    c0, y8, yf, h_n.data_ptr(), cn, ptr(pinned))  # fmt: skip
+                                    c0, y8, yf, hn, cn, pinned)  # fmt: skip
         out = out.transpose(0, 1).contiguous() if batch_first else out
         return out, h_n, x.new_empty((0,)) if c_n is None else c_n
 
+    @contracted("rnn_packed_sequence")
     def packed(
         self,
         kind: str,
@@ -213,14 +216,14 @@ class RnnRunner:
         c_n = torch.empty(num_layers * dirs, batch, hidden, dtype=torch.int8) if lstm else None
         steps = torch.tensor(sizes, dtype=torch.int64)
         pinned = None if inner_steps is None else self.pinned(inner_steps, num_layers)
-        x8, xf = (None, inp.data_ptr()) if float_input else (inp.data_ptr(), None)
-        y8, yf = (None, out.data_ptr()) if float_output else (out.data_ptr(), None)
+        a = NativeArgs("rnn_packed_sequence")  # every address points into a tensor it holds
+        x8, xf = (None, a.input("x", inp)) if float_input else (a.input("x", inp), None)
+        y8, yf = (None, a.output("y", out)) if float_output else (a.output("y", out), None)
         kernels().qt_rnn_packed(
-            self.address, len(sizes), batch, steps.data_ptr(), x8, xf, self.x_inv,
-            ptr(hx[0].contiguous()) if hx else None,
-            ptr(hx[1].contiguous()) if hx and lstm else None, y8, yf,
-            h_n.data_ptr(), None if c_n is None else c_n.data_ptr(),
-            None if pinned is None else pinned.data_ptr(),
+            self.address, len(sizes), batch, a.input("batch_sizes", steps), x8, xf, self.x_inv,
+            a.input("h_0", hx[0], torch.int8) if hx else None,
+            a.input("c_0", hx[1], torch.int8) if hx and lstm else None, y8, yf,
+            a.output("h_n", h_n), a.optional_output("c_n", c_n), a.input("inner_steps", pinned),
         )  # fmt: skip
         return out, h_n, x.new_empty((0,)) if c_n is None else c_n
 
@@ -255,7 +258,8 @@ class RnnRunner:
         per_layer = PER_LAYER + (PER_PROJECTION if proj_size else 0)
         check.rnn_plan(kind, params, hidden, num_layers, bidirectional, hidden_bits, proj_size,
                        features, qparams, per_layer)  # fmt: skip
-        pointers = (ctypes.c_void_p * max(1, len(params)))(*(ptr(p) for p in params))
+        held = NativeArgs("rnn")  # dense copies of strided weights live with the plan
+        pointers = held.inputs("params", params)
         depth = (ctypes.c_int64 * max(1, 2 * len(params) // per_layer))(
             *(
                 packed_depth(params[i * per_layer + j])
@@ -280,7 +284,7 @@ class RnnRunner:
         self.versions = [p._version for p in params]
         # aliases of the checked storages: while they live no other tensor can be allocated
         # at a checked address, so an unchanged address is the checked memory
-        self.keep = (pointers, depth, [p.detach() for p in params])
+        self.keep = (held, pointers, depth, [p.detach() for p in params])
 
 
 def batch_size(x: Tensor) -> int:

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
-from quantree.backends.cpu.native.loader import F32, I64, INT, PTR, ptr
+from quantree.backends.cpu.native.args import NativeArgs
+from quantree.backends.cpu.native.loader import F32, I64, INT, PTR
 from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import packed_depth
 from quantree.backends.cpu.native.registry import op
@@ -53,11 +54,14 @@ def rnn_cell(
     c = dequantize(hx[1].reshape(batch, hidden), c_s, int(c_z)) if lstm else None
     y = torch.empty(batch, hidden, dtype=torch.int8)
     w_ih, sum_ih, sc_ih, b_ih, w_hh, sum_hh, sc_hh, b_hh = params
+    a = NativeArgs("rnn_cell")  # every address below points into a tensor ``a`` holds
     kernels().qt_rnn_layer(
-        RNN_KINDS[kind], 1, batch, k_in, hidden, 0, ptr(x), x_s, x_z, ptr(w_ih),
-        packed_depth(w_ih), ptr(sum_ih), ptr(sc_ih), ptr(b_ih), ptr(w_hh), packed_depth(w_hh),
-        ptr(sum_hh), ptr(sc_hh), ptr(b_hh), h_s, h_z, h_s, h_z, 0, ptr(y), hidden, y_s, y_z,
-        ptr(h), ptr(c), None, 0, None, None, None, None,
+        RNN_KINDS[kind], 1, batch, k_in, hidden, 0, a.input("x", x), x_s, x_z,
+        a.input("w_ih", w_ih), packed_depth(w_ih), a.input("rowsum_ih", sum_ih),
+        a.input("scale_ih", sc_ih), a.input("b_ih", b_ih), a.input("w_hh", w_hh),
+        packed_depth(w_hh), a.input("rowsum_hh", sum_hh), a.input("scale_hh", sc_hh),
+        a.input("b_hh", b_hh), h_s, h_z, h_s, h_z, 0, a.output("y", y), hidden, y_s, y_z,
+        a.output("h", h), a.optional_output("c", c), None, 0, None, None, None, None,
     )  # fmt: skip
     c_n = quantize(c, cn_s, int(cn_z)) if c is not None else x.new_empty((0,))
     if unbatched:

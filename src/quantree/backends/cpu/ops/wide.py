@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native import checks as check
+from quantree.backends.cpu.native.args import NativeArgs
 from quantree.backends.cpu.native.loader import F32, I64, PTR, ptr
 from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import packed_depth
@@ -41,6 +42,7 @@ LO_ZERO_POINT = -128
 def split16(x: Tensor, scale: float, quant_min: int, quant_max: int) -> tuple[Tensor, Tensor]:
     """The reference's symmetric int16 quantize of float ``x``, as its (hi, lo) int8 planes,
     in ``x``'s memory order (a channels-last ``x`` gives channels-last planes)."""
+    check.positive("split16", "scale", scale)
     x = dense_any_layout(x.float())
     hi, lo = torch.empty_like(x, dtype=torch.int8), torch.empty_like(x, dtype=torch.int8)
     kernels().qt_split16(
@@ -70,7 +72,9 @@ def linear16(
     multiplies both planes on one read of the weight (``offset``: the hi plane's, for zero
     point 0; ``scale``: input scale x weight scale; ``bias`` float)."""
     check.linear16(x, weight, offset, scale, bias, out_features)
-    pointers = (ptr(weight), ptr(offset), ptr(scale), ptr(bias))
+    check.positive("linear16", "x_scale", x_scale)
+    held = NativeArgs("linear16")  # alive through the call below
+    pointers = held.layer(weight, offset, scale, bias)
     return run_linear16(x, x_scale, quant_min, quant_max, packed_depth(weight), pointers,
                         out_features)  # fmt: skip
 

@@ -104,10 +104,10 @@ extern "C" {
 void qt_cell_loop(const float* xs, float* ys, int64_t T, int reverse, float** states,
                   int64_t n_states, const int64_t* outs, const int64_t* slots, int64_t n_slots,
                   int64_t B, const int64_t* code, const float* fcode,
-                  int64_t n_code, void** consts) {
+                  int64_t n_code, void** consts) try {
     cell_loop(xs, ys, T, reverse, states, n_states, outs, slots, n_slots, B, nullptr, code,
               fcode, n_code, consts);
-}
+} QT_CATCH
 
 // A packed sequence's rows: xs float [N, I], ys float [N, H], N the sum of batch_sizes[T]
 // (non-increasing, batch_sizes[0] = B, the states' rows). One call for the whole sequence,
@@ -116,9 +116,9 @@ void qt_cell_loop_packed(const float* xs, float* ys, int64_t T, int reverse,
                          const int64_t* batch_sizes, float** states, int64_t n_states,
                          const int64_t* outs, const int64_t* slots, int64_t n_slots, int64_t B,
                          const int64_t* code, const float* fcode, int64_t n_code,
-                         void** consts) {
+                         void** consts) try {
     cell_loop(xs, ys, T, reverse, states, n_states, outs, slots, n_slots, B, batch_sizes, code,
               fcode, n_code, consts);
-}
+} QT_CATCH
 
 }  // extern "C"

@@ -16,7 +16,7 @@ extern "C" {
 // x, out int8 [outer][C][inner] (channels-last maps: inner = 1, outer = N * H * W).
 void qt_channel_affine(const int8_t* x, int64_t outer, int64_t C, int64_t inner, float x_scale,
                        float x_zp, const float* alpha, const float* beta, float inv, float zp,
-                       float qmin, int8_t* out) {
+                       float qmin, int8_t* out) try {
     for (int64_t o = 0; o < outer; ++o) {
         const int8_t* src = x + o * C * inner;
         int8_t* dst = out + o * C * inner;
@@ -37,6 +37,6 @@ void qt_channel_affine(const int8_t* x, int64_t outer, int64_t C, int64_t inner,
             }
         }
     }
-}
+} QT_CATCH
 
 }  // extern "C"

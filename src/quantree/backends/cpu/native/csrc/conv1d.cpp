@@ -299,7 +299,7 @@ void qt_conv1d(const int8_t* x_q, const float* x_f, int64_t sn, int64_t sc, int6
                int64_t dil, int64_t OL, int64_t Kp, const int8_t* w, const int32_t* off,
                const float* scale, const int32_t* lo_off, const float* lo_scale,
                const float* bias, int8_t* out_q, float* out_f, int64_t on, int64_t oc,
-               int64_t ol, float inv, float zp, int relu) {
+               int64_t ol, float inv, float zp, int relu) try {
     const Conv1dArgs a{x_q, x_f, sn, sc, sl, batch, C, L, x_zp, x_inv, qmin, qmax,
                        OC, groups, K, stride, pad, dil, OL, Kp, w, off, scale, lo_off,
                        lo_scale, bias, out_q, out_f, on, oc, ol, inv, zp, relu};
@@ -395,6 +395,6 @@ void qt_conv1d(const int8_t* x_q, const float* x_f, int64_t sn, int64_t sc, int6
             }
         }
     }
-}
+} QT_CATCH
 
 }  // extern "C"

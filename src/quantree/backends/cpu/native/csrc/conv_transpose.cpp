@@ -90,7 +90,7 @@ void qt_conv_transpose(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
                        int64_t OW, const int8_t* w, const int32_t* col_off,
                        const int32_t* out_off, const float* scale, const float* bias,
                        int8_t* out_q, float* out_f, int64_t on, int64_t oc, int64_t oh_s,
-                       int64_t ow_s, float inv, float zp, int relu) {
+                       int64_t ow_s, float inv, float zp, int relu) try {
     const Geometry g{C, H, W, OC, groups, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW};
     if (batch <= 0 || OC <= 0 || OH <= 0 || OW <= 0) return;
     const int64_t Cg = C / groups, OCg = OC / groups, N = KH * KW * OCg, P = H * W;
@@ -144,6 +144,6 @@ void qt_conv_transpose(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
                                   out_q + base, oc);
             }
     }
-}
+} QT_CATCH
 
 }  // extern "C"

@@ -15,7 +15,7 @@ extern "C" {
 
 // x int8 contiguous [outer, K, inner]; out int8 of the same shape, contiguous.
 void qt_cumsum(const int8_t* x, int64_t outer, int64_t K, int64_t inner, float x_scale,
-               int64_t x_zp, float inv, float zp, int8_t* out) {
+               int64_t x_zp, float inv, float zp, int8_t* out) try {
     if (outer <= 0 || inner <= 0) return;
     std::vector<int32_t> acc(static_cast<size_t>(inner));
     for (int64_t o = 0; o < outer; ++o) {
@@ -31,6 +31,6 @@ void qt_cumsum(const int8_t* x, int64_t outer, int64_t K, int64_t inner, float x
             }
         }
     }
-}
+} QT_CATCH
 
 }  // extern "C"

@@ -1,5 +1,6 @@
 // int8 GEMM on packed weights: the portable path, and the choice of the path every kernel
 // takes (qt_select_isa), made once from what the CPU reports.
+#include <atomic>
 #include <cmath>
 #include <cstring>
 
@@ -83,6 +84,35 @@ Kernels kernels{gemm_portable, cell_portable, activation_portable};
 static int active_isa = qt::PORTABLE;
 
 extern "C" {
+std::atomic<int> qt_errors_pending{0};  // read by native/caught.py as a plain int
+}
+
+int& qt::last_error() {
+    thread_local int error = qt::NO_ERROR;
+    return error;
+}
+
+void qt::record_error(int error) {
+    if (last_error() == NO_ERROR) qt_errors_pending.fetch_add(1);
+    last_error() = error;
+}
+
+extern "C" {
+
+// What the last failed entry point of this thread recorded (qt::Error), cleared.
+int qt_take_error() {
+    const int error = qt::last_error();
+    if (error != qt::NO_ERROR) qt_errors_pending.fetch_sub(1);
+    qt::last_error() = qt::NO_ERROR;
+    return error;
+}
+
+// Throws what ``what`` names (1 std::bad_alloc, 2 a std::runtime_error) inside a guarded
+// entry point, else nothing: the check that the guard (QT_CATCH) reaches Python.
+void qt_guard_probe(int what) try {
+    if (what == 1) throw std::bad_alloc();
+    if (what == 2) throw std::runtime_error("probe");
+} QT_CATCH
 
 // The digest of the sources this library was built from (build_native.sources_digest).
 const char* qt_source_digest() { return QT_SOURCE_DIGEST; }

@@ -154,7 +154,11 @@ void gemm_sse2(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda, 
     const size_t plane = static_cast<size_t>(M * Kp * 2);  // a duplicated row is 2 Kp
     int16_t* rows = static_cast<int16_t*>(std::malloc((dual ? 2 : 1) * plane * 2 + 16));
     int16_t* bw = static_cast<int16_t*>(std::aligned_alloc(16, static_cast<size_t>(kq) * 32 + 16));
-    if (!rows || !bw) std::abort();  // as operator new would, without its exception
+    if (!rows || !bw) {  // caught at the entry point (QT_CATCH)
+        std::free(rows);
+        std::free(bw);
+        throw std::bad_alloc();
+    }
     widen_rows_dup(A, M, Kp, lda, rows);
     if (dual) widen_rows_dup(A_lo, M, Kp, lda, rows + plane);
     // Panels of rows whose operands stay in L2 while every panel of columns passes over them.

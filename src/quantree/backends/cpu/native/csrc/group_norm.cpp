@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "qt_kernels.h"
+
 namespace {
 
 constexpr int LANES = 16;  // independent partial sums: a float reduction the compiler vectorizes
@@ -44,7 +46,7 @@ extern "C" {
 // x, out float with element strides: contiguous (sc = S, ss = 1) or channels-last
 // (sc = 1, ss = C); sample n at n * C * S. weight, bias: C floats or null.
 void qt_group_norm(const float* x, int64_t N, int64_t C, int64_t S, int64_t channels_last,
-                   int64_t G, const float* weight, const float* bias, float eps, float* out) {
+                   int64_t G, const float* weight, const float* bias, float eps, float* out) try {
     if (N <= 0 || C <= 0 || G <= 0) return;
     const int64_t cg = C / G;
     std::vector<float> part(static_cast<size_t>(C));
@@ -115,6 +117,6 @@ void qt_group_norm(const float* x, int64_t N, int64_t C, int64_t S, int64_t chan
             }
         }
     }
-}
+} QT_CATCH
 
 }  // extern "C"

@@ -450,7 +450,10 @@ void gemm_impl(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
     auto int16_rows = [&]() {
         if (!wide) {
             wide = static_cast<int16_t*>(std::malloc(plane * (dual ? 4 : 2) + 32));
-            if (!wide) std::abort();  // as operator new would, without its exception
+            if (!wide) {  // caught at the entry point (QT_CATCH)
+                std::free(joint);
+                throw std::bad_alloc();
+            }
             widen_rows(A_u8, M, Kp, lda_u8, wide);
             if (dual) widen_rows(A_lo_u8, M, Kp, lda_u8, wide + plane);
         }
@@ -459,7 +462,10 @@ void gemm_impl(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
     auto joint_rows = [&]() {
         if (!joint) {
             joint = static_cast<int16_t*>(std::malloc(plane * 2 + 32));
-            if (!joint) std::abort();
+            if (!joint) {
+                std::free(wide);
+                throw std::bad_alloc();
+            }
             join_rows(A_u8, A_lo_u8, M, Kp, lda_u8, joint);
         }
         return joint;
@@ -484,7 +490,7 @@ void gemm_impl(int64_t M, int64_t N, int64_t Kp, const uint8_t* A_u8, int64_t ld
     int16_t* bw = nullptr;
     if (!prepared) {
         bw = static_cast<int16_t*>(std::aligned_alloc(32, static_cast<size_t>(kq) * 64 + 32));
-        if (!bw) std::abort();
+        if (!bw) throw std::bad_alloc();  // nothing else held yet; QT_CATCH
     }
     // Panels of rows whose int16 operands (up to 2 planes) stay in L2 while every panel of
     // columns passes over them; a multiple of the tiles' 6 (and 3) rows.

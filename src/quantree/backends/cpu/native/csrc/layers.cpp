@@ -299,13 +299,13 @@ extern "C" {
 // y[M, N] = x[M, K] (int8) . W^T; int8 output when out_f is null, else float.
 void qt_linear(const int8_t* x, int64_t M, int64_t K, int64_t N, int64_t Kp, const int8_t* w,
                const int32_t* off, const float* scale, const float* bias, int8_t* out_q,
-               float* out_f, float inv, float zp, int relu) {
+               float* out_f, float inv, float zp, int relu) try {
     std::vector<uint8_t> a(static_cast<size_t>(M * Kp));
     qt::to_u8(x, M, K, K, a.data(), Kp);
     const Requant rq(scale, bias, N, inv);
     const Epilogue ep = make_epilogue(off, scale, bias, out_f, out_q, N, inv, zp, relu, &rq);
     qt::gemm_u8s8(M, N, Kp, a.data(), Kp, w, ep);
-}
+} QT_CATCH
 
 // int8 grouped conv on NHWC (channels-last) tensors: for each panel of output pixels, the
 // group-major im2col, then one GEMM per group of its packed weight, written straight into
@@ -318,7 +318,7 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
                        int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
                        int64_t OH, int64_t OW, int64_t Kp, const int8_t* w, const int32_t* off,
                        const float* scale, const float* bias, int8_t* out_q, float* out_f,
-                       float inv, float zp, int relu) {
+                       float inv, float zp, int relu) try {
     const ConvGeometry g{C, H, W, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW};
     const int64_t P = batch * OH * OW, OCg = OC / groups, lda = groups * Kp, panel = 256;
     const int64_t group_weight = (OCg + 15) / 16 * Kp * 16;
@@ -355,17 +355,17 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
             qt::gemm_u8s8(rows, OCg, Kp, col.data() + gi * Kp, lda, w + gi * group_weight, ep);
         }
     }
-}
+} QT_CATCH
 
 // The same with groups = 1 (the entry point of the first release).
 void qt_conv2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W, int64_t x_zp,
                int64_t OC, int64_t KH, int64_t KW, int64_t sh, int64_t sw, int64_t ph,
                int64_t pw, int64_t dh, int64_t dw, int64_t OH, int64_t OW, int64_t Kp,
                const int8_t* w, const int32_t* off, const float* scale, const float* bias,
-               int8_t* out_q, float* out_f, float inv, float zp, int relu) {
+               int8_t* out_q, float* out_f, float inv, float zp, int relu) try {
     qt_conv2d_grouped(x, batch, C, H, W, x_zp, OC, 1, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW,
                       Kp, w, off, scale, bias, out_q, out_f, inv, zp, relu);
-}
+} QT_CATCH
 
 // int8 depthwise conv (groups = C = OC) on NHWC tensors: one output channel per input
 // channel, so instead of GEMMs of one column per group, panels of output pixels accumulate
@@ -376,7 +376,7 @@ void qt_conv2d_depthwise(const int8_t* x, int64_t batch, int64_t C, int64_t H, i
                          int64_t ph, int64_t pw, int64_t dh, int64_t dw, int64_t OH, int64_t OW,
                          const int8_t* w, const int32_t* off, const float* scale,
                          const float* bias, int8_t* out_q, float* out_f, float inv, float zp,
-                         int relu) {
+                         int relu) try {
     const ConvGeometry g{C, H, W, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW};
     const int64_t taps = KH * KW, P = batch * OH * OW, panel = 64;
     const std::vector<int8_t> pad(static_cast<size_t>(C), static_cast<int8_t>(x_zp));
@@ -395,7 +395,7 @@ void qt_conv2d_depthwise(const int8_t* x, int64_t batch, int64_t C, int64_t H, i
         depthwise_pixels(d, src.data(), rows, out_q ? out_q + p0 * C : nullptr,
                          out_f ? out_f + p0 * C : nullptr);
     }
-}
+} QT_CATCH
 
 // y[M, N] = q16(x[M, K]) . W^T, float out: x quantized to int16 (zero point 0) as two uint8
 // planes, multiplied in one dual pass over W (the accumulator is 256 * (hi.W + off) + lo.W,
@@ -403,20 +403,20 @@ void qt_conv2d_depthwise(const int8_t* x, int64_t batch, int64_t C, int64_t H, i
 // +128. The bias is float (the int32 bias's exact grid would need off / 256).
 void qt_linear16(const float* x, int64_t M, int64_t K, int64_t N, int64_t Kp, const int8_t* w,
                  const int32_t* off, const float* scale, const float* bias, float* out,
-                 float inv, float qmin, float qmax) {
+                 float inv, float qmin, float qmax) try {
     std::vector<uint8_t> planes(static_cast<size_t>(2 * M * Kp));
     uint8_t* lo = planes.data() + M * Kp;
     qt::split16_rows(x, M, K, K, inv, qmin, qmax, planes.data(), lo, Kp);
     const Epilogue ep{off, scale, bias, out, nullptr, N, 0.0f, 0.0f, -128.0f, 127.0f};
     qt::gemm_u8s8(M, N, Kp, planes.data(), Kp, w, ep, lo);
-}
+} QT_CATCH
 
 // Batched int8 activation x activation matmul: c[b] = (a[b] - za) . (w[b] - zb), both
 // operands dynamic. Each b[b] ([K, N]) is packed on the fly; the zero point of b becomes a
 // per-row correction -zb * sum_k (a - za).
 void qt_matmul(const int8_t* a, const int8_t* bmat, int64_t batch, int64_t M, int64_t K,
                int64_t N, float za, float zb, float scale, int8_t* out_q, float* out_f,
-               float inv, float zp) {
+               float inv, float zp) try {
     const int64_t Kp = (K + 3) / 4 * 4, NB = (N + 15) / 16;
     std::vector<uint8_t> au(static_cast<size_t>(M * Kp));
     std::vector<int8_t> packed(static_cast<size_t>(NB * Kp * 16), 0);
@@ -447,31 +447,31 @@ void qt_matmul(const int8_t* a, const int8_t* bmat, int64_t batch, int64_t M, in
         ep.row_off = row.data();
         qt::gemm_u8s8(M, N, Kp, au.data(), Kp, packed.data(), ep);
     }
-}
+} QT_CATCH
 
 // quantize_per_tensor / dequantize_per_tensor of quantized_decomposed, int8 [-128, 127]:
 // q = clamp(round_half_even(x * inv) + zp), x = (q - zp) * scale, in float32.
-void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out) {
+void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out) try {
     for (int64_t i = 0; i < n; ++i)
         out[i] = static_cast<int8_t>(qt::quantize_value(x[i], inv, zp, -128.0f, 127.0f));
-}
+} QT_CATCH
 
 // float -> int16 q = clamp(round(x * inv), qmin, qmax) (zero point 0, as the symmetric int16
 // reference quantize), written as two int8 planes hi = q >> 8 and lo = (q & 255) - 128, so that
 // q = 256 * hi + (lo + 128): each plane is an int8 tensor the int8 kernels read exactly (hi on
 // zero point 0, lo on zero point -128), and their two products sum to the 16-bit one.
 void qt_split16(const float* x, int64_t n, float inv, float qmin, float qmax, int8_t* hi,
-                int8_t* lo) {
+                int8_t* lo) try {
     for (int64_t i = 0; i < n; ++i) {
         const int32_t q = static_cast<int32_t>(qt::quantize_value(x[i], inv, 0.0f, qmin, qmax));
         hi[i] = static_cast<int8_t>(q >> 8);
         lo[i] = static_cast<int8_t>((q & 255) - 128);
     }
-}
+} QT_CATCH
 
-void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out) {
+void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out) try {
     for (int64_t i = 0; i < n; ++i) out[i] = (static_cast<float>(q[i]) - zp) * scale;
-}
+} QT_CATCH
 
 // Rows idx[0..n) of an int8 [rows, cols] table, each dequantized on its own grid, as
 // ``(row - zp[r]) * scale[r]`` in int32 then float, the reference's arithmetic. One call
@@ -495,25 +495,25 @@ int64_t qt_embedding_rows(const int8_t* table, int64_t rows, int64_t cols, const
 // Elementwise add (op 0), mul (op 1) or sub (op 2) of two int8 tensors, each dequantized exactly as the
 // reference does, combined in float, requantized: one pass instead of four ATen chains.
 void qt_binary(int op, const int8_t* a, const int8_t* b, int64_t n, float sa, float za, float sb,
-               float zb, float inv, float zp, int8_t* out) {
+               float zb, float inv, float zp, int8_t* out) try {
     for (int64_t i = 0; i < n; ++i) {
         const float x = (static_cast<float>(a[i]) - za) * sa;
         const float y = (static_cast<float>(b[i]) - zb) * sb;
         const float r = op == 0 ? x + y : (op == 1 ? x * y : x - y);
         out[i] = static_cast<int8_t>(qt::quantize_value(r, inv, zp, -128.0f, 127.0f));
     }
-}
+} QT_CATCH
 
 // out[i] = table[x[i] + 128]: any pointwise int8 -> int8 function, tabulated at lowering.
-void qt_lookup(const int8_t* x, int64_t n, const int8_t* table, int8_t* out) {
+void qt_lookup(const int8_t* x, int64_t n, const int8_t* table, int8_t* out) try {
     qt::kernels.lookup(table, x, out, n);
-}
+} QT_CATCH
 
 // Softmax over the last dimension of int8 rows: exp(x_i - max x) depends only on the code
 // difference max q - q_i (0..255), so exp_table[d] = exp(-d * scale) is computed once at
 // lowering; each row is then a max, table lookups, a sum and a requantization.
 void qt_softmax(const int8_t* x, int64_t rows, int64_t cols, const float* exp_table, float inv,
-                float zp, int8_t* out) {
+                float zp, int8_t* out) try {
     std::vector<float> e(static_cast<size_t>(cols));
     for (int64_t r = 0; r < rows; ++r) {
         const int8_t* row = x + r * cols;
@@ -529,6 +529,6 @@ void qt_softmax(const int8_t* x, int64_t rows, int64_t cols, const float* exp_ta
             out[r * cols + c] =
                 static_cast<int8_t>(qt::quantize_value(e[c] * recip, inv, zp, -128.0f, 127.0f));
     }
-}
+} QT_CATCH
 
 }  // extern "C"

@@ -17,7 +17,7 @@ extern "C" {
 // x int8 with element strides (sn, sc, sh, sw); out int8 [N, C] contiguous.
 void qt_mean_hw(const int8_t* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t sn,
                 int64_t sc, int64_t sh, int64_t sw, float x_scale, int64_t x_zp, float inv,
-                float zp, int8_t* out) {
+                float zp, int8_t* out) try {
     const int64_t HW = H * W;
     if (N <= 0 || C <= 0) return;
     std::vector<int32_t> acc(static_cast<size_t>(C));
@@ -49,6 +49,6 @@ void qt_mean_hw(const int8_t* x, int64_t N, int64_t C, int64_t H, int64_t W, int
             out[n * C + c] = static_cast<int8_t>(qt::quantize_value(y, inv, zp, -128.0f, 127.0f));
         }
     }
-}
+} QT_CATCH
 
 }  // extern "C"

@@ -13,7 +13,7 @@ extern "C" {
 // Out-of-input taps (padding, ceil_mode's last window) are skipped, as -inf padding is.
 void qt_max_pool2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W, int64_t KH,
                    int64_t KW, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh,
-                   int64_t dw, int64_t OH, int64_t OW, int8_t* out) {
+                   int64_t dw, int64_t OH, int64_t OW, int8_t* out) try {
     for (int64_t n = 0; n < batch; ++n) {
         for (int64_t oh = 0; oh < OH; ++oh) {
             for (int64_t ow = 0; ow < OW; ++ow) {
@@ -32,7 +32,7 @@ void qt_max_pool2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t
             }
         }
     }
-}
+} QT_CATCH
 
 // Average pooling between two int8 grids, channels-last in and out. ATen's int8 path
 // (dequantize, float avg_pool2d, quantize) makes a float copy of the map; here each window's
@@ -44,7 +44,7 @@ void qt_max_pool2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t
 void qt_avg_pool2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W, int64_t KH,
                    int64_t KW, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t OH,
                    int64_t OW, int64_t count_include_pad, int64_t divisor_override,
-                   float x_scale, int64_t x_zp, float inv, float zp, int8_t* out) {
+                   float x_scale, int64_t x_zp, float inv, float zp, int8_t* out) try {
     if (batch <= 0 || C <= 0) return;
     std::vector<int32_t> acc(static_cast<size_t>(C));
     for (int64_t n = 0; n < batch; ++n) {
@@ -76,6 +76,6 @@ void qt_avg_pool2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t
             }
         }
     }
-}
+} QT_CATCH
 
 }  // extern "C"

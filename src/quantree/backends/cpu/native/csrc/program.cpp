@@ -27,7 +27,7 @@ extern "C" {
 void qt_program_run(void** inputs, const int64_t* in_slots, int64_t n_in, void** outputs,
                     const int64_t* out_slots, int64_t n_out, const int64_t* slots, int64_t n_slots,
                     int64_t fields, int64_t size, const int64_t* code, const float* fcode,
-                    int64_t n_code, void** consts) {
+                    int64_t n_code, void** consts) try {
     std::vector<int64_t> table(static_cast<size_t>(n_slots * NSR));
     for (int64_t i = 0; i < n_slots; ++i) {
         const int64_t* d = slots + fields * i;
@@ -90,6 +90,6 @@ void qt_program_run(void** inputs, const int64_t* in_slots, int64_t n_in, void**
             std::memcpy(dst + r * d.cols * d.size, d.base + r * d.ld * d.size,
                         static_cast<size_t>(d.cols * d.size));
     }
-}
+} QT_CATCH
 
 }  // extern "C"

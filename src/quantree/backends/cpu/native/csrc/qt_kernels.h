@@ -13,11 +13,24 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <new>
+#include <stdexcept>
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
 
 namespace qt {
+
+// No C++ exception crosses an ``extern "C"`` entry point (it would terminate the process):
+// every entry point is a function-try-block ending in QT_CATCH, which records what failed
+// in this thread's error slot, read and cleared by qt_take_error() after each call
+// (native/caught.py raises MemoryError for 1, NativeArgumentError for 2).
+// qt_errors_pending counts the errors recorded and not yet taken, on every thread: the one
+// word Python reads after a call (ctypes, no call), taking its own only when it is not 0.
+enum Error : int { NO_ERROR = 0, NO_MEMORY = 1, INTERNAL = 2 };
+int& last_error();
+void record_error(int error);
+
 
 struct Epilogue {
     const int32_t* off;  // [N] added to the int32 accumulator
@@ -194,7 +207,7 @@ class PreparedB {
         const int64_t size = by_ && N > 0 && Kp > 0 ? by_(B, N, Kp, rows, nullptr) : 0;
         if (size <= 0) return;
         data_ = std::aligned_alloc(32, static_cast<size_t>((size + 31) / 32 * 32));
-        if (!data_) std::abort();  // as operator new would, without its exception
+        if (!data_) throw std::bad_alloc();  // caught at the entry point (QT_CATCH)
         by_(B, N, Kp, rows, data_);
     }
     ~PreparedB() { std::free(data_); }
@@ -261,3 +274,8 @@ inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_
 }
 
 }  // namespace qt
+
+#define QT_CATCH                                                        \
+    catch (const std::bad_alloc&) { qt::record_error(qt::NO_MEMORY); }    \
+    catch (const std::length_error&) { qt::record_error(qt::NO_MEMORY); } \
+    catch (...) { qt::record_error(qt::INTERNAL); }

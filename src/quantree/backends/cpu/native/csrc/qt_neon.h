@@ -62,7 +62,7 @@ void gemm_neon_any(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t l
     const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
     const size_t plane = static_cast<size_t>(M * Kp);
     int8_t* X = static_cast<int8_t*>(std::malloc(plane * (A_lo ? 2 : 1) + 16));
-    if (!X) std::abort();
+    if (!X) throw std::bad_alloc();  // caught at the entry point (QT_CATCH)
     to_signed(A, M, Kp, lda, X);
     int8_t* X2 = nullptr;
     if (A_lo) {

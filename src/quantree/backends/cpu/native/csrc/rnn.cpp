@@ -72,7 +72,7 @@ template <class T>
 std::unique_ptr<T[], void (*)(void*)> aligned_buffer(int64_t n) {
     const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, bytes);
-    if (!p) std::abort();  // as operator new would, without its exception
+    if (!p) throw std::bad_alloc();  // caught at the entry point (QT_CATCH)
     return std::unique_ptr<T[], void (*)(void*)>(static_cast<T*>(p), std::free);
 }
 
@@ -274,10 +274,10 @@ void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
 extern "C" {
 
 // Symmetric int16 of a float buffer (the output of a layer another layer reads).
-void qt_quantize16(const float* __restrict x, int64_t n, float inv, int16_t* __restrict out) {
+void qt_quantize16(const float* __restrict x, int64_t n, float inv, int16_t* __restrict out) try {
     for (int64_t i = 0; i < n; ++i)
         out[i] = static_cast<int16_t>(qt::quantize_value(x[i], inv, 0.0f, -32767.0f, 32767.0f));
-}
+} QT_CATCH
 
 // x: int8 [T*B, K] time-major (scale x_s, zero point x_z); y: int8 rows of stride y_ld
 // (or, when yf is given, float rows there instead: a layer whose output another layer reads)
@@ -292,11 +292,11 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
                   const float* ws_hh, const float* b_hh, float h0_s, float h0_z, float in_s,
                   float in_z, int wide, int8_t* y, int64_t y_ld, float y_s, float y_z,
                   float* h, float* c, const int8_t* w_hr, int64_t P, const int32_t* colsum_hr,
-                  const float* ws_hr, float* yf, const int16_t* x16) {
+                  const float* ws_hr, float* yf, const int16_t* x16) try {
     layer(kind, T, B, K, H, reverse, x, x_s, x_z, w_ih, kp_ih, colsum_ih, ws_ih, b_ih, w_hh,
           kp_hh, colsum_hh, ws_hh, b_hh, h0_s, h0_z, in_s, in_z, wide, y, y_ld, y_s, y_z, h, c,
           w_hr, P, colsum_hr, ws_hr, yf, x16, nullptr, 0.0f);
-}
+} QT_CATCH
 
 // Everything constant about one lowered recurrent op, laid out once by ops_rnn.py (a
 // ctypes.Structure): a call then passes one pointer and the activations, not ~40 converted
@@ -454,9 +454,9 @@ extern "C" {
 // exactly as quantize16 of that range did when each layer was its own call.
 void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const float* x_float,
             float x_inv, const int8_t* h0, const int8_t* c0, int8_t* y, float* y_float,
-            int8_t* hn, int8_t* cn) {
+            int8_t* hn, int8_t* cn) try {
     rnn_stack(p, T, B, nullptr, x, x_float, x_inv, h0, c0, y, y_float, hn, cn, nullptr);
-}
+} QT_CATCH
 
 // qt_rnn on a packed sequence: x / x_float [N, K] and y / y_float [N, dirs * width] rows in
 // packed order (step after step, the sequences still running at a step first), N the sum of
@@ -467,9 +467,9 @@ void qt_rnn(const QtRnnPlan* p, int64_t T, int64_t B, const int8_t* x, const flo
 void qt_rnn_packed(const QtRnnPlan* p, int64_t T, int64_t B, const int64_t* batch_sizes,
                    const int8_t* x, const float* x_float, float x_inv, const int8_t* h0,
                    const int8_t* c0, int8_t* y, float* y_float, int8_t* hn, int8_t* cn,
-                   const float* inner_steps) {
+                   const float* inner_steps) try {
     rnn_stack(p, T, B, batch_sizes, x, x_float, x_inv, h0, c0, y, y_float, hn, cn,
               inner_steps);
-}
+} QT_CATCH
 
 }  // extern "C"
