@@ -233,6 +233,8 @@ def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
     out = output(ctx, node)
     if x is None or w is None or out is None or w.values.dim() != dims + 2:
         return False
+    if _rank(a[0]) != dims + 2:  # an unbatched input ([C, H, W]): the kernels read [N, C, ...]
+        return False
     geometry = conv_geometry(a, w.values, dims, narrow=dims == 2)
     if geometry is None:
         return False
@@ -251,3 +253,8 @@ def lower_conv2d(ctx: LoweringContext, node: fx.Node) -> bool:
         )
     replace(ctx, out.replaces, new, replaced_chain(node, out))
     return True
+
+
+def _rank(arg: object) -> int | None:
+    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else None
