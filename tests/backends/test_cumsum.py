@@ -42,7 +42,14 @@ class RunningTotal(nn.Module):
 def _lowered(dim: int, shape: tuple[int, ...]) -> tuple:
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(*shape, generator=g),) for _ in range(8)]
-    ref = qt.quantize(RunningTotal(dim).eval(), data[0], data, quantizer=QUANTIZER, progress=False)
+    ref = qt.quantize(
+        RunningTotal(dim).eval(),
+        data[0],
+        data,
+        quantizer=QUANTIZER,
+        progress=False,
+        backend="reference",
+    )
     return ref, qt.lower(ref, CPU), data
 
 

@@ -69,7 +69,15 @@ class Normed(nn.Module):
 
 def _reference(model: nn.Module, shape: tuple[int, ...], **options) -> torch.fx.GraphModule:
     data = batches(shape, n=8)
-    return qt.quantize(model.eval(), data[0], data, progress=False, dynamic_batch=False, **options)
+    return qt.quantize(
+        model.eval(),
+        data[0],
+        data,
+        progress=False,
+        dynamic_batch=False,
+        **options,
+        backend="reference",
+    )
 
 
 def _check_close(ref: torch.fx.GraphModule, program: bytes | Path, shape: tuple[int, ...]) -> None:
@@ -133,7 +141,9 @@ def test_cpu_lowered_model_is_refused_and_the_reference_exports(tmp_path: Path) 
     with pytest.raises(qt.QuantreeError, match="backend='reference'"):
         qt.export_executorch(lowered, data[0], tmp_path / "model.pte")
     assert not (tmp_path / "model.pte").exists()
-    ref = qt.quantize(model, data[0], data, progress=False, dynamic_batch=False)
+    ref = qt.quantize(
+        model, data[0], data, progress=False, dynamic_batch=False, backend="reference"
+    )
     assert qt.export_executorch(ref, data[0], tmp_path / "model.pte").stat().st_size > 0
 
 

@@ -45,7 +45,9 @@ def _reference() -> tuple[nn.Module, torch.fx.GraphModule]:
     torch.manual_seed(0)
     model = Tagger().eval()
     data = batches((1, STEPS, 12), n=8)
-    return model, qt.quantize(model, data[0], data, progress=False, dynamic_batch=False)
+    return model, qt.quantize(
+        model, data[0], data, progress=False, dynamic_batch=False, backend="reference"
+    )
 
 
 def test_lstm_becomes_one_int8_projection_and_one_int8_step_product_per_step() -> None:
@@ -86,7 +88,9 @@ class Gru(nn.Module):
 def test_a_gru_runs_in_fp32_named_in_a_warning_and_close_to_the_reference() -> None:
     torch.manual_seed(0)
     data = batches((1, 3, 6), n=6)
-    ref = qt.quantize(Gru().eval(), data[0], data, progress=False, dynamic_batch=False)
+    ref = qt.quantize(
+        Gru().eval(), data[0], data, progress=False, dynamic_batch=False, backend="reference"
+    )
     with pytest.warns(qt.QuantreeWarning, match="recurrent layer"):
         lowered = lower_executorch(ref, data[0])
     for (x,) in batches((1, 3, 6), n=2, seed=5):
@@ -99,10 +103,26 @@ def test_cells_mode_is_refused_with_the_fix_and_whole_mode_exports() -> None:
     model = Gru().eval()
     data = batches((1, 3, 6), n=4)
     cells = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
-    ref = qt.quantize(model, data[0], data, quantizer=cells, progress=False, dynamic_batch=False)
+    ref = qt.quantize(
+        model,
+        data[0],
+        data,
+        quantizer=cells,
+        progress=False,
+        dynamic_batch=False,
+        backend="reference",
+    )
     with pytest.raises(qt.QuantreeError, match=r"RecurrentMode\.WHOLE"):
         lower_executorch(ref, data[0])
     whole = qt.Int8Quantizer(recurrent=qt.RecurrentMode.WHOLE)
-    ref = qt.quantize(model, data[0], data, quantizer=whole, progress=False, dynamic_batch=False)
+    ref = qt.quantize(
+        model,
+        data[0],
+        data,
+        quantizer=whole,
+        progress=False,
+        dynamic_batch=False,
+        backend="reference",
+    )
     with pytest.warns(qt.QuantreeWarning, match="recurrent layer"):
         assert lower_executorch(ref, data[0]).delegation.delegate_calls >= 1

@@ -58,7 +58,9 @@ def test_dynamic_batch_of_the_reference_varies_in_onnx(kind, batch_first, tmp_pa
     shape = [4, 4, 8]
     shape[axis] = 3
     data = batches(tuple(shape), n=4)
-    ref = qt.quantize(layer, data[0], data, dynamic_shapes=({axis: AUTO},), progress=False)
+    ref = qt.quantize(
+        layer, data[0], data, dynamic_shapes=({axis: AUTO},), progress=False, backend="reference"
+    )
     path = qt.export_onnx(ref, data[0], tmp_path / "dyn.onnx")
     for batch in (1, 3, 7):
         shape[axis] = batch
@@ -73,7 +75,14 @@ def test_length_and_batch_of_a_recurrent_reference_vary_in_onnx(tmp_path):
     torch.manual_seed(0)
     layer = nn.LSTM(8, 5, num_layers=2, bidirectional=True).eval()
     data = batches((6, 3, 8), n=4)
-    ref = qt.quantize(layer, data[0], data, dynamic_shapes=({0: AUTO, 1: AUTO},), progress=False)
+    ref = qt.quantize(
+        layer,
+        data[0],
+        data,
+        dynamic_shapes=({0: AUTO, 1: AUTO},),
+        progress=False,
+        backend="reference",
+    )
     path = qt.export_onnx(ref, data[0], tmp_path / "dyn.onnx")
     dims = onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim
     assert dims[0].dim_param and dims[1].dim_param and dims[2].dim_value == 8
@@ -87,10 +96,14 @@ def test_freeing_a_dimension_the_reference_fixed_is_refused_and_the_fix_works(tm
     torch.manual_seed(0)
     layer = nn.LSTM(8, 5).eval()
     data = batches((4, 3, 8), n=4)
-    fixed = qt.quantize(layer, data[0], data, dynamic_batch=False, progress=False)
+    fixed = qt.quantize(
+        layer, data[0], data, dynamic_batch=False, progress=False, backend="reference"
+    )
     with pytest.raises(qt.QuantreeError, match=r"input 'input_1' dimension 1 .* fixed at 3"):
         qt.export_onnx(fixed, data[0], tmp_path / "bad.onnx", dynamic_shapes=({1: AUTO},))
     # the fix the message gives: capture with that dimension dynamic, export as is
-    ref = qt.quantize(layer, data[0], data, dynamic_shapes=({1: AUTO},), progress=False)
+    ref = qt.quantize(
+        layer, data[0], data, dynamic_shapes=({1: AUTO},), progress=False, backend="reference"
+    )
     path = qt.export_onnx(ref, data[0], tmp_path / "good.onnx")
     _assert_within_one_lsb(ref, path, (torch.randn(4, 7, 8),))
