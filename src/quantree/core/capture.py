@@ -96,11 +96,11 @@ def export_graph(
     finally:
         _set_training(model, was_training)
     _refuse_autocast(model, program)
-    gm = explain_shape_guards(program.module())
-    for node in gm.graph.nodes:
+    module = program.module()
+    for node in module.graph.nodes:  # before the guards' explainer reads the input shapes
         if "val" in node.meta:
             node.meta["val"] = tree_map(concrete_sizes, node.meta["val"])
-    return gm
+    return explain_shape_guards(module)
 
 
 def concrete_sizes(val: Any) -> Any:
