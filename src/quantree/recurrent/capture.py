@@ -8,11 +8,13 @@ teaching the core about recurrent layers.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_map
 
 from quantree.core import capture as core
 from quantree.core.errors import QuantreeError
@@ -41,8 +43,19 @@ def capture(
     if not isinstance(model, torch.nn.Module):  # the core's capture says what to pass
         return core.export_graph(model, example_args, example_kwargs)
     recurrent = any(isinstance(m, torch.nn.RNNBase) for m in model.modules())
-    gm = _capture(model, example_args, example_kwargs, dynamic_shapes, dynamic_batch, recurrent)
-    if recurrent and dynamic_batch and dynamic_shapes is None:
+    free = recurrent and dynamic_batch and dynamic_shapes is None
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        gm, packed = _capture(model, example_args, example_kwargs, dynamic_shapes, dynamic_batch,
+                              recurrent)  # fmt: skip
+    if free and packed:  # packed sequences need the example's sizes, as export traced them
+        # fresh copies: export marks the example tensors it made dynamic, for later exports too
+        args, kwargs = tree_map(_copy, (example_args, example_kwargs))
+        gm, _ = _capture(model, args, kwargs, None, False, False)
+        return gm
+    for w in said:  # said once: the capture that stands
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if free:
         warn_pinned_lengths(model, gm)
     return gm
 
@@ -54,7 +67,8 @@ def _capture(
     dynamic_shapes: Any,
     dynamic_batch: bool,
     every_dim: bool,
-) -> fx.GraphModule:
+) -> tuple[fx.GraphModule, list[str]]:
+    """The graph, and the recurrent modules that ran on a packed sequence."""
     with packed_sequences(model) as packed:
         try:
             gm = core.export_graph(
@@ -73,4 +87,8 @@ def _capture(
                 f"packing is what export refuses: {FIX})"
             ) from error
     restore_aten(gm)
-    return gm
+    return gm, list(packed)
+
+
+def _copy(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) else x
