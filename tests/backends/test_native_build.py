@@ -31,7 +31,7 @@ from torch import nn
 from quantree.backends import CPU, cpu_isa
 model = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval()
 data = [(torch.randn(2, 8),) for _ in range(3)]
-ref = qt.quantize(model, data[0], data, progress=False)
+ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
 try:
     low = qt.lower(ref, CPU)
 except qt.QuantreeError as error:

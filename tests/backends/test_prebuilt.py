@@ -35,7 +35,7 @@ from quantree.backends import CPU, cpu_isa
 from quantree.backends.cpu.native import loader as native
 model = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval()
 data = [(torch.randn(2, 8),) for _ in range(3)]
-ref = qt.quantize(model, data[0], data, progress=False)
+ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     low = qt.lower(ref, CPU)
