@@ -1,7 +1,7 @@
 """Builds quantree's native CPU kernels with the package (metadata lives in pyproject.toml).
 
 The kernels are plain C++ with no torch or Python headers. ``build_ext`` compiles them into
-the extension module ``quantree.backends.cpu._kernels`` (a shared library that the runtime
+the extension module ``quantree.backends.cpu.native._kernels`` (a shared library that the runtime
 loads through ctypes), so a wheel from ``pip wheel .`` runs on machines with no compiler.
 Without a compiler here the build still succeeds, with a warning: the kernels are then
 compiled on first use at run time (the fallback of ``native.py``), as in older releases.
@@ -20,7 +20,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
-BUILD_NATIVE = HERE / "src" / "quantree" / "backends" / "cpu" / "build_native.py"
+BUILD_NATIVE = HERE / "src" / "quantree" / "backends" / "cpu" / "native" / "build.py"
 
 
 def build_native_module():  # loaded by path: importing quantree would need torch
@@ -66,7 +66,8 @@ NAMES = [PREFIX] + [PREFIX + suffix for suffix in build_native_module().PREBUILT
 
 setup(
     ext_modules=[
-        Extension(f"quantree.backends.cpu.{name}", sources=[], optional=True) for name in NAMES
+        Extension(f"quantree.backends.cpu.native.{name}", sources=[], optional=True)
+        for name in NAMES
     ],
     cmdclass={"build_ext": BuildKernels},
 )

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved_times, one_thread
 
 import quantree.backends.cpu.ops  # noqa: F401  (registers torch.ops.quantree.*)
-from quantree.backends.cpu.lowering_linear import pack_conv_weight
-from quantree.backends.cpu.ops_gemm import as_conv2d_geometry, conv2d
-from quantree.backends.cpu.ops_wide import LO_ZERO_POINT, split16
+from quantree.backends.cpu.ops.gemm import as_conv2d_geometry, conv2d
+from quantree.backends.cpu.ops.wide import LO_ZERO_POINT, split16
+from quantree.backends.cpu.rules.linear import pack_conv_weight
 
 # (name, C, O, kernel, stride, padding, dilation, groups, length)
 LAYERS = [

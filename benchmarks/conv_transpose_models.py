@@ -125,7 +125,7 @@ def layer_times(runs: int) -> None:
         torch.manual_seed(0)
         g = torch.Generator().manual_seed(1)
         data = [(torch.randn(*shape, generator=g),) for _ in range(2)]
-        ref = qt.quantize(layer.eval(), data[0], data, progress=False)
+        ref = qt.quantize(layer.eval(), data[0], data, progress=False, backend="reference")
         low = qt.lower(ref, CPU)
         (node,) = [n for n in low.graph.nodes if str(n.target).startswith("quantree.conv_t")]
         env = {n.name: getattr(low, n.target) for n in low.graph.nodes if n.op == "get_attr"}
@@ -173,7 +173,12 @@ def main() -> None:
         for label, rules in (("transposed float", (FLOAT_TRANSPOSED,)), ("int8", ())):
             quantizer = qt.Int8Quantizer(rules=rules)
             ref = qt.quantize(
-                model, calibration[0], calibration, quantizer=quantizer, progress=False
+                model,
+                calibration[0],
+                calibration,
+                quantizer=quantizer,
+                progress=False,
+                backend="reference",
             )
             lowered[label] = qt.lower(ref, CPU)
         with torch.no_grad():

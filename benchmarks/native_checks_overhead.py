@@ -20,7 +20,8 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu import bound_calls, native_checks, program_checks
+from quantree.backends.cpu.native import bound_calls, program_checks
+from quantree.backends.cpu.native import checks as native_checks
 
 torch.set_num_threads(1)
 torch.manual_seed(0)

@@ -30,7 +30,7 @@ COLUMNS = ["float", "quantree cpu", "onnxruntime qdq"]
 
 def _variants(model, calib, tmp: Path, name: str) -> dict[str, object]:
     args = calib[0]
-    ref = qt.quantize(model, args, calib, progress=False)
+    ref = qt.quantize(model, args, calib, progress=False, backend="reference")
     low = qt.lower(ref, CPU)
     path = qt.export_onnx(ref, args, tmp / f"{name}.onnx")
     session = onnx_session(path, threads=1)

@@ -22,8 +22,8 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.direct import DirectCall
-from quantree.backends.cpu.ops_rnn import rnn
+from quantree.backends.cpu.native.direct import DirectCall
+from quantree.backends.cpu.ops.rnn import rnn
 
 
 class Packed(nn.Module):

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.float_report import program_float_ops
+from quantree.backends.cpu.passes.float_report import program_float_ops
 
 
 def import_model_libraries() -> None:

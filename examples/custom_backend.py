@@ -163,7 +163,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = EncoderDecoder().eval()
     data = [(torch.randn(16, 32),) for _ in range(8)]
-    ref = qt.quantize(model, data[0], data, progress=False)
+    ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
     lowered = qt.lower(ref, accel_backend("encoder"))
     with torch.no_grad():
         want, got = ref(*data[0]), lowered(*data[0])

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import quantree as qt
-from quantree.core.distributed import observers
+from quantree.core.observing.distributed import observers
 from quantree.workloads import batches, bits_per_char, load_charlm, load_corpus
 
 BATCH, SEQ = 16, 128

@@ -23,7 +23,7 @@ def _model() -> nn.Module:
 def test_quantize_equals_the_steps():
     model, data = _model(), batches((4, 6))
     _, stepwise = run(model, data)
-    one_call = qt.quantize(model, data[0], data, progress=False)
+    one_call = qt.quantize(model, data[0], data, progress=False, backend="reference")
     with torch.no_grad():
         assert torch.equal(stepwise(*data[0]), one_call(*data[0]))
 
@@ -31,8 +31,10 @@ def test_quantize_equals_the_steps():
 def test_calibration_accepts_a_dataloader_and_bare_tensors(capsys):
     model, data = _model(), batches((4, 6))
     loader = DataLoader(TensorDataset(torch.cat([d[0] for d in data])), batch_size=4)
-    from_loader = qt.quantize(model, data[0], loader)
-    from_tensors = qt.quantize(model, data[0], [d[0] for d in data], progress=False)
+    from_loader = qt.quantize(model, data[0], loader, backend="reference")
+    from_tensors = qt.quantize(
+        model, data[0], [d[0] for d in data], progress=False, backend="reference"
+    )
     with torch.no_grad():
         assert torch.equal(from_loader(*data[0]), from_tensors(*data[0]))
     assert "calibrating" in capsys.readouterr().err
@@ -48,10 +50,15 @@ def test_dynamic_batch_dimension_through_quantize():
     model, data = _model(), batches((4, 6), n=6)
     varied = [(torch.randn(b, 6),) for b in (1, 3, 8)] + data
     with pytest.raises(qt.QuantreeError, match=r"batch 0 .*dynamic_shapes="):
-        qt.quantize(model, data[0], varied, dynamic_batch=False, progress=False)
-    by_default = qt.quantize(model, data[0], varied, progress=False)  # the batch varies
+        qt.quantize(
+            model, data[0], varied, dynamic_batch=False, progress=False, backend="reference"
+        )
+    # the batch varies
+    by_default = qt.quantize(model, data[0], varied, progress=False, backend="reference")
     batch = {"input": {0: Dim("batch")}}  # nn.Sequential's argument is named input
-    one_call = qt.quantize(model, data[0], varied, dynamic_shapes=batch, progress=False)
+    one_call = qt.quantize(
+        model, data[0], varied, dynamic_shapes=batch, progress=False, backend="reference"
+    )
     gm = qt.capture(model, data[0], dynamic_shapes=batch)
     prepared = qt.prepare(gm, qt.Int8Quantizer())
     qt.calibrate(prepared, varied, progress=False)
@@ -79,7 +86,12 @@ def test_keyword_example_inputs_and_args_kwargs_calibration_pairs():
     model, data = _Keyword().eval(), batches((4, 6), (4, 6))
     pairs = [((x,), {"y": y}) for x, y in data]
     one_call = qt.quantize(
-        model, (data[0][0],), pairs, example_kwargs={"y": data[0][1]}, progress=False
+        model,
+        (data[0][0],),
+        pairs,
+        example_kwargs={"y": data[0][1]},
+        progress=False,
+        backend="reference",
     )
     prepared = qt.prepare(qt.capture(model, (data[0][0],), {"y": data[0][1]}), qt.Int8Quantizer())
     for x, y in data:

@@ -9,12 +9,10 @@ ref = convert(prepared)
 # Registers torch.ops.quantree.*, so that a plain torch.export.load of a CPU-lowered program
 # works once quantree is imported (the kernels themselves load at first use).
 import quantree.backends.cpu.ops  # noqa: F401
-from quantree.activation_points import ActivationPoints
-from quantree.backends.onnx import export_onnx
-from quantree.capturing import capture
+from quantree.backends.executorch import export_executorch
+from quantree.backends.onnx import OnnxTarget, export_onnx
 from quantree.core.calibrate import calibrate
 from quantree.core.convert import Unobserved, convert
-from quantree.core.distributed import RankFailed, merge_statistics, shard
 from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.core.lower import (
     REFERENCE,
@@ -24,15 +22,14 @@ from quantree.core.lower import (
     LoweringRule,
     Quantized,
 )
-from quantree.core.observers import (
+from quantree.core.observing.distributed import RankFailed, merge_statistics, shard
+from quantree.core.observing.observers import (
     HistogramObserver,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
     Observer,
 )
 from quantree.core.points import Point
-from quantree.core.prepare import prepare
-from quantree.core.pt2e import from_pt2e
 from quantree.core.quantizer import Annotation, Quantizer, Rule
 from quantree.core.specs import (
     DerivedSpec,
@@ -46,9 +43,12 @@ from quantree.core.specs import (
 )
 from quantree.core.stages import NodeQuant
 from quantree.core.values import Use, Value
-from quantree.interop import recurrent_rules
-from quantree.pipeline import lower, quantize
-from quantree.recipes import A16W8Quantizer, Int8Quantizer, RecurrentMode
+from quantree.pipeline import lower, prepare, quantize
+from quantree.recipes.activation_points import ActivationPoints
+from quantree.recipes.int8 import A16W8Quantizer, Int8Quantizer, RecurrentMode
+from quantree.recipes.interop import recurrent_rules
+from quantree.recipes.pt2e import from_pt2e
+from quantree.recurrent.capture import capture
 from quantree.recurrent.decompose import CellsOptions
 from quantree.tools.compare import Comparison, compare
 from quantree.tools.metrics import sqnr
@@ -93,7 +93,9 @@ __all__ = [
     "capture",
     "compare",
     "convert",
+    "export_executorch",
     "export_onnx",
+    "OnnxTarget",
     "from_pt2e",
     "recurrent_rules",
     "lower",

@@ -9,40 +9,60 @@ import torch
 import torch.fx as fx
 
 import quantree.core.lower as core_lower
-from quantree.capturing import capture
+from quantree.backends.fastest import attach_reference
 from quantree.core.calibrate import calibrate, check_calibration_data
 from quantree.core.convert import Unobserved, convert
-from quantree.core.distributed import in_process_group
 from quantree.core.errors import QuantreeError
 from quantree.core.lower import REFERENCE, Backend
-from quantree.core.prepare import prepare
-from quantree.core.pt2e import is_pt2e_quantizer
+from quantree.core.observing.distributed import in_process_group
+from quantree.core.prepare import prepare as core_prepare
 from quantree.core.quantizer import Quantizer
-from quantree.recipes import Int8Quantizer
+from quantree.recipes.int8 import Int8Quantizer
+from quantree.recipes.pt2e import as_quantizer, is_pt2e_quantizer
+from quantree.recurrent.capture import capture
 
-BACKEND_NAMES = ("reference", "cpu")
+BACKEND_NAMES = ("auto", "reference", "cpu")
+"""``auto``: the fastest backend this machine runs (``quantree.backends.fastest``)."""
 
 
-def resolve_backend(backend: Backend | str) -> Backend:
-    """A Backend, or one named as the command line names them ('reference', 'cpu')."""
+def resolve_backend(backend: Backend | str | None) -> Backend:
+    """A Backend, None (the reference), or one named as the command line names them."""
     if isinstance(backend, Backend):
         return backend
-    if backend == "reference":
+    if backend is None or backend == "reference":
         return REFERENCE
+    if backend == "auto":
+        from quantree.backends.fastest import fastest_backend
+
+        return fastest_backend()
     if backend == "cpu":
         from quantree.backends import CPU
 
         return CPU
     shown = repr(backend)[:60] if isinstance(backend, str) else "object"
     raise QuantreeError(
-        f"backend must be a Backend (quantree.REFERENCE, quantree.backends.CPU) or one of the "
-        f"names {', '.join(map(repr, BACKEND_NAMES))}, got {type(backend).__name__} {shown}"
+        f"backend must be a Backend (quantree.REFERENCE, quantree.backends.CPU), None (the "
+        f"reference graph) or one of the names {', '.join(map(repr, BACKEND_NAMES))}, "
+        f"got {type(backend).__name__} {shown}"
     )
 
 
-def lower(ref: fx.GraphModule, backend: Backend | str = REFERENCE) -> fx.GraphModule:
-    """``quantree.core.lower.lower`` with a backend given as a Backend or by name."""
-    return core_lower.lower(ref, resolve_backend(backend))
+def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
+    """A copy of ``gm`` with observers, ready to calibrate (``quantree.core.prepare``).
+
+    ``quantizer`` is a quantree ``Quantizer`` or a pt2e one (torchao's ``Quantizer``: its
+    annotations are translated, see ``quantree.recipes.pt2e``).
+    """
+    return core_prepare(gm, as_quantizer(quantizer), stacklevel=3)
+
+
+def lower(ref: fx.GraphModule, backend: Backend | str | None = REFERENCE) -> fx.GraphModule:
+    """``quantree.core.lower.lower`` with a backend given as a Backend or by name.
+
+    The lowered model keeps ``ref`` (``quantree.backends.fastest.reference_of``), so what
+    reads only q/dq graphs, ONNX export, takes it as well.
+    """
+    return attach_reference(core_lower.lower(ref, resolve_backend(backend)), ref)
 
 
 def quantize(
@@ -54,7 +74,7 @@ def quantize(
     dynamic_shapes: Any = None,
     dynamic_batch: bool = True,
     quantizer: Quantizer | None = None,
-    backend: Backend | str = REFERENCE,
+    backend: Backend | str | None = "auto",
     progress: bool = True,
     unobserved: Unobserved = Unobserved.ERROR,
 ) -> fx.GraphModule:
@@ -65,10 +85,13 @@ def quantize(
     where the model allows it (``dynamic_batch=False`` fixes every dimension).
     ``calibration`` is any iterable of argument tuples, or of ``(args, kwargs)`` pairs for
     a model captured with ``example_kwargs``; in a ``torch.distributed`` process group, this
-    process's shard of them (see :func:`quantree.calibrate`). ``backend`` is a Backend or its name,
-    ``'reference'`` or ``'cpu'``. ``unobserved`` says what becomes of tensors calibration
-    never saw (an error naming them, or float with one warning). Every argument is checked
-    before the model is captured.
+    process's shard of them (see :func:`quantree.calibrate`). ``backend`` is a Backend or its name:
+    by default (``'auto'``) the fastest this machine runs, the CPU backend where its kernels
+    load (the reference graph, with one warning, where they cannot); ``None`` or
+    ``'reference'`` the q/dq reference graph; ``'cpu'`` the CPU backend. A lowered model keeps
+    the reference graph it came from, so ``qt.export_onnx`` takes either. ``unobserved`` says
+    what becomes of tensors calibration never saw (an error naming them, or float with one
+    warning). Every argument is checked before the model is captured.
     """
     resolved = resolve_backend(backend)
     # in a process group a shard may be empty; calibrate checks that some process had data
@@ -91,7 +114,8 @@ def quantize(
     )
     prepared = prepare(captured, quantizer or Int8Quantizer())
     calibrate(prepared, calibration, progress=progress)
-    return core_lower.lower(convert(prepared, unobserved=unobserved), resolved)
+    reference = convert(prepared, unobserved=unobserved)
+    return attach_reference(core_lower.lower(reference, resolved), reference)
 
 
-__all__ = ["BACKEND_NAMES", "lower", "quantize", "resolve_backend"]
+__all__ = ["BACKEND_NAMES", "lower", "prepare", "quantize", "resolve_backend"]

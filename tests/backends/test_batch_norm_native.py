@@ -15,7 +15,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.ops_affine import channel_affine
+from quantree.backends.cpu.ops.affine import channel_affine
 
 from support import batches, leaves, run
 

@@ -12,10 +12,10 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.bound_calls import Binding, BoundLinear, BoundMaxPool2d
-from quantree.backends.cpu.direct import BoundCall, DirectCall
-from quantree.backends.cpu.native_checks import NativeArgumentError
-from quantree.backends.cpu.packing import pack
+from quantree.backends.cpu.native.bound_calls import Binding, BoundLinear, BoundMaxPool2d
+from quantree.backends.cpu.native.checks import NativeArgumentError
+from quantree.backends.cpu.native.direct import BoundCall, DirectCall
+from quantree.backends.cpu.native.packing import pack
 
 EVERY_OP = qt.Int8Quantizer(activations=qt.ActivationPoints.EVERY_OP)
 

@@ -33,7 +33,7 @@ class Joins(nn.Module):
 def test_cat_and_stack_join_int8_and_equal_the_reference(seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     data = [(torch.randn(5, 8, generator=g),) for _ in range(6)]
-    ref = qt.quantize(Joins().eval(), data[0], data, progress=False)
+    ref = qt.quantize(Joins().eval(), data[0], data, progress=False, backend="reference")
     low = qt.lower(ref, CPU)  # int8 joins, run inside a region program (copies of int8 rows)
     original = cpu_backend.fuse_regions
     cpu_backend.fuse_regions = lambda gm: 0  # type: ignore[assignment]

@@ -25,7 +25,9 @@ def test_native_loop_follows_the_batch(recipe):
     model = nn.LSTM(8, 16, 2, bidirectional=True).eval()
     data = batches((5, 4, 8), n=6)
     quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS, **recipe)
-    ref = qt.quantize(model, data[0], data, quantizer=quantizer, progress=False)
+    ref = qt.quantize(
+        model, data[0], data, quantizer=quantizer, progress=False, backend="reference"
+    )
     low = qt.lower(ref, CPU)
     assert {type(m).__name__ for m in low.modules() if "CellLoop" in type(m).__name__} == {
         "NativeCellLoop"
@@ -43,7 +45,7 @@ def test_native_loop_refuses_a_wrong_width():
     data = batches((5, 4, 8), n=3)
     ref = qt.quantize(
         model, data[0], data, quantizer=qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS),
-        progress=False,
+        progress=False, backend="reference",
     )  # fmt: skip
     (loop,) = [m for m in qt.lower(ref, CPU).modules() if type(m).__name__ == "NativeCellLoop"]
     with pytest.raises(ValueError, match="compiled for"):
@@ -57,7 +59,9 @@ def test_a16w8_loops_run_natively():
     model = nn.LSTM(8, 16).eval()
     data = batches((5, 2, 8), n=3)
     quantizer = qt.A16W8Quantizer(recurrent=qt.RecurrentMode.CELLS)
-    ref = qt.quantize(model, data[0], data, quantizer=quantizer, progress=False)
+    ref = qt.quantize(
+        model, data[0], data, quantizer=quantizer, progress=False, backend="reference"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", qt.QuantreeWarning)
         low = qt.lower(ref, CPU)

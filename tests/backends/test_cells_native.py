@@ -13,7 +13,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.derived import RECIPE_KEY
+from quantree.backends.cpu.saved.derived import RECIPE_KEY
 from quantree.tools.metrics import sqnr
 
 from support import calls
@@ -64,7 +64,7 @@ def _data(n: int = 8, seed: int = 0) -> list[tuple[torch.Tensor]]:
 def test_cell_lowers_to_one_native_call_per_step(kind: str, bias: bool) -> None:
     data = _data()
     model = Decoder(kind, bias).eval()
-    ref = qt.quantize(model, data[0], data, progress=False)
+    ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
     low = qt.lower(ref, CPU)
     assert len(calls(low, torch.ops.quantree.rnn_cell.default)) == 5
     assert not calls(low, CELLS[kind][1])
@@ -87,7 +87,7 @@ def test_unbatched_cell_and_save_load(tmp_path) -> None:
 
     g = torch.Generator().manual_seed(1)
     data = [tuple(torch.randn(n, generator=g) for n in (8, 16, 16)) for _ in range(6)]
-    ref = qt.quantize(One().eval(), data[0], data, progress=False)
+    ref = qt.quantize(One().eval(), data[0], data, progress=False, backend="reference")
     low = qt.lower(ref, CPU)
     assert len(calls(low, torch.ops.quantree.rnn_cell.default)) == 1
     # both biases are saved as recipes on the float biases (derived.py)

@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.cells_native import NativeCellLoop, cell_loop, cell_loop_packed
+from quantree.backends.cpu.cells.program import NativeCellLoop, cell_loop, cell_loop_packed
 
 FEATURES, HIDDEN = 6, 10
 

@@ -16,9 +16,9 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.cells_layer import NativeRecurrentCells
-from quantree.backends.cpu.cells_native import NativeCellLoop
-from quantree.backends.cpu.cells_runner import CellLoopRunner
+from quantree.backends.cpu.cells.layer import NativeRecurrentCells
+from quantree.backends.cpu.cells.program import NativeCellLoop
+from quantree.backends.cpu.cells.runner import CellLoopRunner
 from quantree.recurrent.loop import RecurrentCells
 
 from support import leaves

@@ -12,9 +12,9 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
-from quantree.backends.cpu.lowering_linear import pack_conv_weight
-from quantree.backends.cpu.ops_gemm import as_conv2d_geometry, conv2d
-from quantree.backends.cpu.ops_wide import LO_ZERO_POINT, split16
+from quantree.backends.cpu.ops.gemm import as_conv2d_geometry, conv2d
+from quantree.backends.cpu.ops.wide import LO_ZERO_POINT, split16
+from quantree.backends.cpu.rules.linear import pack_conv_weight
 
 quantree_ops = torch.ops.quantree
 
@@ -152,7 +152,7 @@ def test_a_group_norm_model_lowers_natively_with_contiguous_float_outputs():
     torch.manual_seed(0)
     model = Separator().eval()
     data = [(torch.randn(2, 1, 400),) for _ in range(4)]
-    ref = qt.quantize(model, data[0], data, progress=False)
+    ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
     low = qt.lower(ref, CPU)
     convs = [n for n in low.graph.nodes if "conv" in str(n.target)]
     assert len(convs) == 4 and all("quantree" in str(n.target) for n in convs)

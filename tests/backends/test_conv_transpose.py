@@ -18,8 +18,8 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.native_checks import NativeArgumentError
-from quantree.backends.cpu.ops_conv_transpose import packed_transposed_weight
+from quantree.backends.cpu.native.checks import NativeArgumentError
+from quantree.backends.cpu.ops.conv_transpose import packed_transposed_weight
 
 from support import batches, run
 

@@ -35,7 +35,9 @@ def test_onnx_runtime_matches_reference(cls, shape, count, tmp_path):
     torch.manual_seed(0)
     data = batches(shape, n=6)
     quantizer = qt.Int8Quantizer(activations=qt.ActivationPoints.EVERY_OP)
-    ref = qt.quantize(cls().eval(), data[0], data, quantizer=quantizer, progress=False)
+    ref = qt.quantize(
+        cls().eval(), data[0], data, quantizer=quantizer, progress=False, backend="reference"
+    )
     path = qt.export_onnx(ref, data[1], tmp_path / "m.onnx")
     model = onnx.load(str(path))
     assert Counter(n.op_type for n in model.graph.node)["ConvTranspose"] == count

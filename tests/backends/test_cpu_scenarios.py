@@ -445,7 +445,14 @@ def test_pinned_state_grids_survive_lowering():
     torch.manual_seed(0)
     quantizer = qt.Int8Quantizer() + qt.Quantizer([qt.Rule((aten.lstm.input,), pinned_states)])
     data = [sample() for _ in range(6)]
-    ref = qt.quantize(StatefulLstm().eval(), data[0], data, quantizer=quantizer, progress=False)
+    ref = qt.quantize(
+        StatefulLstm().eval(),
+        data[0],
+        data,
+        quantizer=quantizer,
+        progress=False,
+        backend="reference",
+    )
     low = qt.lower(ref, CPU)
     assert "quantree.rnn.default" in {str(n.target) for n in low.graph.nodes}
     with torch.no_grad():

@@ -31,7 +31,9 @@ def reference(example: ModuleType, quantizer: qt.Quantizer | None = None):
     torch.manual_seed(0)
     model = example.EncoderDecoder().eval()
     data = [(torch.randn(16, 32),) for _ in range(6)]
-    return qt.quantize(model, data[0], data, quantizer=quantizer, progress=False), data
+    return qt.quantize(
+        model, data[0], data, quantizer=quantizer, progress=False, backend="reference"
+    ), data
 
 
 def linear_scopes(gm: torch.fx.GraphModule) -> list[str]:

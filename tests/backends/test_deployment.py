@@ -77,7 +77,7 @@ def test_saved_models_keep_a_dynamic_batch(tmp_path) -> None:
 
 def test_cli_output_keeps_the_input_programs_dynamic_batch(tmp_path) -> None:
     from quantree.backends import load
-    from quantree.tools.cli import main
+    from quantree_cli import main
 
     model, data = _mlp_data()
     batch = torch.export.Dim("batch")

@@ -7,7 +7,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.direct import DirectCall
+from quantree.backends.cpu.native.direct import DirectCall
 
 from support import batches, run
 

@@ -8,6 +8,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
+from quantree.backends.cpu.native.checks import NativeArgumentError
 
 from support import calls, qd
 
@@ -31,7 +32,9 @@ def _ids(n: int = 6) -> list[tuple[torch.Tensor]]:
 def test_embedding_gathers_int8_rows_and_equals_the_reference(per_channel: bool) -> None:
     data = _ids()
     quantizer = qt.Int8Quantizer(per_channel=per_channel)
-    ref = qt.quantize(Tagger().eval(), data[0], data, quantizer=quantizer, progress=False)
+    ref = qt.quantize(
+        Tagger().eval(), data[0], data, quantizer=quantizer, progress=False, backend="reference"
+    )
     low = qt.lower(ref, CPU)
     assert len(calls(low, torch.ops.quantree.embedding_rows.default)) == 1
     assert not calls(low, torch.ops.aten.embedding.default)
@@ -57,7 +60,7 @@ def test_lowered_embedding_saves_and_loads(tmp_path) -> None:
 def test_native_row_gather_is_bit_equal_to_the_aten_ops() -> None:
     """The per-row lookup runs natively (one call); its bits are the five ATen ops' it
     replaced, and an index out of range raises as ``embedding`` does."""
-    from quantree.backends.cpu.ops_embedding import embedding_rows
+    from quantree.backends.cpu.ops.embedding import embedding_rows
 
     g = torch.Generator().manual_seed(0)
     table = torch.randint(-128, 128, (300, 37), dtype=torch.int8, generator=g)
@@ -70,5 +73,6 @@ def test_native_row_gather_is_bit_equal_to_the_aten_ops() -> None:
         got = embedding_rows(table, scale, zero_point, ids, True)
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
     for bad in (300, -1):
-        with pytest.raises(IndexError):
+        # an index out of range is a clean error naming the op (torch's IndexError beneath)
+        with pytest.raises(NativeArgumentError, match=r"quantree\.embedding_rows: .*IndexError"):
             embedding_rows(table, scale, zero_point, torch.tensor([[3, bad]]), True)

@@ -26,7 +26,7 @@ class Mixed(nn.Module):
 
 def _lowering_notes(model: nn.Module) -> list[str]:
     data = [(torch.randn(4, 8),) for _ in range(4)]
-    ref = qt.quantize(model.eval(), data[0], data, progress=False)
+    ref = qt.quantize(model.eval(), data[0], data, progress=False, backend="reference")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         qt.lower(ref, CPU)
@@ -69,7 +69,7 @@ def test_linear_before_a_float_relu_runs_natively_and_matches_the_reference() ->
     first linear once stayed float and dequantized its int8 weight on every call."""
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 4)).eval()
     data = [(torch.randn(4, 8),) for _ in range(4)]
-    ref = qt.quantize(model, data[0], data, progress=False)
+    ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
     low = qt.lower(ref, CPU)
     assert not [n for n in low.graph.nodes if n.target == torch.ops.aten.linear.default]
     relus = [n for n in low.graph.nodes if n.target == torch.ops.aten.relu.default]

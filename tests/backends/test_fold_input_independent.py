@@ -32,7 +32,7 @@ def test_mask_built_every_call_is_folded_with_the_same_bits() -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(2, 6, 8, generator=g),) for _ in range(4)]
-    ref = qt.quantize(Masked().eval(), data[0], data, progress=False)
+    ref = qt.quantize(Masked().eval(), data[0], data, progress=False, backend="reference")
     low = qt.lower(ref, CPU)
     original = cpu_backend.fold_input_independent
     cpu_backend.fold_input_independent = lambda gm: 0  # type: ignore[assignment]
@@ -91,7 +91,7 @@ def test_a_no_grad_block_on_constants_is_folded_with_the_same_bits() -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(2, 6, 8, generator=g),) for _ in range(4)]
-    ref = qt.quantize(Rotary().eval(), data[0], data, progress=False)
+    ref = qt.quantize(Rotary().eval(), data[0], data, progress=False, backend="reference")
     region = torch.ops.higher_order.wrap_with_set_grad_enabled
     assert region in {n.target for n in ref.graph.nodes}
     low = qt.lower(ref, CPU)
@@ -129,7 +129,7 @@ def test_an_in_place_op_on_a_temporary_no_longer_stops_folding() -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(2, 6, 8, generator=g),) for _ in range(4)]
-    ref = qt.quantize(PositionBias().eval(), data[0], data, progress=False)
+    ref = qt.quantize(PositionBias().eval(), data[0], data, progress=False, backend="reference")
     assert aten.add_.Tensor in {n.target for n in ref.graph.nodes}
     low = qt.lower(ref, CPU)
     original = cpu_backend.fold_input_independent

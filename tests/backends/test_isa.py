@@ -19,8 +19,8 @@ from torch import nn
 import quantree as qt
 import quantree.backends.cpu.ops
 from quantree.backends import CPU, cpu_isa
-from quantree.backends.cpu.native import ISA_NAMES, isa_cap, library
-from quantree.backends.cpu.packing import pack, zero_point_offset
+from quantree.backends.cpu.native.loader import ISA_NAMES, isa_cap, library
+from quantree.backends.cpu.native.packing import pack, zero_point_offset
 
 from support import batches, leaves
 
@@ -84,7 +84,9 @@ def test_matmul_and_conv_paths_equal_portable(name, select):
     b = torch.randint(-128, 128, (3, 19, 21), dtype=torch.int8)
     model = nn.Sequential(nn.Conv2d(3, 24, 3, padding=1), nn.ReLU(), nn.Conv2d(24, 10, 3, 2))
     data = batches((2, 3, 9, 11), n=4)
-    low = qt.lower(qt.quantize(model.eval(), data[0], data, progress=False), CPU)
+    low = qt.lower(
+        qt.quantize(model.eval(), data[0], data, progress=False, backend="reference"), CPU
+    )
     results = {}
     for path in ("portable", name):
         select(path)
@@ -119,7 +121,7 @@ def test_recurrent_vector_paths_agree(case, select):
     model = make().eval()
     data = batches((7, 3, 12), n=4)
     ref = qt.quantize(model, data[0], data, quantizer=qt.Int8Quantizer(recurrent=mode),
-                      progress=False)  # fmt: skip
+                      progress=False, backend="reference")  # fmt: skip
     low = qt.lower(ref, qt.backends.cpu_backend(hidden_bits=bits))
     results = {}
     for path in paths:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from quantree.backends.cpu import build_native, native
+from quantree.backends.cpu.native import build as build_native
+from quantree.backends.cpu.native import loader as native
 
 AVX2, FMA, AVXVNNI, F, BW, VL, VNNI512, V3, V4 = 1, 2, 4, 8, 16, 32, 64, 512, 1024
 HASWELL = AVX2 | FMA | V3

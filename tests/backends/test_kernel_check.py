@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from quantree.backends.cpu import build_native
+from quantree.backends.cpu.native import build as build_native
 
 CHECK = build_native.CSRC / "check" / "kernel_check.cpp"
 CASES = 400

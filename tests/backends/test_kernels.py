@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantree.backends.cpu import ops  # noqa: F401
-from quantree.backends.cpu.packing import pack, zero_point_offset
+from quantree.backends.cpu.native.packing import pack, zero_point_offset
 
 quantree_ops = torch.ops.quantree
 
@@ -89,13 +89,14 @@ def test_builds_a_fresh_cache(tmp_path, monkeypatch):
     and a sidecar that marks it whole."""
     import ctypes
 
-    from quantree.backends.cpu import native
+    from quantree.backends.cpu.native import loader as native
+    from quantree.backends.cpu.ops import elementwise
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     path = native.build("quantree_kernels_fresh")
     assert path.parent.parent == tmp_path and native.intact(path)
     dequantize = ctypes.CDLL(str(path)).qt_dequantize
-    dequantize.argtypes = native.SIGNATURES["qt_dequantize"]
+    dequantize.argtypes = elementwise.SIGNATURES["qt_dequantize"]
     x = torch.tensor([-3, 0, 5, 127], dtype=torch.int8)
     out = torch.empty(4, dtype=torch.float32)
     dequantize(native.ptr(x), 4, 0.5, 1.0, native.ptr(out))

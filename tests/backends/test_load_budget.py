@@ -1,4 +1,4 @@
-"""One memory budget for a load (``backends/cpu/load_budget.py``): the fix its error
+"""One memory budget for a load (``backends/cpu/saved/checks/load_budget.py``): the fix its error
 names, followed, loads the file."""
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.backends.cpu.load_budget import ENV, LoadBudget, LoadBudgetExceeded, parse_size
+from quantree.backends.cpu.saved.checks.load_budget import (
+    ENV,
+    LoadBudget,
+    LoadBudgetExceeded,
+    parse_size,
+)
 from quantree.tools.files import BadFile
 
 from support import batches

@@ -57,7 +57,7 @@ def test_squeeze_excite_pooling_is_native_and_close_to_the_reference():
     torch.manual_seed(0)
     model = SqueezeExcite().eval()
     data = [(torch.randn(2, 3, 12, 12),) for _ in range(4)]
-    ref = qt.quantize(model, data[0], data, quantizer=EVERY_OP, progress=False)
+    ref = qt.quantize(model, data[0], data, quantizer=EVERY_OP, progress=False, backend="reference")
     low = qt.lower(ref, CPU)
     targets = [str(n.target) for n in low.graph.nodes if n.op == "call_function"]
     assert sum("mean_hw" in t for t in targets) == 2

@@ -21,7 +21,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu import native
+from quantree.backends.cpu.native import loader as native
 
 from support import batches, leaves
 
@@ -31,7 +31,7 @@ from torch import nn
 from quantree.backends import CPU, cpu_isa
 model = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval()
 data = [(torch.randn(2, 8),) for _ in range(3)]
-ref = qt.quantize(model, data[0], data, progress=False)
+ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
 try:
     low = qt.lower(ref, CPU)
 except qt.QuantreeError as error:
@@ -106,7 +106,7 @@ def test_batch_zero_gives_empty_outputs(make, mode):
     quantizer = qt.Int8Quantizer(recurrent=mode)
     dynamic = ({1: torch.export.Dim("batch", min=0, max=64)},)
     ref = qt.quantize(model, data[0], data, quantizer=quantizer, progress=False,
-                      dynamic_shapes=dynamic)  # fmt: skip
+                      dynamic_shapes=dynamic, backend="reference")  # fmt: skip
     low = qt.lower(ref, CPU)
     x = torch.randn(4, 0, 6)
     with torch.no_grad():
@@ -121,6 +121,11 @@ def test_empty_inputs_of_conv_and_linear():
                           nn.Flatten(), nn.Linear(8 * 4 * 4, 5), nn.Softmax(-1)).eval()  # fmt: skip
     data = batches((2, 3, 8, 8), n=3)
     dynamic = ({0: torch.export.Dim("batch", min=0, max=64)},)
-    low = qt.lower(qt.quantize(model, data[0], data, progress=False, dynamic_shapes=dynamic), CPU)
+    low = qt.lower(
+        qt.quantize(
+            model, data[0], data, progress=False, dynamic_shapes=dynamic, backend="reference"
+        ),
+        CPU,
+    )
     with torch.no_grad():
         assert low(torch.randn(0, 3, 8, 8)).shape == model(torch.randn(0, 3, 8, 8)).shape

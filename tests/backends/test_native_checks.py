@@ -23,8 +23,8 @@ import torch
 
 import quantree as qt
 from quantree.backends import CPU, save
-from quantree.backends.cpu.native_checks import NativeArgumentError
-from quantree.backends.cpu.packing import pack
+from quantree.backends.cpu.native.checks import NativeArgumentError
+from quantree.backends.cpu.native.packing import pack
 
 from support import batches
 
@@ -49,6 +49,9 @@ def test_mutated_native_calls_run_or_raise_never_signal() -> None:
         raise AssertionError(f"worker killed by {name} (seed {seed}) on {tried[-1:]}")
     assert done.returncode == 0, f"seed {seed}: {done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert passed and len(passed) == len(tried) <= examples, done.stdout[-2000:]
+    # every refusal is a QuantreeError (NativeArgumentError), never a raw Python error
+    raw = [(t, p) for t, p in zip(tried, passed, strict=True) if p.startswith("ok raw")]
+    assert raw == [], raw[:5]
     # the mutations reach the checks, and legit-looking ones still run
     assert any("NativeArgumentError" in line for line in passed)
     assert any(line == "ok ran" for line in passed)
@@ -190,7 +193,9 @@ def saved_program(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch
 
     torch.manual_seed(0)
     data = _data()
-    low = qt.lower(qt.quantize(NormedLSTM().eval(), data[0], data, progress=False), CPU)
+    low = qt.lower(
+        qt.quantize(NormedLSTM().eval(), data[0], data, progress=False, backend="reference"), CPU
+    )
     (node,) = [n for n in low.graph.nodes if "quantree.program" in str(n.target)]
     crafted = getattr(low, node.args[4].target).clone()
     crafted[-1, 3] = 1 << 20
@@ -242,7 +247,7 @@ def test_empty_sums_on_every_path_never_signal(isa: str) -> None:
     script = (
         "import torch\n"
         "from quantree.backends.cpu import ops\n"
-        "from quantree.backends.cpu.packing import pack\n"
+        "from quantree.backends.cpu.native.packing import pack\n"
         "w, x = pack(torch.ones(8, 0, dtype=torch.int8)), torch.zeros(4, 0, dtype=torch.int8)\n"
         "off, sc = torch.full((8,), 3, dtype=torch.int32), torch.ones(8)\n"
         "print(ops.linear(x, w, off, sc, None, 8, 0.0, 0, False).tolist()[0][0])\n"

@@ -158,7 +158,9 @@ def test_non_recurrent_within_one_lsb(factory, shape, quantizer, tmp_path):
     torch.manual_seed(0)
     model = factory().eval()
     data = batches(shape, n=8)
-    ref = qt.quantize(model, data[0], data, quantizer=quantizer(), progress=False)
+    ref = qt.quantize(
+        model, data[0], data, quantizer=quantizer(), progress=False, backend="reference"
+    )
     path = _export_and_check_lsb(ref, data[1], tmp_path)
     ops = _ops(path)
     assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0
@@ -168,7 +170,7 @@ def test_non_recurrent_within_one_lsb(factory, shape, quantizer, tmp_path):
 def test_per_channel_and_int32_bias_are_qdq(tmp_path):
     torch.manual_seed(0)
     data = batches((2, 3, 16, 16), n=4)
-    ref = qt.quantize(CnnBn().eval(), data[0], data, progress=False)
+    ref = qt.quantize(CnnBn().eval(), data[0], data, progress=False, backend="reference")
     path = qt.export_onnx(ref, data[0], tmp_path / "cnn.onnx")
     model = onnx.load(str(path))
     inits = {i.name: i for i in model.graph.initializer}
@@ -185,7 +187,7 @@ def test_per_channel_and_int32_bias_are_qdq(tmp_path):
 def test_tuple_output_keeps_every_leaf(tmp_path):
     torch.manual_seed(0)
     data = batches((3, 5, 8), (2, 3, 16), (2, 3, 16), n=8)
-    ref = qt.quantize(Tagger().eval(), data[0], data, progress=False)
+    ref = qt.quantize(Tagger().eval(), data[0], data, progress=False, backend="reference")
     path = qt.export_onnx(ref, data[0], tmp_path / "tagger.onnx")
     outputs = [o.name for o in onnx.load(str(path)).graph.output]
     assert outputs == ["output_0", "output_1_0", "output_1_1"]
@@ -223,24 +225,23 @@ def test_recurrent_whole_is_one_onnx_op_per_layer(kind, options, tmp_path):
     layer = getattr(nn, kind)(8, 16, **options).eval()
     shape = (3, 5, 8) if options.get("batch_first") else (5, 3, 8)
     data = batches(shape, n=8)
-    ref = qt.quantize(layer, data[0], data, progress=False)
+    ref = qt.quantize(layer, data[0], data, progress=False, backend="reference")
     path = qt.export_onnx(ref, data[0], tmp_path / "rnn.onnx")
     ops = _ops(path)
     onnx_op = kind if kind != "RNN" else "RNN"
     assert ops[onnx_op] == options.get("num_layers", 1)
     assert ops["Slice"] <= 2 * options.get("num_layers", 1)  # initial states only, no gate slicing
     graph = onnx.load(str(path)).graph
-    producers = {o: n for n in graph.node for o in n.output}
+    inits = {i.name: i for i in graph.initializer}
     for node in graph.node:
-        if node.op_type == onnx_op:  # W and R come from DequantizeLinear (through a Concat)
-            for name in node.input[1:3]:
-                producer = producers[name]
-                inputs = (
-                    [producer]
-                    if producer.op_type != "Concat"
-                    else [producers[i] for i in producer.input]
-                )
-                assert all(p.op_type == "DequantizeLinear" for p in inputs)
+        if node.op_type == onnx_op:  # W, R, B: float initializers, dequantized once at export
+            for name in node.input[1:4]:
+                assert inits[name].data_type == onnx.TensorProto.FLOAT
+    assert not any(
+        n.op_type == "DequantizeLinear" and len(inits[n.input[0]].dims) > 1
+        for n in graph.node
+        if n.input[0] in inits
+    )
     ref_db, onnx_db = _sqnr_band(layer, ref, path, data[1])
     assert onnx_db >= ref_db - SQNR_BAND_DB, (ref_db, onnx_db)
     del model
@@ -265,7 +266,9 @@ def test_charlm_in_onnx_runtime(corpus, rnn, mode, tmp_path):
     quantizer = qt.Int8Quantizer(
         recurrent=qt.RecurrentMode.CELLS if mode == "cells" else qt.RecurrentMode.WHOLE
     )
-    ref = qt.quantize(model, corpus[0], corpus[:5], quantizer=quantizer, progress=False)
+    ref = qt.quantize(
+        model, corpus[0], corpus[:5], quantizer=quantizer, progress=False, backend="reference"
+    )
     path = qt.export_onnx(ref, corpus[0], tmp_path / f"charlm_{rnn}_{mode}.onnx")
     ops = _ops(path)
     if mode == "whole":
@@ -295,7 +298,7 @@ def test_op_without_onnx_form_is_named(tmp_path):
 
     data = batches((2, 4), n=4)
     with pytest.warns(qt.QuantreeWarning):
-        ref = qt.quantize(Odd().eval(), data[0], data, progress=False)
+        ref = qt.quantize(Odd().eval(), data[0], data, progress=False, backend="reference")
     with pytest.raises(qt.QuantreeError, match=r"mystery"):
         qt.export_onnx(ref, data[0], tmp_path / "odd.onnx")
 
@@ -303,7 +306,9 @@ def test_op_without_onnx_form_is_named(tmp_path):
 @pytest.mark.filterwarnings(WARN)
 def test_proj_size_and_lowered_models_are_refused(tmp_path):
     data = batches((5, 3, 8), n=4)
-    ref = qt.quantize(nn.LSTM(8, 16, proj_size=4).eval(), data[0], data, progress=False)
+    ref = qt.quantize(
+        nn.LSTM(8, 16, proj_size=4).eval(), data[0], data, progress=False, backend="reference"
+    )
     with pytest.raises(qt.QuantreeError, match=r"proj_size"):
         qt.export_onnx(ref, data[0], tmp_path / "p.onnx")
     captured = qt.capture(nn.Linear(8, 8).eval(), (torch.randn(2, 8),))
@@ -324,7 +329,7 @@ def test_cli_format_onnx(tmp_path):
         [
             sys.executable,
             "-m",
-            "quantree.tools.cli",
+            "quantree_cli",
             "quantize",
             str(tmp_path / "mlp.pt2"),
             "--calibration",
@@ -364,6 +369,8 @@ def test_packed_sequence_is_refused_by_name(mode, tmp_path):
     torch.manual_seed(0)
     data = [(torch.randn(3, 6, 8), torch.tensor([6, 4, 2])) for _ in range(3)]
     quantizer = qt.Int8Quantizer(recurrent=mode)
-    ref = qt.quantize(_PackedGru().eval(), data[0], data, quantizer=quantizer, progress=False)
+    ref = qt.quantize(
+        _PackedGru().eval(), data[0], data, quantizer=quantizer, progress=False, backend="reference"
+    )
     with pytest.raises(qt.QuantreeError, match=r"packed sequence.*pad_packed_sequence"):
         qt.export_onnx(ref, data[0], tmp_path / "packed.onnx")

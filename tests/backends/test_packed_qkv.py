@@ -30,7 +30,7 @@ def test_packed_split_is_column_slices_with_the_same_bits() -> None:
     layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(1, 10, 32, generator=g),) for _ in range(4)]
-    ref = qt.quantize(layer, data[0], data, progress=False)
+    ref = qt.quantize(layer, data[0], data, progress=False, backend="reference")
     split, kept = _lower(ref, fuse=False), _lower(ref, split=False, fuse=False)
     assert aten.unflatten.int in {n.target for n in kept.graph.nodes}
     assert aten.unflatten.int not in {n.target for n in split.graph.nodes}

@@ -5,7 +5,7 @@ The prebuilt test copies the package to a temporary directory, builds the librar
 ``setup.py`` does (``build_native.compile_library`` into ``_kernels<ext suffix>``), and
 lowers and runs a model in a fresh process whose PATH has no compiler and whose extensions
 cache is empty. (`pip wheel .` then installing the wheel into a fresh venv does the same
-with the real packaging; README's deployment paragraph.)
+with the real packaging; docs/deployment.md, "Building wheels".)
 
 With ``QUANTREE_QEMU_PYTHON=1`` (slow: Python and torch under qemu-x86_64, 45-90 s per CPU
 model), the loader itself runs as other CPUs: with the baseline and x86-64-v3 libraries
@@ -25,16 +25,17 @@ from pathlib import Path
 import pytest
 
 import quantree
-from quantree.backends.cpu import build_native, native
+from quantree.backends.cpu.native import build as build_native
+from quantree.backends.cpu.native import loader as native
 
 LOWER = """
 import warnings, torch, quantree as qt
 from torch import nn
 from quantree.backends import CPU, cpu_isa
-from quantree.backends.cpu import native
+from quantree.backends.cpu.native import loader as native
 model = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval()
 data = [(torch.randn(2, 8),) for _ in range(3)]
-ref = qt.quantize(model, data[0], data, progress=False)
+ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     low = qt.lower(ref, CPU)
@@ -63,7 +64,7 @@ def test_prebuilt_library_runs_without_compiler(tmp_path):
         ignore=shutil.ignore_patterns("__pycache__", "_kernels*", "weights"),
     )
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    cpu = package / "backends" / "cpu"
+    cpu = package / "backends" / "cpu" / "native"
     build_native.compile_library("c++", cpu / f"_kernels{suffix}", build_native.PORTABLE_MARCH)
     bare = tmp_path / "bin"  # no compiler on PATH
     bare.mkdir()
@@ -117,8 +118,9 @@ QEMU_X86 = shutil.which("qemu-x86_64") or "qemu-x86_64"  # the child's PATH has 
 CHOOSE = """
 import torch
 from quantree.backends import cpu_isa
-from quantree.backends.cpu import native
-lib = native.library()
+from quantree.backends.cpu.native import loader as native
+from quantree.backends.cpu.ops.elementwise import kernels
+lib = kernels()
 x = torch.arange(-64, 64, dtype=torch.float32) * 0.37
 q = torch.empty(128, dtype=torch.int8)
 lib.qt_quantize(x.data_ptr(), 128, 1 / 0.1, 3.0, q.data_ptr())
@@ -144,7 +146,7 @@ def test_loader_takes_the_variant_the_cpu_has_under_qemu(tmp_path):
         ignore=shutil.ignore_patterns("__pycache__", "_kernels*", "weights"),
     )
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    cpu = package / "backends" / "cpu"
+    cpu = package / "backends" / "cpu" / "native"
     build_native.compile_library("c++", cpu / f"_kernels{suffix}", "x86-64")
     build_native.compile_library("c++", cpu / f"_kernels_x86_64_v3{suffix}", "x86-64-v3")
     env = {**os.environ, "PYTHONPATH": str(package.parent), "PATH": str(tmp_path / "bin")}

@@ -18,7 +18,7 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu import backend as cpu_backend
-from quantree.backends.cpu.native import ISA_NAMES, isa_cap, library
+from quantree.backends.cpu.native.loader import ISA_NAMES, isa_cap, library
 from quantree.core.graphs import fetch_attr
 from quantree.tools.inspection import NATIVE_FLOAT, op_statuses
 from quantree.tools.metrics import sqnr
@@ -61,7 +61,14 @@ def _data(n: int = 6, seed: int = 0, steps: int = 6, batch: int = 2) -> list[tup
 
 def _lowered(model: nn.Module, fuse: bool = True, dynamic_batch: bool = True, batch: int = 2):
     data = _data(batch=batch)
-    ref = qt.quantize(model.eval(), data[0], data, progress=False, dynamic_batch=dynamic_batch)
+    ref = qt.quantize(
+        model.eval(),
+        data[0],
+        data,
+        progress=False,
+        dynamic_batch=dynamic_batch,
+        backend="reference",
+    )
     if not fuse:
         original = cpu_backend.fuse_regions
         cpu_backend.fuse_regions = lambda gm: 0  # type: ignore[assignment]
@@ -185,7 +192,7 @@ def test_program_bits_on_every_path(select, gates: bool) -> None:
 def test_float_inside_is_reported_by_lowering_and_inspect() -> None:
     torch.manual_seed(0)
     data = _data()
-    ref = qt.quantize(NormedLSTM().eval(), data[0], data, progress=False)
+    ref = qt.quantize(NormedLSTM().eval(), data[0], data, progress=False, backend="reference")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         low = qt.lower(ref, CPU)
@@ -201,7 +208,7 @@ def test_an_op_a_program_runs_is_named_by_one_warning_only() -> None:
     are the float-op warning's ("in native program"), not called simulated as well."""
     torch.manual_seed(0)
     data = _data()
-    ref = qt.quantize(NormedLSTM().eval(), data[0], data, progress=False)
+    ref = qt.quantize(NormedLSTM().eval(), data[0], data, progress=False, backend="reference")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         qt.lower(ref, CPU)

@@ -18,8 +18,8 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu import backend as cpu_backend
-from quantree.backends.cpu.cells_native import Program
-from quantree.backends.cpu.program_layout import gather, reshape, row_map
+from quantree.backends.cpu.cells.program import Program
+from quantree.backends.cpu.passes.region_layout import gather, reshape, row_map
 
 from support import calls
 
@@ -81,7 +81,14 @@ def _lowered(dynamic_batch: bool, batch: int = 1) -> tuple[nn.Module, nn.Module,
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(batch, 8, 32, generator=g),) for _ in range(4)]
-    ref = qt.quantize(Blocks().eval(), data[0], data, dynamic_batch=dynamic_batch, progress=False)
+    ref = qt.quantize(
+        Blocks().eval(),
+        data[0],
+        data,
+        dynamic_batch=dynamic_batch,
+        progress=False,
+        backend="reference",
+    )
     original = cpu_backend.fuse_regions
     cpu_backend.fuse_regions = lambda gm: 0  # type: ignore[assignment]
     try:

@@ -16,10 +16,10 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu import backend as cpu_backend
-from quantree.backends.cpu.lowering_casts import drop_identity_casts
-from quantree.backends.cpu.lowering_program import float_ops_of_code
-from quantree.backends.cpu.lowering_rms_norm import recognise_rms_norm
-from quantree.backends.cpu.native_checks import NativeArgumentError
+from quantree.backends.cpu.native.checks import NativeArgumentError
+from quantree.backends.cpu.passes.casts import drop_identity_casts
+from quantree.backends.cpu.passes.regions import float_ops_of_code
+from quantree.backends.cpu.passes.rms_norm import recognise_rms_norm
 from quantree.core.graphs import fetch_attr
 from quantree.tools.metrics import sqnr
 
@@ -98,7 +98,7 @@ def test_lowered_rms_norms_run_inside_one_program(native: bool) -> None:
     data = _data()
     recipe = qt.Int8Quantizer(activations=qt.ActivationPoints.WEIGHTED_INPUTS)  # as LLaMA's
     model = NormedMLP(native=native).eval()
-    ref = qt.quantize(model, data[0], data, quantizer=recipe, progress=False)
+    ref = qt.quantize(model, data[0], data, quantizer=recipe, progress=False, backend="reference")
     low = qt.lower(ref, CPU)
     (program,) = calls(low, PROGRAM)
     code = fetch_attr(low, str(program.args[2].target))

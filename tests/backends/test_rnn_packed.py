@@ -25,12 +25,12 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.direct import DirectCall
-from quantree.backends.cpu.native_checks import NativeArgumentError
-from quantree.backends.cpu.ops_elementwise import dequantize, quantize
-from quantree.backends.cpu.ops_rnn import RnnRunner
-from quantree.backends.cpu.ops_rnn_packed import PackedRnnRunner
-from quantree.backends.cpu.packing import pack, row_sums
+from quantree.backends.cpu.native.checks import NativeArgumentError
+from quantree.backends.cpu.native.direct import DirectCall
+from quantree.backends.cpu.native.packing import pack, row_sums
+from quantree.backends.cpu.ops.elementwise import dequantize, quantize
+from quantree.backends.cpu.ops.rnn import RnnRunner
+from quantree.backends.cpu.ops.rnn_packed import PackedRnnRunner
 
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 

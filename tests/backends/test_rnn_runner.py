@@ -17,9 +17,9 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.direct import DirectCall
-from quantree.backends.cpu.ops_elementwise import dequantize, quantize
-from quantree.backends.cpu.ops_rnn import RnnRunner
+from quantree.backends.cpu.native.direct import DirectCall
+from quantree.backends.cpu.ops.elementwise import dequantize, quantize
+from quantree.backends.cpu.ops.rnn import RnnRunner
 
 
 class Output(nn.Module):
@@ -38,7 +38,9 @@ def lowered(rnn: nn.Module, shape: tuple[int, ...]) -> tuple[torch.fx.GraphModul
     data = [(torch.randn(*shape),) for _ in range(3)]
     # stacked layers kept in one call: the runner's inner-layer (int16) path is exercised too
     quantizer = qt.Int8Quantizer(split_layers=False)
-    return qt.lower(qt.quantize(model, (x,), data, quantizer=quantizer), CPU), x
+    return qt.lower(
+        qt.quantize(model, (x,), data, quantizer=quantizer, backend="reference"), CPU
+    ), x
 
 
 def rnn_node(gm: torch.fx.GraphModule) -> torch.fx.Node:

@@ -17,12 +17,12 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.deflate import ALIGNMENT, deflated_member
-from quantree.backends.cpu.derived import RECIPE_KEY, RECIPE_OPS
-from quantree.backends.cpu.narrowed import narrowed
-from quantree.backends.cpu.serialize import saved_program
+from quantree.backends.cpu.saved.deflate import ALIGNMENT, deflated_member
+from quantree.backends.cpu.saved.derived import RECIPE_KEY, RECIPE_OPS
+from quantree.backends.cpu.saved.narrowed import narrowed
+from quantree.backends.cpu.saved.serialize import saved_program
 from quantree.core.errors import QuantreeError
-from quantree.core.qparams import half_exact
+from quantree.core.observing.qparams import half_exact
 
 
 class Seq2SeqLike(nn.Module):

@@ -7,7 +7,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.core.constants import share_identical
+from quantree.backends.cpu.passes.shared_constants import share_identical
 
 
 class Unrolled(nn.Module):

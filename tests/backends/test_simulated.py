@@ -40,7 +40,7 @@ def test_a_float_add_whose_sum_a_conv_reads_is_not_named_simulated() -> None:
     reads float and the float stream it writes goes on unrounded."""
     torch.manual_seed(0)
     model, data = LayerScaleBlock().eval(), batches((1, 16, 8, 8), n=6)
-    ref = qt.quantize(model, data[0], data, progress=False)
+    ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
     first, second = calls(ref, torch.ops.aten.add.Tensor)
     dq = (qd.dequantize_per_tensor.default,)
     assert not any(a.target in dq for a in (*first.args, *second.args))  # the stream is float

@@ -1,5 +1,5 @@
 """A loaded program's workspace at its example's size is charged to the load budget
-(``backends/cpu/table_needs.py``)."""
+(``backends/cpu/saved/checks/table_needs.py``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from test_program import NormedLSTM, _data
 
 import quantree as qt
 from quantree.backends import CPU, save
-from quantree.backends.cpu.derived import fold_recipes
-from quantree.backends.cpu.load_budget import LoadBudget
-from quantree.backends.cpu.table_needs import check_loaded_tables
+from quantree.backends.cpu.saved.checks.load_budget import LoadBudget
+from quantree.backends.cpu.saved.checks.table_needs import check_loaded_tables
+from quantree.backends.cpu.saved.derived import fold_recipes
 from quantree.tools.files import load_program
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.ops_wide import split16
+from quantree.backends.cpu.ops.wide import split16
 from quantree.tools.inspection import INT16_KERNEL, op_statuses
 
 from support import batches, calls, qd
@@ -91,7 +91,9 @@ class Convs(nn.Module):
 def test_every_conv_form_and_linear_lower_natively_close_to_the_reference() -> None:
     torch.manual_seed(0)
     data = batches((2, 20, 12), (2, 3, 10, 10), n=6)
-    ref = qt.quantize(Convs().eval(), data[0], data, quantizer=WIDE_IMAGES, progress=False)
+    ref = qt.quantize(
+        Convs().eval(), data[0], data, quantizer=WIDE_IMAGES, progress=False, backend="reference"
+    )
     int16 = [n for n in calls(ref, qd.quantize_per_tensor.default) if n.args[-1] == torch.int16]
     assert len(int16) == 6  # every weighted layer's input
     low, notes = _lower_quietly(ref)
@@ -113,7 +115,7 @@ def test_a_lone_linear_matches_the_reference(rows: int, features: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.LayerNorm(features), nn.Linear(features, 24)).eval()
     data = batches((rows, features), n=4)
-    ref = qt.quantize(model, data[0], data, quantizer=WIDE, progress=False)
+    ref = qt.quantize(model, data[0], data, quantizer=WIDE, progress=False, backend="reference")
     low, _ = _lower_quietly(ref)
     (q16,) = [n for n in calls(ref, qd.quantize_per_tensor.default) if n.args[-1] == torch.int16]
     x = model[0](data[1][0])
@@ -138,7 +140,7 @@ class Encoder(nn.Module):
 def test_programs_run_int16_linears_as_one_instruction_and_save(tmp_path) -> None:
     torch.manual_seed(0)
     data = batches((1, 12, 32), n=6)
-    ref = qt.quantize(Encoder().eval(), data[0], data, progress=False)
+    ref = qt.quantize(Encoder().eval(), data[0], data, progress=False, backend="reference")
     low, notes = _lower_quietly(ref)
     assert not any("simulated" in n for n in notes), notes
     programs = [n for n in low.graph.nodes if "program" in str(n.target)]
@@ -156,12 +158,14 @@ def test_programs_run_int16_linears_as_one_instruction_and_save(tmp_path) -> Non
 def test_a_programs_int16_linear_reads_only_whole_constants() -> None:
     """LINEAR16 instructions are checked like LINEAR ones: a weight constant shorter than
     N x Kp is refused before the native call (the checker's verdict, not a signal)."""
-    from quantree.backends.cpu.native_checks import NativeArgumentError
-    from quantree.backends.cpu.program_checks import LINEAR16
+    from quantree.backends.cpu.native.checks import NativeArgumentError
+    from quantree.backends.cpu.native.program_checks import LINEAR16
 
     torch.manual_seed(0)
     data = batches((1, 12, 32), n=4)
-    low, _ = _lower_quietly(qt.quantize(Encoder().eval(), data[0], data, progress=False))
+    low, _ = _lower_quietly(
+        qt.quantize(Encoder().eval(), data[0], data, progress=False, backend="reference")
+    )
     calls_seen: list[tuple] = []
 
     class Record(torch.fx.Interpreter):

@@ -22,7 +22,7 @@ def lowered(request, tmp_path_factory) -> dict[str, object]:
     model = load_charlm(request.param)
     train = load_corpus("train", max_chars=300_000)
     calib = batches(train, batch_size=32, seq_len=128, n_batches=8, seed=0)
-    ref = qt.quantize(model, calib[0], calib, progress=False)
+    ref = qt.quantize(model, calib[0], calib, progress=False, backend="reference")
     low = qt.lower(ref, CPU)
     path = tmp_path_factory.mktemp("charlm") / "charlm_cpu.pt2"
     save(low, path, calib[0])

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import quantree as qt
-from quantree.core.distributed import observers
+from quantree.core.observing.distributed import observers
 
 WORLD = 2
 TIMEOUT_S = 180

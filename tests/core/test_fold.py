@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import quantree as qt
-from quantree.core.fold import fold_batch_norm, fold_constants, written_to
 from quantree.core.graphs import copy_graph_module
+from quantree.core.normalizing.fold import fold_batch_norm, fold_constants, written_to
 
 from support import assert_prepared_exact, batches, calls, output_sqnrs, qd, run
 
@@ -219,8 +219,8 @@ class ConvBnStack(nn.Module):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_folded_batch_norm_is_within_the_stated_tolerance(seed):
-    """Folding is not bit-equal: the README and FOLD_TOLERANCE say how close it is."""
-    from quantree.core.fold import FOLD_TOLERANCE
+    """Folding is not bit-equal: docs/capture.md and FOLD_TOLERANCE say how close it is."""
+    from quantree.core.normalizing.fold import FOLD_TOLERANCE
 
     model = ConvBnStack(seed).eval()
     x = torch.randn(4, 3, 8, 8) * 5
@@ -229,8 +229,8 @@ def test_folded_batch_norm_is_within_the_stated_tolerance(seed):
     with torch.no_grad():
         for want, got in zip(model(x), prepared(x), strict=True):
             assert (want - got).abs().max() <= FOLD_TOLERANCE * want.abs().max()
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert "1e-5 \u00d7 max|output|" in readme
+    documented = (Path(__file__).resolve().parents[2] / "docs" / "capture.md").read_text()
+    assert "1e-5 \u00d7 max|output|" in documented
 
 
 class StandardizedConv(nn.Module):

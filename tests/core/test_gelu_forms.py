@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.core.normalize import normalize
+from quantree.core.normalizing.normalize import normalize
 
 from support import batches, calls, run
 

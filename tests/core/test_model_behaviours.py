@@ -56,7 +56,7 @@ def test_an_in_place_counter_is_an_error_naming_the_op(train: bool) -> None:
     model = Counter().train(train)
     before = _snapshot(model)
     with pytest.raises(qt.QuantreeError, match=r"add_.*writes calls in place"):
-        qt.quantize(model, _data()[0], _data(), progress=False)
+        qt.quantize(model, _data()[0], _data(), progress=False, backend="reference")
     assert _unchanged(model, before)
 
 
@@ -100,7 +100,7 @@ def test_a_model_in_train_mode_is_quantized_as_in_eval_mode_and_left_training() 
     model.train()
     before = _snapshot(model)
     data = _data()
-    q = qt.quantize(model, data[0], data, progress=False)
+    q = qt.quantize(model, data[0], data, progress=False, backend="reference")
     assert _unchanged(model, before) and model.training
     x = data[0][0]
     with torch.no_grad():
@@ -129,7 +129,7 @@ def test_no_grad_inside_forward_stays_float_and_is_named() -> None:
     data = _data()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", qt.QuantreeWarning)
-        q = qt.quantize(model, data[0], data, progress=False)
+        q = qt.quantize(model, data[0], data, progress=False, backend="reference")
     said = " ".join(str(w.message) for w in caught if issubclass(w.category, qt.QuantreeWarning))
     assert "wrap_with_set_grad_enabled" in said
     x = data[1][0]

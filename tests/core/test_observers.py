@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import quantree as qt
-from quantree.core.observers import make_observer
+from quantree.core.observing.observers import make_observer
 
 KINDS = [qt.ObserverKind.MINMAX, qt.ObserverKind.MOVING_AVERAGE, qt.ObserverKind.HISTOGRAM]
 
@@ -127,7 +127,7 @@ def test_moving_average_starts_at_the_first_batch_and_means_a_short_calibration(
 
 def test_moving_average_counts_a_loop_batch_once():
     """Inside per_call (a cell loop's steps) the steps' extremes are one observation."""
-    from quantree.core.observers import per_call
+    from quantree.core.observing.observers import per_call
 
     observer = make_observer(qt.QuantSpec(qt.QDtype.INT8, observer=KINDS[1]), "h")
     holder = torch.nn.Sequential(observer)

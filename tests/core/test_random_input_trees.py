@@ -126,7 +126,9 @@ def test_random_input_trees_quantize_lower_and_keep_their_structure(
     tests = [call(3), call(6)]
     data = [call(4) for _ in range(8)] + tests
     example = call(4)
-    reference = qt.quantize(model, example[0], data, example_kwargs=example[1], progress=False)
+    reference = qt.quantize(
+        model, example[0], data, example_kwargs=example[1], progress=False, backend="reference"
+    )
     lowered = qt.lower(reference, "cpu")
     for args, kwargs in tests:
         with torch.no_grad():

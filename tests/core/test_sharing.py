@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.core.sharing import compatible
+from quantree.core.grouping.sharing import compatible
 from quantree.core.specs import int8_activation, int8_weight
 
 from support import (
@@ -171,7 +171,7 @@ def test_histogram_observer_clips_outliers_better_than_minmax():
     spec = qt.QuantSpec(observer=qt.ObserverKind.HISTOGRAM)
     hist, minmax = qt.HistogramObserver(spec, "h"), qt.MinMaxObserver(spec, "m")
     hist(x), minmax(x)
-    from quantree.core.qparams import fake_quantize
+    from quantree.core.observing.qparams import fake_quantize
 
     err_h = (fake_quantize(x, hist.qparams()) - x).pow(2).mean()
     err_m = (fake_quantize(x, minmax.qparams()) - x).pow(2).mean()

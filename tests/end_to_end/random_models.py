@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import quantree as qt
+import quantree_cli
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.float_report import DATA_MOVEMENT, program_float_ops
-from quantree.tools import cli
+from quantree.backends.cpu.passes.float_report import DATA_MOVEMENT, program_float_ops
 
 PREPARED_TOLERANCE = 1e-4
 """prepared vs float, relative to max(1, max|float|): prepare rewrites arithmetic (batch norm
@@ -219,7 +219,7 @@ def check(r: dict[str, Any]) -> dict[str, Any]:
                 for a, b in zip(_leaves(lowered(*args)), _leaves(loaded(*args)), strict=True):
                     assert a.dtype == b.dtype and torch.equal(a, b), "loaded != lowered"
         with contextlib.redirect_stdout(io.StringIO()) as shown:
-            assert cli.main(["inspect", str(path)]) == 0
+            assert quantree_cli.main(["inspect", str(path)]) == 0
         assert "model.pt2" in shown.getvalue()
     _unchanged(model, before)
 

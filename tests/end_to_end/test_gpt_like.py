@@ -125,7 +125,12 @@ def test_float_attention_products_beat_quantized_ones() -> None:
     both = Rule((aten.matmul,), lambda n: Annotation(inputs={(0,): act, (1,): act}))
     auto = qt.quantize(model, calib[0], calib, backend="reference", progress=False)
     quantized = qt.quantize(
-        model, calib[0], calib, quantizer=qt.Int8Quantizer(rules=(both,)), progress=False
+        model,
+        calib[0],
+        calib,
+        quantizer=qt.Int8Quantizer(rules=(both,)),
+        progress=False,
+        backend="reference",
     )
     auto_db = _input_dependent_sqnr(model, auto, held)
     assert auto_db >= _input_dependent_sqnr(model, quantized, held) + 0.3

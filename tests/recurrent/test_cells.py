@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 import quantree as qt
 from quantree.core.graphs import nested_graphs
-from quantree.recurrent.recipe import RECURRENT_OPS
+from quantree.recipes.recurrent import RECURRENT_OPS
 
 from support import batches, qparams_of
 
@@ -263,7 +263,7 @@ def test_cells_mode_with_a_dynamic_batch_dimension():
     data = batches((3, 5, 12), n=6)
     ref = qt.quantize(
         model, data[0], data, quantizer=qt.Int8Quantizer(recurrent=CELLS), progress=False,
-        dynamic_shapes=({0: torch.export.Dim("batch")},),
+        dynamic_shapes=({0: torch.export.Dim("batch")},), backend="reference",
     )  # fmt: skip
     for batch in (1, 6):
         assert min(_sqnrs(model, ref, (torch.randn(batch, 7, 12),))) >= 17.0

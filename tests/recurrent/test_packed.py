@@ -95,7 +95,7 @@ def test_packed_quantizes_in_both_modes_and_lowers(case: str, mode: qt.Recurrent
             for e, g in zip(tree_leaves(expected), tree_leaves(got), strict=True):
                 if mode is qt.RecurrentMode.WHOLE:  # the same aten call: bit-equal
                     assert torch.equal(e, g)
-                else:  # cells: another summation order (README), so to 1e-5
+                else:  # cells: another summation order (docs/recurrent.md), so to 1e-5
                     torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
         qt.calibrate(prepared, calibration, progress=False)
         reference = qt.convert(prepared)

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.core.observers import MinMaxObserver, MovingAverageMinMaxObserver, Observer
+from quantree.core.observing.observers import MinMaxObserver, MovingAverageMinMaxObserver, Observer
 
 AVERAGE = qt.ObserverKind.MOVING_AVERAGE
 

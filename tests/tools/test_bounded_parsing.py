@@ -1,5 +1,5 @@
 """The text of a saved program is parsed within bounds fixed before parsing
-(``quantree.tools.bounded_text``, ``archive_bounds``).
+(``quantree.backends.cpu.saved.checks.bounded_text``, ``archive_bounds``).
 
 Each crafted file is a legitimate saved model with one member changed; on c04c399 the
 first made ``sympy.sympify`` run for minutes, the second raised a raw ``RecursionError``
@@ -74,7 +74,7 @@ def test_json_nested_100000_deep_is_one_line_exit_2(float_file: Path, tmp_path: 
 
     path = rewrite(float_file, tmp_path / "deep.pt2", change)
     done = subprocess.run(
-        [sys.executable, "-m", "quantree.tools.cli", "inspect", str(path)],
+        [sys.executable, "-m", "quantree_cli", "inspect", str(path)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == EXIT_BAD_INPUT, done.stderr[-2000:]

@@ -1,8 +1,12 @@
-"""The symbolic-shape grammar and the JSON depth scan (``quantree.tools.bounded_text``)."""
+"""The symbolic-shape grammar and the JSON depth scan (``saved/checks/bounded_text.py``)."""
 
 from __future__ import annotations
 
-from quantree.tools.bounded_text import guard_bounded, json_depth, shape_expression_ok
+from quantree.backends.cpu.saved.checks.bounded_text import (
+    guard_bounded,
+    json_depth,
+    shape_expression_ok,
+)
 
 
 def test_the_grammar_accepts_what_torch_prints_and_nothing_that_evaluates() -> None:

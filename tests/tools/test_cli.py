@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.tools.cli import EXIT_BAD_INPUT, main
+from quantree.tools.cli import EXIT_BAD_INPUT
 from quantree.tools.report import PNG_SIGNATURE, embedded_pngs, embedded_svgs
+from quantree_cli import main
 
 from support import batches
 
@@ -81,7 +82,7 @@ def test_round_trip_through_a_subprocess(files: dict[str, Path]) -> None:
     before = _digest(files["model"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "quantree.tools.cli", "quantize", str(files["model"]),
+        [sys.executable, "-m", "quantree_cli", "quantize", str(files["model"]),
          "--calibration", str(files["data"]), "-o", str(out), "--quiet"],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
@@ -240,7 +241,7 @@ def test_cells_mode_calibrates_on_another_sequence_length(files: dict[str, Path]
 def test_bad_file_in_a_subprocess_has_no_traceback(files: dict[str, Path]) -> None:
     argv = _bad_inputs(files)["truncated model"]
     done = subprocess.run(
-        [sys.executable, "-m", "quantree.tools.cli", *argv],
+        [sys.executable, "-m", "quantree_cli", *argv],
         capture_output=True,
         text=True,
         timeout=120,
@@ -288,7 +289,7 @@ def test_quantize_under_torchrun_matches_one_process(files: dict[str, Path]) -> 
     done = subprocess.run(
         [
             *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-            *("--nproc-per-node", "2", "-m", "quantree.tools.cli", "quantize"),
+            *("--nproc-per-node", "2", "-m", "quantree_cli", "quantize"),
             *(str(files["model"]), "--calibration", str(files["data"]), "-o", str(out)),
             "--quiet",
         ],

@@ -1,4 +1,4 @@
-"""A saved program may call only quantree's dialect (``quantree.tools.vocabulary``).
+"""A saved program may call only quantree's dialect (``saved/checks/vocabulary.py``).
 
 The crafted programs are real ``torch.export.save`` archives whose graph maps a file with
 ``aten.from_file`` and writes into it with ``aten.copy_`` (or returns its bytes): plain
@@ -14,8 +14,9 @@ import pytest
 import torch
 from crafted_programs import example, with_file_ops
 
-from quantree.tools.cli import EXIT_BAD_INPUT, main
+from quantree.tools.cli import EXIT_BAD_INPUT
 from quantree.tools.files import BadFile
+from quantree_cli import main
 
 
 def test_plain_torch_really_writes_the_file(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.tools.cli import EXIT_BAD_INPUT, EXIT_QUANTIZE_FAILED, main
+from quantree.tools.cli import EXIT_BAD_INPUT, EXIT_QUANTIZE_FAILED
+from quantree_cli import main
 
 
 def _small() -> nn.Module:
@@ -59,14 +60,14 @@ def test_quantize_refuses_bad_arguments_before_calibration(kwargs, match):
 )
 def test_missing_or_empty_calibration_data_says_so(data, match):
     with pytest.raises(qt.QuantreeError, match=match):
-        qt.quantize(_small(), X, data, progress=False)
+        qt.quantize(_small(), X, data, progress=False, backend="reference")
 
 
 @pytest.mark.parametrize("name", ["cpu", "reference"])
 def test_backends_by_name_as_on_the_command_line(name):
     model = _small()
     out = qt.quantize(model, X, DATA, backend=name, progress=False)
-    ref = qt.quantize(model, X, DATA, progress=False)
+    ref = qt.quantize(model, X, DATA, progress=False, backend="reference")
     assert qt.sqnr(ref(*X), out(*X)) > 30
     assert qt.sqnr(ref(*X), qt.lower(ref, name)(*X)) > 30
 
@@ -74,7 +75,7 @@ def test_backends_by_name_as_on_the_command_line(name):
 def test_lower_of_a_float_module_or_with_a_wrong_backend_says_what_it_takes():
     with pytest.raises(qt.QuantreeError, match=r"GraphModule quantree\.convert returns"):
         qt.lower(_small())  # type: ignore[arg-type]
-    ref = qt.quantize(_small(), X, DATA, progress=False)
+    ref = qt.quantize(_small(), X, DATA, progress=False, backend="reference")
     with pytest.raises(qt.QuantreeError, match="backend must be a Backend"):
         qt.lower(ref, _small())  # type: ignore[arg-type]
 
@@ -83,8 +84,8 @@ def test_a_module_loaded_from_a_saved_program_is_accepted(tmp_path: Path):
     path = tmp_path / "m.pt2"
     torch.export.save(torch.export.export(_small(), X), str(path))
     loaded = torch.export.load(str(path)).module()
-    out = qt.quantize(loaded, X, DATA, progress=False)
-    direct = qt.quantize(_small(), X, DATA, progress=False)
+    out = qt.quantize(loaded, X, DATA, progress=False, backend="reference")
+    direct = qt.quantize(_small(), X, DATA, progress=False, backend="reference")
     assert torch.equal(direct(*X), out(*X))
 
 
@@ -94,7 +95,7 @@ def test_nan_weights_are_the_models_fault_and_refused_before_calibration():
         model[0].weight[1, 2] = float("nan")
     data = CountingBatches()
     with pytest.raises(qt.QuantreeError, match=r"0\.weight hold NaN .*not the calibration data"):
-        qt.quantize(model, X, data, progress=False)
+        qt.quantize(model, X, data, progress=False, backend="reference")
     assert not data.read
 
 
@@ -108,7 +109,7 @@ def test_a_model_that_computes_nan_from_finite_batches_is_named_with_the_batch()
             return self.linear(torch.relu(x) / (x - x))  # 0/0 from finite inputs
 
     with pytest.raises(qt.QuantreeError, match=r"batch 0 is finite, but the model computed NaN"):
-        qt.quantize(Divides(), X, DATA, progress=False)
+        qt.quantize(Divides(), X, DATA, progress=False, backend="reference")
 
 
 def test_a_mask_of_infinities_the_recipe_does_not_trace_is_named_with_its_fix():
@@ -125,7 +126,7 @@ def test_a_mask_of_infinities_the_recipe_does_not_trace_is_named_with_its_fix():
             return torch.softmax(torch.minimum(self.linear(x), mask), -1)
 
     with pytest.raises(qt.QuantreeError, match=r"-inf mask, leave the op reading it float"):
-        qt.quantize(Masks(), X, DATA, progress=False)
+        qt.quantize(Masks(), X, DATA, progress=False, backend="reference")
 
 
 @pytest.fixture(scope="module")

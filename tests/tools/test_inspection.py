@@ -31,7 +31,7 @@ def reference() -> tuple[torch.fx.GraphModule, list[tuple[torch.Tensor]]]:
     torch.manual_seed(0)
     data = [(torch.randn(2, 8, 10),) for _ in range(4)]
     model = ConvReluTranspose().eval()
-    return qt.quantize(model, data[0], data, progress=False), data
+    return qt.quantize(model, data[0], data, progress=False, backend="reference"), data
 
 
 def _by_name(gm: torch.fx.GraphModule) -> dict[str, inspection.OpStatus]:
@@ -51,7 +51,7 @@ def test_transpose_between_int8_qdq_and_fused_conv_relu_are_int8(reference) -> N
 
 def test_lowered_native_ops_and_int8_transpose_count_as_int8(reference, tmp_path: Path) -> None:
     from quantree.backends import CPU, save
-    from quantree.backends.cpu.serialize import fold_saved_recipes
+    from quantree.backends.cpu.saved.serialize import fold_saved_recipes
     from quantree.tools.files import load_program
 
     gm, data = reference

@@ -1,4 +1,4 @@
-"""One memory budget for everything a load allocates (``backends/cpu/load_budget.py``).
+"""One memory budget for everything a load allocates (``backends/cpu/saved/checks/load_budget.py``).
 
 A 5 KB file made c04c399 allocate 2.9-3.4 GB: three ``filled`` recipes of 1 GiB each (each
 under ``filled``'s own cap), or a tensor record of 0 bytes whose metadata claims 2.5 GB.

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 import quantree as qt
-from quantree.tools.cli import EXIT_BAD_INPUT, main
+from quantree.tools.cli import EXIT_BAD_INPUT
 from quantree.tools.files import BadFile, load_program
+from quantree_cli import main
 
 from support import batches
 
@@ -224,7 +225,7 @@ def test_crafted_file_in_a_subprocess_prints_one_line(legit, tmp_path) -> None:
     marker = tmp_path / "ran"
     path = crafted(legit, marker)["example inputs"]
     done = subprocess.run(
-        [sys.executable, "-m", "quantree.tools.cli", "inspect", str(path)],
+        [sys.executable, "-m", "quantree_cli", "inspect", str(path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == EXIT_BAD_INPUT
@@ -248,7 +249,7 @@ def test_pickled_calibration_file_is_refused(legit, tmp_path, capsys, protocol) 
     assert "weights_only=False" not in captured.err + captured.out
     assert not marker.exists()
     done = subprocess.run(
-        [sys.executable, "-m", "quantree.tools.cli", *argv],
+        [sys.executable, "-m", "quantree_cli", *argv],
         capture_output=True,
         text=True,
         timeout=300,
@@ -410,7 +411,7 @@ def test_derived_row_sums_and_tables_that_do_not_fit_are_refused(lowered_file, t
 
 def test_only_json_members_may_be_deflated(lowered_file, tmp_path, monkeypatch) -> None:
     from quantree.backends import load
-    from quantree.tools import archive
+    from quantree.backends.cpu.saved import archive
 
     deflated_weight = tmp_path / "deflated_weight.pt2"
     with zipfile.ZipFile(lowered_file) as src, zipfile.ZipFile(deflated_weight, "w") as dst:

@@ -1,10 +1,10 @@
-"""The closed vocabulary's rules (``quantree.tools.vocabulary``), op by op and node by node."""
+"""The closed vocabulary's rules (``saved/checks/vocabulary.py``), op by op and node by node."""
 
 from __future__ import annotations
 
 import torch
 
-from quantree.tools.vocabulary import graph_errors, op_error
+from quantree.backends.cpu.saved.checks.vocabulary import graph_errors, op_error
 
 aten = torch.ops.aten
 

@@ -6,7 +6,7 @@
 """
 
 from quantree.backends.cpu.backend import CPU, cpu_backend
-from quantree.backends.cpu.native import cpu_isa
-from quantree.backends.cpu.serialize import load, save
+from quantree.backends.cpu.native.loader import cpu_isa
+from quantree.backends.cpu.saved.serialize import load, save
 
 __all__ = ["CPU", "cpu_backend", "cpu_isa", "load", "save"]

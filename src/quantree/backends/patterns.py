@@ -16,7 +16,7 @@ from quantree.core.graphs import fetch_attr
 from quantree.core.lower import LoweringContext
 from quantree.core.qdq import QUANTIZE_PER_TENSOR
 from quantree.core.specs import QDtype, QParams
-from quantree.core.stages import OUTPUT_GRID_KEY, REPLACES_KEY
+from quantree.core.stages import OUTPUT_GRID_KEY, REPLACES_KEY, VALUE_OF_KEY
 
 aten = torch.ops.aten
 RELU = (aten.relu.default, aten.relu_.default)
@@ -134,6 +134,8 @@ def mark_provenance(old: fx.Node, new: fx.Node, path: tuple[int, ...] = ()) -> N
     if not isinstance(source, fx.Node):
         return
     new.meta.setdefault(REPLACES_KEY, (source.name, path))
+    if VALUE_OF_KEY in source.meta and not path:
+        new.meta.setdefault(VALUE_OF_KEY, source.meta[VALUE_OF_KEY])
     if old.target == QUANTIZE_PER_TENSOR:
         scale, zero_point = old.args[1], old.args[2]
         if isinstance(scale, float | int) and isinstance(zero_point, int):

@@ -87,8 +87,11 @@ def annotate(gm: fx.GraphModule, quantizer: Quantizer) -> dict[fx.Node, Annotati
     return annotations
 
 
-def warn_float_ops(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) -> None:
-    """Name, in one warning, the compute ops no rule claimed (data movement excepted)."""
+def warn_float_ops(
+    gm: fx.GraphModule, annotations: dict[fx.Node, Annotation], stacklevel: int = 4
+) -> None:
+    """Name, in one warning, the compute ops no rule claimed (data movement excepted);
+    ``stacklevel`` as ``warnings.warn`` counts it from here."""
     left = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or is_getitem(node) or node in annotations:
@@ -102,5 +105,5 @@ def warn_float_ops(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) -
             f"quantree left {len(left)} op(s) in float because no rule of the quantizer "
             f"matches them: {', '.join(left)}. Add a Rule for them to quantize them.",
             QuantreeWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )

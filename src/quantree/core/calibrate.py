@@ -1,5 +1,9 @@
 """calibrate: run a prepared model over data so its observers collect statistics.
 
+Over 400 lines: the checks of a batch against the captured program (arity, names, dtypes,
+ranks, shape guards, finiteness) are most of it, each with the fix its error suggests;
+split them out (``core/capturing/``) when they grow.
+
 A calibration item is an argument tuple (a lone tensor stands for ``(tensor,)``) or, for a
 model captured with keyword example inputs, an ``(args, kwargs)`` pair: a tuple or list of
 the positional arguments followed by a dict of the keyword ones.
@@ -10,7 +14,7 @@ is reported as a :class:`BadBatch` naming its index and the fix, and it never re
 observer: the statistics gathered so far stay clean.
 
 Inside a ``torch.distributed`` process group each process calibrates on its own shard and
-the statistics are merged at the end (``quantree.core.distributed``).
+the statistics are merged at the end (``quantree.core.observing.distributed``).
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ import torch.fx._pytree as fx_pytree
 from torch.utils._pytree import TreeSpec, tree_flatten_with_path, tree_structure, tree_unflatten
 from tqdm.auto import tqdm
 
-from quantree.core.distributed import calibrate_across, in_process_group
+from quantree.core.capturing.input_trees import describe_path, structure_difference
+from quantree.core.capturing.layout import CHANNEL_NOTE, Shape, layout_fix
+from quantree.core.capturing.shape_guards import ShapeGuardFailed
 from quantree.core.errors import QuantreeError
-from quantree.core.input_trees import describe_path, structure_difference
-from quantree.core.observers import NonFiniteValues
-from quantree.core.shape_guards import ShapeGuardFailed
+from quantree.core.observing.distributed import calibrate_across, in_process_group
+from quantree.core.observing.observers import NonFiniteValues
 
 GUARDS_MODULE = "_guards_fn"  # the submodule torch.export's ``module()`` calls to check shapes
 _GUARD_PREFIXES = ("Guard failed: ", "Expected input at ")  # export's two guard styles
@@ -183,21 +188,39 @@ def _check_leaf(name: str, value: Any, captured: torch.Tensor, index: int) -> No
         )
 
 
-def _dynamic_example(guard: str) -> str:
-    """A ``dynamic_shapes`` value that frees the dimension the guard pinned."""
+def _dynamic_example(guard: str, captured: dict[str, Shape] | None = None) -> str:
+    """A ``dynamic_shapes`` value that frees the dimension the guard pinned.
+
+    ``Dim.AUTO``: a named ``Dim`` fails where a length has a lower bound (a conv's kernel
+    size). The dimensions that vary already (the batch, by default) are named too, since
+    ``dynamic_shapes`` replaces them; a single input's captured shape says which.
+    """
     found = re.match(r"(\w+)\.size\(\)\[(\d+)\]", guard)
-    name, dim = (found.group(1), found.group(2)) if found else ("x", "0")
-    return f"{{'{name}': {{{dim}: torch.export.Dim('{name}_{dim}')}}}}"
+    name, dim = (found.group(1), int(found.group(2))) if found else ("x", 0)
+    shapes = list((captured or {}).values())
+    varying = {d for d, size in enumerate(shapes[0]) if size is None} if len(shapes) == 1 else set()
+    dims = ", ".join(f"{d}: torch.export.Dim.AUTO" for d in sorted({dim, *varying}))
+    return f"{{'{name}': {{{dims}}}}}"
 
 
-def _shape_error(index: int, guard: str, leaves: dict[str, Any]) -> BadBatch:
+def _shape_error(
+    index: int, guard: str, leaves: dict[str, Any], captured: dict[str, Shape] | None = None
+) -> BadBatch:
     shapes = ", ".join(f"{name} {_describe(v)}" for name, v in leaves.items())
+    problem = f"fails the program's shape guard {guard} (the batch has {shapes})"
+    for name, shape in (captured or {}).items():
+        value = leaves.get(name)
+        fix = layout_fix(name, value.shape, shape) if isinstance(value, torch.Tensor) else None
+        if fix is not None:
+            return BadBatch(index, problem, fix)
+    dim = re.match(r"\w+\.size\(\)\[(\d+)\]", guard)
     return BadBatch(
         index,
-        f"fails the program's shape guard {guard} (the batch has {shapes})",
+        problem,
         "torch.export fixes every dimension not declared dynamic: declare it when capturing, "
-        f"e.g. dynamic_shapes={_dynamic_example(guard)} for qt.quantize, qt.capture or "
-        "torch.export.export, or use batches of the captured shape",
+        f"e.g. dynamic_shapes={_dynamic_example(guard, captured)} for qt.quantize, qt.capture or "
+        "torch.export.export, or use batches of the captured shape"
+        + (CHANNEL_NOTE if dim is not None and dim.group(1) != "0" else ""),
     )
 
 
@@ -229,7 +252,18 @@ def _run_guards(module: fx.GraphModule, leaves: dict[str, Any], index: int) -> N
             if guard is None:
                 raise
             cause = error.__cause__ if isinstance(error, ShapeGuardFailed) else None
-            raise _shape_error(index, guard, leaves) from cause or error
+            captured = {
+                arg.name: _captured_shape(arg) for arg in node.args if isinstance(arg, fx.Node)
+            }
+            raise _shape_error(index, guard, leaves, captured) from cause or error
+
+
+def _captured_shape(node: fx.Node) -> Shape:
+    """A placeholder's captured sizes, ``None`` where a dimension was left dynamic."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return ()
+    return tuple(d if isinstance(d, int) else None for d in val.shape)
 
 
 def _positional_names(gm: fx.GraphModule, spec: TreeSpec) -> list[str] | None:

@@ -1,4 +1,8 @@
-"""capture: a model becomes an ATen-level ``GraphModule`` through ``torch.export``."""
+"""capture: a model becomes an ATen-level ``GraphModule`` through ``torch.export``.
+
+``export_graph`` is the core of the one public ``quantree.capture`` (``recurrent/capture.py``),
+which adds the recurrent wing's packed sequences around it.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +16,23 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_map
 
-from quantree.core.data_dependent import export_on_example_values
+from quantree.core.capturing.data_dependent import export_on_example_values
+from quantree.core.capturing.frozen import parameters_without_grad
+from quantree.core.capturing.input_trees import batch_spec, register_dataclasses
+from quantree.core.capturing.keyword_inputs import named_keywords, respelled_shapes
+from quantree.core.capturing.shape_guards import explain_shape_guards
+from quantree.core.capturing.train_mode import warn_train_mode
 from quantree.core.errors import QuantreeError, QuantreeWarning
-from quantree.core.input_trees import batch_spec, register_dataclasses
-from quantree.core.keyword_inputs import named_keywords, respelled_shapes
-from quantree.core.shape_guards import explain_shape_guards
 
 
-def capture(
+def export_graph(
     model: torch.nn.Module,
     example_args: tuple[Any, ...],
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     dynamic_shapes: Any = None,
     dynamic_batch: bool = True,
+    every_dim: bool = False,
 ) -> fx.GraphModule:
     """Export ``model`` and return its graph with ``node.meta['val']`` on every node.
 
@@ -41,7 +48,9 @@ def capture(
     where the model allows it (``torch.export.Dim.AUTO``: export keeps it symbolic unless the
     model fixes it, as an LSTM does with its sequence length, or the example has size 0 or
     1), so a model calibrated on batches of 8 runs on a batch of 1. ``dynamic_batch=False``
-    fixes every dimension to the example's.
+    fixes every dimension to the example's. ``every_dim`` leaves every dimension to vary where
+    the model allows it (a sequence length, an image size), falling back to the batch alone
+    where export refuses that.
     """
     if not isinstance(example_args, tuple):
         raise QuantreeError(
@@ -59,6 +68,8 @@ def capture(
             "pass torch.export.load(path).module()"
         )
     was_training = model.training
+    if not isinstance(model, fx.GraphModule):  # a saved program's module has no train mode
+        warn_train_mode(model, stacklevel=4)
     _set_training(model, False)
     try:
         with warnings.catch_warnings():
@@ -67,7 +78,10 @@ def capture(
             register_dataclasses(example_args, dict(example_kwargs or {}))
             example_args, kwargs = unaliased(example_args, dict(example_kwargs or {}))
             try:
-                program = _export(model, example_args, kwargs, dynamic_shapes, dynamic_batch)
+                with parameters_without_grad(model):
+                    program = _export(
+                        model, example_args, kwargs, dynamic_shapes, dynamic_batch, every_dim
+                    )
             except GuardOnDataDependentSymNode as refused:  # Python read a tensor's value
                 program = export_on_example_values(
                     model, example_args, kwargs, dynamic_shapes, refused
@@ -82,7 +96,28 @@ def capture(
     finally:
         _set_training(model, was_training)
     _refuse_autocast(model, program)
-    return explain_shape_guards(program.module())
+    module = program.module()
+    for node in module.graph.nodes:  # before the guards' explainer reads the input shapes
+        if "val" in node.meta:
+            node.meta["val"] = tree_map(concrete_sizes, node.meta["val"])
+    return explain_shape_guards(module)
+
+
+def concrete_sizes(val: Any) -> Any:
+    """``val`` with each size export left symbolic but pinned to one value (a dimension
+    marked ``Dim.AUTO`` that the model fixes) as a plain int, as if it had never varied: the
+    passes after capture tell fixed sizes from varying ones by ``isinstance(size, int)``."""
+    if isinstance(val, torch.SymInt):
+        pinned = val.node.maybe_as_int()
+        return val if pinned is None else pinned
+    if not isinstance(val, torch.Tensor) or not hasattr(val, "fake_mode"):
+        return val
+    if all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+        return val
+    size = [concrete_sizes(d) for d in val.shape]
+    stride = [concrete_sizes(d) for d in val.stride()]
+    with val.fake_mode:
+        return torch.empty_strided(size, stride, dtype=val.dtype, device=val.device)
 
 
 def _refuse_autocast(model: torch.nn.Module, program: torch.export.ExportedProgram) -> None:
@@ -131,17 +166,19 @@ def unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[
     return tree_map(distinct, args), tree_map(distinct, kwargs)
 
 
-def batch_dims(example_args: tuple[Any, ...], example_kwargs: dict[str, Any]) -> Any:
-    """``dynamic_shapes`` marking dim 0 of every tensor input ``Dim.AUTO``, shaped like the
-    inputs (None for what is not a tensor), positional then keyword values."""
+def batch_dims(
+    example_args: tuple[Any, ...], example_kwargs: dict[str, Any], every_dim: bool = False
+) -> Any:
+    """``dynamic_shapes`` marking dim 0 (or every dim) of every tensor input ``Dim.AUTO``,
+    shaped like the inputs (None for what is not a tensor), positional then keyword values."""
     return (
-        *(batch_spec(a) for a in example_args),
-        *(batch_spec(v) for v in example_kwargs.values()),
+        *(batch_spec(a, every_dim) for a in example_args),
+        *(batch_spec(v, every_dim) for v in example_kwargs.values()),
     )
 
 
 def batch_dims_by_name(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], every_dim: bool = False
 ) -> Any:
     """``batch_dims`` keyed by the names of ``model.forward``'s parameters.
 
@@ -153,8 +190,8 @@ def batch_dims_by_name(
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
     except (TypeError, ValueError):  # no signature to bind: as the arguments come
-        return batch_dims(args, kwargs)
-    return {name: batch_spec(value) for name, value in bound.arguments.items()}
+        return batch_dims(args, kwargs, every_dim)
+    return {name: batch_spec(value, every_dim) for name, value in bound.arguments.items()}
 
 
 def _export(
@@ -163,6 +200,7 @@ def _export(
     kwargs: dict[str, Any],
     dynamic_shapes: Any,
     dynamic_batch: bool,
+    every_dim: bool = False,
 ) -> torch.export.ExportedProgram:
     """Export, with a varying batch dimension by default; at the example's shapes, with one
     ``QuantreeWarning`` saying so and why, where the batch cannot vary."""
@@ -172,6 +210,15 @@ def _export(
         return torch.export.export(view, args, kwargs, dynamic_shapes=shapes)
     if not dynamic_batch:
         return torch.export.export(model, args, kwargs)
+    if every_dim:
+        try:
+            return torch.export.export(
+                view, args, kwargs, dynamic_shapes=batch_dims_by_name(view, args, kwargs, True)
+            )
+        except (QuantreeError, GuardOnDataDependentSymNode):
+            raise
+        except Exception:  # the model's code refuses some varying dimension: the batch alone
+            pass
     try:
         program = torch.export.export(
             view, args, kwargs, dynamic_shapes=batch_dims_by_name(view, args, kwargs)
@@ -279,13 +326,29 @@ def _set_training(model: torch.nn.Module, mode: bool) -> None:
 def export_batch_dynamic(
     module: torch.nn.Module, example_args: tuple[Any, ...], dynamic_batch: bool = True
 ) -> torch.export.ExportedProgram:
-    """Re-export a quantized module for saving: its first dimensions vary where the module
-    allows it (it was captured with them varying), else they are fixed to the example's."""
+    """Re-export a quantized module for saving: its dimensions vary where the module allows
+    it (it was captured with them varying: every dimension, else the first), else they are
+    fixed to the example's."""
     if dynamic_batch:
-        try:
-            return torch.export.export(
-                module, example_args, dynamic_shapes=batch_dims(example_args, {}), strict=False
-            )
-        except Exception:  # guards or kernels pin the shapes: save them as they are
-            pass
+        for every_dim in (True, False) if _varies_beyond_batch(module) else (False,):
+            try:
+                shapes = batch_dims(example_args, {}, every_dim)
+                return torch.export.export(
+                    module, example_args, dynamic_shapes=shapes, strict=False
+                )
+            except Exception:  # guards or kernels pin the shapes: fewer vary
+                pass
     return torch.export.export(module, example_args, strict=False)
+
+
+def _varies_beyond_batch(module: torch.nn.Module) -> bool:
+    """Whether a captured graph takes an input with a symbolic dimension after the first
+    (a sequence length): only then is every dimension left to vary when re-exporting, so a
+    model captured at fixed sizes is saved at them."""
+    if not isinstance(module, fx.GraphModule):
+        return False
+    for node in module.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and any(not isinstance(d, int) for d in val.shape[1:]):
+            return True
+    return False

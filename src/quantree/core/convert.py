@@ -17,7 +17,6 @@ import torch
 import torch.fx as fx
 
 from quantree.core.errors import QuantreeError, QuantreeWarning
-from quantree.core.fold import own_written_state
 from quantree.core.graphs import (
     copy_graph_module,
     drop_attr,
@@ -26,7 +25,7 @@ from quantree.core.graphs import (
     register_constant,
     replace_submodule,
 )
-from quantree.core.group_params import (
+from quantree.core.grouping.group_params import (
     check_calibrated,
     describe_unobserved,
     resolve_params,
@@ -34,6 +33,9 @@ from quantree.core.group_params import (
     vanishing_groups,
     with_dependents,
 )
+from quantree.core.grouping.sharing import Group
+from quantree.core.normalizing.fold import own_written_state
+from quantree.core.observing.qparams import SCALE_FLOOR, per_channel_mismatch
 from quantree.core.qdq import (
     DEQUANTIZE_PER_CHANNEL,
     DEQUANTIZE_PER_TENSOR,
@@ -41,8 +43,6 @@ from quantree.core.qdq import (
     QUANTIZE_PER_TENSOR,
     quantize_tensor,
 )
-from quantree.core.qparams import SCALE_FLOOR, per_channel_mismatch
-from quantree.core.sharing import Group
 from quantree.core.specs import QDtype, QParams
 from quantree.core.stages import (
     CONVERTED,

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import copy_graph_module, fetch_attr, register_constant
+from quantree.core.grouping.sharing import Group
 from quantree.core.qdq import (
     DEQUANTIZE_OPS,
     QUANTIZE_OPS,
@@ -28,7 +29,6 @@ from quantree.core.qdq import (
     params_of,
     quantize_tensor,
 )
-from quantree.core.sharing import Group
 from quantree.core.specs import QParams
 from quantree.core.stages import CONVERTED, GROUPS_KEY, NodeQuant, node_quant, require_stage
 from quantree.core.values import module_scope

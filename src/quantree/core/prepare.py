@@ -17,14 +17,13 @@ import torch.fx as fx
 
 from quantree.core.annotate import annotate, warn_float_ops
 from quantree.core.errors import QuantreeError, QuantreeWarning
-from quantree.core.fold import written_to
 from quantree.core.graphs import fetch_attr, nested_graphs
-from quantree.core.groups import form_groups
-from quantree.core.normalize import normalize
-from quantree.core.observers import NonFiniteValues, Observer, make_observer
-from quantree.core.pt2e import bind_quantizer
+from quantree.core.grouping.groups import form_groups
+from quantree.core.grouping.sharing import Group
+from quantree.core.normalizing.fold import written_to
+from quantree.core.normalizing.normalize import normalize
+from quantree.core.observing.observers import NonFiniteValues, Observer, make_observer
 from quantree.core.quantizer import Annotation, Quantizer, idle_scopes
-from quantree.core.sharing import Group
 from quantree.core.specs import QuantSpec
 from quantree.core.stages import GROUPS_KEY, NODE_KEY, OBSERVER_KEY, PREPARED, STAGE_KEY, NodeQuant
 from quantree.core.values import Key, Path, Value, value_carriers, value_of
@@ -37,14 +36,19 @@ _TRAINING_ARG = {
 }
 
 
-def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
+def prepare(
+    gm: fx.GraphModule, quantizer: Quantizer | Any, *, stacklevel: int = 2
+) -> fx.GraphModule:
     """A copy of ``gm`` with observers, ready to calibrate; ``gm`` itself is not changed.
 
-    ``quantizer`` is a quantree ``Quantizer`` or a pt2e one (torchao's ``Quantizer``: its
-    annotations are translated, see ``quantree.core.pt2e``).
+    ``quantizer`` is a quantree ``Quantizer``; ``quantree.prepare`` also takes a pt2e one
+    (torchao's ``Quantizer``), wrapped by ``quantree.recipes.pt2e`` into one whose ``bind``
+    translates its annotations.
 
     Nodes whose annotation carries a ``decompose`` hook are replaced first (cells mode's
     loops); every graph nested in the modules that adds is then observed like the main one.
+    ``stacklevel`` is where its warnings point, as ``warnings.warn`` counts (2: the caller;
+    ``quantree.prepare``, which calls this one, passes 3 so they point at its own caller).
     """
     if STAGE_KEY in gm.meta:
         raise QuantreeError(
@@ -55,18 +59,28 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
     _check_eval_mode(gm)
     _check_no_nan_constants(gm)
     gm = normalize(gm)
-    gm, quantizer = bind_quantizer(gm, quantizer)
+    gm, quantizer = _bind(gm, quantizer)
     seen = list(gm.graph.nodes)  # what the rules see, nodes later decomposed included
-    observe(gm, annotate(gm, quantizer))
+    observe(gm, annotate(gm, quantizer), stacklevel + 1)
     for body in nested_graphs(gm).values():
         seen += body.graph.nodes
-        observe(body, annotate(body, quantizer))
+        observe(body, annotate(body, quantizer), stacklevel + 1)
         body.meta[STAGE_KEY] = PREPARED
     gm.recompile()
     for idle in idle_scopes(quantizer.rules, seen):
-        warnings.warn(idle.message, QuantreeWarning, stacklevel=2)
+        warnings.warn(idle.message, QuantreeWarning, stacklevel=stacklevel)
     gm.meta[STAGE_KEY] = PREPARED
     return gm
+
+
+def _bind(gm: fx.GraphModule, quantizer: Any) -> tuple[fx.GraphModule, Quantizer]:
+    """What ``prepare`` annotates with: ``quantizer.bind(gm)``, for a quantree quantizer."""
+    if isinstance(quantizer, Quantizer):
+        return quantizer.bind(gm)
+    raise QuantreeError(
+        f"prepare needs a quantree Quantizer (e.g. qt.Int8Quantizer()) or a pt2e Quantizer "
+        f"(torchao's X86InductorQuantizer, ExecuTorch's), got {type(quantizer).__name__}"
+    )
 
 
 def _check_captured(gm: fx.GraphModule) -> None:
@@ -181,7 +195,9 @@ def _check_no_nan_constants(gm: fx.GraphModule) -> None:
         )
 
 
-def observe(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) -> None:
+def observe(
+    gm: fx.GraphModule, annotations: dict[fx.Node, Annotation], stacklevel: int = 3
+) -> None:
     """Record ``annotations`` on ``gm`` in place and insert one observer per sharing group."""
     groups, group_of = form_groups(annotations)
     carriers = value_carriers(gm.graph)
@@ -220,6 +236,6 @@ def observe(gm: fx.GraphModule, annotations: dict[fx.Node, Annotation]) -> None:
                 call = gm.graph.call_module(name, (carrier,))
             call.meta[OBSERVER_KEY] = gid
     gm.meta[GROUPS_KEY] = groups
-    warn_float_ops(gm, annotations)
+    warn_float_ops(gm, annotations, stacklevel + 1)
     gm.graph.lint()
     gm.recompile()

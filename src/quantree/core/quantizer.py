@@ -166,6 +166,12 @@ class Quantizer:
     def __add__(self, other: Quantizer) -> Quantizer:
         return Quantizer(self._rules + other.rules)
 
+    def bind(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, Quantizer]:
+        """The graph ``prepare`` annotates and the quantizer that annotates it: ``gm`` and this
+        one as they are. A quantizer standing for another toolchain's (``recipes.pt2e``)
+        runs that toolchain on ``gm`` here, so the core never needs to know it."""
+        return gm, self
+
     def annotate_node(self, node: fx.Node) -> Annotation | None:
         """The annotation of the last rule that matches ``node`` and returns one."""
         for rule in reversed(self._rules):

@@ -18,7 +18,7 @@ from quantree.core.quantizer import Annotation
 from quantree.core.values import Path
 
 if TYPE_CHECKING:
-    from quantree.core.sharing import Group
+    from quantree.core.grouping.sharing import Group
 
 STAGE_KEY = "quantree_stage"
 """``gm.meta`` key: :data:`PREPARED` or :data:`CONVERTED`, so each step refuses the wrong input."""
@@ -39,6 +39,11 @@ FOLDED_FROM_KEY = "quantree_folded_from"
 float tensor it quantizes. One float bias serves every call site of an unrolled layer, while
 its int32 grid follows each call site's input scale, so a backend may store the float tensor
 once and derive each call site's integers from it."""
+VALUE_OF_KEY = "quantree_value_of"
+"""``node.meta`` key on a node holding a Value of a node a pass removed: ``(name, leaf path)``
+of that Value in the graph before the pass (the last layer's output of a stacked recurrent
+call that prepare split into layers is ``(stacked call, (0,))``), so tools comparing with the
+captured model still find the user's layer. Backends carry it onto the kernels they insert."""
 OUTPUT_GRID_KEY = "quantree_output_grid"
 """``node.meta`` key on a kernel with an int8 output: its ``(scale, zero_point)``."""
 

@@ -67,7 +67,7 @@ def build_cells(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> Rec
             param(p.w_ih), param(p.w_hh), optional(p.b_ih), optional(p.b_hh), optional(p.w_hr)
         )
         x = torch.zeros(batch, w.w_ih.shape[1])
-        example_states = [torch.zeros(batch, s.shape[-1]) for s in states]
+        example_states = [torch.zeros(batch, _example_size(s.shape[-1])) for s in states]
         name = loop_name(p.layer, p.direction)
         stack = dict(node.meta.get("nn_module_stack") or {})
         owner = list(stack.values())[-1][0] if stack else ""
@@ -80,7 +80,7 @@ def build_cells(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> Rec
         else:
             body = rnn_body(w, x, example_states[0], call.kind == "rnn_relu", stack)
         loops[name] = CellLoop(body, reverse=p.direction == 1)
-    return RecurrentCells(call, loops, tuple(s.shape[-1] for s in states))
+    return RecurrentCells(call, loops, tuple(_example_size(s.shape[-1]) for s in states))
 
 
 def decompose(gm: fx.GraphModule, node: fx.Node, options: CellsOptions) -> fx.Node:

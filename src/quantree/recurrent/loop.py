@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from quantree.core.observers import Observer, per_call
+from quantree.core.observing.observers import Observer, per_call
 from quantree.recurrent.call import RecurrentCall
 
 

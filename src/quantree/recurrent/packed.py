@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from quantree.core.errors import QuantreeError
+from quantree.recurrent import free_length
 
 aten = torch.ops.aten
 VF = torch._C._VariableFunctions
@@ -129,9 +130,7 @@ def packed_sequences(model: nn.Module) -> Iterator[list[str]]:
 
     patches: dict[str, Any] = {"_pack_padded_sequence": pack, "_pad_packed_sequence": pad}
     for kind in KINDS:
-        original = getattr(VF, kind)
-        packed = recurrent(kind)
-        patches[kind] = _by_overload(original, packed)
+        patches[kind] = _by_overload(free_length.call(kind), recurrent(kind))
     wrapped = [m for m in model.modules() if isinstance(m, nn.RNNBase)]
     names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
     for module in wrapped:
@@ -153,13 +152,13 @@ def packed_sequences(model: nn.Module) -> Iterator[list[str]]:
                     delattr(module, method)
 
 
-def _by_overload(original: Callable[..., Any], packed: Callable[..., Any]) -> Callable[..., Any]:
+def _by_overload(padded: Callable[..., Any], packed: Callable[..., Any]) -> Callable[..., Any]:
     """``_VF.lstm(data, batch_sizes, ...)`` is the packed overload, ``(input, hx, ...)`` not."""
 
     def call(*args: Any) -> Any:
         if isinstance(args[1], Tensor) and not args[1].is_floating_point():
             return packed(*args)
-        return original(*args)
+        return padded(*args)
 
     return call
 
@@ -229,6 +228,8 @@ def restore_aten(gm: fx.GraphModule) -> None:
     """Replace the capture-time ops by the ATen ops they stand for (same arguments)."""
     ops = torch.ops.quantree_packed
     for node in list(gm.graph.nodes):
+        if free_length.restore(node):
+            continue
         if node.target == ops.pack.default:
             node.target = aten._pack_padded_sequence.default
         elif node.target == ops.pad.default:
@@ -251,6 +252,8 @@ def as_capture_ops(gm: fx.GraphModule) -> None:
     ops = torch.ops.quantree_packed
     packs = {}
     for node in list(gm.graph.nodes):
+        if free_length.as_capture_op(node):
+            continue
         if node.target == aten._pack_padded_sequence.default:
             node.target = ops.pack.default
             packs[node] = node.args[1]

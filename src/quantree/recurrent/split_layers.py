@@ -11,9 +11,9 @@ output an ordinary Value: observed, quantized, and each call one native layer.
 The same holds for LSTM, GRU and tanh RNN stacks, whose inner states are bounded: left whole,
 the CPU backend carries them at int16 (a bound that holds for any input, or the range the
 call took), which costs two byte-plane passes of the next layer's input and of the inner
-layers' recurrent products. Observed, each boundary is one int8 tensor like any other:
-measured on random-weight stacks (2-3 layers, LSTM/GRU/RNN, bidirectional or not), 0.4-0.7
-dB lower SQNR against float and 15-35% less time (benchmarks/README.md, "Stacked layers").
+layers' recurrent products. Observed, each boundary is one int8 tensor like any other: on
+random-weight stacks that traded a little SQNR for a clear saving of time
+(benchmarks/README.md, "Stacked layers split per layer").
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from quantree.core.stages import VALUE_OF_KEY
 from quantree.recurrent.call import PACKED_OPS, RecurrentCall
 
 aten = torch.ops.aten
@@ -42,6 +43,11 @@ SPLITTABLE = (
 )
 RELU_ONLY = (aten.rnn_relu.input, aten.rnn_relu.data)
 """What is split with ``split_layers=False``: nothing bounds a ReLU RNN's inner states."""
+
+
+def layer_name(name: str, layer: int) -> str:
+    """The node name of layer ``layer`` of stacked call ``name`` once split."""
+    return f"{name}_l{layer}"
 
 
 def splittable(node: fx.Node, kinds: tuple[object, ...] = RELU_ONLY) -> bool:
@@ -128,7 +134,7 @@ def split_layers(gm: fx.GraphModule, node: fx.Node) -> None:
                 if packed
                 else (out, state, weights, *rest, batch_first)
             )
-            call = add(node.target, *args, val=layer_val(layer), name=f"{node.name}_l{layer}")
+            call = add(node.target, *args, val=layer_val(layer), name=layer_name(node.name, layer))
             if layer < num_layers - 1:
                 call.meta[SPLIT_LAYER_KEY] = layer
             out = add(operator.getitem, call, 0)
@@ -136,6 +142,8 @@ def split_layers(gm: fx.GraphModule, node: fx.Node) -> None:
                 states[i].append(add(operator.getitem, call, 1 + i))
         finals = [add(aten.cat.default, s, 0) for s in states]
     results = [out, *finals]
+    for leaf, result in enumerate(results):  # the stacked call's leaves, for tools
+        result.meta[VALUE_OF_KEY] = (node.name, (leaf,))
     for user in list(node.users):
         index = user.args[1] if user.target is operator.getitem else None
         assert isinstance(index, int) and 0 <= index <= n_states, f"{user} reads {node} by {index}"

@@ -4,7 +4,7 @@ A moving-average observer trades the extremes for a range that ignores rare outl
 an ordinary activation that costs the clipped values once. A hidden state is different: what
 a layer outputs at step t is what step t + 1 reads. Whole mode's native kernel requantizes
 the fed-back h at every step on a grid covering the output sequence's, the initial and the
-returned state's ranges (``backends/cpu/lowering_recurrent``), and cells mode's ``hidden``
+returned state's ranges (``backends/cpu/rules/recurrent.py``), and cells mode's ``hidden``
 point is the state ``h_prev`` carries, so a clipped h feeds its error into every later step.
 And h has no outliers to be robust against: an LSTM's or tanh RNN's lies in (-1, 1), a GRU's
 within its initial state's bound; larger inputs just drive it towards the bound.
@@ -14,13 +14,10 @@ sequence and every initial and returned state (``c_n`` too: a streaming model fe
 back as the next call's ``c_0``; inside, the kernel keeps c in float), in cells mode
 ``hidden`` (``h_prev`` shares it; a ``hidden`` pinned in ``points`` keeps the spec given).
 Cells mode's int8 ``cell`` point keeps the observer asked for: c is unbounded and requantized
-every step, so there the range trades clipping against resolution (min-max on it cost 4-5
-dB where the initial cell states were drawn wide; an int16 cell state is min-max anyway).
-
-Measured (input-dependent SQNR against float, lowered; ``benchmarks/README.md``, "Recurrent
-states and moving averages"): a whole-mode LSTM 16 -> 32 given initial states of a spread
-that varies by batch, h_n / c_n with the moving average 28.6 / 28.3 dB before, 33.4 / 34.1
-dB after, min-max 37.3 / 38.1 dB (the rest of the gap is the input's own averaged range).
+every step, so there the range trades clipping against resolution (min-max on it lost
+resolution where the initial cell states were drawn wide; an int16 cell state is min-max
+anyway). The measurements: ``benchmarks/README.md``, "Recurrent layers: packed cells mode,
+int8 packing, states and moving averages".
 """
 
 from __future__ import annotations

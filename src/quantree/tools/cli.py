@@ -1,4 +1,7 @@
-"""The ``quantree`` command line: demo, quantize a saved program, inspect one.
+"""The ``quantree`` command line: demo, quantize, inspect, compare, report, export.
+
+The arguments are defined in ``quantree_cli``, which parses them before torch is imported
+and then calls :func:`run` (``python -m quantree_cli`` or the ``quantree`` script).
 
 Errors a user can fix (a missing, truncated or wrong-type file, an unavailable option) print
 one line on stderr and exit with status 2; a quantization error (quantree's own error type)
@@ -17,7 +20,6 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from quantree.core.calibrate import BadBatch, as_call, calibrate, check_batch
-from quantree.core.distributed import RankFailed, in_process_group
 from quantree.core.errors import QuantreeError, QuantreeWarning
+from quantree.core.observing.distributed import RankFailed, in_process_group
+from quantree.recipes.int8 import Int8Quantizer, RecurrentMode
+from quantree.tools.commands.model_source import fixed_batch_note, is_factory, load_factory
 from quantree.tools.files import (
     BadFile,
     check_output,
@@ -47,70 +51,10 @@ class UsageError(BadFile):
     """An option that cannot be honoured in this build (cells mode, a backend)."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="quantree", description="Graph-mode post-training static quantization for PyTorch."
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    demo = commands.add_parser("demo", help="quantize the bundled char-level LSTM and report")
-    demo.add_argument("--calibration-batches", type=int, default=50)
-    demo.add_argument(
-        "--eval-chars", type=int, default=100_000, help="validation characters for bits/char"
-    )
-    demo.add_argument("--report", default="quantree-report/report.html", help="HTML report path")
-    demo.add_argument("--all", action="store_true", help="also the cells-mode and a16w8 recipes")
-
-    quantize = commands.add_parser("quantize", help="quantize a program saved by torch.export")
-    quantize.add_argument("model", help="MODEL.pt2 written by torch.export.save")
-    quantize.add_argument(
-        "--calibration", required=True, help="DATA.pt: torch.save'd list of argument tuples"
-    )
-    quantize.add_argument("-o", "--output", required=True, help="where to write OUT.pt2")
-    quantize.add_argument(
-        "--backend",
-        choices=("reference", "cpu"),
-        default="reference",
-        help="reference: quantize/dequantize graph (default); cpu: native int8 kernels "
-        "(to load the output elsewhere, import quantree first)",
-    )
-    quantize.add_argument(
-        "--static-batch",
-        action="store_true",
-        help="save OUT.pt2 with every dimension fixed to the first calibration batch's "
-        "(default: the first dimension stays dynamic where MODEL.pt2 allows it)",
-    )
-    quantize.add_argument(
-        "--recurrent",
-        choices=("whole", "cells"),
-        default="whole",
-        help="whole: LSTM/GRU/RNN quantized at their boundary (default); cells: every gate "
-        "and the cell state a quantization point",
-    )
-    quantize.add_argument(
-        "--format",
-        choices=("pt2", "onnx"),
-        default="pt2",
-        help="pt2: a torch.export archive (default); onnx: QDQ ONNX of the reference graph "
-        "(needs the [onnx] extra)",
-    )
-    quantize.add_argument("--report", help="also write an HTML report of per-tensor SQNR")
-    quantize.add_argument("--quiet", action="store_true", help="no progress bar")
-
-    inspect = commands.add_parser("inspect", help="show what a quantized .pt2 quantizes and how")
-    inspect.add_argument("model", help="a .pt2 program (e.g. written by quantree quantize)")
-    return parser
-
-
 def _quantizer(recurrent: str) -> Any:
-    import quantree as qt
-
     if recurrent == "whole":
-        return qt.Int8Quantizer()
-    mode = getattr(qt, "RecurrentMode", None)
-    if mode is None:
-        raise UsageError("--recurrent cells: cells mode is not available in this build")
-    return qt.Int8Quantizer(recurrent=mode.CELLS)
+        return Int8Quantizer()
+    return Int8Quantizer(recurrent=RecurrentMode.CELLS)
 
 
 def _backend(name: str) -> Any:
@@ -191,6 +135,24 @@ def _process_group() -> Any:
         dist.destroy_process_group()
 
 
+def _model(args: argparse.Namespace, data: list[tuple[Any, ...]]) -> fx.GraphModule:
+    """The graph to quantize: a saved program's, or a factory's model captured as
+    ``qt.quantize`` captures it (first dimension dynamic unless ``--static-batch``)."""
+    if is_factory(args.model):
+        from quantree.recurrent.capture import capture
+
+        model, example = load_factory(args.model)
+        module = capture(model, example, dynamic_batch=not args.static_batch)
+    else:
+        program = load_program(args.model)
+        note = None if args.static_batch else fixed_batch_note(program, args.model)
+        if note is not None:
+            warnings.warn(note, QuantreeWarning, stacklevel=2)
+        module = program_module(program, args.model)
+    _check_fits(module, data[0], args.calibration)
+    return module
+
+
 def quantize_command(args: argparse.Namespace) -> int:
     from quantree.core.convert import convert
     from quantree.core.lower import lower
@@ -205,16 +167,14 @@ def quantize_command(args: argparse.Namespace) -> int:
                 f"path, e.g. --report {Path(args.output).with_suffix('.html')}"
             )
         check_output(args.report, inputs)  # a report may go to a new directory, as the demo's
-    program = load_program(args.model)
     data = load_calibration(args.calibration)
     quantizer = _quantizer(args.recurrent)
     backend = _backend(args.backend)
-    if args.format == "onnx" and args.backend != "reference":
-        raise UsageError("--format onnx writes the reference graph; drop --backend cpu")
-    module = program_module(program, args.model)
-    _check_fits(module, data[0], args.calibration)
+    if args.format != "pt2" and args.backend != "reference":
+        raise UsageError(f"--format {args.format} writes the reference graph; drop --backend cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        module = _model(args, data)
         with _process_group():
             prepared = prepare(module, quantizer)
             _calibrate(prepared, data, args)
@@ -222,18 +182,19 @@ def quantize_command(args: argparse.Namespace) -> int:
             if processes > 1 and dist.get_rank() != 0:
                 return 0  # rank 0 writes the outputs
         quantized = lower(convert(prepared), backend)
-    for w in caught:
-        if issubclass(w.category, QuantreeWarning):
-            print(f"quantree: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
-    if args.format == "onnx":
-        from quantree.backends.onnx import export_onnx
+    if args.format != "pt2":
+        from quantree.backends.onnx import OnnxTarget, export_onnx
         from quantree.tools.files import atomic_write
 
-        written = atomic_write(
-            args.output,
-            lambda tmp: export_onnx(quantized, data[0], tmp),
-            protect=(args.model, args.calibration),
-        )
+        target = OnnxTarget.ONNXRUNTIME if args.format == "onnxruntime" else OnnxTarget.QDQ
+        with warnings.catch_warnings(record=True) as exported:
+            warnings.simplefilter("always")
+            written = atomic_write(
+                args.output,
+                lambda tmp: export_onnx(quantized, data[0], tmp, target=target),
+                protect=(args.model, args.calibration),
+            )
+        caught += exported
     else:
         written = save_program(
             quantized,
@@ -242,6 +203,9 @@ def quantize_command(args: argparse.Namespace) -> int:
             protect=(args.model,),
             dynamic_batch=not args.static_batch,
         )
+    for w in caught:
+        if issubclass(w.category, QuantreeWarning):
+            print(f"quantree: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     across = f" on {processes} processes" if processes > 1 else ""
     print(f"quantized {args.model} on {len(data)} calibration batch(es){across} -> {written}")
     if args.report:
@@ -287,7 +251,7 @@ def _write_report(
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    from quantree.backends.cpu.serialize import fold_saved_recipes
+    from quantree.backends.cpu.saved.serialize import fold_saved_recipes
     from quantree.tools.inspection import summary
 
     program = load_program(args.model)
@@ -305,9 +269,19 @@ def demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(None if argv is None else list(argv))
-    command = {"demo": demo_command, "quantize": quantize_command, "inspect": inspect_command}
+def run(args: argparse.Namespace) -> int:
+    """Run the command ``quantree_cli`` parsed; errors a user can fix are one line on stderr."""
+    from quantree.tools.commands.compare import compare_command, report_command
+    from quantree.tools.commands.export import export_command
+
+    command = {
+        "demo": demo_command,
+        "quantize": quantize_command,
+        "inspect": inspect_command,
+        "compare": compare_command,
+        "report": report_command,
+        "export": export_command,
+    }
     try:
         return command[args.command](args)
     except BadFile as error:
@@ -321,7 +295,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(error).split())
         print(f"quantree: error: {message[:500]}", file=sys.stderr)
         return EXIT_QUANTIZE_FAILED
-
-
-if __name__ == "__main__":
-    sys.exit(main())

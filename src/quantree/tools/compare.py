@@ -10,25 +10,32 @@ Graphs nested in both models (the cell body of a cells-mode layer, run once per 
 are compared too, call by call, when the float model has them: pass the prepared model as
 the float reference (its observers are the identity and are not run). Signal and noise
 energies accumulate over every batch and call before the ratio is taken.
+
+Each float tensor is kept as a copy taken when its op ran: torch.export keeps in-place ops
+(``relu_`` of ``ReLU(inplace=True)``, ``add_`` of ``out += identity``), which would otherwise
+overwrite the reference before the quantized tensor is compared with it. A stacked recurrent
+call that prepare split into layers is found through the nodes that record which of its
+leaves they hold (``VALUE_OF_KEY``), so its rows keep the user's layer. A float tensor with
+no counterpart is listed in ``Comparison.unmatched`` with the reason, never dropped.
 """
 
 from __future__ import annotations
 
-import enum
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_map
 
-from quantree.capturing import capture
 from quantree.core.calibrate import as_args
 from quantree.core.graphs import nested_graphs
-from quantree.core.normalize import normalize
+from quantree.core.normalizing.normalize import normalize
 from quantree.core.stages import STAGE_KEY
-from quantree.core.values import Path, leaves_with_paths
+from quantree.core.values import leaves_with_paths
+from quantree.recurrent.capture import capture
+from quantree.tools.comparison import Comparison, RowKind, TensorRow
 from quantree.tools.matching import (
     OUTPUT,
     VALUE,
@@ -51,105 +58,27 @@ from quantree.tools.time_steps import (
     call_sqnrs,
     cell_state,
     layer_label,
+    module_path,
     output_series,
-    render_steps,
     step_energies,
     step_sqnrs,
     time_axis,
+)
+from quantree.tools.unmatched import (
+    NEVER_RAN,
+    NO_OUTPUT,
+    NOT_A_GRAPH,
+    Unmatched,
+    shapes_differ,
 )
 
 ROOT = ""
 
 
-class RowKind(enum.Enum):
-    """What a row measures: a node's output leaf, a constant an op reads, or a model output."""
-
-    VALUE = VALUE
-    WEIGHT = WEIGHT
-    OUTPUT = OUTPUT
-
-
-@dataclass(frozen=True)
-class TensorRow:
-    """SQNR of one tensor over every compared batch."""
-
-    name: str  # "lstm[1]", "head.weight -> linear[1]", "output", "<scope>/gates_split[0] (i_pre)"
-    node: str  # node name, prefixed by "<scope>/" inside a nested graph
-    path: Path
-    kind: RowKind
-    op: str
-    quantization: str  # "int8", "int16", "int8 per-channel", or "float" (no q/dq found)
-    shape: tuple[int, ...]
-    signal: float  # sum of squares of the float tensor
-    noise: float  # sum of squares of (float - quantized)
-    order: int  # position in the float graph
-    steps: tuple[float, ...] = ()  # SQNR dB per time step of a recurrent output or state
-    layer: str = ""  # with steps: the recurrent layer they belong to (its module path)
-    series: str = ""  # with steps: "output", or a cells-mode state ("cell l0_reverse")
-
-    @property
-    def sqnr_db(self) -> float:
-        if self.noise == 0.0:
-            return math.inf
-        return 10.0 * math.log10(max(self.signal, 1e-30) / self.noise)
-
-    def record(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "node": self.node,
-            "path": list(self.path),
-            "kind": self.kind.value,
-            "op": self.op,
-            "quantization": self.quantization,
-            "shape": list(self.shape),
-            "sqnr_db": self.sqnr_db,
-            "steps_sqnr_db": list(self.steps),
-            "layer": self.layer,
-            "series": self.series,
-        }
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """The rows of :func:`compare`, worst SQNR first."""
-
-    rows: tuple[TensorRow, ...]
-    batches: int
-
-    def records(self) -> list[dict[str, Any]]:
-        return [row.record() for row in self.rows]
-
-    def row(self, name: str) -> TensorRow:
-        for row in self.rows:
-            if row.name == name:
-                return row
-        raise KeyError(f"no row named {name!r}; rows: {[r.name for r in self.rows]}")
-
-    @property
-    def outputs(self) -> tuple[TensorRow, ...]:
-        return tuple(r for r in self.rows if r.kind is RowKind.OUTPUT)
-
-    def render(self, limit: int | None = None) -> str:
-        rows = self.rows[:limit] if limit is not None else self.rows
-        width = max([len("tensor"), *(len(r.name) for r in rows)])
-        opw = max([len("op"), *(len(r.op) for r in rows)])
-        lines = [
-            f"per-tensor SQNR over {self.batches} batch(es), worst first",
-            f"{'tensor':<{width}}  {'op':<{opw}}  {'quantized as':<18}  {'shape':<16}  SQNR dB",
-        ]
-        for r in rows:
-            shape = "x".join(str(s) for s in r.shape) or "scalar"
-            lines.append(
-                f"{r.name:<{width}}  {r.op:<{opw}}  {r.quantization:<18}  {shape:<16}  "
-                + (f"{r.sqnr_db:7.1f}" if math.isfinite(r.sqnr_db) else "  exact")
-            )
-        if limit is not None and len(self.rows) > limit:
-            lines.append(f"... and {len(self.rows) - limit} more")
-        steps = render_steps((r.name, r.steps) for r in self.rows)
-        return "\n".join([*lines, *([steps] if steps else [])])
-
-    def __str__(self) -> str:
-        return self.render()
+def fresh(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A copy of every tensor in ``args``: a model that writes into its input in place
+    would otherwise hand the next model (and the user) a changed batch."""
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args)
 
 
 @dataclass
@@ -160,6 +89,8 @@ class _Stat:
     signal: float = 0.0
     noise: float = 0.0
     seen: bool = False
+    missing: str = ""  # why the quantized model has no counterpart (while not seen)
+    owner: str = ""  # the float node whose module the row belongs to, when not the key's
     time_axis: int | None = None
     step_signal: torch.Tensor | None = None
     step_noise: torch.Tensor | None = None
@@ -217,6 +148,7 @@ class _Session:
         self.reference: dict[tuple[str, int], dict[Key, torch.Tensor]] = {}
         self.quantized_plans: dict[str, Plan] | None = None
         self.weights_done: set[tuple[str, Key]] = set()
+        self.modules: dict[str, str] = {}  # float node name -> the user's module path
 
     @staticmethod
     def _scoped(scope: str, d: Described, index: int) -> Described:
@@ -228,8 +160,8 @@ class _Session:
         store = self.reference.setdefault((scope, call), dict(self.weights[scope]))
 
         def keep(key: Key, value: Any) -> None:
-            if is_float(value):
-                store[key] = value.detach()
+            if is_float(value):  # a copy: a later in-place op (relu_, add_) writes into it
+                store[key] = value.detach().clone()
 
         return keep
 
@@ -238,7 +170,10 @@ class _Session:
 
         def accumulate(key: Key, value: Any) -> None:
             ref = store.get(key)
-            if ref is None or not is_float(value) or value.shape != ref.shape:
+            if ref is None or not is_float(value):
+                return
+            if value.shape != ref.shape:
+                self.stats[(scope, key)].missing = shapes_differ(tuple(ref.shape), value.shape)
                 return
             if key[0] == WEIGHT:
                 if (scope, key) in self.weights_done:
@@ -257,6 +192,7 @@ class _Session:
 
     def run_float(self, args: tuple[Any, ...]) -> None:
         self.reference.clear()
+        args = fresh(args)
         nested = {s: p for s, p in self.float_plans.items() if s != ROOT}
         with torch.no_grad(), recording_nested(self.float_gm, nested, self.keeper):
             out = Recorder(self.float_gm, self.float_plans[ROOT], self.keeper(ROOT, 0)).run(*args)
@@ -304,11 +240,16 @@ class _Session:
                     described = self._scoped(scope, describe_value(nodes, key), index)
                     self.stats[(scope, key)] = self._value_stat(scope, gm, nodes, key, described)
             if not isinstance(self.quantized, fx.GraphModule):
+                for (s, key), stat in self.stats.items():
+                    if s == scope and key[0] != OUTPUT:
+                        stat.missing = NOT_A_GRAPH
                 continue
             target = self.quantized if scope == ROOT else self.quantized.get_submodule(scope)
             assert isinstance(target, fx.GraphModule)
             plan, how = quantized_plan(target, gm, [k for s, k in self.stats if s == scope])
             self.quantized_plans[scope] = plan
+            for key, reason in plan.missing.items():
+                self.stats[(scope, key)].missing = reason
             for key, text in how.items():
                 stat = self.stats[(scope, key)]
                 stat.quantization = text
@@ -320,6 +261,10 @@ class _Session:
                     stat.described = self._scoped(
                         scope, Described(fused, op_name(producer), order), index
                     )
+                    stat.owner = producer.name
+                    inner = self.stats.get((scope, (VALUE, producer.name, ())))
+                    if inner is not None:
+                        inner.missing = f"fused into a kernel: read as row {fused}"
         if isinstance(self.quantized, fx.GraphModule):
             outputs = [k for s, k in self.stats if s == ROOT and k[0] == OUTPUT]
             for key, how_out in zip(outputs, output_quantization(self.quantized), strict=False):
@@ -328,6 +273,7 @@ class _Session:
 
     def run_quantized(self, args: tuple[Any, ...]) -> None:
         plans = self.quantized_plans or {}
+        args = fresh(args)
         with torch.no_grad():
             if isinstance(self.quantized, fx.GraphModule):
                 nested = {s: p for s, p in plans.items() if s != ROOT}
@@ -339,9 +285,39 @@ class _Session:
         accumulate = self.accumulator(ROOT, 0)
         for path, leaf in leaves_with_paths(out):
             accumulate((OUTPUT, "output", path), leaf)
+        for (_, key), stat in self.stats.items():
+            if key[0] == OUTPUT and not stat.seen and not stat.missing:
+                stat.missing = NO_OUTPUT
+
+    def _module(self, scope: str, name: str) -> str:
+        """The user's module path of node ``name``; inside a nested graph (a cells-mode
+        body), the module of the root node that runs it."""
+        if scope != ROOT:
+            owner = next(
+                (
+                    n
+                    for n in self.float_gm.graph.nodes
+                    if n.op == "call_module" and scope.startswith(f"{n.target}.")
+                ),
+                None,
+            )
+            return module_path(owner) if owner is not None else ""
+        if not self.modules:
+            self.modules = {n.name: module_path(n) for n in self.float_gm.graph.nodes}
+        return self.modules.get(name, "")
+
+    def unmatched(self) -> list[Unmatched]:
+        found: list[tuple[int, Unmatched]] = []
+        for (scope, key), stat in self.stats.items():
+            if stat.seen:
+                continue
+            d = stat.described
+            node = key[1] if scope == ROOT else f"{scope}/{key[1]}"
+            found.append((d.order, Unmatched(d.name, node, d.op, stat.missing or NEVER_RAN)))
+        return [u for _, u in sorted(found, key=lambda f: (f[0], f[1].name))]
 
     def rows(self) -> list[TensorRow]:
-        rows = []
+        rows, plans = [], self.quantized_plans or {}
         for (scope, key), stat in self.stats.items():
             if not stat.seen:
                 continue
@@ -362,6 +338,8 @@ class _Session:
                     steps := stat.steps(),
                     stat.layer if steps else "",
                     stat.series if steps else "",
+                    plans[scope].read_at.get(key) if scope in plans else None,
+                    self._module(scope, stat.owner or key[1]) if key[0] != OUTPUT else "",
                 )
             )
         rows.sort(key=lambda r: (r.sqnr_db, r.order, r.name))
@@ -397,4 +375,6 @@ def compare(
         session.run_float(args)
         session.run_quantized(args)
         count += 1
-    return Comparison(tuple(session.rows() if session else ()), count)
+    if session is None:
+        return Comparison((), count)
+    return Comparison(tuple(session.rows()), count, tuple(session.unmatched()))

@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-import quantree as qt
-from quantree.capturing import capture
 from quantree.core.calibrate import calibrate
 from quantree.core.convert import convert
 from quantree.core.lower import REFERENCE, Backend, lower
 from quantree.core.prepare import prepare
 from quantree.core.quantizer import Quantizer
+from quantree.core.specs import QDtype
+from quantree.recipes.int8 import A16W8Quantizer, Int8Quantizer, RecurrentMode
+from quantree.recurrent.capture import capture
 from quantree.tools.compare import Comparison, compare
 from quantree.tools.inspection import summary
 from quantree.tools.measure import latencies_ms, model_bytes, torch_threads
@@ -55,23 +56,23 @@ def _resolve(name: str) -> tuple[object | None, str]:
 
 
 def int8_whole() -> Quantizer:
-    return qt.Int8Quantizer()
+    return Int8Quantizer()
 
 
 def int8_cells_int16_cell() -> Quantizer:
-    return qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS, cell_state_dtype=qt.QDtype.INT16)
+    return Int8Quantizer(recurrent=RecurrentMode.CELLS, cell_state_dtype=QDtype.INT16)
 
 
 def integer_lstm() -> Quantizer:
-    return qt.Int8Quantizer(
-        recurrent=qt.RecurrentMode.CELLS,
-        cell_state_dtype=qt.QDtype.INT16,
-        gate_dtype=qt.QDtype.INT16,
+    return Int8Quantizer(
+        recurrent=RecurrentMode.CELLS,
+        cell_state_dtype=QDtype.INT16,
+        gate_dtype=QDtype.INT16,
     )
 
 
 def a16w8() -> Quantizer:
-    return qt.A16W8Quantizer()
+    return A16W8Quantizer()
 
 
 def cpu_backend() -> Backend:

@@ -17,9 +17,6 @@ half-written file and the input is never opened for writing.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import logging
 import os
 import pickle
 import tempfile
@@ -28,98 +25,26 @@ from typing import Any
 
 import torch
 
-from quantree.backends.cpu.fake_check import check_on_example
-from quantree.backends.cpu.load_budget import LoadBudget, LoadBudgetExceeded, budget_for
-from quantree.core.calibrate import as_args
-from quantree.core.errors import QuantreeError
-from quantree.tools.archive import (
+from quantree.backends.cpu.saved.archive import (
     NEVER_UNPICKLED,
     BadFile,
-    check_archive,
     first_line,
     is_export_archive,
     no_protocol_warning,
-    weights_only_everywhere,
 )
-from quantree.tools.vocabulary import program_errors
-
-
-def _existing(path: str | Path, what: str) -> Path:
-    p = Path(path)
-    if not p.exists():
-        raise BadFile(f"{p}: no such file ({what})")
-    if not p.is_file():
-        raise BadFile(f"{p}: not a regular file ({what})")
-    return p
-
-
-def register_backend_ops() -> None:
-    """Import the built-in backends so programs using their custom ops can be loaded."""
-    with contextlib.suppress(ImportError):
-        importlib.import_module("quantree.backends")
-
-
-def load_program(
-    path: str | Path, budget: LoadBudget | None = None
-) -> torch.export.ExportedProgram:
-    """A program saved with ``torch.export.save``, loaded without unpickling anything, within
-    ``budget`` (default: ``load_budget.budget_for(path)``), of quantree's dialect only
-    (``vocabulary.py``: checked on the file's text before torch resolves a name, then on
-    the loaded graph before anything calls it).
-
-    The one way quantree reads a ``.pt2`` (the CLI and ``quantree.backends.load``).
-    """
-    p = _existing(path, "expected a program saved with torch.export.save")
-    register_backend_ops()  # the dialect's quantree:: ops, so that names resolve
-    try:
-        check_archive(p, budget_for(p) if budget is None else budget)
-    except BadFile:
-        raise
-    except LoadBudgetExceeded as error:
-        raise BadFile(f"{p}: {error}") from None
-    except Exception as error:  # a damaged archive the checks' readers choke on: refused
-        raise BadFile(f"{p}: not a readable torch.export archive: {first_line(error)}") from None
-    try:
-        with weights_only_everywhere() as records:
-            program = torch.export.load(str(p))
-    except Exception as error:
-        raise BadFile(
-            f"{p}: not a readable torch.export program (truncated, or saved some other way): "
-            f"{first_line(error)}"
-        ) from None
-    for record in records:
-        if "weights_only=False" in record.getMessage():  # cannot happen: checked, then forced
-            raise BadFile(f"{p}: torch fell back to unpickling a member; {NEVER_UNPICKLED}")
-        logging.getLogger(record.name).handle(record)
-    if not isinstance(program, torch.export.ExportedProgram):
-        raise BadFile(f"{p}: holds a {type(program).__name__}, not an ExportedProgram")
-    for refused in program_errors(program):
-        raise BadFile(f"{p}: refused, {refused} (quantree loads only its own dialect)")
-    return program
-
-
-def program_module(
-    program: torch.export.ExportedProgram, path: str | Path, *, check: bool = True
-) -> torch.fx.GraphModule:
-    """``program.module()``, a ``BadFile`` naming ``path`` where torch cannot build it (its
-    call graph or signature contradicts the graph: torch asserts) or, with ``check``, where
-    a node does not run on fake tensors like the saved example (``fake_check.py``)."""
-    try:
-        module = program.module()
-    except Exception as error:
-        what = first_line(error)
-        raise BadFile(f"{path}: not a consistent torch.export program: {what}") from None
-    if check:
-        try:
-            check_on_example(module, program.example_inputs, budget_for(path).total)
-        except QuantreeError as error:
-            raise BadFile(f"{path}: {error}") from None
-    return module
+from quantree.backends.cpu.saved.reader import (  # noqa: F401  (re-exported)
+    existing,
+    load_program,
+    program_module,
+    register_backend_ops,
+)
+from quantree.core.calibrate import as_args
+from quantree.core.errors import QuantreeError
 
 
 def load_calibration(path: str | Path) -> list[tuple[Any, ...]]:
     """A non-empty list of argument tuples saved with ``torch.save`` (a lone tensor = 1-tuple)."""
-    p = _existing(path, "expected calibration data saved with torch.save")
+    p = existing(path, "expected calibration data saved with torch.save")
     if is_export_archive(p):
         raise BadFile(
             f"{p}: is a torch.export program, not calibration data; the model comes first: "
@@ -214,7 +139,7 @@ def save_program(
     """Export ``module`` with ``example_args`` and write it as ``quantree.backends.save``
     does (compacted, graph description deflated); the first dimensions stay dynamic where
     the module allows it."""
-    from quantree.backends.cpu.serialize import saved_program, write_program
+    from quantree.backends.cpu.saved.serialize import saved_program, write_program
 
     try:
         program = saved_program(module, tuple(example_args), dynamic_batch)

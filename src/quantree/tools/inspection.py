@@ -1,5 +1,8 @@
 """inspection: what a quantized graph quantizes and how, read from the graph alone.
 
+Over 400 lines: the quantization points and the op statuses read the same q/dq vocabulary
+(reference and native) from a bare graph; split along that line when it grows.
+
 Works on any GraphModule with ``quantized_decomposed`` quantize/dequantize ops, or with the
 native int8 ones of ``quantree.backends.CPU``, including one loaded back from a ``.pt2`` file
 (no quantree metadata needed): each quantization point with
@@ -407,7 +410,7 @@ def _program_float_ops(gm: fx.GraphModule, node: fx.Node) -> collections.Counter
     table = attr_at(gm, str(code.target)) if isinstance(code, fx.Node) else None
     if not isinstance(table, torch.Tensor):
         return None
-    from quantree.backends.cpu.lowering_program import float_ops_of_code
+    from quantree.backends.cpu.passes.regions import float_ops_of_code
 
     return float_ops_of_code(table)
 

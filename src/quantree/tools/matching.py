@@ -20,10 +20,12 @@ import torch
 import torch.fx as fx
 
 from quantree.core.graphs import fetch_attr
-from quantree.core.observers import Observer
+from quantree.core.observing.observers import Observer
 from quantree.core.qdq import DEQUANTIZE_OPS, PER_CHANNEL_OPS, QUANTIZE_OPS
-from quantree.core.stages import OBSERVER_KEY, OUTPUT_GRID_KEY, REPLACES_KEY
+from quantree.core.stages import OBSERVER_KEY, OUTPUT_GRID_KEY, REPLACES_KEY, VALUE_OF_KEY
 from quantree.core.values import Path, arg_at, get_at, is_getitem, leaves_with_paths
+from quantree.recurrent.call import RecurrentCall
+from quantree.recurrent.split_layers import SPLITTABLE, layer_name
 
 VALUE, WEIGHT, OUTPUT = "value", "weight", "output"
 Key = tuple[str, str, Path]  # (kind, node name, leaf path or argument path)
@@ -48,6 +50,10 @@ class Plan:
     inputs: Watch
     grids: dict[fx.Node, tuple[float, int]] = field(default_factory=dict)
     """Kernels whose int8 outputs are read dequantized, with their (scale, zero_point)."""
+    read_at: dict[Key, tuple[str, Path]] = field(default_factory=dict)
+    """Quantized graph only: the node (and leaf path in its output) each key is read at."""
+    missing: dict[Key, str] = field(default_factory=dict)
+    """Quantized graph only: keys found nowhere, and why."""
 
 
 def describe_quantization(node: fx.Node) -> str:
@@ -126,13 +132,19 @@ def float_plan(gm: fx.GraphModule) -> tuple[Plan, dict[Key, Described], dict[Key
 
 
 def describe_value(nodes: dict[str, tuple[int, fx.Node]], key: Key) -> Described:
-    """``lstm[1]``, or ``gates_split[0] (i_pre)`` when the leaf's getitem has its own name.
+    """``lstm[1]``, or ``gates_split[0] (i_pre)`` when the leaf's getitem has its own name,
+    or ``lstm_l1[0] (lstm[0])`` for a Value standing for one of a removed node's (the last
+    layer of a stacked call prepare split holds the user's layer's output).
 
     ``nodes`` maps node names to (position, node): ``{n.name: (i, n) for i, n in ...}``.
     """
     order, node = nodes[key[1]]
     suffix = "".join(f"[{p!r}]" for p in key[2])
     leaf, rest = carrier(node, key[2])
+    origin = leaf.meta.get(VALUE_OF_KEY) if not rest else None
+    if origin is not None:
+        shown = f"{origin[0]}" + "".join(f"[{p!r}]" for p in origin[1])
+        return Described(f"{node.name}{suffix} ({shown})", op_name(node), order)
     named = leaf is not node and not rest and not leaf.name.startswith("getitem")
     name = f"{node.name}{suffix}" + (f" ({leaf.name})" if named else "")
     return Described(name, op_name(node), order)
@@ -141,18 +153,30 @@ def describe_value(nodes: dict[str, tuple[int, fx.Node]], key: Key) -> Described
 def quantized_plan(
     gm: fx.GraphModule, float_gm: fx.GraphModule, keys: Iterable[Key]
 ) -> tuple[Plan, dict[Key, str]]:
-    """Where each float key is read in the quantized graph, and how it is quantized there."""
+    """Where each float key is read in the quantized graph, and how it is quantized there.
+
+    A key found nowhere gets the reason in ``plan.missing``; where one is read is in
+    ``plan.read_at`` (the quantized node and the leaf path inside its output)."""
     by_name = {n.name: n for n in gm.graph.nodes}
     float_by_name = {n.name: n for n in float_gm.graph.nodes}
     kernels = {n.meta[REPLACES_KEY][0]: n for n in gm.graph.nodes if REPLACES_KEY in n.meta}
+    origins = {n.meta[VALUE_OF_KEY]: n for n in gm.graph.nodes if VALUE_OF_KEY in n.meta}
+    live = live_nodes(float_gm)
     plan, how = Plan({}, {}), {}
     for key in keys:
         kind, name, path = key
         if kind == WEIGHT:
+            name, path = split_weight(float_by_name[name], path, by_name)
             user = by_name.get(name)
             if user is None or is_getitem(user):
+                plan.missing[key] = (
+                    "held inside a backend's kernel (packed), not a tensor the graph reads"
+                    if kernels
+                    else f"the op reading it ({name}) was replaced: read inside, not compared"
+                )
                 continue
             plan.inputs.setdefault(user, []).append((key, path))
+            plan.read_at[key] = (name, path)
             try:
                 source = arg_at(user, path)
             except (IndexError, KeyError, TypeError):
@@ -162,30 +186,90 @@ def quantized_plan(
             continue
         if kind != VALUE:
             continue
-        node = by_name.get(name)
-        if node is None or is_getitem(node):
-            f_carrier, rest = carrier(float_by_name[name], path)
-            kernel = kernels.get(f_carrier.name) if not rest else None
-            if kernel is not None:  # a backend's kernel computes this Value
-                plan.outputs.setdefault(kernel, []).append((key, ()))
-                grid = kernel.meta.get(OUTPUT_GRID_KEY)
-                if grid is not None:
-                    plan.grids[kernel] = grid
-                how[key] = "int8 kernel" if grid is not None else "kernel, float out"
-                continue
-            node = by_name.get(f_carrier.name) if f_carrier is not float_by_name[name] else None
-            if node is None:
-                continue
-            leaf, rest = carrier(node, rest)
-        else:
-            leaf, rest = carrier(node, path)
-        found = _dequantized_after(leaf) if not rest else None
-        if found is not None:
-            plan.outputs.setdefault(found[0], []).append((key, ()))
-            how[key] = found[1]
+        found = _locate(key, float_by_name[name], by_name, kernels, origins, live)
+        if isinstance(found, str):
+            plan.missing[key] = found
+            continue
+        leaf, rest = found
+        if REPLACES_KEY in leaf.meta and not rest:  # a backend's kernel computes this Value
+            plan.outputs.setdefault(leaf, []).append((key, ()))
+            plan.read_at[key] = (leaf.name, ())
+            grid = leaf.meta.get(OUTPUT_GRID_KEY)
+            if grid is not None:
+                plan.grids[leaf] = grid
+            how[key] = "int8 kernel" if grid is not None else "kernel, float out"
+            continue
+        dequantized = _dequantized_after(leaf) if not rest else None
+        if dequantized is not None:
+            plan.outputs.setdefault(dequantized[0], []).append((key, ()))
+            plan.read_at[key] = (dequantized[0].name, ())
+            how[key] = dequantized[1]
         else:
             plan.outputs.setdefault(leaf, []).append((key, rest))
+            plan.read_at[key] = (leaf.name, rest)
     return plan, how
+
+
+def _locate(
+    key: Key,
+    float_node: fx.Node,
+    by_name: dict[str, fx.Node],
+    kernels: dict[str, fx.Node],
+    origins: dict[tuple[str, Path], fx.Node],
+    live: set[fx.Node],
+) -> tuple[fx.Node, Path] | str:
+    """The quantized node holding float Value ``key`` and the path left inside its output,
+    or why there is none. By name first (convert keeps names); then the surviving leaf
+    carrier, a kernel that records the carrier, or a node recording the Value's origin (a
+    stacked recurrent call split into layers)."""
+    _, name, path = key
+    node = by_name.get(name)
+    if node is not None and not is_getitem(node):
+        return carrier(node, path)
+    f_carrier, rest = carrier(float_node, path)
+    kernel = kernels.get(f_carrier.name) if not rest else None
+    if kernel is not None:
+        return kernel, ()
+    origin = origins.get((name, tuple(path)))
+    if origin is not None:
+        return origin, ()
+    node = by_name.get(f_carrier.name) if f_carrier is not float_node else None
+    if node is not None:
+        return carrier(node, rest)
+    if not rest and f_carrier not in live:
+        return "unused by the model: the quantized model does not compute it"
+    if float_node.op == "call_function" and not float_node.all_input_nodes:
+        return "a constant the graph makes (zeros): the quantized graph folds or remakes it"
+    return f"no node of the quantized graph computes it ({name} was replaced or removed)"
+
+
+def live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose value reaches the graph's output (or an in-place write into one)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    live, todo = {output}, [output]
+    while todo:
+        for source in todo.pop().all_input_nodes:
+            if source not in live:
+                live.add(source)
+                todo.append(source)
+    return live
+
+
+def split_weight(float_node: fx.Node, path: Path, by_name: dict[str, fx.Node]) -> tuple[str, Path]:
+    """Where a layer call reads the constant at ``path`` of a stacked recurrent call that
+    prepare split into layers (``recurrent/split_layers.py``): the weights of layer ``l`` are
+    the ``l``-th run of the stacked call's parameter list. Unchanged for any other call."""
+    name = float_node.name
+    split = layer_name(name, 0) in by_name and name not in by_name
+    if split and len(path) == 2 and float_node.target in SPLITTABLE:
+        params = float_node.args[path[0]]  # type: ignore[index]
+        layers = RecurrentCall.parse(float_node).num_layers
+        if isinstance(params, list | tuple) and isinstance(path[1], int) and layers > 1:
+            per = len(params) // layers
+            layer, index = divmod(path[1], per)
+            if layer_name(name, layer) in by_name:
+                return layer_name(name, layer), (path[0], index)
+    return name, path
 
 
 def fused_producer(gm: fx.GraphModule, float_gm: fx.GraphModule, name: str) -> fx.Node | None:

@@ -1,5 +1,8 @@
 """report: a self-contained HTML file with tables and plots embedded inline.
 
+Over 400 lines: the HTML report's plots and tables in one self-contained writer; the
+plots move to their own module when another one is added.
+
 Plots are drawn with matplotlib's canvases directly (no pyplot, no global backend switch):
 bar charts as PNG inlined as base64 ``data:`` URIs, line charts of SQNR per time step as
 inline SVG (text stays text, lines stay sharp at any zoom). The report is one file that
@@ -410,6 +413,12 @@ class Report:
                 for r in comparison.rows
             ],
         )
+        if comparison.unmatched:  # never dropped silently: what has no row, and why
+            self.paragraph(f"{len(comparison.unmatched)} float tensor(s) not compared:")
+            self.table(
+                ["tensor", "op", "why"],
+                [(u.name, u.op, u.reason) for u in comparison.unmatched],
+            )
 
     def html(self) -> str:
         title = html.escape(self.title)

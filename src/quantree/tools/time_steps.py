@@ -19,7 +19,7 @@ from quantree.recurrent.loop import CellLoop, RecurrentCells
 from quantree.recurrent.split_layers import SPLIT_LAYER_KEY
 
 STATE_POINTS = ("hidden", "cell")
-"""The named points of a cell body that the loop carries to the next step (README)."""
+"""The named points of a cell body that the loop carries to the next step (docs/recurrent.md)."""
 
 
 def time_axis(node: fx.Node, path: Path, root: torch.nn.Module | None = None) -> int | None:
@@ -39,11 +39,15 @@ def time_axis(node: fx.Node, path: Path, root: torch.nn.Module | None = None) ->
     return 1 if RecurrentCall.parse(node).batch_first else 0
 
 
+def module_path(node: fx.Node) -> str:
+    """The path of the user's module that ran ``node`` (``encoder.rnn``), or ``""``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else ""
+
+
 def layer_label(node: fx.Node) -> str:
     """The user's name for the layer ``node`` runs (``encoder.rnn``), else the node's name."""
-    stack = node.meta.get("nn_module_stack") or {}
-    path = str(list(stack.values())[-1][0]) if stack else ""
-    return path or node.name
+    return module_path(node) or node.name
 
 
 def output_series(node: fx.Node) -> str:

@@ -1,6 +1,6 @@
 """The native int8 CPU backend: lowering rules, packed weights, and C++ kernels."""
 
 from quantree.backends.cpu.backend import CPU, cpu_backend
-from quantree.backends.cpu.serialize import load, save
+from quantree.backends.cpu.saved.serialize import load, save
 
 __all__ = ["CPU", "cpu_backend", "load", "save"]

@@ -17,30 +17,34 @@ import warnings
 import torch
 import torch.fx as fx
 
-from quantree.backends.cpu.cells_layer import NativeRecurrentCells
-from quantree.backends.cpu.cells_native import NativeCellLoop, compile_body
-from quantree.backends.cpu.direct import call_directly
-from quantree.backends.cpu.float_report import warn_float_ops
-from quantree.backends.cpu.lowering_avg_pool import lower_avg_pool
-from quantree.backends.cpu.lowering_batch_norm import lower_batch_norm
-from quantree.backends.cpu.lowering_casts import drop_identity_casts
-from quantree.backends.cpu.lowering_cat import lower_cat
-from quantree.backends.cpu.lowering_cell import lower_cell
-from quantree.backends.cpu.lowering_conv_transpose import lower_conv_transpose
-from quantree.backends.cpu.lowering_embedding import lower_embedding
-from quantree.backends.cpu.lowering_fold import fold_input_independent
-from quantree.backends.cpu.lowering_group_norm import lower_group_norm
-from quantree.backends.cpu.lowering_linear import lower_conv2d, lower_linear
-from quantree.backends.cpu.lowering_masked_fill import lower_masked_fill
-from quantree.backends.cpu.lowering_mean import lower_mean
-from quantree.backends.cpu.lowering_packed_qkv import split_packed_qkv
-from quantree.backends.cpu.lowering_packing import (
+from quantree.backends.cpu.cells.layer import NativeRecurrentCells
+from quantree.backends.cpu.cells.program import NativeCellLoop, compile_body
+from quantree.backends.cpu.native.direct import call_directly
+from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
+from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
+from quantree.backends.cpu.native.loader import library
+from quantree.backends.cpu.passes.casts import drop_identity_casts
+from quantree.backends.cpu.passes.float_report import warn_float_ops
+from quantree.backends.cpu.passes.fold import fold_input_independent
+from quantree.backends.cpu.passes.packed_qkv import split_packed_qkv
+from quantree.backends.cpu.passes.regions import fuse_regions
+from quantree.backends.cpu.passes.rms_norm import recognise_rms_norm
+from quantree.backends.cpu.passes.shared_constants import share_identical
+from quantree.backends.cpu.passes.simulated import simulated_ops, warn_simulated
+from quantree.backends.cpu.rules.cat import lower_cat
+from quantree.backends.cpu.rules.conv_transpose import lower_conv_transpose
+from quantree.backends.cpu.rules.cumsum import lower_cumsum
+from quantree.backends.cpu.rules.embedding import lower_embedding
+from quantree.backends.cpu.rules.linear import lower_conv2d, lower_linear
+from quantree.backends.cpu.rules.masked_fill import lower_masked_fill
+from quantree.backends.cpu.rules.norm import lower_batch_norm, lower_group_norm
+from quantree.backends.cpu.rules.packed_sequence import (
     lower_gather,
     lower_metadata_reads,
     lower_packing,
 )
-from quantree.backends.cpu.lowering_program import fuse_regions
-from quantree.backends.cpu.lowering_qdq import (
+from quantree.backends.cpu.rules.pool import lower_avg_pool, lower_mean
+from quantree.backends.cpu.rules.qdq import (
     lower_binary,
     lower_matmul,
     lower_max_pool,
@@ -49,16 +53,11 @@ from quantree.backends.cpu.lowering_qdq import (
     lower_softmax,
     native_quantize_dequantize,
 )
-from quantree.backends.cpu.lowering_recurrent import recurrent_rule
-from quantree.backends.cpu.lowering_rms_norm import recognise_rms_norm
-from quantree.backends.cpu.lowering_views import lower_view_chain
-from quantree.backends.cpu.lowering_wide import lower_wide
-from quantree.backends.cpu.native import library
-from quantree.backends.cpu.simulated import simulated_ops, warn_simulated
-from quantree.core.constants import share_identical
+from quantree.backends.cpu.rules.recurrent import recurrent_rule
+from quantree.backends.cpu.rules.recurrent_cell import lower_cell
+from quantree.backends.cpu.rules.views import lower_view_chain
+from quantree.backends.cpu.rules.wide import lower_wide
 from quantree.core.errors import QuantreeWarning
-from quantree.core.fast_attributes import read_buffers_directly
-from quantree.core.flat_inputs import bind_flat_inputs
 from quantree.core.graphs import nested_graphs, replace_submodule
 from quantree.core.lower import Backend, LoweringRule, lower
 from quantree.core.stages import GROUPS_KEY
@@ -97,7 +96,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
 def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
     """Lower every submodule graph that carries quantree's groups (cells-mode cell bodies),
     then run each cell loop whose lowered body compiles as one native program, and each
-    layer whose loops all do so on the native layer's short call path (``cells_layer``).
+    layer whose loops all do so on the native layer's short call path (``cells/layer.py``).
 
     The modules on the path to each replaced one are copied first, so the reference model,
     which shares them, is left as it was.
@@ -136,9 +135,9 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
     """The native CPU backend; ``hidden_bits`` is how recurrent layers feed h back.
 
     8 (``CPU``): int8 like every other activation, the fastest. 16: int16 split into two
-    byte planes, one fused VNNI pass; free at batch 1 (the step is memory bound), about 1.2x
-    the recurrence cost at large batch, and single-layer recurrences then match the
-    reference to 55-65 dB instead of 38-45 dB.
+    byte planes, one fused VNNI pass; free at batch 1 (the step is memory bound), a little
+    dearer at large batch, and single-layer recurrences then follow the reference much more
+    closely (figures: benchmarks/README.md, "Figures moved from docstrings").
     """
     rules: tuple[LoweringRule, ...] = (
         recurrent_rule(hidden_bits),
@@ -157,6 +156,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_masked_fill,
         lower_max_pool,
         lower_mean,
+        lower_cumsum,
         lower_avg_pool,
         lower_batch_norm,
         lower_group_norm,

@@ -24,6 +24,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from quantree.backends.fastest import reference_of
+from quantree.backends.onnx.target import OnnxTarget, finish_export
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import copy_graph_module, nested_graphs
 from quantree.core.qdq import QUANTIZE_OPS, QUANTIZE_PER_TENSOR
@@ -51,33 +53,50 @@ def export_onnx(
     example_kwargs: Mapping[str, Any] | None = None,
     dynamic_shapes: Any = None,
     opset: int | None = None,
+    target: OnnxTarget = OnnxTarget.QDQ,
 ) -> Path:
     """Write the reference graph ``ref`` (``qt.convert`` output) to ``path`` as QDQ ONNX.
 
-    ``example_args`` are the inputs the graph is exported with (as for ``torch.export``; its
-    shapes are fixed unless ``dynamic_shapes`` says otherwise). Every tensor leaf of the
-    output, nested ones included (``(out, (h, c))``), is one ONNX output, named ``output``
-    or ``output_<path>`` (``output_1_0`` for ``h``). ``opset`` defaults to the exporter's,
-    or 21 when the graph quantizes to int16. Returns the path written.
+    A model ``qt.quantize`` or ``qt.lower`` lowered to a backend is exported from the
+    reference graph it keeps.
+
+    ``example_args`` are the inputs the graph is exported with (as for ``torch.export``).
+    A dimension varies in ONNX where it varies in ``ref`` (captured with ``dynamic_shapes``);
+    ``dynamic_shapes`` here may fix more, never free one ``ref`` fixed (see ``shapes``).
+    Every tensor leaf of the output, nested ones included (``(out, (h, c))``), is one ONNX
+    output, named ``output`` or ``output_<path>`` (``output_1_0`` for ``h``). ``opset``
+    defaults to the exporter's, or 21 when the graph quantizes to int16. ``target`` (see
+    ``target``): standard QDQ for any runtime, or ONNX Runtime's integer recurrent operators.
+    Returns the path written.
     """
     _require_onnx()
+    if isinstance(ref, fx.GraphModule):
+        ref = reference_of(ref) or ref  # what qt.quantize and qt.lower lowered keeps its reference
     if not isinstance(ref, fx.GraphModule) or ref.meta.get(STAGE_KEY) != CONVERTED:
         stage = stage_of(ref) if isinstance(ref, fx.GraphModule) else type(ref).__name__
         raise QuantreeError(
-            f"export_onnx needs the reference graph qt.convert returns (or qt.quantize with the "
-            f"default backend), got a {stage} model; a model lowered to a backend holds that "
-            "backend's kernels, which ONNX cannot express"
+            f"export_onnx needs the reference graph qt.convert returns (or a model qt.quantize "
+            f"or qt.lower returned), got a {stage} model"
         )
+    if not isinstance(target, OnnxTarget):
+        raise QuantreeError(f"target must be a qt.OnnxTarget (QDQ or ONNXRUNTIME), got {target!r}")
     if not isinstance(example_args, tuple):
         raise QuantreeError(
             f"example_args must be a tuple of the model's positional arguments, got "
             f"{type(example_args).__name__}; write (x,) for a single input"
         )
     from quantree.backends.onnx.recurrent import rewrite_recurrent
+    from quantree.backends.onnx.shapes import (
+        captured_dynamic_shapes,
+        check_exported_dims,
+        pin_numeric_dims,
+    )
 
     gm = copy_graph_module(ref)
     rewrite_recurrent(gm)
     kwargs = dict(example_kwargs or {})
+    if dynamic_shapes is None:
+        dynamic_shapes = captured_dynamic_shapes(ref, example_args, kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -86,6 +105,7 @@ def export_onnx(
             raise QuantreeError(
                 f"torch.export could not trace the reference graph for ONNX: {_first(error)}"
             ) from error
+    check_exported_dims(ref, program)
     if opset is None and _needs_int16(ref):
         opset = INT16_OPSET
     table = _translations()
@@ -108,9 +128,11 @@ def export_onnx(
                 f"torch.onnx.export failed on the reference graph{where}: {_first(error)}"
             ) from error
     assert onnx_program is not None
-    target = Path(path)
-    onnx_program.save(str(target))
-    return target
+    pin_numeric_dims(onnx_program.model)
+    written = Path(path)
+    onnx_program.save(str(written))
+    finish_export(written, target)
+    return written
 
 
 def _first(error: BaseException) -> str:
@@ -204,7 +226,7 @@ def onnx_session(path: str | os.PathLike[str], *, threads: int | None = None) ->
     options = ort.SessionOptions()
     # ONNX Runtime fuses dequantize(int8 weight) -> MatMul into MatMulNBits, which by default
     # (accuracy level 4) rounds its float input to int8 first: an int16 input (what weights
-    # read in a transformer) lost 3 dB there (encoder: 0.008 off the reference, 2e-7 at level 1).
+    # read in a transformer) loses most of its extra precision there (benchmarks/README.md).
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     if threads is not None:
         options.intra_op_num_threads = threads

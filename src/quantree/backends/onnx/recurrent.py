@@ -109,8 +109,11 @@ class _Layer:
                 y, layer_finals = self._layer(layer, x, states)
                 for k, f in enumerate(layer_finals):
                     finals[k].append(f)
-                seq_first = self._call(aten.permute.default, y, [0, 2, 1, 3])
-                x = self._call(aten.flatten.using_ints, seq_first, 2, 3)  # [seq, batch, dirs * H]
+                if self.dirs == 1:  # [seq, 1, batch, H]: a squeeze, not a transposing copy
+                    x = self._call(aten.squeeze.dim, y, 1)
+                else:
+                    seq_first = self._call(aten.permute.default, y, [0, 2, 1, 3])
+                    x = self._call(aten.flatten.using_ints, seq_first, 2, 3)  # [seq, batch, 2H]
             if call.batch_first:
                 x = self._call(aten.transpose.int, x, 0, 1)
             results = [x] + [

@@ -1,0 +1,1 @@
+"""Cells mode, natively: a lowered cell body compiled into one program run for all steps."""

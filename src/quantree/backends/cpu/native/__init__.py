@@ -1,0 +1,1 @@
+"""The native kernels' plumbing: build, load, dispatch without the dispatcher, argument checks."""

@@ -1,0 +1,149 @@
+// int8 transposed convolution (1-d as 2-d of height 1) on a channels-last input: per panel of
+// input pixels and per group, the GEMM of the pixels' channels against the packed weight gives
+// every (tap, output channel) contribution of each pixel, which is scattered into an int32
+// accumulator at the output pixel the tap reaches (col2im); bias and requantization (or the
+// float output) run once per output element at the end, as conv's epilogue does.
+//
+// Why a scatter and not a convolution of the zero-stuffed input: the stuffed zeros are
+// stride^2 of the multiplications of a 2-d layer (stride 8 in a vocoder's upsampler: 7 of 8).
+// Why GEMM output in float: the shared micro-kernels (one per ISA, one packed layout) end in
+// conv's epilogue and have no int32 output. With scale 1, no bias and the zero-point correction
+// as the offset, that float is sum_k (x - zp) * w exactly while |sum| < 2^24: each term is at
+// most 255 * 127 in magnitude, so the reduction runs in chunks of CHUNK input channels
+// (512 * 255 * 127 < 2^24), each packed on its own and added in int32. The result is the
+// exact integer accumulation, whatever path ran the GEMM.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "qt_kernels.h"
+
+namespace {
+
+constexpr int64_t CHUNK = 512;  // input channels a GEMM reduces over at most (see above)
+constexpr int64_t PANEL = 128;  // input pixels a GEMM takes at once
+constexpr int64_t BLOCK = 256;  // GEMM columns (tap, output channel) written at once
+
+struct Geometry {
+    int64_t C, H, W, OC, groups, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW;
+};
+
+// Add the float columns [n0, n0 + nb) of `rows` input pixels (from pixel p0 of the image) to
+// the int32 accumulator [OH, OW, OC] of the image; columns are (tap, output channel of group
+// g), the exact integers the GEMM wrote.
+void scatter(const Geometry& g, int64_t grp, const float* cols, int64_t ldc, int64_t p0,
+             int64_t rows, int64_t n0, int64_t nb, int32_t* acc) {
+    const int64_t OCg = g.OC / g.groups;
+    const int64_t t_first = n0 / OCg, t_last = (n0 + nb - 1) / OCg;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t p = p0 + r, ih = p / g.W, iw = p % g.W;
+        const float* src_row = cols + r * ldc;
+        for (int64_t t = t_first; t <= t_last; ++t) {
+            const int64_t th = t / g.KW, tw = t % g.KW;
+            const int64_t oh = ih * g.sh - g.ph + th * g.dh, ow = iw * g.sw - g.pw + tw * g.dw;
+            if (oh < 0 || oh >= g.OH || ow < 0 || ow >= g.OW) continue;
+            const int64_t j0 = std::max<int64_t>(n0, t * OCg) - t * OCg;
+            const int64_t j1 = std::min<int64_t>(n0 + nb, (t + 1) * OCg) - t * OCg;
+            int32_t* dst = acc + (oh * g.OW + ow) * g.OC + grp * OCg;
+            const float* src = src_row + t * OCg - n0;
+            for (int64_t j = j0; j < j1; ++j) dst[j] += static_cast<int32_t>(src[j]);
+        }
+    }
+}
+
+// One output pixel's OC channels (at stride oc): (acc + off) * scale (+ bias).
+void epilogue_float(const int32_t* acc, const int32_t* off, const float* scale,
+                    const float* bias, int64_t OC, float* out, int64_t oc) {
+    for (int64_t o = 0; o < OC; ++o) {
+        float y = static_cast<float>(acc[o] + off[o]) * scale[o];
+        if (bias) y += bias[o];
+        out[o * oc] = y;
+    }
+}
+
+// The same requantized as conv's int8 epilogue: round((acc + off) * mult + add) + zp, clamped.
+void epilogue_int8(const int32_t* acc, const int32_t* off, const float* mult, const float* add,
+                   int64_t OC, float zp, float qmin, int8_t* out, int64_t oc) {
+    for (int64_t o = 0; o < OC; ++o) {
+        float q = qt::round_even(static_cast<float>(acc[o] + off[o]) * mult[o] + add[o]) + zp;
+        q = q < qmin ? qmin : (q > 127.0f ? 127.0f : q);
+        out[o * oc] = static_cast<int8_t>(q);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: int8 [N, H, W, C] dense (channels-last; a 1-d input is H = 1). The weight holds, group
+// after group, each chunk of at most CHUNK input channels packed on its own (qt_kernels.h's
+// layout) as the [KH * KW * OCg, Kc] matrix whose rows are ordered (kh, kw, output channel);
+// col_off holds, in the same order, the zero-point correction of each chunk's columns
+// (-(x_zp + 128) * the column's weight sum). Output element (n, o, oh, ow), at element strides
+// (on, oc, oh_s, ow_s), is (acc + out_off[o]) * scale[o] (+ bias[o]) as float, or requantized
+// to int8 (inv, zp, relu) as conv's epilogue does: round((acc + off) * (scale / s_out) +
+// bias / s_out) + zp. (ph, pw) is the padding torch removes at the output's start; OH and OW
+// include any output_padding.
+void qt_conv_transpose(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t W,
+                       int64_t OC, int64_t groups, int64_t KH, int64_t KW, int64_t sh,
+                       int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, int64_t OH,
+                       int64_t OW, const int8_t* w, const int32_t* col_off,
+                       const int32_t* out_off, const float* scale, const float* bias,
+                       int8_t* out_q, float* out_f, int64_t on, int64_t oc, int64_t oh_s,
+                       int64_t ow_s, float inv, float zp, int relu) try {
+    const Geometry g{C, H, W, OC, groups, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW};
+    if (batch <= 0 || OC <= 0 || OH <= 0 || OW <= 0) return;
+    const int64_t Cg = C / groups, OCg = OC / groups, N = KH * KW * OCg, P = H * W;
+    const int64_t chunks = Cg > 0 ? (Cg + CHUNK - 1) / CHUNK : 0;
+    const int64_t Np = (N + 15) / 16 * 16;
+    const int64_t panel = P < PANEL ? P : PANEL;
+    std::vector<int32_t> acc(static_cast<size_t>(OH * OW * OC));
+    const int64_t Kp_max = (std::min<int64_t>(Cg, CHUNK) + 3) / 4 * 4;
+    std::vector<uint8_t> a(static_cast<size_t>(panel * Kp_max));
+    const int64_t ldc = N < BLOCK ? N : BLOCK;
+    std::vector<float> cols(static_cast<size_t>(panel * ldc));
+    const std::vector<float> ones(static_cast<size_t>(N), 1.0f);
+    const float qmin = relu ? (zp > -128.0f ? zp : -128.0f) : -128.0f;
+    std::vector<float> mult(static_cast<size_t>(OC)), add(mult.size());
+    for (int64_t o = 0; o < OC; ++o) {  // conv's Requant (layers.cpp)
+        mult[o] = scale[o] * inv;
+        add[o] = bias ? bias[o] * inv : 0.0f;
+    }
+    for (int64_t n = 0; n < batch; ++n) {
+        std::fill(acc.begin(), acc.end(), 0);
+        for (int64_t p0 = 0; p0 < P; p0 += panel) {
+            const int64_t rows = P - p0 < panel ? P - p0 : panel;
+            const int8_t* xp = x + (n * P + p0) * C;
+            const int8_t* wg = w;
+            const int32_t* og = col_off;
+            for (int64_t grp = 0; grp < groups; ++grp) {
+                for (int64_t k = 0; k < chunks; ++k) {
+                    const int64_t Kc = std::min<int64_t>(CHUNK, Cg - k * CHUNK);
+                    const int64_t Kp = (Kc + 3) / 4 * 4;
+                    qt::to_u8(xp + grp * Cg + k * CHUNK, rows, Kc, C, a.data(), Kp);
+                    for (int64_t n0 = 0; n0 < N; n0 += BLOCK) {
+                        const int64_t nb = N - n0 < BLOCK ? N - n0 : BLOCK;
+                        qt::Epilogue ep{og + n0, ones.data() + n0, nullptr, cols.data(),
+                                        nullptr, ldc, 0.0f, 0.0f, -128.0f, 127.0f};
+                        qt::gemm_u8s8(rows, nb, Kp, a.data(), Kp, wg + n0 * Kp, ep);
+                        scatter(g, grp, cols.data(), ldc, p0, rows, n0, nb, acc.data());
+                    }
+                    wg += Np * Kp;
+                    og += N;
+                }
+            }
+        }
+        for (int64_t oh = 0; oh < OH; ++oh)
+            for (int64_t ow = 0; ow < OW; ++ow) {
+                const int32_t* src = acc.data() + (oh * OW + ow) * OC;
+                const int64_t base = n * on + oh * oh_s + ow * ow_s;
+                if (out_f)
+                    epilogue_float(src, out_off, scale, bias, OC, out_f + base, oc);
+                else
+                    epilogue_int8(src, out_off, mult.data(), add.data(), OC, zp, qmin,
+                                  out_q + base, oc);
+            }
+    }
+} QT_CATCH
+
+}  // extern "C"

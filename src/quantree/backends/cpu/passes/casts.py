@@ -1,0 +1,64 @@
+"""Casts to the dtype a value already has, and the dtype checks export puts before them,
+removed after lowering.
+
+Hugging Face's norms write ``hidden_states.to(torch.float32)`` on float32 activations; export
+keeps each as ``aten.to.dtype`` (which returns its input unchanged) preceded by an
+``_assert_tensor_metadata`` on the same value. Neither computes anything, but both read the
+value: a region program (``passes/regions.py``) ends wherever an op it does not run reads
+one of its values, so every RMSNorm of LLaMA or T5 cut the regions around it, and each is a
+dispatcher call on every forward. The dtypes of computed values are fixed by the graph's ops,
+and so are the constants', so the check on them cannot fail at run time; checks on the
+graph's inputs stay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from quantree.core.graphs import attr_at
+
+aten = torch.ops.aten
+
+
+def _dtype(gm: fx.GraphModule, n: fx.Node) -> torch.dtype | None:
+    val = attr_at(gm, str(n.target)) if n.op == "get_attr" else n.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _computed(n: object) -> bool:
+    """A value the graph makes or holds (a constant), not one the caller passes."""
+    return isinstance(n, fx.Node) and n.op in ("call_function", "get_attr")
+
+
+def drop_identity_casts(gm: fx.GraphModule) -> int:
+    """Remove ``to(dtype)`` of a computed value already of that dtype and the dtype checks on
+    computed values that agree with the graph; returns how many nodes went."""
+    graph = gm.graph
+    dropped = 0
+    for n in list(graph.nodes):
+        a: Any = n.args
+        if n.op != "call_function" or not a or not _computed(a[0]):
+            continue
+        if n.target == aten._assert_tensor_metadata.default:
+            dtype = n.kwargs.get("dtype", a[3] if len(a) > 3 else None)
+            sized = any(x is not None for x in a[1:3]) or n.kwargs.get("size") is not None
+            sized = sized or n.kwargs.get("stride") is not None
+            if dtype is not None and dtype == _dtype(gm, a[0]) and not sized and not n.users:
+                graph.erase_node(n)
+                dropped += 1
+        elif (
+            n.target == aten.to.dtype
+            and not n.kwargs
+            and len(a) == 2
+            and a[1] == _dtype(gm, a[0]) == _dtype(gm, n)
+        ):
+            n.replace_all_uses_with(a[0])
+            graph.erase_node(n)
+            dropped += 1
+    if dropped:
+        graph.lint()
+        gm.recompile()
+    return dropped

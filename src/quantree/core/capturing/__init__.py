@@ -1,0 +1,2 @@
+"""What capture needs beyond ``torch.export``: input trees, keyword inputs, data-dependent
+control flow, shape guards."""

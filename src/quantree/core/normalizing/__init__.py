@@ -1,0 +1,2 @@
+"""Graph rewrites prepare runs before annotation: canonical op forms, constant and batch-norm
+folding."""

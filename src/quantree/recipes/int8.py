@@ -1,0 +1,403 @@
+"""The default recipe: int8 activations (affine), int8 per-channel weights, int32 biases.
+
+Over 400 lines: the default recipe's rule table (``int8_rules``) and the two quantizers
+built on it read together; the A16W8 variant moves to its own module when it grows.
+
+Each rule is a small function from a node to an Annotation. Nested outputs need nothing
+special: an LSTM's annotation is a tuple of specs shaped like its output.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from quantree.core.errors import QuantreeError
+from quantree.core.quantizer import Annotation, Quantizer, Rule
+from quantree.core.specs import (
+    FixedSpec,
+    ObserverKind,
+    QDtype,
+    QuantSpec,
+    SharedSpec,
+    Spec,
+    int8_activation,
+    int8_weight,
+)
+from quantree.core.values import Use, Value, is_float_tensor, tensor_meta
+from quantree.recipes.activation_points import ActivationPoints, weighted_inputs_rules
+from quantree.recipes.float_only import on_floats
+from quantree.recipes.recurrent import cells_rules, fixed_sigmoid, fixed_tanh
+from quantree.recipes.transposed import (
+    TRANSPOSED_CONVS,
+    is_transposed_convolution,
+    transposed_annotation,
+)
+from quantree.recipes.weighted import weighted_annotation
+from quantree.recurrent.call import CELL_OPS, RECURRENT_OPS
+from quantree.recurrent.decompose import CellsOptions
+from quantree.recurrent.split_layers import RELU_ONLY, SPLITTABLE, split_layers, splittable
+from quantree.recurrent.whole import recurrent_cell_annotation, recurrent_whole_annotation
+
+aten = torch.ops.aten
+
+
+MASK_CARRIERS = (
+    *(aten.squeeze, aten.unsqueeze, aten.view, aten.reshape, aten.transpose, aten.permute),
+    *(aten.expand, aten.contiguous, aten.clone, aten._to_copy, aten.to, aten.slice),
+    *(aten.triu, aten.tril),  # nn.Transformer's causal mask: triu(full(-inf), 1)
+)
+"""Ops that pass their first operand's values on: an infinity in it stays one."""
+MASK_SUMS = (aten.add, aten.add_, aten.sub, aten.sub_, aten.baddbmm)
+"""Sums that carry an infinity in any operand to their result (an additive mask)."""
+
+
+def _masked_with_infinity(arg: object, depth: int = 0) -> bool:
+    """``arg`` can hold an infinity a mask put there: a ``masked_fill`` or ``full`` whose
+    value is not finite, seen through views and through sums with it. nn.MultiheadAttention
+    adds its key padding mask (-inf where padded) to the scores with ``baddbmm``, and
+    additive masks are added to scores by hand; no grid holds -inf, so calibration refused
+    such a sum or softmax input as "NaN or infinity" (``depth`` bounds the walk)."""
+    while isinstance(arg, fx.Node) and getattr(arg.target, "overloadpacket", None) in (
+        MASK_CARRIERS
+    ):
+        arg = arg.args[0]
+    if not isinstance(arg, fx.Node) or depth > 8:
+        return False
+    packet = getattr(arg.target, "overloadpacket", None)
+    if packet in MASK_SUMS:
+        return any(_masked_with_infinity(a, depth + 1) for a in arg.args[:3])
+    if packet in (aten.masked_fill, aten.masked_fill_):
+        value = arg.args[2] if len(arg.args) > 2 else None
+    elif packet is aten.full:
+        value = arg.args[1] if len(arg.args) > 1 else None
+    else:
+        return False
+    return isinstance(value, int | float) and not math.isfinite(value)
+
+
+BINARY_OPS = (
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.add_.Tensor,
+    aten.sub_.Tensor,
+    aten.mul_.Tensor,
+)
+"""Elementwise arithmetic on two tensors: inputs and output quantized."""
+SAME_AS_INPUT_OPS = (
+    aten.max_pool2d,
+    aten.max_pool2d_with_indices,
+    aten.max_pool1d,
+    aten.hardtanh,
+    aten.hardtanh_,
+    aten.relu6,
+    aten.clamp,
+    aten.max.dim,
+    aten.chunk,
+    aten.split,
+    aten.split_with_sizes,
+    aten.unbind,
+    aten.index_select,  # packing's sort by length
+    aten._pack_padded_sequence,  # the float rows move; batch sizes stay int64
+    aten._pad_packed_sequence,  # padding is 0.0, exact on any affine grid
+)
+"""Ops whose float outputs keep exactly the input's grid (max, clamp, splits, packing)."""
+UNARY_OPS = (
+    aten.layer_norm,
+    aten.group_norm,
+    aten.avg_pool2d,
+    aten.adaptive_avg_pool2d,
+    aten.mean,
+    aten.avg_pool1d,
+    aten.adaptive_avg_pool1d,
+    aten.gelu,
+    aten.silu,
+    aten.silu_,
+    aten.hardswish,
+    aten.hardswish_,
+    aten.hardsigmoid,
+    aten.hardsigmoid_,
+    aten.elu,
+    aten.elu_,
+    aten.leaky_relu,
+    aten.leaky_relu_,
+)
+"""Ops that change the range: input and output quantized separately."""
+SUM_OPS = (aten.sum,)
+"""A sum over float values changes the range like a mean (MobileViT's separable attention
+sums its context vector); a count over a mask is an integer and stays as it is."""
+RELU_OPS = (aten.relu, aten.relu_)
+NORM_OPS = (aten.batch_norm,)
+"""Eval batch norm no conv/linear absorbed (pre-activation norms): input and output, the
+output left to a following relu it fuses with, as a convolution's."""
+CAT_OPS = (aten.cat, aten.concat, aten.stack)
+FLOAT_UNDER_WEIGHTED_INPUTS = (
+    *BINARY_OPS,
+    *RELU_OPS,
+    aten.sigmoid,
+    aten.tanh,
+    *SAME_AS_INPUT_OPS,
+    *CAT_OPS,
+    *UNARY_OPS,
+    *NORM_OPS,
+    *SUM_OPS,
+    aten.softmax,
+    aten._softmax,
+)
+"""What EVERY_OP quantizes and WEIGHTED_INPUTS leaves float."""
+
+
+def _is_float_node(arg: object) -> bool:
+    return isinstance(arg, fx.Node) and is_float_tensor(tensor_meta(arg))
+
+
+def _sole_user_is(node: fx.Node, targets: tuple[object, ...]) -> bool:
+    users = list(node.users)
+    return len(users) == 1 and getattr(users[0].target, "overloadpacket", None) in targets
+
+
+class RecurrentMode(enum.Enum):
+    """WHOLE quantizes a recurrent layer at its boundary; CELLS decomposes it into cell loops
+    whose gates, cell state and hidden state are named quantization points."""
+
+    WHOLE = "whole"
+    CELLS = "cells"
+
+
+def cell_state_spec(dtype: QDtype, act: QuantSpec) -> QuantSpec:
+    """int16 cell state is symmetric with a power-of-two range (the integer-LSTM convention)."""
+    if dtype == act.dtype:
+        return act
+    return QuantSpec(dtype, symmetric=True, power_of_two=dtype == QDtype.INT16)
+
+
+class Int8Quantizer(Quantizer):
+    """int8 static quantization of the common ops; anything else stays in float.
+
+    ``activation_observer`` picks how activation ranges are calibrated (by default min-max,
+    and the histogram's error-minimising range where only what weights read is quantized,
+    see ``ActivationPoints``); ``per_channel``
+    quantizes weights per output channel (else per tensor). ``recurrent`` chooses whole or
+    cells mode for LSTM/GRU/RNN; in cells mode ``split_gates``, ``cell_state_dtype`` (INT16
+    for the integer-LSTM convention), ``gate_dtype`` (sigmoid/tanh outputs, default the
+    activation dtype) and ``points`` (a spec per point name, see ``quantree.recurrent.cell_graph``)
+    shape the cells, and ``cells_scope`` limits cells mode to one module (the rest stays
+    whole). In whole mode a stacked call (``num_layers > 1``) becomes one call per layer at
+    prepare (``split_layers=True``, the default), so each layer's output is observed and
+    quantized like any other tensor; ``split_layers=False`` keeps the stacked call whole,
+    quantized at its boundary only (a stacked ReLU RNN is split either way: nothing bounds
+    its inner states). Each state a layer returns (``h_n``, ``c_n``) has its own grid;
+    ``share_recurrent_state=True`` puts it on its initial state's grid (stateful streaming,
+    where it is fed back as the next call's initial state). ``activations`` says which
+    activations are quantized (``ActivationPoints``: by default every op's, except in graphs
+    with layer norm or attention, where only what linear/conv/matmul read).
+    ``weighted_inputs_dtype`` is the type of those inputs where only they are quantized
+    (``weighted_input_spec``: int16 by default, INT8 for torchao's int8 recipe). ``rules``
+    are added last and so take precedence.
+    """
+
+    def __init__(
+        self,
+        *,
+        activation_observer: ObserverKind | None = None,
+        per_channel: bool = True,
+        activation: QuantSpec | None = None,
+        weight: QuantSpec | None = None,
+        recurrent: RecurrentMode = RecurrentMode.WHOLE,
+        split_gates: bool = False,
+        cell_state_dtype: QDtype | None = None,
+        gate_dtype: QDtype | None = None,
+        points: Mapping[str, Spec] | None = None,
+        cells_scope: str | None = None,
+        share_recurrent_state: bool = False,
+        split_layers: bool = True,
+        activations: ActivationPoints = ActivationPoints.AUTO,
+        weighted_inputs_dtype: QDtype = QDtype.INT16,
+        rules: tuple[Rule, ...] = (),
+    ) -> None:
+        if not isinstance(recurrent, RecurrentMode):
+            raise QuantreeError(f"recurrent must be a RecurrentMode, got {recurrent!r}")
+        if not isinstance(activations, ActivationPoints):
+            raise QuantreeError(f"activations must be an ActivationPoints, got {activations!r}")
+        if weighted_inputs_dtype not in (QDtype.INT8, QDtype.INT16):
+            raise QuantreeError(
+                f"weighted_inputs_dtype must be QDtype.INT8 or QDtype.INT16, got "
+                f"{weighted_inputs_dtype!r}"
+            )
+        act = activation or int8_activation(activation_observer or ObserverKind.MINMAX)
+        weighted_act = activation or weighted_input_spec(weighted_inputs_dtype, activation_observer)
+        wgt = weight or int8_weight(0 if per_channel else None)
+        if not isinstance(share_recurrent_state, bool):
+            raise QuantreeError(
+                f"share_recurrent_state must be True or False, got {share_recurrent_state!r}"
+            )
+        if not isinstance(split_layers, bool):
+            raise QuantreeError(f"split_layers must be True or False, got {split_layers!r}")
+        image_act = activation or weighted_input_spec(QDtype.INT8, activation_observer)
+        recipe = int8_rules(act, wgt, share_recurrent_state, split_layers) + weighted_inputs_rules(
+            weighted_act, wgt, activations, FLOAT_UNDER_WEIGHTED_INPUTS, image_act
+        )
+        if recurrent is RecurrentMode.CELLS:
+            cell_state = cell_state_spec(cell_state_dtype or act.dtype, act)
+            recipe += cells_rules(
+                act,
+                wgt,
+                cell_state,
+                gate_dtype or act.dtype,
+                CellsOptions(split_gates),
+                points or {},
+                cells_scope,
+            )
+        super().__init__((*map(on_floats, recipe), *rules))  # the user's rules as given
+
+
+def weighted_input_spec(dtype: QDtype, observer: ObserverKind | None) -> QuantSpec:
+    """What linear/conv read where nothing else is quantized (``WEIGHTED_INPUTS``).
+
+    int16 by default (w8a16, symmetric, min-max): with the residual stream, norms and
+    attention float, these inputs are the only activation error left, and at 8 bits it was
+    most of the error; at 16 bits it is about what float activations give, more than
+    torchao's per-token dynamic int8 recovers. The CPU backend runs these layers on the int8
+    kernels, one pass per byte of the input (``backends/cpu/ops/wide.py``). 2-d
+    convolutions read INT8 even so (the recipe's ``image_act``): a convolution pays that
+    second pass in full, which cost an image model its speed-up over float, and on images
+    the int8 recipe was already level with torchao's. (The figures: benchmarks/README.md,
+    "Recipe choices" and "Accuracy on the transformers".) INT8 is the int8
+    recipe torchao's X86 quantizer makes: long-tailed inputs (layer-norm, GELU, attention
+    outputs), so the histogram's range that minimises the expected error unless ``observer``
+    says otherwise.
+    """
+    if dtype is QDtype.INT16:
+        return QuantSpec(QDtype.INT16, symmetric=True, observer=observer or ObserverKind.MINMAX)
+    return int8_activation(observer or ObserverKind.HISTOGRAM)
+
+
+class A16W8Quantizer(Int8Quantizer):
+    """16-bit symmetric activations, 8-bit per-channel weights, int32 biases (a16w8).
+
+    In cells mode the gates and the cell state are int16 too.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        options.setdefault("activation", QuantSpec(QDtype.INT16, symmetric=True))
+        options.setdefault("cell_state_dtype", QDtype.INT16)
+        options.setdefault("gate_dtype", QDtype.INT16)
+        super().__init__(**options)
+
+
+def int8_rules(
+    act: QuantSpec,
+    weight: QuantSpec,
+    share_recurrent_state: bool = False,
+    split_stacked: bool = True,
+) -> tuple[Rule, ...]:
+    """The rules of Int8Quantizer for the given activation and weight specs."""
+    fused_activations = RELU_OPS
+    split_kinds = SPLITTABLE if split_stacked else RELU_ONLY
+
+    def weighted(node: fx.Node) -> Annotation:
+        """linear / conv: the output is left to a following relu it fuses with."""
+        fused = _sole_user_is(node, fused_activations)
+        return weighted_annotation(node, act, weight, None if fused else act)
+
+    def transposed(node: fx.Node) -> Annotation | None:
+        """conv_transpose1d/2d (or ``aten.convolution(transposed=True)``): as conv, the
+        weight per channel along its axis 1."""
+        if node.target is aten.convolution.default and not is_transposed_convolution(node):
+            return None
+        fused = _sole_user_is(node, fused_activations)
+        return transposed_annotation(node, act, weight, None if fused else act)
+
+    def relu(node: fx.Node) -> Annotation:
+        producer = node.args[0]
+        fused = isinstance(producer, fx.Node) and (
+            getattr(producer.target, "overloadpacket", None)
+            in (aten.linear, aten.conv1d, aten.conv2d, *TRANSPOSED_CONVS, *NORM_OPS)
+            or is_transposed_convolution(producer)
+        )
+        return Annotation(outputs=act, inputs={} if fused else {(0,): act})
+
+    def norm(node: fx.Node) -> Annotation:
+        """The input, and the output unless a relu it fuses with follows."""
+        fused = _sole_user_is(node, fused_activations)
+        return Annotation(outputs=None if fused else act, inputs={(0,): act})
+
+    def binary(node: fx.Node) -> Annotation | None:
+        if node.target in BINARY_OPS and _masked_with_infinity(node):
+            return Annotation()  # a mask holding -inf added to scores: float, as the softmax
+        inputs = {(i,): act for i, a in enumerate(node.args[:2]) if _is_float_node(a)}
+        return Annotation(outputs=act, inputs=inputs) if inputs else None
+
+    def fixed_output(spec: FixedSpec) -> Callable[[fx.Node], Annotation]:
+        return lambda node: Annotation(outputs=spec, inputs={(0,): act})
+
+    def same_as_input(node: fx.Node) -> Annotation:
+        """Every float output leaf carries exactly the input's parameters."""
+        input_use = Use.of(node, (0,))
+        outputs = _shaped_like(node, SharedSpec(input_use))
+        return Annotation(outputs=outputs, inputs={(0,): act})
+
+    def cat(node: fx.Node) -> Annotation:
+        tensors = node.args[0]
+        assert isinstance(tensors, list | tuple)
+        inputs = {(0, i): SharedSpec(Value(node)) for i in range(len(tensors))}
+        return Annotation(outputs=act, inputs=inputs)
+
+    def unary(node: fx.Node) -> Annotation:
+        """Input and output quantized separately (the op changes the range)."""
+        return Annotation(outputs=act, inputs={(0,): act})
+
+    def softmax(node: fx.Node) -> Annotation:
+        """Input and output, except an input masked with an infinite fill (attention masks):
+        no grid holds -inf, so the softmax reads it in float."""
+        if _masked_with_infinity(node.args[0]):
+            return Annotation(outputs=act)
+        return unary(node)
+
+    def input_only(node: fx.Node) -> Annotation:
+        """The input on the int8 grid, the output left float (log-probabilities keep their
+        precision; an int8 grid over [-30, 0] would round them to 0.12); an input masked
+        with an infinite fill stays float, as softmax's."""
+        if _masked_with_infinity(node.args[0]):
+            return Annotation()
+        return Annotation(inputs={(0,): act})
+
+    def embedding(node: fx.Node) -> Annotation:
+        return Annotation(outputs=None, inputs={(0,): weight})
+
+    def recurrent(node: fx.Node) -> Annotation:
+        if splittable(node, split_kinds):  # a stacked call: its inner layers observed too
+            return Annotation(decompose=split_layers)
+        return recurrent_whole_annotation(node, act, weight, share_recurrent_state)
+
+    return (
+        Rule((aten.linear, aten.conv1d, aten.conv2d), weighted),
+        Rule((*TRANSPOSED_CONVS, aten.convolution), transposed),
+        Rule(fused_activations, relu),
+        Rule((aten.matmul, aten.bmm, aten.mm), binary),
+        Rule(BINARY_OPS, binary),
+        Rule((aten.sigmoid,), fixed_output(fixed_sigmoid(act.dtype))),
+        Rule((aten.tanh,), fixed_output(fixed_tanh(act.dtype))),
+        Rule(SAME_AS_INPUT_OPS, same_as_input),
+        Rule(CAT_OPS, cat),
+        Rule(UNARY_OPS, unary),
+        Rule(NORM_OPS, norm),
+        Rule(SUM_OPS, lambda node: unary(node) if _is_float_node(node.args[0]) else None),
+        Rule((aten.softmax, aten._softmax), softmax),
+        Rule((aten.log_softmax, aten._log_softmax), input_only),
+        Rule((aten.embedding,), embedding),
+        Rule(RECURRENT_OPS, recurrent),
+        Rule(CELL_OPS, lambda node: recurrent_cell_annotation(node, act, weight)),
+    )
+
+
+def _shaped_like(node: fx.Node, spec: object) -> object:
+    """A pytree like ``node``'s output: ``spec`` on float leaves, None on the others."""
+    return tree_map(lambda leaf: spec if is_float_tensor(leaf) else None, tensor_meta(node))

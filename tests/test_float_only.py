@@ -1,0 +1,91 @@
+"""The recipes never annotate integer side chains (``quantree.recipes.float_only``).
+
+Random models interleave a float path (linear, split/unbind, cat, add) with an index chain
+built from ``arange`` through the same ops (unbind, split, cat, add, view, transpose) and
+consumed by ``index_select`` / python indexing of the float path. Every one quantizes with
+the recipes as they are; the integer chain's nodes carry no quantization; on a calibrated
+batch the quantized model is within 25 dB of float. A user's rule that puts a spec on an
+integer tensor is still refused, naming the node.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import quantree as qt
+from quantree.core.qdq import is_dequantize, is_quantize
+
+
+class IndexChains(nn.Module):
+    def __init__(self, ops: list[str], width: int) -> None:
+        super().__init__()
+        self.ops = ops
+        self.fc = nn.Linear(8, 8)
+        self.width = width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx = torch.arange(self.width)
+        y = self.fc(x)
+        for op in self.ops:
+            if op == "unbind":  # python indexing with the integer leaves, as tolist() loops do
+                parts = idx.unbind(0)
+                y = torch.stack([y[:, int(i)] for i in parts], 1)
+            elif op == "split":
+                a, b = idx.split([1, self.width - 1])
+                idx = torch.cat([b, a])
+            elif op == "add":
+                idx = (idx + 1) % self.width
+            elif op == "flip":
+                idx = idx.view(1, -1).transpose(0, 1).reshape(-1).flip(0)
+            elif op == "select":
+                y = y.index_select(1, idx)
+            elif op == "float":
+                y = y + idx.float().view(1, -1, 1) * 0.01
+        return torch.relu(y)
+
+
+def _integer_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    out = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            out.append(node)
+    return out
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    ops=st.lists(
+        st.sampled_from(["unbind", "split", "add", "flip", "select", "float"]),
+        min_size=1,
+        max_size=5,
+    ),
+    width=st.integers(2, 5),
+)
+def test_random_integer_side_chains_are_never_annotated(ops: list[str], width: int) -> None:
+    torch.manual_seed(0)
+    model = IndexChains(ops, width).eval()
+    data = [(torch.randn(3, width, 8),) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)
+        reference = qt.quantize(model, data[0], data, backend=qt.REFERENCE, progress=False)
+    for node in _integer_nodes(reference):
+        assert not any(is_quantize(user) for user in node.users), node.name
+        assert not any(is_dequantize(arg) for arg in node.all_input_nodes), node.name
+    (x,) = data[1]  # a calibrated batch: the bound checks the chains, not unseen ranges
+    with torch.no_grad():
+        assert float(qt.sqnr(model(x), reference(x))) >= 25.0
+
+
+def test_a_users_spec_on_an_integer_tensor_is_still_refused() -> None:
+    model = IndexChains(["unbind"], 3).eval()
+    x = torch.randn(2, 3, 8)
+    rule = qt.Rule((torch.ops.aten.unbind,), lambda n: qt.Annotation(inputs={(0,): qt.QuantSpec()}))
+    with pytest.raises(qt.QuantreeError, match=r"unbind .*not a float tensor"):
+        qt.prepare(qt.capture(model, (x,)), qt.Int8Quantizer(rules=(rule,)))
