@@ -15,6 +15,7 @@ call: their fake kernels check shapes only.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any
 
 import torch
@@ -120,6 +121,7 @@ def check_on_example(module: fx.GraphModule, example: Any, most_bytes: int | Non
     ``ExportedProgram.example_inputs`` holds it); a ``QuantreeError`` naming the first node
     that does not run, or that makes more than ``most_bytes`` (the load budget: one
     intermediate tensor of an honest model at its example's size is far smaller)."""
+    _kinds_agree(module)
     if example is None:
         return
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -131,3 +133,54 @@ def check_on_example(module: fx.GraphModule, example: Any, most_bytes: int | Non
         )
     with mode, contextlib.suppress(_Unknowable):  # checked up to the first such node
         _Run(module, most_bytes).run(*flat)
+
+
+def _is_tensor_type(kind: Any) -> bool:
+    """A tensor or an optional tensor (not a list of them)."""
+    if isinstance(kind, torch._C.OptionalType):
+        kind = kind.getElementType()
+    return isinstance(kind, torch._C.TensorType)
+
+
+def _returned(node: fx.Node) -> Any:
+    """The schema type of what ``node`` gives (None where the schema does not say)."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        source = node.args[0]
+        if isinstance(source.target, torch._ops.OpOverload) and isinstance(node.args[1], int):
+            returns = source.target._schema.returns
+            if len(returns) == 1 and isinstance(returns[0].type, torch._C.ListType):
+                return returns[0].type.getElementType()  # one item of a list (split, unbind)
+            return returns[node.args[1]].type if node.args[1] < len(returns) else None
+        return None
+    if isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        return returns[0].type if len(returns) == 1 else None
+    return None
+
+
+def _kinds_agree(module: fx.GraphModule) -> None:
+    """Every argument a schema types as a tensor reads a node that gives a tensor, and the
+    other way round: a swapped op (``item`` where ``select`` was) is refused at load, not
+    left to fail inside a kernel at call. The fake run cannot tell: it stops at the first
+    data-dependent node."""
+    for node in module.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        given = list(zip(schema.arguments, node.args, strict=False))
+        given += [(a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs]
+        for argument, value in given:
+            if not isinstance(value, fx.Node):
+                continue
+            produced = _returned(value)
+            if produced is None:
+                continue
+            wants = _is_tensor_type(argument.type)
+            gives = _is_tensor_type(produced)
+            if wants != gives:
+                raise QuantreeError(
+                    f"node {node.name} ({node.target}) takes {argument.name} as "
+                    f"{argument.type}, but node {value.name} ({value.target}) gives {produced}"
+                )
