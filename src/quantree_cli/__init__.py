@@ -42,10 +42,12 @@ def add_quantize(commands: argparse._SubParsersAction) -> None:
     quantize.add_argument("-o", "--output", required=True, help="where to write OUT.pt2")
     quantize.add_argument(
         "--backend",
-        choices=("reference", "cpu"),
-        default="reference",
-        help="reference: quantize/dequantize graph (default); cpu: native int8 kernels "
-        "(to load the output elsewhere, import quantree first)",
+        choices=("auto", "reference", "cpu"),
+        default="auto",
+        help="auto (default): the fastest backend this machine runs, the native int8 kernels "
+        "where they load (to load OUT.pt2 elsewhere, import quantree first), else the reference; "
+        "reference: the quantize/dequantize graph (what `quantree export` and --format onnx read); "
+        "cpu: the native int8 kernels",
     )
     quantize.add_argument(
         "--static-batch",

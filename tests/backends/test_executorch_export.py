@@ -14,6 +14,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from quantree.backends import CPU
+from quantree.core.lower import lower as core_lower
+
 pytest.importorskip(
     "executorch.exir", reason="ExecuTorch tests need executorch (see docs/deployment-executorch.md)"
 )
@@ -137,7 +140,13 @@ def test_cpu_lowered_model_is_refused_and_the_reference_exports(tmp_path: Path) 
     torch.manual_seed(0)
     model, shape = SmallCnn().eval(), (1, 3, 16, 16)
     data = batches(shape, n=4)
-    lowered = qt.quantize(model, data[0], data, progress=False, backend="cpu", dynamic_batch=False)
+    # qt.quantize's output keeps the reference graph it was lowered from: that one exports.
+    kept = qt.quantize(model, data[0], data, progress=False, backend="cpu", dynamic_batch=False)
+    assert qt.export_executorch(kept, data[0], tmp_path / "kept.pte").stat().st_size > 0
+    # A CPU-lowered graph without it (core's lower, or one loaded from a file) is refused.
+    prepared = qt.prepare(qt.capture(model, data[0], dynamic_batch=False), qt.Int8Quantizer())
+    qt.calibrate(prepared, data, progress=False)
+    lowered = core_lower(qt.convert(prepared), CPU)
     with pytest.raises(qt.QuantreeError, match="backend='reference'"):
         qt.export_executorch(lowered, data[0], tmp_path / "model.pte")
     assert not (tmp_path / "model.pte").exists()

@@ -40,9 +40,16 @@ def test_quantize_then_export_runs_close_to_the_reference(tmp_path: Path, capsys
     torch.export.save(torch.export.export(Net().eval(), data[0]), str(model))
     torch.save(data, calib)
     argv = ["quantize", str(model), "--calibration", str(calib), "-o", str(quantized)]
-    assert main([*argv, "--quiet", "--static-batch"]) == 0
     pte = tmp_path / "model.pte"
-    code = main(["export", str(quantized), "--executorch", str(pte), "--example", str(calib)])
+    export = ["export", str(quantized), "--executorch", str(pte), "--example", str(calib)]
+    # The default (--backend auto) saves the CPU kernels; export says how to get the reference.
+    assert main([*argv, "--quiet", "--static-batch"]) == 0
+    assert main(export) != 0
+    assert "quantree quantize ... --backend reference" in capsys.readouterr().err
+    assert not pte.exists()
+    # Following the message:
+    assert main([*argv, "--quiet", "--static-batch", "--backend", "reference"]) == 0
+    code = main(export)
     assert code == 0, capsys.readouterr().err
     assert "XNNPACK calls" in capsys.readouterr().out
     reference = load_program(quantized).module()

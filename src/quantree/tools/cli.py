@@ -57,11 +57,15 @@ def _quantizer(recurrent: str) -> Any:
     return Int8Quantizer(recurrent=RecurrentMode.CELLS)
 
 
-def _backend(name: str) -> Any:
+def _backend(name: str, output_format: str) -> Any:
     from quantree.core.lower import REFERENCE
 
-    if name == "reference":
-        return REFERENCE
+    if name == "reference" or (name == "auto" and output_format != "pt2"):
+        return REFERENCE  # an ONNX file is written from the reference graph
+    if name == "auto":
+        from quantree.backends.fastest import fastest_backend
+
+        return fastest_backend()
     try:
         from quantree.backends import CPU
     except ImportError:
@@ -169,9 +173,10 @@ def quantize_command(args: argparse.Namespace) -> int:
         check_output(args.report, inputs)  # a report may go to a new directory, as the demo's
     data = load_calibration(args.calibration)
     quantizer = _quantizer(args.recurrent)
-    backend = _backend(args.backend)
-    if args.format != "pt2" and args.backend != "reference":
+    backend = _backend(args.backend, args.format)
+    if args.format != "pt2" and args.backend == "cpu":
         raise UsageError(f"--format {args.format} writes the reference graph; drop --backend cpu")
+    args.backend = backend.name  # what --backend auto chose, as the report names it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module = _model(args, data)

@@ -58,6 +58,20 @@ def check_reference(model: object) -> fx.GraphModule:
 
     ``qt.convert``'s output is marked converted; one saved with ``torch.export.save`` and
     loaded again has lost the mark but still reads q/dq ops."""
+    from quantree.backends.fastest import reference_of
+
+    if isinstance(model, fx.GraphModule) and reference_of(model) is not None:
+        model = reference_of(model)  # qt.quantize's default output keeps its reference graph
+    for node in model.graph.nodes if isinstance(model, fx.GraphModule) else ():
+        namespace = getattr(node.target, "namespace", "")
+        if node.op == "call_function" and namespace == "quantree":
+            raise QuantreeError(
+                f"export_executorch: node {node.name} calls quantree's native kernel "
+                f"{node.target}: the model was lowered to the CPU backend, which ExecuTorch "
+                "cannot run; export the reference graph instead: qt.convert(prepared), "
+                "qt.quantize(model, args, data, backend='reference'), or from the command "
+                "line quantree quantize ... --backend reference"
+            )
     loaded = isinstance(model, fx.GraphModule) and any(
         is_quantize(n) or is_dequantize(n) for n in model.graph.nodes
     )
@@ -67,18 +81,9 @@ def check_reference(model: object) -> fx.GraphModule:
         got = stage_of(model) if isinstance(model, fx.GraphModule) else type(model).__name__
         raise QuantreeError(
             f"export_executorch expects quantree's reference graph (qt.convert output), got "
-            f"{got}: pass qt.convert(prepared), or qt.quantize(model, args, data) with the "
-            "default backend='reference'"
+            f"{got}: pass qt.convert(prepared), qt.quantize(model, args, data)'s output, or "
+            "a program saved with backend='reference' (quantree quantize --backend reference)"
         )
-    for node in model.graph.nodes:
-        namespace = getattr(node.target, "namespace", "")
-        if node.op == "call_function" and namespace == "quantree":
-            raise QuantreeError(
-                f"export_executorch: node {node.name} calls quantree's native kernel "
-                f"{node.target}: the model was lowered to the CPU backend, which ExecuTorch "
-                "cannot run; export the reference graph instead: qt.quantize(model, args, "
-                "data) with the default backend='reference', or qt.convert(prepared)"
-            )
     if nested_graphs(model):
         name = next(iter(nested_graphs(model)))
         raise QuantreeError(
