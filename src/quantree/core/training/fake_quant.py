@@ -10,7 +10,9 @@ Three kinds, one for each kind of group:
   scaled by ``1 / sqrt(numel * quant_max)`` so it moves at the pace of the weights. The
   zero point stays where calibration put it (an integer, as the reference graph needs).
   Per-channel weights learn one scale a channel. A ``power_of_two`` spec keeps its
-  calibrated scale: a learned one would leave the grid the spec promises.
+  calibrated scale (a learned one would leave the grid the spec promises), and so does a
+  group calibration only ever saw zeros in (a zero initial state): its tensors are exact
+  at the zero point whatever the scale, which no data can teach.
 - :class:`FixedFakeQuant` (a ``FixedSpec`` group): known parameters, gradients straight
   through to the input only.
 - :class:`DerivedFakeQuant` (a ``DerivedSpec`` group, the int32 bias): its parameters are
@@ -42,6 +44,11 @@ class FakeQuant(nn.Module):
     def calibrated(self) -> bool:
         return True
 
+    @property
+    def learning(self) -> bool:
+        """Whether training moves this group's parameters directly."""
+        return False
+
     def qparams(self) -> QParams:  # pragma: no cover - each kind defines it
         raise NotImplementedError
 
@@ -69,15 +76,18 @@ def fake_quantize_ste(x: torch.Tensor, p: QParams) -> torch.Tensor:
 class LearnedFakeQuant(FakeQuant):
     """A calibrated group's fake quantization whose scale is a learned ``nn.Parameter``."""
 
-    def __init__(self, params: QParams, spec: QuantSpec, label: str) -> None:
+    def __init__(
+        self, params: QParams, spec: QuantSpec, label: str, *, learnable: bool = True
+    ) -> None:
         super().__init__()
         self.spec = spec
+        self.learnable = learnable and not spec.power_of_two
         self.label = label
         self.dtype = params.dtype
         self.quant_min, self.quant_max = params.quant_min, params.quant_max
         self.axis = params.axis
         scale = params.scale.detach().float().reshape(-1).clone()
-        self.scale = nn.Parameter(scale, requires_grad=not spec.power_of_two)
+        self.scale = nn.Parameter(scale, requires_grad=self.learnable)
         self.zero_point: torch.Tensor
         self.register_buffer("zero_point", params.zero_point.detach().float().reshape(-1))
 

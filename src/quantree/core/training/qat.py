@@ -104,7 +104,8 @@ def freeze_qat(qat: fx.GraphModule, frozen: bool = True) -> fx.GraphModule:
     """Stop (or, ``frozen=False``, resume) learning the scales of ``qat``, in place.
 
     Fake quantization stays on and the weights keep training: the usual last phase of QAT.
-    Scales a spec fixes (``power_of_two``) never learn.
+    Scales a spec fixes (``power_of_two``) and those of groups that only held zeros never
+    learn.
     """
     if not is_qat(qat):
         raise QuantreeError(
@@ -114,7 +115,7 @@ def freeze_qat(qat: fx.GraphModule, frozen: bool = True) -> fx.GraphModule:
         )
     for module in qat.modules():
         if isinstance(module, LearnedFakeQuant):
-            module.scale.requires_grad_(not frozen and not module.spec.power_of_two)
+            module.scale.requires_grad_(not frozen and module.learnable)
     return qat
 
 
@@ -144,8 +145,10 @@ def _to_fake_quant(gm: fx.GraphModule) -> None:
             made = DerivedFakeQuant(group.spec, sources, group.label)
         else:
             assert isinstance(group.spec, QuantSpec) and group.observer is not None
-            params = gm.get_submodule(group.observer).qparams()  # type: ignore[operator]
-            made = LearnedFakeQuant(params, group.spec, group.label)
+            observer = gm.get_submodule(group.observer)
+            params = observer.qparams()  # type: ignore[operator]
+            zeros = bool(getattr(observer, "only_zeros", False))
+            made = LearnedFakeQuant(params, group.spec, group.label, learnable=not zeros)
         name = group.observer or f"fake_quant_{gid}"
         if group.observer is not None:
             delattr(gm, group.observer)
