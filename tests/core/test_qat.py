@@ -220,3 +220,25 @@ def test_pt2e_quantizer_with_recurrent_rules() -> None:
     ]
     with torch.no_grad():
         assert torch.equal(ref(*data[1]), qat(*data[1]))
+
+
+class WithMemory(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor):
+        return self.lin(x), torch.tanh(memory) * 2
+
+
+def test_calibration_that_never_reaches_a_point_names_it_and_the_fix() -> None:
+    empty = [(torch.randn(8, 4), torch.randn(0, 4)) for _ in range(3)]
+    gm = qt.capture(WithMemory().eval(), empty[0])
+    with pytest.raises(qt.QuantreeError, match="never observed") as error:
+        qt.prepare_qat(gm, qt.Int8Quantizer(), empty)
+    assert "tanh" in str(error.value) and "calibration inputs" in str(error.value)
+    full = [(torch.randn(8, 4), torch.randn(3, 4)) for _ in range(3)]
+    gm = qt.capture(WithMemory().eval(), full[0])  # a memory length export keeps
+    qat = qt.prepare_qat(gm, qt.Int8Quantizer(), full)  # the fix: data that reaches it
+    with torch.no_grad():
+        assert torch.equal(qt.convert(qat)(*full[0])[1], qat(*full[0])[1])

@@ -38,7 +38,7 @@ from quantree.core.graphs import (
     owner_of,
     replace_submodule,
 )
-from quantree.core.grouping.group_params import check_calibrated
+from quantree.core.grouping.group_params import describe_unobserved, unobserved_groups
 from quantree.core.grouping.sharing import Group
 from quantree.core.observing.qparams import fixed_qparams
 from quantree.core.prepare import prepare
@@ -127,7 +127,14 @@ def fake_quant_modules(qat: nn.Module) -> dict[str, FakeQuant]:
 def _to_fake_quant(gm: fx.GraphModule) -> None:
     """Replace ``gm``'s observers by fake-quant modules and rewire its edges, in place."""
     groups: dict[int, Group] = gm.meta[GROUPS_KEY]
-    check_calibrated(gm, groups)
+    missing = unobserved_groups(gm, groups)
+    if missing:
+        raise QuantreeError(
+            f"calibration never observed {describe_unobserved(gm, missing)}, so QAT has no "
+            "range to start these fake quantizations from. Give prepare_qat calibration "
+            "inputs that give these tensors data (e.g. a non-zero context or memory length, "
+            "inputs that take the branch holding them)"
+        )
     modules: dict[int, FakeQuant] = {}
     names: dict[int, str] = {}
 
