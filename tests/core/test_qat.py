@@ -242,3 +242,20 @@ def test_calibration_that_never_reaches_a_point_names_it_and_the_fix() -> None:
     qat = qt.prepare_qat(gm, qt.Int8Quantizer(), full)  # the fix: data that reaches it
     with torch.no_grad():
         assert torch.equal(qt.convert(qat)(*full[0])[1], qat(*full[0])[1])
+
+
+def test_int32_constant_past_its_range_saturates_at_the_top() -> None:
+    """A bias derived from a zero initial state's floor scale overflows int32: it stays at
+    the top (float32 clamps 2**31 - 1 to 2**31, which a plain cast wraps to -2**31), which
+    is what the QAT model's fake quantization computes too."""
+    from quantree.core.qdq import dequantize_tensor, quantize_tensor
+    from quantree.core.training.fake_quant import fake_quantize_ste
+
+    lo, hi = qt.QDtype.INT32.bounds
+    p = qt.QParams(
+        torch.tensor([1e-9, 1e-9]), torch.zeros(2, dtype=torch.int64), qt.QDtype.INT32, lo, hi, 0
+    )
+    bias = torch.tensor([5.0, -5.0])
+    q = quantize_tensor(bias, p)
+    assert q.tolist() == [hi, lo]
+    assert torch.equal(dequantize_tensor(q, p), fake_quantize_ste(bias, p))
