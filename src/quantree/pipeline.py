@@ -60,7 +60,7 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
 def prepare_qat(
     gm: fx.GraphModule,
     quantizer: Quantizer | Any,
-    calibration: Iterable[Any],
+    calibration: Iterable[Any] | None = None,
     *,
     learn_scales: bool = True,
     progress: bool = False,
@@ -68,7 +68,8 @@ def prepare_qat(
     """A trainable copy of ``gm`` with learned fake quantization (``quantree.core.training``).
 
     ``quantizer`` as :func:`prepare` takes it (a pt2e one too); ``calibration`` initialises
-    the ranges; ``quantree.convert`` of the trained model gives the reference graph.
+    the ranges (or calibrate the returned model before training; see docs/qat.md);
+    ``quantree.convert`` of the trained model gives the reference graph.
     """
     return core_prepare_qat(
         gm,

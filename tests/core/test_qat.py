@@ -259,3 +259,37 @@ def test_int32_constant_past_its_range_saturates_at_the_top() -> None:
     q = quantize_tensor(bias, p)
     assert q.tolist() == [hi, lo]
     assert torch.equal(dequantize_tensor(q, p), fake_quantize_ste(bias, p))
+
+
+def test_without_calibration_data_calibrate_then_train() -> None:
+    """``prepare_qat(gm, quantizer)``: calls without gradients calibrate (float passes
+    through), the first training step starts fake quantization from what they observed: the
+    same model as ``prepare_qat(gm, quantizer, data)``, the optimizer made before kept."""
+    data = batches((2, 3, 6, 6), n=3)
+    gm = qt.capture(_convnet(), data[0])
+    given = qt.prepare_qat(gm, qt.Int8Quantizer(), data)
+    qat = qt.prepare_qat(gm, qt.Int8Quantizer())
+    optimizer = torch.optim.SGD(qat.parameters(), lr=1e-3)
+    qt.calibrate(qat, data, progress=False)
+    with torch.no_grad():
+        assert torch.equal(qat(*data[0]), gm(*data[0]))  # still calibrating: float
+    loss = qat(*data[0]).square().mean()  # with gradients: starts
+    with torch.no_grad():
+        assert torch.equal(qat(*data[1]), given(*data[1]))
+    loss.backward()
+    optimizer.step()
+    scales = [m.scale for m in fake_quant_modules(qat).values() if isinstance(m, LearnedFakeQuant)]
+    assert all(s.grad is not None for s in scales if s.requires_grad)
+
+
+def test_without_any_calibration_the_first_step_calibrates_on_its_own_inputs() -> None:
+    data = batches((2, 3, 6, 6), n=2)
+    gm = qt.capture(_convnet(), data[0])
+    qat = qt.prepare_qat(gm, qt.Int8Quantizer())
+    qat(*data[0]).square().mean().backward()
+    first = qt.prepare_qat(gm, qt.Int8Quantizer(), data[:1])
+    with torch.no_grad():
+        assert torch.equal(qat(*data[1]), first(*data[1]))
+    untouched = qt.prepare_qat(gm, qt.Int8Quantizer())
+    with pytest.raises(qt.QuantreeError, match="never observed"):
+        qt.convert(untouched)

@@ -31,14 +31,26 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from quantree.core.observing.observers import Observer
 from quantree.core.observing.qparams import SCALE_FLOOR, half_exact
 from quantree.core.specs import Derivation, FixedSpec, QParams, QuantSpec
 
 
 class FakeQuant(nn.Module):
-    """What the three kinds share: ``qparams()`` for convert, and an on/off switch."""
+    """What the three kinds share: ``qparams()`` for convert, and the two phases.
+
+    Until :meth:`start` every kind passes its input through unchanged (a learned group's
+    observer records it), so calibrating a QAT model is calibrating the prepared one; from
+    then on each fake-quantizes.
+    """
 
     label: str
+    started: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        # a buffer, so a QAT checkpoint (state dict) keeps the phase with the scales
+        self.register_buffer("started", torch.zeros((), dtype=torch.bool))
 
     @property
     def calibrated(self) -> bool:
@@ -48,6 +60,9 @@ class FakeQuant(nn.Module):
     def learning(self) -> bool:
         """Whether training moves this group's parameters directly."""
         return False
+
+    def start(self) -> None:
+        self.started.fill_(True)
 
     def qparams(self) -> QParams:  # pragma: no cover - each kind defines it
         raise NotImplementedError
@@ -74,22 +89,60 @@ def fake_quantize_ste(x: torch.Tensor, p: QParams) -> torch.Tensor:
 
 
 class LearnedFakeQuant(FakeQuant):
-    """A calibrated group's fake quantization whose scale is a learned ``nn.Parameter``."""
+    """A calibrated group's fake quantization whose scale is a learned ``nn.Parameter``.
 
-    def __init__(
-        self, params: QParams, spec: QuantSpec, label: str, *, learnable: bool = True
-    ) -> None:
+    It holds the group's observer until :meth:`start` turns the observed range into the
+    first scale and zero point (in place: an optimizer made before keeps the parameter).
+    """
+
+    def __init__(self, observer: Observer, spec: QuantSpec, label: str) -> None:
         super().__init__()
         self.spec = spec
-        self.learnable = learnable and not spec.power_of_two
         self.label = label
-        self.dtype = params.dtype
-        self.quant_min, self.quant_max = params.quant_min, params.quant_max
-        self.axis = params.axis
-        scale = params.scale.detach().float().reshape(-1).clone()
-        self.scale = nn.Parameter(scale, requires_grad=self.learnable)
+        self.observer: Observer | None = observer
+        self.learnable = not spec.power_of_two
+        self.frozen = False
+        self.dtype = spec.dtype
+        self.quant_min, self.quant_max = spec.range
+        self.axis = spec.axis
+        shape = (1,) if spec.axis is None else (0,)  # per channel: sized at start
+        self.scale = nn.Parameter(torch.ones(shape), requires_grad=self.learnable)
         self.zero_point: torch.Tensor
-        self.register_buffer("zero_point", params.zero_point.detach().float().reshape(-1))
+        self.register_buffer("zero_point", torch.zeros(shape))
+        if observer.calibrated and spec.axis is not None:  # a weight: observed at prepare
+            self._take(observer.qparams())
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.started) or (self.observer is not None and self.observer.calibrated)
+
+    @property
+    def empty_batches(self) -> int:
+        return 0 if self.observer is None else self.observer.empty_batches
+
+    def _take(self, params: QParams) -> None:
+        with torch.no_grad():
+            self.scale.data = params.scale.detach().float().reshape(-1).clone()
+            self.zero_point = params.zero_point.detach().float().reshape(-1).clone()
+
+    def start(self) -> None:
+        """The observed range becomes the first scale; the observer goes.
+
+        A group calibration only ever saw zeros in keeps its scale (see the module's notes).
+        """
+        if bool(self.started):
+            return
+        assert self.observer is not None
+        self._take(self.observer.qparams())
+        if self.observer.only_zeros:
+            self.learnable = False
+        self.observer = None
+        self.scale.requires_grad_(self.learnable and not self.frozen)
+        super().start()
+
+    def freeze(self, frozen: bool) -> None:
+        self.frozen = frozen
+        self.scale.requires_grad_(self.learnable and not frozen)
 
     @property
     def learning(self) -> bool:
@@ -103,6 +156,8 @@ class LearnedFakeQuant(FakeQuant):
         return scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not bool(self.started):
+            return x if self.observer is None else self.observer(x)
         if not x.numel():
             return x
         scale = self.current_scale()
@@ -118,6 +173,9 @@ class LearnedFakeQuant(FakeQuant):
         )  # fmt: skip
 
     def qparams(self) -> QParams:
+        if not bool(self.started):
+            assert self.observer is not None
+            return self.observer.qparams()
         scale = self.current_scale().detach()
         zero_point = self.zero_point.round().to(torch.int64)
         if self.axis is None:
@@ -139,7 +197,7 @@ class FixedFakeQuant(FakeQuant):
         self.params = params
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fake_quantize_ste(x, self.params)
+        return fake_quantize_ste(x, self.params) if bool(self.started) else x
 
     def qparams(self) -> QParams:
         return self.params
@@ -181,7 +239,7 @@ class DerivedFakeQuant(FakeQuant):
         return self.derivation.derive(sources)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fake_quantize_ste(x, self.live_params())
+        return fake_quantize_ste(x, self.live_params()) if bool(self.started) else x
 
     def qparams(self) -> QParams:
         p = self.live_params()

@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -40,6 +41,7 @@ from quantree.core.graphs import (
 )
 from quantree.core.grouping.group_params import describe_unobserved, unobserved_groups
 from quantree.core.grouping.sharing import Group
+from quantree.core.observing.observers import Observer
 from quantree.core.observing.qparams import fixed_qparams
 from quantree.core.prepare import prepare
 from quantree.core.quantizer import Quantizer
@@ -57,7 +59,7 @@ from quantree.core.training.fake_quant import (
     FixedFakeQuant,
     LearnedFakeQuant,
 )
-from quantree.core.values import Path, Value, arg_at, input_uses
+from quantree.core.values import Path, Value, arg_at, input_uses, value_carriers
 
 QAT = "qat"
 """``gm.meta[STAGE_KEY]`` of a QAT model (and of each graph nested in it)."""
@@ -65,10 +67,14 @@ FAKE_QUANT_KEY = "quantree_fake_quant"
 """``node.meta`` key on a fake-quant call: the id of the group it fake-quantizes."""
 
 
+STARTED_KEY = "quantree_qat_started"
+"""``gm.meta`` key on a QAT model whose fake quantization has started (see :func:`start_qat`)."""
+
+
 def prepare_qat(
     gm: fx.GraphModule,
     quantizer: Quantizer,
-    calibration: Iterable[Any],
+    calibration: Iterable[Any] | None = None,
     *,
     learn_scales: bool = True,
     progress: bool = False,
@@ -76,14 +82,17 @@ def prepare_qat(
 ) -> fx.GraphModule:
     """A trainable copy of ``gm`` with fake quantization at every point prepare observes.
 
-    ``calibration`` (argument tuples, as :func:`quantree.calibrate` takes) initialises every
-    range as post-training calibration would; the scales are then ``nn.Parameter``s that an
-    optimizer over ``model.parameters()`` learns (``learn_scales=False``, or
-    :func:`freeze_qat` later, keeps them). Quantized weights and biases are trainable
-    parameters of the returned model; ``gm`` and the model it came from are not changed.
+    Ranges start where post-training calibration puts them. With ``calibration`` (argument
+    tuples, as :func:`quantree.calibrate` takes) it runs now and the model fake-quantizes
+    from its first call. Without, the model first calibrates like a prepared one: calls
+    without gradients (``quantree.calibrate(qat, data)``) observe and pass float through;
+    the first call with gradients (the first training step) starts fake quantization from
+    what was observed, observing that call's own inputs first if nothing was. The scales
+    are then ``nn.Parameter``s an optimizer over ``model.parameters()`` learns
+    (``learn_scales=False``, or :func:`freeze_qat`, keeps them); the quantized weights and
+    biases are trainable parameters too. ``gm`` and the model it came from are not changed.
     """
     prepared = prepare(gm, quantizer, stacklevel=stacklevel + 1)
-    calibrate(prepared, calibration, progress=progress)
     with warnings.catch_warnings():  # torch's own deprecation inside its pytree specs' copy
         warnings.simplefilter("ignore", FutureWarning)
         qat = copy.deepcopy(prepared)  # the prepared graph shares the user's parameters
@@ -92,12 +101,56 @@ def prepare_qat(
         if body.meta.get(STAGE_KEY) == PREPARED:
             _to_fake_quant(body)
     qat.recompile()
+    qat.meta[STARTED_KEY] = False
+    qat.register_forward_pre_hook(start_on_training, with_kwargs=True)
     freeze_qat(qat, frozen=not learn_scales)
+    if calibration is not None:
+        calibrate(qat, calibration, progress=progress)
+        start_qat(qat)
     return qat
 
 
 def is_qat(gm: nn.Module) -> bool:
     return isinstance(gm, fx.GraphModule) and gm.meta.get(STAGE_KEY) == QAT
+
+
+def start_qat(qat: fx.GraphModule) -> fx.GraphModule:
+    """Turn what calibration observed into the first scales and fake-quantize from now on.
+
+    In place; done once. ``prepare_qat`` with calibration data, the first training step and
+    ``convert`` call it; a point calibration never reached is an error naming it.
+    """
+    if qat.meta.get(STARTED_KEY):
+        return qat
+    for graph in [qat, *nested_graphs(qat).values()]:
+        groups: dict[int, Group] | None = graph.meta.get(GROUPS_KEY)
+        missing = unobserved_groups(graph, groups) if groups is not None else []
+        if missing:
+            raise QuantreeError(
+                f"calibration never observed {describe_unobserved(graph, missing)}, so QAT has "
+                "no range to start these fake quantizations from. Give prepare_qat (or "
+                "quantree.calibrate, before training) calibration inputs that give these "
+                "tensors data (e.g. a non-zero context or memory length, inputs that take the "
+                "branch holding them)"
+            )
+    modules = fake_quant_modules(qat).values()
+    for module in sorted(modules, key=lambda m: not isinstance(m, LearnedFakeQuant)):
+        module.start()
+    qat.meta[STARTED_KEY] = True
+    return qat
+
+
+def start_on_training(module: nn.Module, args: Any, kwargs: Any) -> None:
+    """The QAT model's forward pre-hook: its first call with gradients starts it."""
+    if not isinstance(module, fx.GraphModule) or module.meta.get(STARTED_KEY, True):
+        return
+    if not torch.is_grad_enabled():  # calibrating
+        return
+    learned = [m for m in fake_quant_modules(module).values() if isinstance(m, LearnedFakeQuant)]
+    if not any(m.observer is not None and m.observer.calibrated for m in learned if m.axis is None):
+        with torch.no_grad():  # never calibrated: this call's inputs are the calibration
+            module(*args, **kwargs)
+    start_qat(module)
 
 
 def freeze_qat(qat: fx.GraphModule, frozen: bool = True) -> fx.GraphModule:
@@ -115,7 +168,7 @@ def freeze_qat(qat: fx.GraphModule, frozen: bool = True) -> fx.GraphModule:
         )
     for module in qat.modules():
         if isinstance(module, LearnedFakeQuant):
-            module.scale.requires_grad_(not frozen and module.learnable)
+            module.freeze(frozen)
     return qat
 
 
@@ -127,14 +180,6 @@ def fake_quant_modules(qat: nn.Module) -> dict[str, FakeQuant]:
 def _to_fake_quant(gm: fx.GraphModule) -> None:
     """Replace ``gm``'s observers by fake-quant modules and rewire its edges, in place."""
     groups: dict[int, Group] = gm.meta[GROUPS_KEY]
-    missing = unobserved_groups(gm, groups)
-    if missing:
-        raise QuantreeError(
-            f"calibration never observed {describe_unobserved(gm, missing)}, so QAT has no "
-            "range to start these fake quantizations from. Give prepare_qat calibration "
-            "inputs that give these tensors data (e.g. a non-zero context or memory length, "
-            "inputs that take the branch holding them)"
-        )
     modules: dict[int, FakeQuant] = {}
     names: dict[int, str] = {}
 
@@ -153,9 +198,8 @@ def _to_fake_quant(gm: fx.GraphModule) -> None:
         else:
             assert isinstance(group.spec, QuantSpec) and group.observer is not None
             observer = gm.get_submodule(group.observer)
-            params = observer.qparams()  # type: ignore[operator]
-            zeros = bool(getattr(observer, "only_zeros", False))
-            made = LearnedFakeQuant(params, group.spec, group.label, learnable=not zeros)
+            assert isinstance(observer, Observer)
+            made = LearnedFakeQuant(observer, group.spec, group.label)
         name = group.observer or f"fake_quant_{gid}"
         if group.observer is not None:
             delattr(gm, group.observer)
@@ -201,6 +245,9 @@ def _to_fake_quant(gm: fx.GraphModule) -> None:
             if ug is not None and ug != vg:
                 new = fake_quantized(new, ug)
             _set_arg(user, use.arg_path, new)
+    carriers = value_carriers(graph)
+    for value, gid in value_group.items():  # unread (a dropped h_n): observed, as in prepare
+        fake_quantized(carriers[value], gid)
     gm.meta[STAGE_KEY] = QAT
     graph.lint()
     gm.recompile()
@@ -258,6 +305,7 @@ def as_prepared(qat: fx.GraphModule) -> fx.GraphModule:
     the fake-quant modules of fixed and derived groups go (convert computes those
     parameters itself). ``qat`` is not changed.
     """
+    start_qat(qat)
     gm = _stripped(qat)
     for name, body in nested_graphs(gm).items():
         if body.meta.get(STAGE_KEY) == QAT:
