@@ -213,7 +213,6 @@ def _to_fake_quant(gm: fx.GraphModule) -> None:
     for node in list(graph.nodes):
         if OBSERVER_KEY in node.meta:
             graph.erase_node(node)
-    _make_trainable(gm, groups)
 
     value_group: dict[Value, int] = {}
     for node in graph.nodes:
@@ -248,27 +247,25 @@ def _to_fake_quant(gm: fx.GraphModule) -> None:
     carriers = value_carriers(graph)
     for value, gid in value_group.items():  # unread (a dropped h_n): observed, as in prepare
         fake_quantized(carriers[value], gid)
+    _make_trainable(gm)
     gm.meta[STAGE_KEY] = QAT
     graph.lint()
     gm.recompile()
 
 
-def _make_trainable(gm: fx.GraphModule, groups: dict[int, Group]) -> None:
+def _make_trainable(gm: fx.GraphModule) -> None:
     """Every float constant a group quantizes (weights, biases) becomes an ``nn.Parameter``.
 
     Prepare may hold them as buffers (a batch norm folded into a weight, a cell body's gate
     rows); QAT trains them all, and convert quantizes whatever they hold by then.
     """
-    quantized: set[str] = set()
-    for node in gm.graph.nodes:
-        info = node_quant(node)
-        if info is None:
-            continue
-        for use in input_uses(node):
-            if use.arg_path in info.input_groups:
-                source = arg_at(node, use.arg_path)
-                if source.op == "get_attr":
-                    quantized.add(str(source.target))
+    quantized = {
+        str(source.target)
+        for node in gm.graph.nodes
+        if FAKE_QUANT_KEY in node.meta
+        for source in node.all_input_nodes
+        if source.op == "get_attr"
+    }
     for target in sorted(quantized):
         tensor = fetch_attr(gm, target)
         if isinstance(tensor, nn.Parameter) or not tensor.is_floating_point():
