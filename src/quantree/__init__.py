@@ -42,8 +42,9 @@ from quantree.core.specs import (
     bias_spec,
 )
 from quantree.core.stages import NodeQuant
+from quantree.core.training.qat import freeze_qat
 from quantree.core.values import Use, Value
-from quantree.pipeline import lower, prepare, quantize
+from quantree.pipeline import lower, prepare, prepare_qat, quantize
 from quantree.recipes.activation_points import ActivationPoints
 from quantree.recipes.int8 import A16W8Quantizer, Int8Quantizer, RecurrentMode
 from quantree.recipes.interop import recurrent_rules
@@ -101,6 +102,8 @@ __all__ = [
     "lower",
     "merge_statistics",
     "prepare",
+    "prepare_qat",
+    "freeze_qat",
     "quantize",
     "shard",
     "sqnr",

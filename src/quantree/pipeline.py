@@ -17,6 +17,7 @@ from quantree.core.lower import REFERENCE, Backend
 from quantree.core.observing.distributed import in_process_group
 from quantree.core.prepare import prepare as core_prepare
 from quantree.core.quantizer import Quantizer
+from quantree.core.training.qat import prepare_qat as core_prepare_qat
 from quantree.recipes.int8 import Int8Quantizer
 from quantree.recipes.pt2e import as_quantizer, is_pt2e_quantizer
 from quantree.recurrent.capture import capture
@@ -54,6 +55,30 @@ def prepare(gm: fx.GraphModule, quantizer: Quantizer | Any) -> fx.GraphModule:
     annotations are translated, see ``quantree.recipes.pt2e``).
     """
     return core_prepare(gm, as_quantizer(quantizer), stacklevel=3)
+
+
+def prepare_qat(
+    gm: fx.GraphModule,
+    quantizer: Quantizer | Any,
+    calibration: Iterable[Any] | None = None,
+    *,
+    learn_scales: bool = True,
+    progress: bool = False,
+) -> fx.GraphModule:
+    """A trainable copy of ``gm`` with learned fake quantization (``quantree.core.training``).
+
+    ``quantizer`` as :func:`prepare` takes it (a pt2e one too); ``calibration`` initialises
+    the ranges (or calibrate the returned model before training; see docs/qat.md);
+    ``quantree.convert`` of the trained model gives the reference graph.
+    """
+    return core_prepare_qat(
+        gm,
+        as_quantizer(quantizer),
+        calibration,
+        learn_scales=learn_scales,
+        progress=progress,
+        stacklevel=3,
+    )
 
 
 def lower(ref: fx.GraphModule, backend: Backend | str | None = REFERENCE) -> fx.GraphModule:
@@ -118,4 +143,4 @@ def quantize(
     return attach_reference(core_lower.lower(reference, resolved), reference)
 
 
-__all__ = ["BACKEND_NAMES", "lower", "prepare", "quantize", "resolve_backend"]
+__all__ = ["BACKEND_NAMES", "lower", "prepare", "prepare_qat", "quantize", "resolve_backend"]

@@ -56,6 +56,7 @@ from quantree.core.stages import (
     node_quant,
     require_stage,
 )
+from quantree.core.training.qat import as_prepared, is_qat
 from quantree.core.values import Path, Use, Value, arg_at, input_uses, value_carriers
 
 
@@ -165,6 +166,8 @@ def convert(
     """
     if not isinstance(unobserved, Unobserved):
         raise QuantreeError(f"unobserved must be a quantree.Unobserved, got {unobserved!r}")
+    if is_qat(prepared):  # the learned parameters stand where the observers stood
+        prepared = as_prepared(prepared)
     floated: list[str] = []
     gm, vanishing = _convert(prepared, floated if unobserved is Unobserved.FLOAT else None)
     if floated:

@@ -35,14 +35,23 @@ def is_dequantize(node: object) -> bool:
 
 
 def quantize_tensor(x: torch.Tensor, p: QParams) -> torch.Tensor:
-    """``x`` as integers on ``p``'s grid, with the same arithmetic as the graph's q op."""
+    """``x`` as integers on ``p``'s grid, with the same arithmetic as the graph's q op.
+
+    int32 saturates: the q op clamps in float32, where ``2**31 - 1`` rounds up to ``2**31``,
+    which its cast wraps to ``-2**31``; a positive value past the range (a bias whose derived
+    scale is tiny, as one derived from a zero initial state's) is kept at the top instead.
+    """
     if p.axis is None:
-        return qd.quantize_per_tensor(
+        q = qd.quantize_per_tensor(
             x, float(p.scale), int(p.zero_point), p.quant_min, p.quant_max, p.dtype.torch_dtype
         )
-    return qd.quantize_per_channel(
-        x, p.scale, p.zero_point, p.axis, p.quant_min, p.quant_max, p.dtype.torch_dtype
-    )
+    else:
+        q = qd.quantize_per_channel(
+            x, p.scale, p.zero_point, p.axis, p.quant_min, p.quant_max, p.dtype.torch_dtype
+        )
+    if p.dtype.torch_dtype == torch.int32 and p.quant_max == torch.iinfo(torch.int32).max:
+        q = torch.where((q == torch.iinfo(torch.int32).min) & (x > 0), p.quant_max, q)
+    return q
 
 
 def dequantize_tensor(q: torch.Tensor, p: QParams) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Quantization-aware training: fake quantization that learns, on the prepared graph."""
