@@ -362,7 +362,10 @@ def measure_deployment(name: str, runtimes: list[str], args: argparse.Namespace)
             ratios = []
             for _ in range(args.passes):
                 ms = cpu_medians(
-                    {"float": lambda: float_call(held[0]), "int8": lambda: int8_call(held[0])},
+                    {
+                        "float": lambda f=float_call: f(held[0]),
+                        "int8": lambda q=int8_call: q(held[0]),
+                    },
                     args.runs,
                 )
                 ratios.append(
