@@ -24,6 +24,7 @@ from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
 from quantree.backends.cpu.native.loader import library
 from quantree.backends.cpu.passes.casts import drop_identity_casts
+from quantree.backends.cpu.passes.dropout import drop_eval_dropout
 from quantree.backends.cpu.passes.float_report import warn_float_ops
 from quantree.backends.cpu.passes.fold import fold_input_independent
 from quantree.backends.cpu.passes.packed_qkv import split_packed_qkv
@@ -79,6 +80,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
         fold_input_independent(gm)  # masks built from zeros/ones on every call, built once
         split_packed_qkv(gm)  # nn.MultiheadAttention's q/k/v split: column slices
         drop_identity_casts(gm)  # float32 .to(float32) and its check: no region cut there
+        drop_eval_dropout(gm)  # eval-mode dropout returns its input: no call, no cut
         recognise_rms_norm(gm)  # LLaMA/T5's five-op RMSNorm: one op, one program instruction
         fuse_regions(gm)  # runs of small ops, one native call each (cell bodies have theirs)
         # after fusion: an op a program now runs is named once, by the float-op warning
