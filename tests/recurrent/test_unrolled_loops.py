@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
@@ -174,3 +175,61 @@ def test_random_step_bodies_fold_exactly_and_unshared_steps_do_not(ops, length):
     nodes = [(n.op, n.target, n.args) for n in gm2.graph.nodes]
     assert fold_loops(gm2) == []  # no two steps read the same constants: not a recurrence
     assert [(n.op, n.target, n.args) for n in gm2.graph.nodes] == nodes  # untouched
+
+
+class ScanModel(nn.Module):
+    """A recurrence written with torch's ``scan`` (``loop=True``: the same step as a Python
+    ``for`` loop, the fix quantree's error for other loop operators names)."""
+
+    def __init__(self, loop: bool = False) -> None:
+        super().__init__()
+        self.loop = loop
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._higher_order_ops.scan import scan
+
+        def step(h, xt):
+            h = torch.tanh(self.lin(xt) + h)
+            return h, h.clone()
+
+        h = torch.zeros(x.shape[1], 4)
+        if self.loop:
+            ys = []
+            for t in range(x.shape[0]):
+                h, y = step(h, x[t])
+                ys.append(y)
+            return torch.stack(ys)
+        return scan(step, h, x)[1]
+
+
+class WhileModel(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._higher_order_ops.while_loop import while_loop
+
+        def cond(i, h):
+            return i < 3
+
+        def body(i, h):
+            return i + 1, torch.tanh(h + 1)
+
+        return while_loop(cond, body, (torch.tensor(0), x))[1]
+
+
+def test_scan_becomes_the_same_loop_and_while_loop_is_refused_with_the_fix():
+    torch.manual_seed(0)
+    model = ScanModel().eval()
+    gm = qt.capture(model, (torch.randn(5, 2, 4),))
+    (loop,) = _loops(gm)
+    assert not any("scan" in str(n.target) for n in gm.graph.nodes)
+    assert any(n.op == "get_attr" for n in loop.body.graph.nodes)  # the weight is the body's
+    for length in (5, 9):
+        x = torch.randn(length, 2, 4)
+        # scan's eager kernel and the loop differ in the last bit of a linear's sum
+        torch.testing.assert_close(gm(x), model(x), atol=1e-6, rtol=0)
+    with pytest.raises(qt.QuantreeError, match=r"higher_order\.while_loop.*Python `for` loop"):
+        qt.capture(WhileModel().eval(), (torch.randn(2, 4),))
+    fixed = ScanModel(loop=True).eval()  # the fix the error names: a Python for loop
+    x = torch.randn(5, 2, 4)
+    folded = qt.capture(fixed, (x,))
+    assert len(_loops(folded)) == 1 and torch.equal(folded(x), fixed(x))

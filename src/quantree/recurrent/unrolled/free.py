@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from quantree.core.errors import QuantreeWarning
 from quantree.recurrent.decompose import drop_export_guards
 from quantree.recurrent.unrolled.fold import fold_loops
+from quantree.recurrent.unrolled.higher_order import fold_scans
 from quantree.recurrent.unrolled.step_loop import StepLoop
 
 Recapture = Callable[[tuple[Any, ...], Mapping[str, Any] | None], fx.GraphModule]
@@ -38,10 +39,11 @@ def fold_and_free(
     recapture: Recapture,
 ) -> fx.GraphModule:
     """Fold ``gm``'s unrolled loops in place and free their length where it can be shown."""
+    scans = fold_scans(gm)  # torch's scan: a loop already, of any length
     made = fold_loops(gm)
     loops = [gm.get_submodule(name) for name in made]
     steps = {loop.steps_captured for loop in loops if isinstance(loop, StepLoop) and loop.free}
-    if not steps:
+    if not steps or scans:
         return gm
     leaves, spec = tree_flatten((example_args, example_kwargs))
     candidates = [
