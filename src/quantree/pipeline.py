@@ -102,6 +102,7 @@ def quantize(
     backend: Backend | str | None = "auto",
     progress: bool = True,
     unobserved: Unobserved = Unobserved.ERROR,
+    fold_loops: bool = True,
 ) -> fx.GraphModule:
     """Quantize ``model`` in one call.
 
@@ -116,7 +117,9 @@ def quantize(
     ``'reference'`` the q/dq reference graph; ``'cpu'`` the CPU backend. A lowered model keeps
     the reference graph it came from, so ``qt.export_onnx`` takes either. ``unobserved`` says
     what becomes of tensors calibration never saw (an error naming them, or float with one
-    warning). Every argument is checked before the model is captured.
+    warning). ``fold_loops`` (as for :func:`quantree.capture`) folds a Python loop over time
+    that export unrolled back into one loop. Every argument is checked before the model is
+    captured.
     """
     resolved = resolve_backend(backend)
     # in a process group a shard may be empty; calibrate checks that some process had data
@@ -136,6 +139,7 @@ def quantize(
         example_kwargs,
         dynamic_shapes=dynamic_shapes,
         dynamic_batch=dynamic_batch,
+        fold_loops=fold_loops,
     )
     prepared = prepare(captured, quantizer or Int8Quantizer())
     calibrate(prepared, calibration, progress=progress)

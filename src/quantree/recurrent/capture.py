@@ -20,6 +20,7 @@ from quantree.core import capture as core
 from quantree.core.errors import QuantreeError
 from quantree.recurrent.free_length import warn_pinned_lengths
 from quantree.recurrent.packed import FIX, packed_sequences, restore_aten
+from quantree.recurrent.unrolled.free import fold_and_free
 
 
 def capture(
@@ -29,6 +30,7 @@ def capture(
     *,
     dynamic_shapes: Any = None,
     dynamic_batch: bool = True,
+    fold_loops: bool = True,
 ) -> fx.GraphModule:
     """Export ``model`` to an ATen ``GraphModule`` (see ``quantree.core.capture.export_graph``).
 
@@ -39,6 +41,11 @@ def capture(
     left to vary where the model allows it (see ``quantree.recurrent.free_length``), so it
     runs at any sequence length and batch; where the model pins a recurrent layer's length,
     one ``QuantreeWarning`` names the layer and the fix.
+
+    A Python loop over time (a ``GRUCell`` stepped by hand, a sequential selective scan),
+    which export unrolls into one copy of the step per time step, is folded back into one
+    loop over the step graph (``quantree.recurrent.unrolled``): the step is quantized once and
+    the loop runs at any length. ``fold_loops=False`` keeps the unrolled steps.
     """
     if not isinstance(model, torch.nn.Module):  # the core's capture says what to pass
         return core.export_graph(model, example_args, example_kwargs)
@@ -57,6 +64,14 @@ def capture(
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if free:
         warn_pinned_lengths(model, gm)
+    if fold_loops:
+
+        def again(args: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> fx.GraphModule:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return _capture(model, args, kwargs, dynamic_shapes, dynamic_batch, recurrent)[0]
+
+        gm = fold_and_free(gm, example_args, example_kwargs, again)
     return gm
 
 

@@ -1,0 +1,185 @@
+"""Fold unrolled recurrences back into loops: ``fold_loops(gm)``.
+
+Each run that ``find.find_recurrence`` finds becomes one ``StepLoop`` call: its body is the
+first step's nodes (copied with their metadata), the run's other steps are erased, and what
+read the run (the last step's values, the ``stack``/``cat`` of every step's) reads the
+loop's outputs. The loop computes the same ops on the same tensors in the same order, so the
+folded graph equals the unrolled one exactly. Repeated until no run is left (one loop per
+layer of a stacked model).
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from quantree.core.graphs import fetch_attr, unique_attr
+from quantree.core.points import POINT_KEY
+from quantree.recurrent.unrolled.find import Recurrence, SeqInput, find_recurrence
+from quantree.recurrent.unrolled.step_loop import StepInput, StepLoop, StepOutput
+
+
+def fold_loops(gm: fx.GraphModule, min_steps: int = 3) -> list[str]:
+    """Fold every unrolled recurrence of ``gm`` in place; the names of the loops made."""
+    made = []
+    while (rec := find_recurrence(gm, min_steps)) is not None:
+        made.append(fold(gm, rec))
+    if made:
+        gm.graph.lint()
+        gm.recompile()
+    return made
+
+
+def fold(gm: fx.GraphModule, rec: Recurrence) -> str:
+    """Replace ``rec``'s run in ``gm`` by a ``StepLoop`` call; the loop's module name."""
+    body, sources, invariants, outputs = _body(gm, rec)
+    inputs = tuple(_step_input(s) for s in sources)
+    free = all(_covers(s, rec.steps) for s in sources)
+    counts = {_captured_steps(s) for s in sources}
+    loop = StepLoop(body, len(rec.states), inputs, tuple(o for o, _ in outputs), rec.steps,
+                    free and len(counts) == 1)  # fmt: skip
+    name = unique_attr(gm, "step_loop")
+    gm.add_submodule(name, loop)
+    last = rec.blocks[-1][-1]
+    args = (*rec.states.values(), *(s.src for s in sources), *invariants)
+    with gm.graph.inserting_after(last):
+        call = gm.graph.call_module(name, args)
+    call.meta["nn_module_stack"] = copy.copy(rec.blocks[0][0].meta.get("nn_module_stack", {}))
+    leaves: list[fx.Node] = []
+    with gm.graph.inserting_after(call):
+        for i in range(len(rec.states) + len(outputs)):
+            leaves.append(gm.graph.call_function(operator.getitem, (call, i)))
+    values: list[Any] = []
+    for j, leaf in zip(rec.states, leaves, strict=False):
+        leaf.meta = _leaf_meta(rec.blocks[-1][j])
+        values.append(leaf.meta["val"])
+    for (_, target), leaf in zip(outputs, leaves[len(rec.states) :], strict=True):
+        leaf.meta = _leaf_meta(target)
+        values.append(leaf.meta["val"])
+        if target in rec.collected:
+            target.replace_all_uses_with(leaf)
+    call.meta["val"] = tuple(values)
+    for j in rec.states:
+        rec.blocks[-1][j].replace_all_uses_with(leaves[list(rec.states).index(j)])
+    for j, (spec, target) in zip(range(len(outputs)), outputs, strict=True):
+        if spec.kind == "last":
+            target.replace_all_uses_with(leaves[len(rec.states) + j])
+    for collector in rec.collected:
+        gm.graph.erase_node(collector)
+    read = {a for block in rec.blocks for n in block for a in n.all_input_nodes}
+    for k in range(rec.steps - 1, -1, -1):
+        for j in range(len(rec.blocks[k]) - 1, -1, -1):
+            if k == 0 and j in rec.hoisted:
+                continue
+            gm.graph.erase_node(rec.blocks[k][j])
+    for node in read:  # the weights only the steps read now live in the body
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+    return name
+
+
+def _leaf_meta(node: fx.Node) -> dict[str, Any]:
+    meta = {k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")}
+    return meta
+
+
+def _body(gm: fx.GraphModule, rec: Recurrence):
+    """The step graph, its sources and invariants (outer nodes) and its outputs."""
+    graph = fx.Graph()
+    root = torch.nn.Module()
+    first = rec.blocks[0]
+    env: dict[int, fx.Node] = {}
+    state_in: dict[int, fx.Node] = {}
+    for i, (j, init) in enumerate(rec.states.items()):
+        ph = graph.placeholder(f"state{i}")
+        ph.meta = {"val": init.meta.get("val"), POINT_KEY: f"state{i}"}
+        state_in[j] = ph
+    sources: list[SeqInput] = []
+    for j, seq in rec.seq_of.items():
+        ph = graph.placeholder(f"x{len(sources)}")
+        ph.meta = {**_leaf_meta(first[j]), POINT_KEY: f"x{len(sources)}"}
+        env[j] = ph
+        sources.append(seq)
+    outer: dict[fx.Node, fx.Node] = {}  # invariant outer node -> its body node
+    invariant_args: list[fx.Node] = []
+
+    def invariant(node: fx.Node) -> fx.Node:
+        if node not in outer:
+            if node.op == "get_attr":
+                attr = unique_attr(root, str(node.target).replace(".", "_"))
+                root.register_buffer(attr, fetch_attr(gm, str(node.target)))
+                new = graph.get_attr(attr)
+            else:
+                new = graph.placeholder(f"invariant{len(invariant_args)}")
+                invariant_args.append(node)
+            new.meta = _leaf_meta(node)
+            outer[node] = new
+        return outer[node]
+
+    for j, node in enumerate(first):
+        if j in env:
+            continue
+        if j in rec.hoisted:  # computed before the loop, read as an invariant if at all
+            continue
+        leaves, spec = tree_flatten((node.args, node.kwargs))
+        new_leaves = []
+        for leaf, kind in zip(leaves, rec.kinds[j], strict=True):
+            if kind[0] == "internal" and kind[1] in rec.hoisted:
+                new_leaves.append(invariant(first[kind[1]]))
+            elif kind[0] == "internal":
+                new_leaves.append(env[kind[1]])
+            elif kind[0] == "carried":
+                new_leaves.append(state_in[kind[1]])
+            elif kind[0] == "invariant":
+                new_leaves.append(invariant(leaf))
+            else:
+                new_leaves.append(leaf)
+        args, kwargs = tree_unflatten(new_leaves, spec)
+        new = graph.create_node("call_function", node.target, args, kwargs, name=node.name)
+        new.meta = copy.copy(node.meta)
+        env[j] = new
+    out_nodes = [env[j] for j in rec.states]
+    outputs: list[tuple[StepOutput, fx.Node]] = []
+    for collector, (j, reverse) in rec.collected.items():
+        join = "stack" if collector.target == torch.ops.aten.stack.default else "cat"
+        dim = collector.args[1] if len(collector.args) > 1 else 0
+        assert isinstance(dim, int)
+        outputs.append((StepOutput(join, dim, reverse), collector))
+        out_nodes.append(env[j])
+    for j in rec.last:
+        if j not in rec.states:
+            outputs.append((StepOutput("last", 0, False), rec.blocks[-1][j]))
+            out_nodes.append(env[j])
+    graph.output(tuple(out_nodes))
+    body = fx.GraphModule(root, graph, class_name="StepBody")
+    graph.lint()
+    return body, sources, invariant_args, outputs
+
+
+def _step_input(seq: SeqInput) -> StepInput:
+    if seq.stride > 0:
+        return StepInput(seq.dim, seq.start, seq.stride, seq.width)
+    size = seq.src.meta["val"].shape[seq.dim]
+    return StepInput(seq.dim, int(size) - max(seq.width, 1) - seq.start, seq.stride, seq.width)
+
+
+def _captured_steps(seq: SeqInput) -> int | None:
+    size = seq.src.meta["val"].shape[seq.dim]
+    return None if not isinstance(size, int) else (size - max(seq.width, 1)) // abs(seq.stride) + 1
+
+
+def _covers(seq: SeqInput, steps: int) -> bool:
+    """Whether the captured steps read all of the source's time dimension, in order."""
+    size = seq.src.meta["val"].shape[seq.dim]
+    if not isinstance(size, int):
+        return False
+    width = max(seq.width, 1)
+    if seq.width and seq.width != abs(seq.stride):
+        return False
+    first = seq.start if seq.stride > 0 else size - width - seq.start
+    return first == 0 and _captured_steps(seq) == steps

@@ -1,0 +1,151 @@
+"""Let a folded loop's graph run at any length: the sizes export pinned, read from the input.
+
+``torch.export`` traces a Python loop over ``range(T)`` at the example's ``T``, so it fixes
+``T``, and the graph around the loop holds it as literal integers (a ``view``'s sizes, a
+``slice``'s end). Once the loop is folded, only those integers still pin the length. Which
+integers they are cannot be told from one graph (a hidden size may equal ``T``), so the model
+is captured a second time with the time dimension one longer: the integers that changed are
+``a T + c``, and become that expression of the input's size at run time. The freed graph
+must then compute exactly what the second capture computes on its input, else it keeps the
+captured length and says so once.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from quantree.core.errors import QuantreeWarning
+from quantree.recurrent.decompose import drop_export_guards
+from quantree.recurrent.unrolled.fold import fold_loops
+from quantree.recurrent.unrolled.higher_order import fold_scans
+from quantree.recurrent.unrolled.step_loop import StepLoop
+
+Recapture = Callable[[tuple[Any, ...], Mapping[str, Any] | None], fx.GraphModule]
+MAX_TRIES = 3
+"""Input dimensions tried as the time dimension (those as long as a loop's steps)."""
+
+
+def fold_and_free(
+    gm: fx.GraphModule,
+    example_args: tuple[Any, ...],
+    example_kwargs: Mapping[str, Any] | None,
+    recapture: Recapture,
+) -> fx.GraphModule:
+    """Fold ``gm``'s unrolled loops in place and free their length where it can be shown."""
+    scans = fold_scans(gm)  # torch's scan: a loop already, of any length
+    made = fold_loops(gm)
+    loops = [gm.get_submodule(name) for name in made]
+    steps = {loop.steps_captured for loop in loops if isinstance(loop, StepLoop) and loop.free}
+    if not steps or scans:
+        return gm
+    leaves, spec = tree_flatten((example_args, example_kwargs))
+    candidates = [
+        (i, d)
+        for i, leaf in enumerate(leaves)
+        if isinstance(leaf, torch.Tensor)
+        for d in range(leaf.dim())
+        if leaf.shape[d] in steps
+    ][:MAX_TRIES]
+    for index, dim in candidates:
+        longer = list(leaves)
+        x = leaves[index]
+        longer[index] = torch.cat([x, x.narrow(dim, 0, 1)], dim)
+        args2, kwargs2 = tree_unflatten(longer, spec)
+        try:
+            gm2 = recapture(args2, kwargs2)
+        except Exception:  # a dimension the model does not let vary
+            continue
+        fold_loops(gm2)
+        freed = _generalise(gm, gm2, index, dim, x.shape[dim])
+        if freed is not None and _same(freed, gm2, args2, kwargs2):
+            return freed
+    warnings.warn(
+        f"{', '.join(made)}: the loop(s) folded from the unrolled time steps run only at the "
+        f"captured length ({', '.join(map(str, sorted(steps)))} steps): the graph around them "
+        "could not be shown to work at another length. Capture at the length you run at.",
+        QuantreeWarning,
+        stacklevel=4,
+    )
+    return gm
+
+
+def _generalise(
+    gm: fx.GraphModule, gm2: fx.GraphModule, index: int, dim: int, length: int
+) -> fx.GraphModule | None:
+    """A copy of ``gm`` whose integers that differ in ``gm2`` (captured one step longer)
+    are computed from input ``index``'s dimension ``dim``; None where the graphs differ."""
+    from quantree.core.graphs import copy_graph_module
+
+    nodes, nodes2 = list(gm.graph.nodes), list(gm2.graph.nodes)
+    if len(nodes) != len(nodes2):
+        return None
+    edits: dict[int, dict[int, tuple[int, int]]] = {}
+    for i, (a, b) in enumerate(zip(nodes, nodes2, strict=True)):
+        if a.op != b.op or (a.op == "call_function" and a.target != b.target):
+            return None
+        if a.op == "call_module":
+            m1, m2 = gm.get_submodule(str(a.target)), gm2.get_submodule(str(b.target))
+            if isinstance(m1, StepLoop) != isinstance(m2, StepLoop):
+                return None
+            if isinstance(m1, StepLoop) and not (m1.free and m2.free):
+                return None
+        la, sa = tree_flatten((a.args, a.kwargs))
+        lb, sb = tree_flatten((b.args, b.kwargs))
+        if sa != sb:
+            return None
+        for p, (x, y) in enumerate(zip(la, lb, strict=True)):
+            if type(x) is int and type(y) is int and x != y:
+                edits.setdefault(i, {})[p] = (y - x, x - (y - x) * length)
+            elif isinstance(x, fx.Node) != isinstance(y, fx.Node):
+                return None
+    freed = copy_graph_module(gm)
+    drop_export_guards(freed)
+    graph = freed.graph
+    new_nodes = list(graph.nodes)
+    placeholders = [n for n in new_nodes if n.op == "placeholder"]
+    if index >= len(placeholders):
+        return None
+    source = placeholders[index]
+    with graph.inserting_after(placeholders[-1]):
+        size = graph.call_function(torch.ops.aten.sym_size.int, (source, dim))
+    size.meta["val"] = length
+    renumbered = [n for n in new_nodes if n.op != "call_module" or n.target != "_guards_fn"]
+    kept = [n for n in nodes if n.op != "call_module" or n.target != "_guards_fn"]
+    position = {n: k for k, n in enumerate(kept)}
+    for i, leaf_edits in edits.items():
+        node = renumbered[position[nodes[i]]]
+        leaves, spec = tree_flatten((node.args, node.kwargs))
+        with graph.inserting_before(node):
+            for p, (slope, offset) in leaf_edits.items():
+                value: Any = size
+                if slope != 1:
+                    value = graph.call_function(operator.mul, (value, slope))
+                    value.meta["val"] = length * slope
+                if offset:
+                    value = graph.call_function(operator.add, (value, offset))
+                    value.meta["val"] = length * slope + offset
+                leaves[p] = value
+        node.args, node.kwargs = tree_unflatten(leaves, spec)
+    graph.lint()
+    freed.recompile()
+    return freed
+
+
+def _same(freed: fx.GraphModule, gm2: fx.GraphModule, args: tuple[Any, ...], kwargs: Any) -> bool:
+    try:
+        with torch.no_grad():
+            got = tree_flatten(freed(*args, **(kwargs or {})))[0]
+            want = tree_flatten(gm2(*args, **(kwargs or {})))[0]
+    except Exception:  # a freed graph that fails is not freed
+        return False
+    return len(got) == len(want) and all(
+        torch.equal(g, w) if isinstance(g, torch.Tensor) else g == w
+        for g, w in zip(got, want, strict=True)
+    )

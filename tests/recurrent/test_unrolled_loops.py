@@ -1,0 +1,235 @@
+"""Folding a Python loop over time that torch.export unrolled back into one StepLoop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import quantree as qt
+from quantree.recurrent.unrolled.fold import fold_loops
+from quantree.recurrent.unrolled.step_loop import StepLoop
+
+
+class CellLoopModel(nn.Module):
+    """A GRUCell or LSTMCell stepped by hand; outputs stacked (optionally in reverse)."""
+
+    def __init__(self, lstm: bool, reverse: bool = False) -> None:
+        super().__init__()
+        self.lstm, self.reverse = lstm, reverse
+        self.cell = nn.LSTMCell(6, 8) if lstm else nn.GRUCell(6, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor):
+        h = torch.zeros(x.shape[0], 8)
+        c = torch.zeros(x.shape[0], 8)
+        steps = range(x.shape[1] - 1, -1, -1) if self.reverse else range(x.shape[1])
+        ys = []
+        for t in steps:
+            if self.lstm:
+                h, c = self.cell(x[:, t], (h, c))
+            else:
+                h = self.cell(x[:, t], h)
+            ys.append(h)
+        if self.reverse:
+            ys = ys[::-1]
+        return self.out(torch.stack(ys, 1)), h
+
+
+class LightGRULike(nn.Module):
+    """Light-GRU's step (no reset gate, relu candidate), the input projection before the loop,
+    per-step outputs collected by ``cat`` of ``unsqueeze``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(6, 16, bias=False)
+        self.u = nn.Linear(8, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wx = self.w(x)
+        h = torch.zeros(x.shape[0], 8)
+        ys = []
+        for t in range(x.shape[1]):
+            a, z = (wx[:, t] + self.u(h)).chunk(2, dim=-1)
+            z = torch.sigmoid(z)
+            h = z * h + (1 - z) * torch.relu(a)
+            ys.append(h.unsqueeze(1))
+        return torch.cat(ys, 1)
+
+
+def _loops(gm: torch.fx.GraphModule) -> list[StepLoop]:
+    return [m for m in gm.modules() if isinstance(m, StepLoop)]
+
+
+def _ops(gm: torch.fx.GraphModule, name: str) -> int:
+    return sum(1 for n in gm.graph.nodes if name in str(n.target))
+
+
+def test_cell_loops_fold_into_one_loop_equal_to_the_unrolled_graph_at_any_length():
+    torch.manual_seed(0)
+    for model in (CellLoopModel(False), CellLoopModel(True), CellLoopModel(True, reverse=True)):
+        model.eval()
+        x = torch.randn(2, 7, 6)
+        unrolled = qt.capture(model, (x,), fold_loops=False)
+        folded = qt.capture(model, (x,))
+        cell = "lstm_cell" if model.lstm else "gru_cell"
+        assert _ops(unrolled, cell) == 7
+        assert _ops(folded, cell) == 0 and len(_loops(folded)) == 1
+        (loop,) = _loops(folded)
+        assert _ops(loop.body, cell) == 1 and loop.free
+        for a, b in zip(folded(x), unrolled(x), strict=True):
+            assert torch.equal(a, b)  # the same ops on the same tensors: exact
+        for length in (3, 20):  # the loop iterates over the input's time dimension
+            y = torch.randn(3, length, 6)
+            for a, b in zip(folded(y), model(y), strict=True):
+                assert torch.equal(a, b)
+
+
+def test_light_gru_like_loop_folds_and_quantizes_with_the_step_annotated_once():
+    torch.manual_seed(0)
+    model = LightGRULike().eval()
+    x = torch.randn(2, 9, 6)
+    folded = qt.capture(model, (x,))
+    (loop,) = _loops(folded)
+    assert torch.equal(folded(x), model(x))
+    assert _ops(loop.body, "sigmoid") == 1
+    calibration = [(torch.randn(2, 9, 6),) for _ in range(4)]
+    prepared = qt.prepare(folded, qt.Int8Quantizer())
+    for args in calibration:
+        prepared(*args)
+    (body,) = [m.body for m in _loops(prepared)]
+    observers = [m for m in body.modules() if isinstance(m, qt.Observer)]
+    assert observers and _ops(prepared, "sigmoid") == 0  # one step, observed for every step
+    ref = qt.convert(prepared)
+    (ref_body,) = [m.body for m in _loops(ref)]
+    assert _ops(ref_body, "quantize_per_tensor") > 0  # the step has its q/dq
+    y = torch.randn(2, 25, 6)  # another length, through the lowered loop
+    low = qt.lower(ref, "cpu")
+    assert qt.sqnr(model(y), low(y)) > 20  # dB; int8 activations and weights
+
+
+def test_without_repetition_nothing_folds():
+    torch.manual_seed(0)
+
+    class Distinct(nn.Module):  # the same ops per "step", but each step its own weights
+        def __init__(self) -> None:
+            super().__init__()
+            self.cells = nn.ModuleList(nn.GRUCell(6, 8) for _ in range(4))
+
+        def forward(self, x):
+            h = torch.zeros(x.shape[0], 8)
+            for t, cell in enumerate(self.cells):
+                h = cell(x[:, t], h)
+            return h
+
+    x = torch.randn(2, 4, 6)
+    gm = qt.capture(Distinct().eval(), (x,))
+    assert not _loops(gm) and _ops(gm, "gru_cell") == 4
+
+
+UNARY = (torch.tanh, torch.sigmoid, torch.relu, torch.exp, nn.functional.softplus)
+
+
+class RandomStep(nn.Module):
+    """A random step body: ``ops`` (unary op indices, or -1 for ``* w``/``+ state``) over
+    ``x_t`` and the carried state, stepped ``length`` times (or unshared: every step its own
+    constants, so no two steps are isomorphic)."""
+
+    def __init__(self, ops: list[int], shared: bool, length: int) -> None:
+        super().__init__()
+        self.ops = ops
+        self.w = nn.ParameterList(
+            nn.Parameter(torch.rand(5) * 0.5) for _ in range(1 if shared else length)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[0], 5)
+        ys = []
+        for t in range(x.shape[1]):
+            w = self.w[0] if len(self.w) == 1 else self.w[t]
+            v = x[:, t] * w + h * 0.5
+            for op in self.ops:
+                v = v * w + h if op < 0 else UNARY[op](v)
+            h = torch.tanh(v)
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+
+@settings(max_examples=8, deadline=None, phases=(Phase.explicit, Phase.generate))
+@given(
+    ops=st.lists(st.integers(-1, len(UNARY) - 1), min_size=1, max_size=4),
+    length=st.integers(3, 6),
+)
+def test_random_step_bodies_fold_exactly_and_unshared_steps_do_not(ops, length):
+    torch.manual_seed(0)
+    x = torch.randn(2, length, 5)
+    shared = RandomStep(ops, True, length).eval()
+    gm = torch.export.export(shared, (x,)).module()
+    unrolled_out = gm(x)
+    assert fold_loops(gm) != []
+    assert len(_loops(gm)) == 1 and torch.equal(gm(x), unrolled_out)
+    unshared = RandomStep(ops, False, length).eval()
+    gm2 = torch.export.export(unshared, (x,)).module()
+    nodes = [(n.op, n.target, n.args) for n in gm2.graph.nodes]
+    assert fold_loops(gm2) == []  # no two steps read the same constants: not a recurrence
+    assert [(n.op, n.target, n.args) for n in gm2.graph.nodes] == nodes  # untouched
+
+
+class ScanModel(nn.Module):
+    """A recurrence written with torch's ``scan`` (``loop=True``: the same step as a Python
+    ``for`` loop, the fix quantree's error for other loop operators names)."""
+
+    def __init__(self, loop: bool = False) -> None:
+        super().__init__()
+        self.loop = loop
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._higher_order_ops.scan import scan
+
+        def step(h, xt):
+            h = torch.tanh(self.lin(xt) + h)
+            return h, h.clone()
+
+        h = torch.zeros(x.shape[1], 4)
+        if self.loop:
+            ys = []
+            for t in range(x.shape[0]):
+                h, y = step(h, x[t])
+                ys.append(y)
+            return torch.stack(ys)
+        return scan(step, h, x)[1]
+
+
+class WhileModel(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._higher_order_ops.while_loop import while_loop
+
+        def cond(i, h):
+            return i < 3
+
+        def body(i, h):
+            return i + 1, torch.tanh(h + 1)
+
+        return while_loop(cond, body, (torch.tensor(0), x))[1]
+
+
+def test_scan_becomes_the_same_loop_and_while_loop_is_refused_with_the_fix():
+    torch.manual_seed(0)
+    model = ScanModel().eval()
+    gm = qt.capture(model, (torch.randn(5, 2, 4),))
+    (loop,) = _loops(gm)
+    assert not any("scan" in str(n.target) for n in gm.graph.nodes)
+    assert any(n.op == "get_attr" for n in loop.body.graph.nodes)  # the weight is the body's
+    for length in (5, 9):
+        x = torch.randn(length, 2, 4)
+        # scan's eager kernel and the loop differ in the last bit of a linear's sum
+        torch.testing.assert_close(gm(x), model(x), atol=1e-6, rtol=0)
+    with pytest.raises(qt.QuantreeError, match=r"higher_order\.while_loop.*Python `for` loop"):
+        qt.capture(WhileModel().eval(), (torch.randn(2, 4),))
+    fixed = ScanModel(loop=True).eval()  # the fix the error names: a Python for loop
+    x = torch.randn(5, 2, 4)
+    folded = qt.capture(fixed, (x,))
+    assert len(_loops(folded)) == 1 and torch.equal(folded(x), fixed(x))
