@@ -33,6 +33,7 @@ from quantree.core.specs import (
 from quantree.core.values import Use, Value, is_float_tensor, tensor_meta
 from quantree.recipes.activation_points import ActivationPoints, weighted_inputs_rules
 from quantree.recipes.float_only import on_floats
+from quantree.recipes.infinities import off_infinities
 from quantree.recipes.recurrent import cells_rules, fixed_sigmoid, fixed_tanh
 from quantree.recipes.transposed import (
     TRANSPOSED_CONVS,
@@ -255,7 +256,8 @@ class Int8Quantizer(Quantizer):
                 points or {},
                 cells_scope,
             )
-        super().__init__((*map(on_floats, recipe), *rules))  # the user's rules as given
+        recipe = tuple(off_infinities(on_floats(rule)) for rule in recipe)
+        super().__init__((*recipe, *rules))  # the user's rules as given
 
 
 def weighted_input_spec(dtype: QDtype, observer: ObserverKind | None) -> QuantSpec:
