@@ -24,6 +24,7 @@ from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
 from quantree.backends.cpu.native.loader import library
 from quantree.backends.cpu.passes.casts import drop_identity_casts
+from quantree.backends.cpu.passes.dequantized_constants import fold_dequantized_constants
 from quantree.backends.cpu.passes.float_report import warn_float_ops
 from quantree.backends.cpu.passes.fold import fold_input_independent
 from quantree.backends.cpu.passes.packed_qkv import split_packed_qkv
@@ -74,6 +75,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     library()
     if nested is not None:
         lower_nested(gm, nested)
+        fold_dequantized_constants(gm)  # a float op's int8 weight: dequantized once, here
     native_quantize_dequantize(gm)
     if nested is not None:  # the top-level graph: one warning for the model
         fold_input_independent(gm)  # masks built from zeros/ones on every call, built once
