@@ -34,6 +34,7 @@ from quantree.core.values import Use, Value, is_float_tensor, tensor_meta
 from quantree.recipes.activation_points import ActivationPoints, weighted_inputs_rules
 from quantree.recipes.float_only import on_floats
 from quantree.recipes.infinities import off_infinities
+from quantree.recipes.padding import PAD_OPS, pad_rule
 from quantree.recipes.recurrent import cells_rules, fixed_sigmoid, fixed_tanh
 from quantree.recipes.transposed import (
     TRANSPOSED_CONVS,
@@ -151,6 +152,7 @@ FLOAT_UNDER_WEIGHTED_INPUTS = (
     *SUM_OPS,
     aten.softmax,
     aten._softmax,
+    *PAD_OPS,
 )
 """What EVERY_OP quantizes and WEIGHTED_INPUTS leaves float."""
 
@@ -397,6 +399,7 @@ def int8_rules(
         Rule((aten.embedding,), embedding),
         Rule(RECURRENT_OPS, recurrent),
         Rule(CELL_OPS, lambda node: recurrent_cell_annotation(node, act, weight)),
+        pad_rule(act),
     )
 
 

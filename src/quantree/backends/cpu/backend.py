@@ -38,6 +38,7 @@ from quantree.backends.cpu.rules.cumsum import lower_cumsum
 from quantree.backends.cpu.rules.embedding import lower_embedding
 from quantree.backends.cpu.rules.linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.rules.masked_fill import lower_masked_fill
+from quantree.backends.cpu.rules.movement.pad import lower_pad
 from quantree.backends.cpu.rules.norm import lower_batch_norm, lower_group_norm
 from quantree.backends.cpu.rules.packed_sequence import (
     lower_gather,
@@ -151,6 +152,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_conv_transpose,
         lower_view_chain,
         lower_movement,
+        lower_pad,
         lower_gather,
         lower_packing,
         lower_metadata_reads,
