@@ -57,3 +57,13 @@ def qparams_of(q: fx.Node) -> tuple[float, int, torch.dtype]:
     """(scale, zero_point, dtype) of a per-tensor quantize or dequantize node."""
     _, scale, zp, _, _, dtype = q.args[:6]
     return float(scale), int(zp), dtype
+
+
+def assert_no_weight_dequantized_per_call(lowered: torch.nn.Module) -> None:
+    """Fail if a float op of ``lowered`` (nested graphs too) reads ``dequantize(int8
+    constant)``: the weight would be dequantized on every call
+    (``passes/dequantized_constants.py`` folds each at lowering)."""
+    from quantree.backends.cpu.passes.float_report import float_ops
+
+    costly = [f"{where}.{node.name}" for where, node, constant in float_ops(lowered) if constant]
+    assert not costly, f"float ops dequantize an int8 constant per call: {costly}"

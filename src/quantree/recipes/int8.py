@@ -33,6 +33,8 @@ from quantree.core.specs import (
 from quantree.core.values import Use, Value, is_float_tensor, tensor_meta
 from quantree.recipes.activation_points import ActivationPoints, weighted_inputs_rules
 from quantree.recipes.float_only import on_floats
+from quantree.recipes.infinities import off_infinities
+from quantree.recipes.padding import PAD_OPS, pad_rule
 from quantree.recipes.recurrent import cells_rules, fixed_sigmoid, fixed_tanh
 from quantree.recipes.transposed import (
     TRANSPOSED_CONVS,
@@ -150,6 +152,7 @@ FLOAT_UNDER_WEIGHTED_INPUTS = (
     *SUM_OPS,
     aten.softmax,
     aten._softmax,
+    *PAD_OPS,
 )
 """What EVERY_OP quantizes and WEIGHTED_INPUTS leaves float."""
 
@@ -255,7 +258,8 @@ class Int8Quantizer(Quantizer):
                 points or {},
                 cells_scope,
             )
-        super().__init__((*map(on_floats, recipe), *rules))  # the user's rules as given
+        recipe = tuple(off_infinities(on_floats(rule)) for rule in recipe)
+        super().__init__((*recipe, *rules))  # the user's rules as given
 
 
 def weighted_input_spec(dtype: QDtype, observer: ObserverKind | None) -> QuantSpec:
@@ -395,6 +399,7 @@ def int8_rules(
         Rule((aten.embedding,), embedding),
         Rule(RECURRENT_OPS, recurrent),
         Rule(CELL_OPS, lambda node: recurrent_cell_annotation(node, act, weight)),
+        pad_rule(act),
     )
 
 

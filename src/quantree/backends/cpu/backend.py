@@ -24,6 +24,7 @@ from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
 from quantree.backends.cpu.native.loader import library
 from quantree.backends.cpu.passes.casts import drop_identity_casts
+from quantree.backends.cpu.passes.dequantized_constants import fold_dequantized_constants
 from quantree.backends.cpu.passes.dropout import drop_eval_dropout
 from quantree.backends.cpu.passes.float_report import warn_float_ops
 from quantree.backends.cpu.passes.fold import fold_input_independent
@@ -38,6 +39,7 @@ from quantree.backends.cpu.rules.cumsum import lower_cumsum
 from quantree.backends.cpu.rules.embedding import lower_embedding
 from quantree.backends.cpu.rules.linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.rules.masked_fill import lower_masked_fill
+from quantree.backends.cpu.rules.movement.pad import lower_pad
 from quantree.backends.cpu.rules.norm import lower_batch_norm, lower_group_norm
 from quantree.backends.cpu.rules.packed_sequence import (
     lower_gather,
@@ -75,6 +77,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     library()
     if nested is not None:
         lower_nested(gm, nested)
+        fold_dequantized_constants(gm)  # a float op's int8 weight: dequantized once, here
     native_quantize_dequantize(gm)
     if nested is not None:  # the top-level graph: one warning for the model
         fold_input_independent(gm)  # masks built from zeros/ones on every call, built once
@@ -151,6 +154,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_conv_transpose,
         lower_view_chain,
         lower_movement,
+        lower_pad,
         lower_gather,
         lower_packing,
         lower_metadata_reads,

@@ -1,0 +1,165 @@
+"""Values that hold -inf or NaN by design stay float, with one warning naming them.
+
+Log-space recurrences (xLSTM's log-gate sums under a ``where(causal, x, -inf)``, max
+stabilisers over them), attention masks filled with -inf and additive masks carry
+infinities on purpose, and the op that ends them (``exp``, ``softmax``) turns them into
+finite values again. No integer grid holds an infinity, so a recipe that observed them
+refused calibration ("computed NaN or infinity"). ``carrying_infinities`` finds, before
+anything is observed, every value a non-finite constant of the model can reach: a fill,
+``full``, ``where`` or ``scalar_tensor`` of a non-finite number, or a constant tensor
+holding one; followed through every op that passes an infinity on, and stopped where an
+op maps it back to finite numbers. ``off_infinities`` wraps a recipe rule so it quantizes
+none of those values (an op reading one reads it in float, an op producing one keeps its
+output float); the analysis runs once per graph and warns once, naming the points.
+
+Calibration still refuses NaN or infinity everywhere else: there the float model has no
+non-finite constant that could have put it there (an overflow, a division by zero).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+import weakref
+from dataclasses import replace
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+from quantree.core.errors import QuantreeWarning
+from quantree.core.quantizer import Annotation, Rule
+from quantree.core.specs import DerivedSpec, SharedSpec
+from quantree.core.values import Use, is_float_tensor, tensor_meta
+
+aten = torch.ops.aten
+
+FINITE_AGAIN = (
+    *(aten.exp, aten.exp_, aten.exp2, aten.softmax, aten._softmax, aten.sigmoid),
+    *(aten.tanh, aten.nan_to_num, aten.isinf, aten.isnan, aten.isfinite),
+)
+"""Ops that map an infinity by design to a finite value: ``exp(-inf) = 0`` (the stabilised
+exponent is never +inf: its maximum was subtracted), softmax's masked logits, saturating
+activations; the ``is*`` tests give booleans."""
+
+SOURCES = (
+    *(aten.masked_fill, aten.masked_fill_, aten.full, aten.full_like, aten.new_full),
+    *(aten.fill, aten.fill_, aten.where, aten.scalar_tensor, aten.clamp, aten.clamp_min),
+    *(aten.clamp_max, aten.index_put, aten.index_put_, aten.constant_pad_nd),
+)
+"""Ops whose scalar arguments are values they may write into their output."""
+
+
+def _non_finite(value: object) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def _writes_non_finite(node: fx.Node) -> bool:
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in SOURCES:
+        return False
+    scalars = [*node.args[1:], *node.kwargs.values()]
+    if packet in (aten.full, aten.scalar_tensor):
+        scalars = [*node.args, *node.kwargs.values()]
+    return any(_non_finite(a) for a in tree_leaves(scalars))
+
+
+def _constant_non_finite(node: fx.Node) -> bool:
+    """A ``get_attr`` tensor (a lifted constant: ``where``'s -inf operand) holding one."""
+    owner = node.graph.owning_module
+    value: object = owner
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return False
+    return value.numel() <= 1 << 20 and not bool(torch.isfinite(value).all())
+
+
+def _float_output(node: fx.Node) -> bool:
+    return any(is_float_tensor(leaf) for leaf in tree_leaves(tensor_meta(node)))
+
+
+def carrying_infinities(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of ``graph`` (in order, so one pass) whose float output a non-finite
+    constant can reach."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            if _constant_non_finite(node):
+                found.add(node)
+            continue
+        if node.op != "call_function" or not _float_output(node):
+            continue
+        packet = getattr(node.target, "overloadpacket", None)
+        reads = any(n in found for n in node.all_input_nodes)
+        if packet in FINITE_AGAIN:
+            continue
+        if reads or _writes_non_finite(node):
+            found.add(node)
+    return found
+
+
+_FOUND: weakref.WeakKeyDictionary[fx.Graph, tuple[int, set[fx.Node]]] = weakref.WeakKeyDictionary()
+"""Each graph's analysis with its node count then: a graph decomposition grew is redone."""
+
+
+def _infinities_of(graph: fx.Graph) -> set[fx.Node]:
+    count = len(graph.nodes)
+    known = _FOUND.get(graph)
+    if known is not None and known[0] == count:
+        return known[1]
+    found = carrying_infinities(graph)
+    if known is None:
+        _warn(found)
+    _FOUND[graph] = (count, found)
+    return found
+
+
+def _warn(found: set[fx.Node]) -> None:
+    named = sorted(
+        f"{n.target} at {n.name}" if n.op == "call_function" else f"constant {n.target}"
+        for n in found
+        if n.op == "get_attr" or n.target is not operator.getitem
+    )
+    if not named:
+        return
+    shown = ", ".join(named[:12]) + (f" and {len(named) - 12} more" if len(named) > 12 else "")
+    warnings.warn(
+        f"{len(named)} value(s) may hold -inf or NaN by design (a mask or fill of a non-finite "
+        f"number reaches them) and stay float, as do the ops reading them: {shown}. No "
+        "integer grid holds an infinity; the ops that end them (exp, softmax) are quantized "
+        "again.",
+        QuantreeWarning,
+        stacklevel=2,
+    )
+
+
+def _refers(spec: object) -> bool:
+    return isinstance(spec, SharedSpec | DerivedSpec)
+
+
+def off_infinities(rule: Rule) -> Rule:
+    """``rule`` quantizing no value that may hold an infinity by design."""
+    annotate = rule.annotate
+
+    def finite_only(node: fx.Node) -> Annotation | None:
+        annotation = annotate(node)
+        if annotation is None or annotation.decompose is not None:
+            return annotation
+        found = _infinities_of(node.graph)
+        produces = node in found
+        dropped = {
+            path
+            for path, spec in annotation.inputs.items()
+            if spec is not None and Use.of(node, tuple(path)).value.node in found
+        }
+        if not produces and not dropped:
+            return annotation
+        specs = [*annotation.inputs.values(), *tree_leaves(annotation.outputs)]
+        if any(_refers(s) for s in specs):
+            return Annotation()  # parameters shared with what now stays float: all float
+        inputs = {p: s for p, s in annotation.inputs.items() if p not in dropped}
+        return replace(annotation, inputs=inputs, outputs=None if produces else annotation.outputs)
+
+    return replace(rule, annotate=finite_only)

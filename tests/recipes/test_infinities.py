@@ -1,0 +1,96 @@
+"""Values that hold -inf by design stay float automatically (``recipes.infinities``).
+
+A small log-space recurrence as xLSTM's chunkwise mLSTM computes it: log-sigmoid forget
+gates summed with ``cumsum``, their pairwise differences masked with ``where(causal, d,
+-inf)``, a max stabiliser, ``exp``, then a matmul with the values. It quantizes with the
+default recipe and no rule of the user's: the values the -inf reaches stay float, one
+warning names them, the ``exp`` that ends them and everything after is quantized again, and
+the lowered model is within 20 dB of float. An overflow nothing put there on purpose is
+still refused at calibration.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import quantree as qt
+from quantree.backends import CPU
+from quantree.core.qdq import is_quantize
+from quantree.recipes.infinities import carrying_infinities
+
+T = 12
+
+
+class LogGates(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fgate = nn.Linear(16, 1)
+        self.value = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [1, T, 16]
+        b = nn.functional.logsigmoid(self.fgate(x)).squeeze(-1).cumsum(-1)  # [1, T]
+        d = b[:, :, None] - b[:, None, :]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        d = torch.where(causal, d, -float("inf"))
+        m = d.max(-1, keepdim=True).values
+        w = torch.exp(d - m)
+        return self.out(torch.relu(w @ self.value(x)))
+
+
+class Overflow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * 1e30 * 1e30)
+
+
+def _data(n: int) -> list[tuple[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(1, T, 16, generator=g),) for _ in range(n)]
+
+
+def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - got).pow(2).sum()))
+
+
+def test_log_space_recurrence_quantizes_with_its_infinities_float() -> None:
+    torch.manual_seed(0)
+    model = LogGates().eval()
+    calib = _data(8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", qt.QuantreeWarning)
+        ref = qt.quantize(model, calib[0], calib, backend=qt.REFERENCE, progress=False)
+    by_design = [w for w in caught if "by design" in str(w.message)]
+    assert len(by_design) == 1
+    text = str(by_design[0].message)
+    named = text.split("reading them: ")[1].split(". No integer")[0]
+    assert "where" in named and "max" in named and "exp" not in named
+    # the exp output (the matmul's input) is quantized again; nothing holding -inf is
+    quantized = {n.args[0] for n in ref.graph.nodes if is_quantize(n)}
+    names = {getattr(n, "name", "") for n in quantized}
+    assert any(name.startswith("exp") for name in names)
+    assert not any(name.startswith(("where", "sub_1", "max")) for name in names)
+    lowered = qt.lower(ref, CPU)
+    x = _data(9)[-1]
+    assert _sqnr(model(*x), lowered(*x)) > 20
+
+
+def test_the_analysis_stops_at_exp() -> None:
+    gm = torch.export.export(LogGates().eval(), _data(1)[0]).module()
+    found = {n.target.__name__.split(".")[0] for n in carrying_infinities(gm.graph)}
+    assert {"where", "max", "sub"} <= found
+    assert not found & {"exp", "matmul", "linear", "relu", "cumsum", "log_sigmoid_forward"}
+
+
+def test_an_overflow_is_still_refused() -> None:
+    calib = _data(2)
+    with pytest.raises(qt.QuantreeError, match="computed NaN or infinity"):
+        qt.quantize(Overflow().eval(), calib[0], calib, backend=qt.REFERENCE, progress=False)
