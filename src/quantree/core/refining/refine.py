@@ -5,8 +5,9 @@
     ref = refine(prepared, convert(prepared), data, Refine(seconds=60))
 
 Between convert and lower: convert rounds each weight to its nearest grid point on its own;
-``refine`` re-chooses the integers of each linear and 2-d convolution layer against that
-float layer's output on the inputs the quantized graph gives it (``rounding.py``), then
+``refine`` re-chooses the integers of each linear and 2-d convolution layer, and of each
+whole-mode recurrent layer's ``W_ih`` and ``W_hh`` (``recurrent.py``), against that float
+layer's output on the inputs the quantized graph gives it (``rounding.py``), then
 moves its int32 bias by the mean output shift left over (empirical bias correction). The
 float weights come from the prepared model (convert keeps only their integers); node names
 match between the two. Scales, zero points and the graph stay as they were, so lowering,
@@ -18,6 +19,7 @@ says in ``meta[REFINED_KEY]`` what each layer gained.
 from __future__ import annotations
 
 import copy
+import operator
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -28,12 +30,19 @@ import torch.fx as fx
 
 from quantree.core.calibrate import as_args
 from quantree.core.errors import QuantreeError
+from quantree.core.refining.recurrent import RECURRENT, RecurrentInputs
 from quantree.core.refining.rounding import output_error, round_against_output
 from quantree.core.refining.statistics import InputMoments
 from quantree.core.stages import CONVERTED, PREPARED, STAGE_KEY
 
 REFINED_KEY = "quantree_refined"
 """``meta`` key of a refined graph: a tuple of :class:`RefinedLayer`, in graph order."""
+
+ROWS_PER_COLUMN = 4
+"""Rounding against the output needs this many input rows per weight column: with fewer,
+``X^T X`` is nearly singular and the integers fit the calibration's few rows, not new ones
+(bias correction still runs; it moves a bias only where the mean shift exceeds twice its
+standard error over the rows seen)."""
 
 _ops = torch.ops
 DEQUANTIZE = {
@@ -75,11 +84,13 @@ class RefinedLayer:
 
 @dataclass
 class _Layer:
+    label: str  # the node's name; a recurrent matrix's adds which ("lstm w_hh dir 0")
     node: fx.Node
     weight: fx.Node  # the dequantize of the integer weight
     bias: fx.Node | None  # the dequantize of the int32 bias, if any
     float_weight: torch.Tensor
     conv: tuple[list[int], list[int], list[int], list[int]] | None
+    key: str = ""  # a recurrent matrix's input in its op's ``RecurrentInputs``
 
 
 def refine(
@@ -103,12 +114,12 @@ def refine(
     result = copy.deepcopy(reference)
     report = list(skipped)
     for layer in layers:
-        stats = moments[layer.node.name]
+        stats = moments[layer.label]
         if stats.gram is None:
-            report.append(RefinedLayer(layer.node.name, 0.0, 0.0, False, False, "never ran"))
+            report.append(RefinedLayer(layer.label, 0.0, 0.0, False, False, "never ran"))
             continue
         if options.seconds is not None and time.monotonic() - start > options.seconds:
-            report.append(RefinedLayer(layer.node.name, 0.0, 0.0, False, False, "time budget"))
+            report.append(RefinedLayer(layer.label, 0.0, 0.0, False, False, "time budget"))
             continue
         report.append(_refine_layer(result, layer, stats, options))
     result.meta[REFINED_KEY] = tuple(report)
@@ -148,6 +159,12 @@ def _layers(
     by_name = {n.name: n for n in prepared.graph.nodes}
     layers, skipped = [], []
     for node in reference.graph.nodes:
+        if node.op == "call_function" and node.target in RECURRENT:
+            found, reason = _recurrent_layers(prepared, node, by_name.get(node.name))
+            layers += found
+            if reason:
+                skipped.append(RefinedLayer(node.name, 0.0, 0.0, False, False, reason))
+            continue
         if node.op != "call_function" or node.target not in LAYERS:
             continue
         weight = node.args[1] if len(node.args) > 1 else None
@@ -185,6 +202,7 @@ def _layers(
             )
         layers.append(
             _Layer(
+                node.name,
                 node,
                 weight,
                 bias if _integer_constant(bias) else None,
@@ -202,15 +220,21 @@ def _input_moments(
     probe = copy.deepcopy(reference)
     found = {n.name: n for n in probe.graph.nodes}
     moments: dict[str, InputMoments] = {}
+    recurrent: dict[str, RecurrentInputs] = {}
     for layer in layers:
         node = found[layer.node.name]
-        recorder = InputMoments(layer.conv)
         name = f"_refine_moments_{len(moments)}"
+        if layer.key:
+            if node.name not in recurrent:
+                recurrent[node.name] = _record_recurrent(probe, node, name)
+            moments[layer.label] = recurrent[node.name].moments[layer.key]
+            continue
+        recorder = InputMoments(layer.conv)
         probe.add_module(name, recorder)
         with probe.graph.inserting_before(node):
             recorded = probe.graph.call_module(name, (node.args[0],))
         node.args = (recorded, *node.args[1:])
-        moments[layer.node.name] = recorder
+        moments[layer.label] = recorder
     probe.recompile()
     with torch.no_grad():
         for batch in calibration:
@@ -247,16 +271,71 @@ def _refine_layer(
     z = zp.double().reshape(-1, 1).expand(out, 1)
     q = ints.reshape(out, -1).double()
     before = output_error(w_float - (q - z) * s, stats.gram)
-    if options.rounding:
+    rounded = options.rounding and stats.rows >= ROWS_PER_COLUMN * w_float.shape[1]
+    if rounded:
         q = round_against_output(w_float, s, z, qmin, qmax, stats.gram)
         _set_attr(result, target, q.reshape(ints.shape).to(ints.dtype))
     after = output_error(w_float - (q - z) * s, stats.gram)
     corrected = False
     if options.bias_correction and layer.bias is not None:
-        b_target, b_ints, b_scale, b_zp, b_min, b_max = _quantized(result, layer.bias)
-        shift = (w_float - (q - z) * s) @ stats.mean  # float output minus quantized, mean
+        b_target, b_ints, b_scale, _, b_min, b_max = _quantized(result, layer.bias)
+        delta = w_float - (q - z) * s
+        shift = delta @ stats.mean  # float output minus quantized, on average
+        covariance = stats.gram / stats.rows - torch.outer(stats.mean, stats.mean)
+        spread = ((delta @ covariance) * delta).sum(1).clamp(min=0.0) / stats.rows
+        shift = torch.where(shift.abs() > 2 * spread.sqrt(), shift, torch.zeros_like(shift))
         moved = torch.clamp(b_ints.double() + torch.round(shift / b_scale.double()), b_min, b_max)
         _set_attr(result, b_target, moved.to(b_ints.dtype))
         corrected = True
-        del b_zp
-    return RefinedLayer(layer.node.name, before, after, options.rounding, corrected)
+    return RefinedLayer(layer.label, before, after, rounded, corrected)
+
+
+def _recurrent_layers(
+    prepared: fx.GraphModule, node: fx.Node, twin: fx.Node | None
+) -> tuple[list[_Layer], str]:
+    """One entry per weight matrix of a single-layer recurrent op (see ``recurrent.py``)."""
+    args = list(node.args)
+    has_biases, layers_count, bidirectional = args[3], args[4], args[7]
+    if layers_count != 1 or twin is None:
+        return [], "stacked recurrent call kept whole" if twin is not None else "no float op"
+    per_direction = 4 if has_biases else 2
+    params, floats = list(args[2]), list(twin.args[2])  # type: ignore[arg-type]
+    found: list[_Layer] = []
+    for d in range(2 if bidirectional else 1):
+        chunk = params[d * per_direction : (d + 1) * per_direction]
+        sources = floats[d * per_direction : (d + 1) * per_direction]
+        for i, which in enumerate(("ih", "hh")):
+            weight, source = chunk[i], sources[i]
+            bias = chunk[2 + i] if has_biases else None
+            if node.target == _ops.aten.gru.input and which == "hh":
+                bias = None  # scaled by the reset gate: not an additive shift
+            if not _integer_constant(weight) or not (
+                isinstance(source, fx.Node) and source.op == "get_attr"
+            ):
+                continue
+            found.append(
+                _Layer(
+                    f"{node.name} w_{which} dir {d}",
+                    node,
+                    weight,
+                    bias if _integer_constant(bias) else None,
+                    _attr(prepared, str(source.target)).detach(),
+                    None,
+                    "ih" if which == "ih" else f"hh{d}",
+                )
+            )
+    return found, ""
+
+
+def _record_recurrent(probe: fx.GraphModule, node: fx.Node, name: str) -> RecurrentInputs:
+    """A ``RecurrentInputs`` after ``node`` in ``probe``, fed its input, h0 and output."""
+    args = list(node.args)
+    hx = args[1]
+    h0 = hx[0] if isinstance(hx, list | tuple) else hx
+    recorder = RecurrentInputs(bool(args[8]), 2 if args[7] else 1)
+    probe.add_module(name, recorder)
+    with probe.graph.inserting_after(node):
+        out = probe.graph.call_function(operator.getitem, (node, 0))
+    with probe.graph.inserting_after(out):
+        probe.graph.call_module(name, (args[0], h0, out))
+    return recorder

@@ -39,11 +39,15 @@ class InputMoments(nn.Module):
                     x.float(), tuple(kernel), tuple(dilation), tuple(padding), tuple(stride)
                 )
                 rows = patches.transpose(1, 2).reshape(-1, patches.shape[1]).double()
-            gram, total = rows.t() @ rows, rows.sum(0)
-            self.gram = gram if self.gram is None else self.gram + gram
-            self.total = total if self.total is None else self.total + total
-            self.rows += rows.shape[0]
+            self.add(rows)
         return x
+
+    def add(self, rows: torch.Tensor) -> None:
+        """Fold input rows ([n, in], float64) into the sums."""
+        gram, total = rows.t() @ rows, rows.sum(0)
+        self.gram = gram if self.gram is None else self.gram + gram
+        self.total = total if self.total is None else self.total + total
+        self.rows += rows.shape[0]
 
     @property
     def mean(self) -> torch.Tensor:
