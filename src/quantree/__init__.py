@@ -31,6 +31,7 @@ from quantree.core.observing.observers import (
 )
 from quantree.core.points import Point
 from quantree.core.quantizer import Annotation, Quantizer, Rule
+from quantree.core.refining.refine import Refine, RefinedLayer, refine
 from quantree.core.specs import (
     DerivedSpec,
     FixedSpec,
@@ -83,6 +84,8 @@ __all__ = [
     "QuantreeError",
     "QuantreeWarning",
     "RankFailed",
+    "Refine",
+    "RefinedLayer",
     "Quantizer",
     "Rule",
     "SharedSpec",
@@ -99,6 +102,7 @@ __all__ = [
     "OnnxTarget",
     "from_pt2e",
     "recurrent_rules",
+    "refine",
     "lower",
     "merge_statistics",
     "prepare",

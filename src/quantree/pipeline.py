@@ -17,6 +17,8 @@ from quantree.core.lower import REFERENCE, Backend
 from quantree.core.observing.distributed import in_process_group
 from quantree.core.prepare import prepare as core_prepare
 from quantree.core.quantizer import Quantizer
+from quantree.core.refining.refine import Refine
+from quantree.core.refining.refine import refine as refine_weights
 from quantree.core.training.qat import prepare_qat as core_prepare_qat
 from quantree.recipes.int8 import Int8Quantizer
 from quantree.recipes.pt2e import as_quantizer, is_pt2e_quantizer
@@ -103,6 +105,7 @@ def quantize(
     progress: bool = True,
     unobserved: Unobserved = Unobserved.ERROR,
     fold_loops: bool = True,
+    refine: Refine | None = None,
 ) -> fx.GraphModule:
     """Quantize ``model`` in one call.
 
@@ -118,7 +121,10 @@ def quantize(
     the reference graph it came from, so ``qt.export_onnx`` takes either. ``unobserved`` says
     what becomes of tensors calibration never saw (an error naming them, or float with one
     warning). ``fold_loops`` (as for :func:`quantree.capture`) folds a Python loop over time
-    that export unrolled back into one loop. Every argument is checked before the model is
+    that export unrolled back into one loop. ``refine`` (a :class:`quantree.Refine`)
+    re-chooses weight integers and biases after convert (:func:`quantree.refine`; it runs
+    ``calibration`` a second time, so that must be a collection, not an iterator). Every
+    argument is checked before the model is
     captured.
     """
     resolved = resolve_backend(backend)
@@ -130,6 +136,11 @@ def quantize(
         raise QuantreeError(
             f"quantizer must be a Quantizer (e.g. quantree.Int8Quantizer()) or a pt2e "
             f"Quantizer, got {type(quantizer).__name__}"
+        )
+    if refine is not None and (not isinstance(refine, Refine) or iter(calibration) is calibration):
+        raise QuantreeError(
+            "refine must be a quantree.Refine and calibration a collection it can run again "
+            "(a list of batches, not an iterator)"
         )
     if not isinstance(unobserved, Unobserved):
         raise QuantreeError(f"unobserved must be a quantree.Unobserved, got {unobserved!r}")
@@ -144,6 +155,8 @@ def quantize(
     prepared = prepare(captured, quantizer or Int8Quantizer())
     calibrate(prepared, calibration, progress=progress)
     reference = convert(prepared, unobserved=unobserved)
+    if refine is not None:
+        reference = refine_weights(prepared, reference, calibration, refine)
     return attach_reference(core_lower.lower(reference, resolved), reference)
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import quantree as qt
-from quantree.core.observing.observers import make_observer
+from quantree.core.observing.kinds import make_observer
 
-KINDS = [qt.ObserverKind.MINMAX, qt.ObserverKind.MOVING_AVERAGE, qt.ObserverKind.HISTOGRAM]
+KINDS = list(qt.ObserverKind)
 
 
 def _batches(n: int = 5) -> list[torch.Tensor]:

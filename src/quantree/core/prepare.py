@@ -22,7 +22,8 @@ from quantree.core.grouping.groups import form_groups
 from quantree.core.grouping.sharing import Group
 from quantree.core.normalizing.fold import written_to
 from quantree.core.normalizing.normalize import normalize
-from quantree.core.observing.observers import NonFiniteValues, Observer, make_observer
+from quantree.core.observing.kinds import make_observer
+from quantree.core.observing.observers import NonFiniteValues, Observer
 from quantree.core.quantizer import Annotation, Quantizer, idle_scopes
 from quantree.core.specs import QuantSpec
 from quantree.core.stages import GROUPS_KEY, NODE_KEY, OBSERVER_KEY, PREPARED, STAGE_KEY, NodeQuant

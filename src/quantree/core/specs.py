@@ -51,13 +51,18 @@ class ObserverKind(enum.Enum):
 
     MINMAX keeps the extremes; MOVING_AVERAGE smooths them over batches; HISTOGRAM keeps a
     histogram and searches the clipping range that minimises the expected squared error.
-    A spec with an ``axis`` observes per channel with any of them (histogram falls back to
-    min-max per channel, which is what weights need).
+    SEARCH chooses each point's range among min-max, min-max with a margin (where
+    calibration saw few values), percentile clips and the histogram's clip, by the error each
+    measures on calibration batches it was not computed from
+    (``core/observing/search.py``). A spec with an ``axis`` observes per channel: min-max per
+    channel for every kind except SEARCH, which searches each channel's clip by its exact
+    error (what weights need).
     """
 
     MINMAX = "minmax"
     MOVING_AVERAGE = "moving_average"
     HISTOGRAM = "histogram"
+    SEARCH = "search"
 
 
 @dataclass(frozen=True)
@@ -220,6 +225,8 @@ def int8_activation(observer: ObserverKind = ObserverKind.MINMAX) -> QuantSpec:
     return QuantSpec(QDtype.INT8, symmetric=False, observer=observer)
 
 
-def int8_weight(axis: int | None = 0) -> QuantSpec:
+def int8_weight(axis: int | None = 0, observer: ObserverKind = ObserverKind.MINMAX) -> QuantSpec:
     """Symmetric int8 weights on [-127, 127], so -w quantizes exactly like w."""
-    return QuantSpec(QDtype.INT8, symmetric=True, axis=axis, quant_min=-127, quant_max=127)
+    return QuantSpec(
+        QDtype.INT8, symmetric=True, axis=axis, observer=observer, quant_min=-127, quant_max=127
+    )

@@ -186,7 +186,9 @@ class Int8Quantizer(Quantizer):
 
     ``activation_observer`` picks how activation ranges are calibrated (by default min-max,
     and the histogram's error-minimising range where only what weights read is quantized,
-    see ``ActivationPoints``); ``per_channel``
+    see ``ActivationPoints``; ``ObserverKind.SEARCH`` chooses each point's range by measured
+    error); ``weight_observer`` likewise for weights (``SEARCH``: each channel's clip by its
+    exact error; min-max by default); ``per_channel``
     quantizes weights per output channel (else per tensor). ``recurrent`` chooses whole or
     cells mode for LSTM/GRU/RNN; in cells mode ``split_gates``, ``cell_state_dtype`` (INT16
     for the integer-LSTM convention), ``gate_dtype`` (sigmoid/tanh outputs, default the
@@ -210,6 +212,7 @@ class Int8Quantizer(Quantizer):
         self,
         *,
         activation_observer: ObserverKind | None = None,
+        weight_observer: ObserverKind = ObserverKind.MINMAX,
         per_channel: bool = True,
         activation: QuantSpec | None = None,
         weight: QuantSpec | None = None,
@@ -236,7 +239,9 @@ class Int8Quantizer(Quantizer):
             )
         act = activation or int8_activation(activation_observer or ObserverKind.MINMAX)
         weighted_act = activation or weighted_input_spec(weighted_inputs_dtype, activation_observer)
-        wgt = weight or int8_weight(0 if per_channel else None)
+        if not isinstance(weight_observer, ObserverKind):
+            raise QuantreeError(f"weight_observer must be an ObserverKind, got {weight_observer!r}")
+        wgt = weight or int8_weight(0 if per_channel else None, weight_observer)
         if not isinstance(share_recurrent_state, bool):
             raise QuantreeError(
                 f"share_recurrent_state must be True or False, got {share_recurrent_state!r}"

@@ -31,7 +31,7 @@ from torch import nn
 
 from quantree.core.errors import QuantreeError
 from quantree.core.observing.qparams import qparams_from_range
-from quantree.core.specs import ObserverKind, QParams, QuantSpec
+from quantree.core.specs import QParams, QuantSpec
 
 
 class NonFiniteValues(QuantreeError):
@@ -487,13 +487,6 @@ class HistogramObserver(Observer):
         return qparams_from_range(lo_c[best], hi_c[best], self.spec)
 
 
-_OBSERVERS: dict[ObserverKind, type[Observer]] = {
-    ObserverKind.MINMAX: MinMaxObserver,
-    ObserverKind.MOVING_AVERAGE: MovingAverageMinMaxObserver,
-    ObserverKind.HISTOGRAM: HistogramObserver,
-}
-
-
 def _all_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, tensor, group=group)
@@ -515,9 +508,3 @@ def per_call(module: nn.Module) -> Iterator[None]:
     finally:
         for observer in observers:
             observer.end_call()
-
-
-def make_observer(spec: QuantSpec, label: str) -> Observer:
-    """The observer a spec asks for; per-channel specs always use min-max per channel."""
-    kind = ObserverKind.MINMAX if spec.axis is not None else spec.observer
-    return _OBSERVERS[kind](spec, label)

@@ -1,0 +1,354 @@
+"""Range search: each point's range chosen among several rules by the error it measures.
+
+Min-max, a percentile clip and the histogram's error-minimising clip each suit some tensors
+and fail on others; which one a tensor needs is a property of its distribution and of how
+much of it calibration saw, so ``ObserverKind.SEARCH`` measures instead of assuming.
+
+Activations (per tensor): a histogram of all values, and beside it one of every other batch
+(odd batches; the even ones are the difference). Each candidate range is computed on one half
+and its expected squared error (clipping outside, a uniform step^2 / 12 inside) scored on the
+other half, both ways round: the choice is the one that held on batches it did not see, the
+question a range must answer on new inputs. The winner is then computed on all the data.
+With a single batch there is nothing held out, and the choice is scored on the batch itself.
+
+The candidates: min-max; min-max with a **margin**; percentile clips (where the tail holds at
+least one value); the error-minimising clip. The margin is the small-calibration-set rule:
+the extremes of n values fall short of those of 10 n, by about the spacing of the top ten
+values (exactly so for an exponential tail, closely for a Gaussian one), so each side that
+is not pinned at 0 widens by the distance from its extreme to its tenth-most-extreme value.
+Where calibration saw few values that distance is large and the held-out score favours it;
+with many it is small and a clip usually wins. ``choice`` says which rule each point took.
+
+Weights (per channel): a constant is seen whole, so the search is exact: per channel, the
+clip of its range among ``RATIOS`` whose quantize-dequantize error is least, min-max
+included.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from quantree.core.errors import QuantreeError
+from quantree.core.observing.observers import HistogramObserver, Observer
+from quantree.core.observing.qparams import fake_quantize, qparams_from_range
+from quantree.core.specs import QParams, QuantSpec
+
+TAIL = 10
+"""The margin extrapolates each extreme to what TAIL times as many values would reach."""
+
+PERCENTILE_TAILS = (1e-3, 1e-4, 1e-5)
+"""Fractions of the values a percentile candidate clips on each side."""
+
+RATIOS = tuple(1.0 - i / 40 for i in range(21))
+"""Per-channel weight clips tried, as fractions of the channel's range (1.0 is min-max)."""
+
+MAX_STORED = 1 << 22
+"""Values a per-channel search keeps; past it (a per-channel activation) it keeps min-max."""
+
+Candidate = tuple[torch.Tensor, torch.Tensor]
+
+
+class RangeSearchObserver(HistogramObserver):
+    """Per-tensor range search, held out across batches (see the module's docstring)."""
+
+    odd: torch.Tensor
+    num_values: torch.Tensor
+    num_calls: torch.Tensor
+
+    def __init__(self, spec: QuantSpec, label: str, bins: int = 2048, grid: int = 64) -> None:
+        super().__init__(spec, label, bins, grid)
+        self.register_buffer("odd", torch.zeros(bins))
+        self.register_buffer("num_values", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("num_calls", torch.zeros((), dtype=torch.int64))
+        self._shared_odd: torch.Tensor | None = None
+        self._shared_calls = 0
+        self._depth = 0
+        self._observed = False  # real values seen in the current call
+        self.choice = ""
+
+    # -- observing ------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if not self._depth:
+            self._end_of_call()
+        return out
+
+    def begin_call(self) -> None:
+        self._depth += 1
+
+    def end_call(self) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._end_of_call()
+
+    def _end_of_call(self) -> None:
+        """A call that saw real values takes the next batch position (all zeros take none:
+        a zero initial state tells nothing, as for every observer)."""
+        if self._observed:
+            self.num_calls.add_(1)
+            self._observed = False
+
+    def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        if self.only_zeros or not bool(self.histogram.any()):
+            self.min_val, self.max_val = lo, hi
+            self.histogram = torch.zeros(self.bins)
+            self.odd = torch.zeros(self.bins)
+        else:
+            new_lo, new_hi = torch.minimum(self.min_val, lo), torch.maximum(self.max_val, hi)
+            if bool(new_lo < self.min_val) or bool(new_hi > self.max_val):
+                if self._shared_histogram is not None and self._shared_odd is not None:
+                    self._shared_histogram = self._rebin(new_lo, new_hi, self._shared_histogram)
+                    self._shared_odd = self._rebin(new_lo, new_hi, self._shared_odd)
+                self.odd = self._rebin(new_lo, new_hi, self.odd)
+                self.histogram = self._rebin(new_lo, new_hi)
+                self.min_val, self.max_val = new_lo, new_hi
+        counts = torch.histc(x, self.bins, float(self.min_val), float(self.max_val))
+        self.histogram += counts
+        if int(self.num_calls) % 2:
+            self.odd += counts
+        self.num_values.add_(x.numel())
+        self._observed = True
+
+    def clear(self) -> None:
+        super().clear()
+        self.odd = torch.zeros(self.bins)
+        self.num_values.zero_()
+        self.num_calls.zero_()
+        self._shared_odd = None
+        self._shared_calls = 0
+
+    # -- choosing -------------------------------------------------------------------------
+
+    def qparams(self) -> QParams:
+        if not self.calibrated or self.only_zeros:
+            return Observer.qparams(self)
+        lo, hi = self.search()
+        return qparams_from_range(lo, hi, self.spec)
+
+    def search(self) -> Candidate:
+        """The range of the rule that scored best held out; sets ``choice`` to its name."""
+        odd = self.odd
+        even = self.histogram - odd
+        if bool(odd.sum() > 0) and bool(even.sum() > 0):
+            scores: dict[str, list[float]] = {}
+            for fit, held in ((odd, even), (even, odd)):
+                for name, candidate in self.candidates(fit).items():
+                    scores.setdefault(name, []).append(self.error(candidate, held))
+            ranked = {name: sum(s) for name, s in scores.items() if len(s) == 2}
+        else:
+            ranked = {
+                name: self.error(candidate, self.histogram)
+                for name, candidate in self.candidates(self.histogram).items()
+            }
+        final = self.candidates(self.histogram)
+        self.choice = min((name for name in ranked if name in final), key=ranked.__getitem__)
+        return final[self.choice]
+
+    def candidates(self, counts: torch.Tensor) -> dict[str, Candidate]:
+        """Every rule's range for the values ``counts`` holds (on this observer's bins)."""
+        n = float(counts.sum())
+        lo, hi = self._extremes(counts)
+        found: dict[str, Candidate] = {"minmax": (lo, hi)}
+        k = min(float(TAIL), n)
+        widen_lo = lo - self._quantile(counts, k) if bool(lo < 0) else torch.zeros(())
+        widen_hi = self._quantile(counts, n - k) - hi if bool(hi > 0) else torch.zeros(())
+        found["margin"] = (lo + widen_lo.clamp(max=0.0), hi - widen_hi.clamp(max=0.0))
+        for tail in PERCENTILE_TAILS:
+            if tail * n >= 1.0:
+                found[f"percentile {100 * (1 - tail):g}"] = (
+                    self._quantile(counts, tail * n),
+                    self._quantile(counts, (1 - tail) * n),
+                )
+        found["mse"] = self.mse(counts)
+        return found
+
+    def error(self, candidate: Candidate, counts: torch.Tensor) -> float:
+        """Expected squared error of quantizing the values ``counts`` holds on ``candidate``."""
+        lo, hi = candidate
+        return float(self.errors(lo.reshape(1), hi.reshape(1), counts)[0])
+
+    def errors(self, lo: torch.Tensor, hi: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expected squared error of each range ``(lo[i], hi[i])`` over ``counts``.
+
+        Values outside are clipped to the bound, values inside err by a uniform step^2 / 12
+        (``HistogramObserver``'s model), each value at its bin's centre; prefix sums of the
+        counts and their first two moments make each range cost two searches.
+        """
+        qmin, qmax = self.spec.range
+        lo = torch.clamp(lo.double(), max=0.0)
+        hi = torch.clamp(hi.double(), min=0.0)
+        if self.spec.symmetric:
+            bound = torch.maximum(-lo, hi)
+            lo, hi = -bound, bound
+        c = self._centers(self.min_val, self.max_val).double()
+        n = counts.double()
+        zero = torch.zeros(1, dtype=torch.float64)
+        count, first, second = (
+            torch.cat((zero, torch.cumsum(v, 0))) for v in (n, n * c, n * c * c)
+        )
+        j = torch.searchsorted(c, lo)  # bins [0, j) lie below lo
+        k = torch.searchsorted(c, hi, right=True)  # bins [k, bins) lie above hi
+        below = lo * lo * count[j] - 2 * lo * first[j] + second[j]
+        above = (
+            (second[-1] - second[k])
+            - 2 * hi * (first[-1] - first[k])
+            + hi * hi * (count[-1] - count[k])
+        )
+        step = (hi - lo) / (qmax - qmin)
+        return below + above + (count[k] - count[j]) * step * step / 12
+
+    def mse(self, counts: torch.Tensor) -> Candidate:
+        """The clip of the observed range with the least expected error over ``counts``."""
+        lo_all = torch.clamp(self.min_val, max=0.0)
+        hi_all = torch.clamp(self.max_val, min=0.0)
+        if self.spec.symmetric:
+            bound = torch.maximum(-lo_all, hi_all) * torch.linspace(1.0 / 256, 1.0, 256)
+            lo_c, hi_c = -bound, bound
+        else:
+            frac = torch.linspace(1.0 / self.grid, 1.0, self.grid)
+            lo_c = (lo_all * frac)[:, None].expand(self.grid, self.grid).reshape(-1)
+            hi_c = (hi_all * frac)[None, :].expand(self.grid, self.grid).reshape(-1)
+        best = int(torch.argmin(self.errors(lo_c, hi_c, counts)))
+        return lo_c[best], hi_c[best]
+
+    def _edges(self) -> torch.Tensor:
+        return torch.linspace(float(self.min_val), float(self.max_val), self.bins + 1)
+
+    def _extremes(self, counts: torch.Tensor) -> Candidate:
+        """The outer edges of the first and last non-empty bins (exact for all the data)."""
+        if counts is self.histogram:
+            return self.min_val.clone(), self.max_val.clone()
+        filled = torch.nonzero(counts > 0).flatten()
+        edges = self._edges()
+        return edges[int(filled[0])], edges[int(filled[-1]) + 1]
+
+    def _quantile(self, counts: torch.Tensor, rank: float) -> torch.Tensor:
+        """The value ``rank`` values from the bottom, interpolated inside its bin."""
+        cumulative = torch.cumsum(counts, 0)
+        index = int(
+            torch.searchsorted(cumulative, torch.tensor(float(rank))).clamp(max=self.bins - 1)
+        )
+        before = float(cumulative[index - 1]) if index else 0.0
+        inside = float(counts[index])
+        frac = 0.0 if inside <= 0 else min(max((rank - before) / inside, 0.0), 1.0)
+        edges = self._edges()
+        return edges[index] + frac * (edges[index + 1] - edges[index])
+
+    # -- merging across processes ---------------------------------------------------------
+
+    def mark_shared(self) -> None:
+        super().mark_shared()
+        self._shared_odd = self.odd.clone()
+        self._shared_calls = int(self.num_calls)
+
+    def _header_extra(self, since_shared: bool) -> int:
+        """How many calls this rank observed (since shared): where its parity starts."""
+        return int(self.num_calls) - (self._shared_calls if since_shared else 0)
+
+    def _merge_statistics(
+        self, group: Any, table: torch.Tensor, since_shared: bool, numel: int
+    ) -> None:
+        """The histograms as ``HistogramObserver`` merges them, each rank's halves swapped
+        where its batches start at an odd position of one process's order (rank order)."""
+        rank = dist.get_rank(group)
+        offset = int(table[:rank, 5].sum())
+        own_odd = self.odd
+        if since_shared and self._shared_odd is not None:
+            own_odd = self.odd - self._shared_odd
+        own_all = self.histogram
+        if since_shared and self._shared_histogram is not None:
+            own_all = self.histogram - self._shared_histogram
+        if offset % 2:
+            own_odd = own_all - own_odd
+        lo, hi = self._merged_extremes(group, numel)
+        real = self.calibrated and not self.only_zeros
+        both = torch.zeros(2, self.bins)
+        if real:
+            both[0] = self._rebin(lo, hi, own_all)
+            both[1] = self._rebin(lo, hi, own_odd)
+        dist.all_reduce(both, group=group)
+        values = torch.tensor([int(self.num_values) if real else 0], dtype=torch.int64)
+        if since_shared:
+            values.zero_()  # rank 0 carries what every rank shares
+        dist.all_reduce(values, group=group)
+        calls = int(table[:, 5].sum())
+        self.min_val, self.max_val = lo, hi
+        self.histogram, self.odd = both[0].clone(), both[1].clone()
+        self.num_values.fill_(int(values))
+        self.num_calls.fill_(calls)
+
+    def merge_signature(self) -> str:
+        return f"RangeSearch {super().merge_signature()}"
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}{f', {self.choice}' if self.choice else ''}"
+
+
+class ChannelSearchObserver(Observer):
+    """Per-channel range search on the values themselves (weights: seen whole at prepare)."""
+
+    values: torch.Tensor
+
+    def __init__(self, spec: QuantSpec, label: str) -> None:
+        if spec.axis is None:
+            raise QuantreeError("ChannelSearchObserver is per-channel; give the spec an axis")
+        super().__init__(spec, label)
+        self.register_buffer("values", torch.empty(0))
+        self.choice = ""
+
+    def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        super().observe(x, lo, hi)
+        axis = self.spec.axis
+        assert axis is not None
+        rows = x.transpose(0, axis).reshape(x.shape[axis], -1)
+        if not int(self.num_batches):
+            self.values = rows.clone()
+        elif self.values.numel():
+            self.values = torch.cat((self.values, rows), dim=1)
+        if self.values.numel() > MAX_STORED:
+            self.values = torch.empty(0)  # too much to keep (an activation): min-max
+
+    def clear(self) -> None:
+        super().clear()
+        self.values = torch.empty(0)
+
+    def qparams(self) -> QParams:
+        if not self.calibrated or self.only_zeros or not self.values.numel():
+            self.choice = "minmax"
+            return super().qparams()
+        best_err = torch.full((self.values.shape[0],), math.inf)
+        best_ratio = torch.ones(self.values.shape[0])
+        for ratio in RATIOS:
+            p = qparams_from_range(self.min_val * ratio, self.max_val * ratio, self.spec)
+            err = ((fake_quantize(self.values, _on_axis0(p)) - self.values) ** 2).sum(dim=1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_ratio = torch.where(better, torch.tensor(ratio), best_ratio)
+        clipped = int((best_ratio < 1).sum())
+        self.choice = f"mse clip on {clipped} of {best_ratio.numel()} channels"
+        return qparams_from_range(self.min_val * best_ratio, self.max_val * best_ratio, self.spec)
+
+    def _merge_statistics(
+        self, group: Any, table: torch.Tensor, since_shared: bool, numel: int
+    ) -> None:
+        """Weights are observed alike on every rank: rank 0's values stand for all."""
+        if int(table[1:, 3].sum()):
+            raise QuantreeError(
+                f"the per-channel range search of {self.label} saw values on several processes; "
+                "it merges only constants (weights): give per-channel activations "
+                "ObserverKind.MINMAX"
+            )
+        self.min_val, self.max_val = self._merged_extremes(group, numel)
+
+    def merge_signature(self) -> str:
+        return f"ChannelSearch {super().merge_signature()}"
+
+
+def _on_axis0(p: QParams) -> QParams:
+    """``p`` for values laid out channel first (rows), as the search keeps them."""
+    return QParams(p.scale, p.zero_point, p.dtype, p.quant_min, p.quant_max, 0)
