@@ -31,6 +31,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,7 +148,26 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def latency(name: str, runs: int, float_lowering: str = "xnnpack") -> None:
+def cached_float(
+    model: nn.Module, example: tuple, lowering: str, name: str, cache: str | None
+) -> tuple[bytes, float]:
+    """ExecuTorch's float program and its lowering seconds; with ``cache``, read from (or
+    written to) ``cache/<name>_<lowering>.pte``: lowering an unrolled T128 float LSTM takes
+    minutes, and the model is the same in every run (seeded)."""
+    if cache is None:
+        return timed(lambda: et_float(model, example, lowering))
+    path = Path(cache) / f"{name}_{lowering}.pte"
+    if path.exists():
+        return path.read_bytes(), float("nan")
+    program, seconds = timed(lambda: et_float(model, example, lowering))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(program)
+    return program, seconds
+
+
+def latency(
+    name: str, runs: int, float_lowering: str = "xnnpack", cache: str | None = None
+) -> None:
     torch.manual_seed(0)
     model, sample = build(name)
     model.eval()
@@ -155,10 +175,12 @@ def latency(name: str, runs: int, float_lowering: str = "xnnpack") -> None:
     calib = [sample(gen) for _ in range(16)]
     held = [sample(gen) for _ in range(4)]
     example = calib[0]
-    ref = qt.quantize(model, example, calib, progress=False, dynamic_batch=False)
+    ref = qt.quantize(
+        model, example, calib, progress=False, dynamic_batch=False, backend="reference"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        programs = {"et float": timed(lambda: et_float(model, example, float_lowering))}
+        programs = {"et float": cached_float(model, example, float_lowering, name, cache)}
         if name.rstrip("0123456789") not in RECURRENT:  # XNNPACKQuantizer leaves them float
             programs[OWN] = timed(lambda: et_int8(model, example, calib))
         lowered, seconds = timed(lambda: lower_executorch(ref, example))
@@ -214,7 +236,10 @@ def zoo_check(names: list[str]) -> None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                ref = qt.quantize(model, calib[0], calib, progress=False, dynamic_batch=False)
+                ref = qt.quantize(
+                    model, calib[0], calib, progress=False, dynamic_batch=False,
+                    backend="reference",
+                )  # fmt: skip
                 start = time.perf_counter()
                 lowered = lower_executorch(ref, calib[0])
                 seconds = time.perf_counter() - start
@@ -233,6 +258,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(LATENCY_MODELS))
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--float-lowering", choices=("xnnpack", "portable"), default="xnnpack")
+    parser.add_argument("--float-cache", help="directory keeping ExecuTorch's float programs")
     parser.add_argument("--zoo", action="store_true", help="zoo models: correctness only")
     parser.add_argument("--zoo-models", help="comma-separated subset of the zoo")
     args = parser.parse_args()
@@ -245,7 +271,7 @@ def main() -> None:
         zoo_check(args.zoo_models.split(",") if args.zoo_models else list(zoo.MODELS))
         return
     for name in args.models.split(","):
-        latency(name, args.runs, args.float_lowering)
+        latency(name, args.runs, args.float_lowering, args.float_cache)
 
 
 if __name__ == "__main__":
