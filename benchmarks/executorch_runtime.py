@@ -40,7 +40,8 @@ from common import load_note, one_thread
 from torch import nn
 
 import quantree as qt
-from quantree.backends.executorch import lower_executorch
+from quantree.backends.executorch import kernels, lower_executorch
+from quantree.backends.executorch.export import KERNEL_OP
 
 LATENCY_MODELS = ("cnn", "resnet18")
 OWN = "et int8 (XNNPACKQuantizer)"
@@ -55,6 +56,8 @@ def _runtime() -> Any:
 
 
 def _method(buffer: bytes) -> Callable[[tuple], list]:
+    if KERNEL_OP in buffer:  # quantree's recurrent op: its kernel library, registered
+        kernels.load()
     method = _runtime().load_program(buffer).load_method("forward")
     return lambda args: method.execute(list(args))
 

@@ -54,11 +54,11 @@ class Tagger(nn.Module):
         return self.head(out), h
 
 
-def _quantized(model: nn.Module, shape: tuple[int, ...], **options: bool) -> tuple:
+def _quantized(model: nn.Module, shape: tuple[int, ...], split_layers: bool = True) -> tuple:
     torch.manual_seed(0)
     model = model.eval()
     data = batches(shape, n=8)
-    quantizer = qt.Int8Quantizer(**options)
+    quantizer = qt.Int8Quantizer(split_layers=split_layers)
     ref = qt.quantize(
         model, data[0], data, quantizer=quantizer, progress=False, dynamic_batch=False,
         backend="reference",
