@@ -2,6 +2,8 @@
 
     python benchmarks/executorch_runtime.py                       # cnn, resnet18 latency
     python benchmarks/executorch_runtime.py --models lstm16       # 256x2 LSTM, T16, batch 1
+    python benchmarks/executorch_runtime.py --models lstm128,gru128,rnn128,bilstm128 \
+        --float-lowering portable   # ExecuTorch's float baseline without XNNPACK (see below)
     python benchmarks/executorch_runtime.py --zoo                 # zoo correctness only
 
 Latency rows (ExecuTorch's runtime, XNNPACK threadpool of one thread, interleaved rounds,
@@ -13,6 +15,13 @@ lowering time, latency and ratios to ExecuTorch float and to ExecuTorch's own in
 XNNPACK took. ``--zoo``: every non-recurrent zoo model whose libraries are installed, exported
 and run, input-dependent SQNR against float (``zoo.py``'s measure) of the reference and of
 ExecuTorch. Needs executorch (docs/deployment-executorch.md says how to install it).
+
+Recurrent models (``lstm<T>``: 256x2 LSTM, ``gru<T>``: 256x2 GRU, ``rnn<T>``: 256x2 tanh RNN,
+``bilstm<T>``: 256x2 bidirectional LSTM; batch 1): quantree's layers run as its kernel
+library's ``quantree_et::rnn`` op. ExecuTorch unrolls a float ``nn.LSTM`` over T, and its
+XNNPACK lowering of the unrolled graph takes many minutes at T128; ``--float-lowering
+portable`` lowers the float model with ``to_edge`` alone (ExecuTorch's portable kernels),
+``xnnpack`` (the default) with the XNNPACK partitioner. The table says which.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +40,8 @@ from common import load_note, one_thread
 from torch import nn
 
 import quantree as qt
-from quantree.backends.executorch import lower_executorch
+from quantree.backends.executorch import kernels, lower_executorch
+from quantree.backends.executorch.export import KERNEL_OP
 
 LATENCY_MODELS = ("cnn", "resnet18")
 OWN = "et int8 (XNNPACKQuantizer)"
@@ -45,15 +56,19 @@ def _runtime() -> Any:
 
 
 def _method(buffer: bytes) -> Callable[[tuple], list]:
+    if KERNEL_OP in buffer:  # quantree's recurrent op: its kernel library, registered
+        kernels.load()
     method = _runtime().load_program(buffer).load_method("forward")
     return lambda args: method.execute(list(args))
 
 
-def et_float(model: nn.Module, example: tuple) -> bytes:
+def et_float(model: nn.Module, example: tuple, lowering: str = "xnnpack") -> bytes:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir import to_edge, to_edge_transform_and_lower
 
     exported = torch.export.export(model, example)
+    if lowering == "portable":
+        return bytes(to_edge(exported).to_executorch().buffer)
     edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
     return bytes(edge.to_executorch().buffer)
 
@@ -76,20 +91,26 @@ def et_int8(model: nn.Module, example: tuple, calib: list[tuple]) -> bytes:
 
 
 class Lstm(nn.Module):
-    """lstm_latency.py's 256x256x2 LSTM, its output sequence."""
+    """lstm_latency.py's 256x256x2 LSTM (or GRU / RNN / bidirectional), its output sequence."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: type[nn.Module] = nn.LSTM, bidirectional: bool = False) -> None:
         super().__init__()
-        self.lstm = nn.LSTM(256, 256, 2)
+        self.lstm = kind(256, 256, 2, bidirectional=bidirectional)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lstm(x)[0]
 
 
+RECURRENT = {"lstm": (nn.LSTM, False), "gru": (nn.GRU, False), "rnn": (nn.RNN, False)}
+RECURRENT["bilstm"] = (nn.LSTM, True)
+
+
 def build(name: str) -> tuple[nn.Module, Callable[[torch.Generator], tuple]]:
-    if name.startswith("lstm"):
-        steps = int(name.removeprefix("lstm"))
-        return Lstm(), lambda g: (torch.randn(steps, 1, 256, generator=g),)
+    kind = name.rstrip("0123456789")
+    if kind in RECURRENT:
+        steps = int(name.removeprefix(kind))
+        module = Lstm(*RECURRENT[kind])
+        return module, lambda g: (torch.randn(steps, 1, 256, generator=g),)
     if name == "cnn":
         return SmallCnn(), lambda g: (torch.randn(1, 3, 32, 32, generator=g),)
     if name == "resnet18":
@@ -130,7 +151,26 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def latency(name: str, runs: int) -> None:
+def cached_float(
+    model: nn.Module, example: tuple, lowering: str, name: str, cache: str | None
+) -> tuple[bytes, float]:
+    """ExecuTorch's float program and its lowering seconds; with ``cache``, read from (or
+    written to) ``cache/<name>_<lowering>.pte``: lowering an unrolled T128 float LSTM takes
+    minutes, and the model is the same in every run (seeded)."""
+    if cache is None:
+        return timed(lambda: et_float(model, example, lowering))
+    path = Path(cache) / f"{name}_{lowering}.pte"
+    if path.exists():
+        return path.read_bytes(), float("nan")
+    program, seconds = timed(lambda: et_float(model, example, lowering))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(program)
+    return program, seconds
+
+
+def latency(
+    name: str, runs: int, float_lowering: str = "xnnpack", cache: str | None = None
+) -> None:
     torch.manual_seed(0)
     model, sample = build(name)
     model.eval()
@@ -138,11 +178,13 @@ def latency(name: str, runs: int) -> None:
     calib = [sample(gen) for _ in range(16)]
     held = [sample(gen) for _ in range(4)]
     example = calib[0]
-    ref = qt.quantize(model, example, calib, progress=False, dynamic_batch=False)
+    ref = qt.quantize(
+        model, example, calib, progress=False, dynamic_batch=False, backend="reference"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        programs = {"et float": timed(lambda: et_float(model, example))}
-        if not name.startswith("lstm"):  # XNNPACKQuantizer leaves an LSTM float
+        programs = {"et float": cached_float(model, example, float_lowering, name, cache)}
+        if name.rstrip("0123456789") not in RECURRENT:  # XNNPACKQuantizer leaves them float
             programs[OWN] = timed(lambda: et_int8(model, example, calib))
         lowered, seconds = timed(lambda: lower_executorch(ref, example))
     programs["quantree -> et"] = (lowered.buffer, seconds)
@@ -155,7 +197,11 @@ def latency(name: str, runs: int) -> None:
     )
     base_cpu = times["et float"][1]
     own_wall, own_cpu = times.get(OWN, (float("nan"), float("nan")))
-    print(f"\n## {name} ({load_note()})\n")
+    from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count
+
+    threads = _threadpool_get_thread_count()
+    print(f"\n## {name} ({load_note()}; et float lowered with {float_lowering}; "
+          f"ExecuTorch threadpool: {threads} thread(s))\n")  # fmt: skip
     print("| variant | SQNR vs float | lowering | wall ms | CPU ms | CPU / et float "
           "| CPU / et int8 | wall / et int8 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -193,7 +239,10 @@ def zoo_check(names: list[str]) -> None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                ref = qt.quantize(model, calib[0], calib, progress=False, dynamic_batch=False)
+                ref = qt.quantize(
+                    model, calib[0], calib, progress=False, dynamic_batch=False,
+                    backend="reference",
+                )  # fmt: skip
                 start = time.perf_counter()
                 lowered = lower_executorch(ref, calib[0])
                 seconds = time.perf_counter() - start
@@ -211,6 +260,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(LATENCY_MODELS))
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--float-lowering", choices=("xnnpack", "portable"), default="xnnpack")
+    parser.add_argument("--float-cache", help="directory keeping ExecuTorch's float programs")
     parser.add_argument("--zoo", action="store_true", help="zoo models: correctness only")
     parser.add_argument("--zoo-models", help="comma-separated subset of the zoo")
     args = parser.parse_args()
@@ -223,7 +274,7 @@ def main() -> None:
         zoo_check(args.zoo_models.split(",") if args.zoo_models else list(zoo.MODELS))
         return
     for name in args.models.split(","):
-        latency(name, args.runs)
+        latency(name, args.runs, args.float_lowering, args.float_cache)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ this pass changes so the numbers stay the reference's:
   it dequantizes to, so XNNPACK runs the layer in fp32 on exactly the reference's weights
   (the activation's q/dq pair stays, as portable ops, so the numbers are still the
   reference's). :func:`fp32_layers` names these layers.
-- **Whole-mode LSTM layers** become XNNPACK's dynamically quantized int8 linears, unrolled
-  over the example's steps (:mod:`.recurrent` says how and why).
+- **Whole-mode recurrent layers** (LSTM, GRU, RNN; stacked, bidirectional) become one
+  ``quantree_et::rnn`` node each, run by quantree's ExecuTorch kernel library
+  (:mod:`.recurrent` says how and why); XNNPACK takes the rest.
 - **Other dequantized constants** (an embedding table, a matrix product's constant operand)
   are folded to their float values for the same reason.
 - **Shared dequantize nodes.** The reference dequantizes a value once for all its users;
@@ -42,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from quantree.backends.executorch.recurrent import decompose_lstm, is_int8_lstm
+from quantree.backends.executorch.recurrent import lower_layers
 from quantree.core.graphs import copy_graph_module, drop_attr, fetch_attr, register_constant
 from quantree.core.qdq import DEQUANTIZE_PER_TENSOR, QUANTIZE_PER_TENSOR, is_dequantize
 
@@ -161,12 +162,9 @@ def fold_constant_dequantize(gm: fx.GraphModule) -> int:
     return folded
 
 
-def decompose_recurrent(gm: fx.GraphModule) -> int:
-    """Each int8 whole-mode LSTM layer as XNNPACK's int8 linears (``recurrent``)."""
-    layers = [n for n in gm.graph.nodes if is_int8_lstm(n)]
-    for node in layers:
-        decompose_lstm(gm, node)
-    return len(layers)
+def lower_recurrent(gm: fx.GraphModule) -> int:
+    """Each int8 whole-mode recurrent layer as one ``quantree_et::rnn`` node (``recurrent``)."""
+    return len(lower_layers(gm))
 
 
 def duplicate_shared_dequantize(gm: fx.GraphModule) -> int:
@@ -234,8 +232,8 @@ def to_xnnpack_dialect(ref: fx.GraphModule) -> fx.GraphModule:
     """A copy of the reference graph ``ref`` whose q/dq patterns are XNNPACK's (see above)."""
     gm = copy_graph_module(ref)
     own_storage(gm)
+    lower_recurrent(gm)
     fold_wide_dequantize(gm)
-    decompose_recurrent(gm)
     fold_fp32_weights(gm)
     fold_constant_dequantize(gm)
     duplicate_shared_dequantize(gm)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from quantree.backends.executorch import kernels
 from quantree.backends.executorch.dialect import fp32_layers, to_xnnpack_dialect
 from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.core.graphs import nested_graphs
@@ -34,6 +35,8 @@ INSTALL = (
     "pyyaml packaging expecttest"
 )
 DELEGATE_CALL = "executorch_call_delegate"
+KERNEL_OP = b"quantree_et::"
+"""How a ``.pte`` names an operator of quantree's ExecuTorch kernel library."""
 aten = torch.ops.aten
 FLOAT_RECURRENT = (
     *(aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input),
@@ -158,9 +161,9 @@ def lower_executorch(
     if recurrent:
         warnings.warn(
             f"export_executorch: recurrent layer(s) {', '.join(recurrent[:5])} run in fp32 "
-            "(ExecuTorch unrolls them; only a one-direction LSTM is rewritten into XNNPACK's "
-            "int8 linears so far); their quantized inputs and outputs are rounded as the "
-            "reference does",
+            "(ExecuTorch unrolls them): only a whole-mode layer on a padded batch whose input, "
+            "weights and outputs are int8 becomes quantree's int8 kernel (quantree_et::rnn); "
+            "their quantized inputs and outputs are rounded as the reference does",
             QuantreeWarning,
             stacklevel=3,
         )
@@ -196,6 +199,8 @@ def run_executorch(program: bytes | str | os.PathLike[str], args: Sequence[Any])
     from executorch.runtime import Runtime
 
     data = program if isinstance(program, bytes) else Path(program).read_bytes()
+    if KERNEL_OP in data:  # the program calls quantree's kernel library: register it first
+        kernels.load()
     method = Runtime.get().load_program(data).load_method("forward")
     flat = [a for a in torch.utils._pytree.tree_leaves(tuple(args)) if a is not None]
     return list(method.execute(flat))

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "qt_kernels.h"
+#include "qt_rnn.h"
 
 namespace qt {
 
@@ -297,20 +298,6 @@ void qt_rnn_layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reve
           kp_hh, colsum_hh, ws_hh, b_hh, h0_s, h0_z, in_s, in_z, wide, y, y_ld, y_s, y_z, h, c,
           w_hr, P, colsum_hr, ws_hr, yf, x16, nullptr, 0.0f);
 } QT_CATCH
-
-// Everything constant about one lowered recurrent op, laid out once by ops_rnn.py (a
-// ctypes.Structure): a call then passes one pointer and the activations, not ~40 converted
-// arguments per layer and direction.
-struct QtRnnPlan {
-    int64_t kind, layers, dirs, K, H, P;  // P: proj_size, 0 for none
-    int64_t wide;                         // the last layer feeds its hidden state back as int16
-    float x_s, x_z, inner_s, inner_z, y_s, y_z, h_s, h_z, c_s, c_z, inner_fb, last_s, last_z,
-        last_fb;
-    float hn_inv, hn_z, cn_inv, cn_z;  // grids of the final states (inverse scales)
-    const void* const* params;  // per layer and direction: w_ih, colsum_ih, ws_ih, b_ih, w_hh,
-                                // colsum_hh, ws_hh, b_hh (then w_hr, colsum_hr, ws_hr with P)
-    const int64_t* depth;       // per layer and direction: Kp of w_ih and of w_hh
-};
 
 void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out);
 void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out);
