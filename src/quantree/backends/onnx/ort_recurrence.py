@@ -23,6 +23,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from quantree.backends.onnx.ort_constants import QuantizedConstant
+from quantree.backends.onnx.ort_weights import per_tensor
 
 
 class Rewriter(Protocol):
@@ -78,6 +79,7 @@ def scan_recurrence(
     if B is None:
         B = np.zeros((dirs, 2 * gates * hidden), np.float32)
     x = rw.unquantized(node.input[0])
+    R = per_tensor(R) or R  # layouts: see ort_weights
     nodes: list[onnx.NodeProto] = []
     ys, hs = [], []
     act = b"Relu" if node.op_type == "RNN" and _relu(node) else b"Tanh"
@@ -110,8 +112,8 @@ def scan_recurrence(
             )
             xps.append(xp)
         rt = rw.initializer(f"{p}_Rt_int8", np.ascontiguousarray(R.values[d].T))
-        r_scale = rw.initializer(f"{p}_R_scale", R.scale[d].astype(np.float32))
-        r_zp = rw.initializer(f"{p}_R_zero_point", R.zero_point[d].astype(np.int8))
+        r_scale = rw.initializer(f"{p}_R_scale", np.atleast_1d(R.scale[d]).astype(np.float32))
+        r_zp = rw.initializer(f"{p}_R_zero_point", np.atleast_1d(R.zero_point[d]).astype(np.int8))
         rb = rw.initializer(f"{p}_Rb", B[d, gates * hidden :].astype(np.float32))
         h0_index = rw.initializer(f"{p}_h0_index", np.array(d, np.int64))
         h0, y, hT = f"{p}_h0", f"{p}_y", f"{p}_hT"

@@ -28,6 +28,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from quantree.backends.onnx.ort_constants import ConstantReader, QuantizedConstant
+from quantree.backends.onnx.ort_weights import per_tensor
 
 MS_DOMAIN = "com.microsoft"
 RECURRENT = ("LSTM", "GRU", "RNN")
@@ -79,13 +80,16 @@ class Rewriter:
         return zp is not None and zp.dtype.itemsize >= 2
 
     def unless_zeros(self, name: str) -> str:
-        """``""`` for an all-zero constant (an absent initial state is zeros in ONNX, and the
-        kernel then skips reading one), else ``name``."""
+        """``""`` for an all-zero constant, also when quantized and dequantized or expanded to
+        the batch (an absent initial state is zeros in ONNX, and the kernel then skips
+        reading one: no zeros made and quantized per call), else ``name``."""
         if not name:
             return name
-        node = self.reader.producers.get(name)
-        source = node.input[0] if node is not None and node.op_type == "Identity" else name
-        if source not in self.reader.initializers:
+        source = self.unquantized(name)  # quantize/dequantize keep a zero exactly zero
+        node = self.reader.producers.get(source)
+        if node is not None and node.op_type in ("Identity", "Expand"):
+            source = node.input[0]  # nn.LSTM without hx: zeros expanded to the batch
+        if source not in self.reader.initializers and source not in self.reader.producers:
             return name
         value = self.reader.array(source)
         return "" if value is not None and not value.any() else name
@@ -127,6 +131,7 @@ class Rewriter:
         self, node: onnx.NodeProto, W: QuantizedConstant, R: QuantizedConstant, B: object
     ) -> onnx.NodeProto:
         name = node.name or node.output[0]
+        R = per_tensor(R, shared=True) or R  # layouts: see ort_weights
         w = self.initializer(f"{name}_W_int8", np.ascontiguousarray(W.values.transpose(0, 2, 1)))
         r = self.initializer(f"{name}_R_int8", np.ascontiguousarray(R.values.transpose(0, 2, 1)))
         inputs = [self.unquantized(node.input[0]), w, r]

@@ -1,0 +1,105 @@
+"""The int8 weight layout of the ONNX Runtime target (``backends/onnx/ort_weights.py``).
+
+``W`` keeps quantree's int8 values and per-row scales; ``R`` goes onto one scale when its
+rows' scales are close, and keeps them per row otherwise; zero points are zeros of their
+scale's shape. Numerics: ONNX Runtime's SQNR against the float model at most
+``BAND_DB`` below the reference graph's, as in ``test_onnx_onnxruntime``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnx", reason="ONNX export tests need onnx (pip install 'quantree[onnx]')")
+pytest.importorskip("onnxruntime", reason="ONNX tests need onnxruntime")
+pytest.importorskip("onnxscript", reason="ONNX export tests need onnxscript")
+
+import onnx
+from onnx import numpy_helper
+
+import quantree as qt
+from quantree.backends.onnx import run_onnx
+from quantree.backends.onnx.ort_constants import QuantizedConstant
+from quantree.backends.onnx.ort_weights import SPREAD_LIMIT, per_tensor
+
+from support import batches
+
+BAND_DB = 0.5
+
+
+def _constant(scales: np.ndarray, seed: int = 0) -> QuantizedConstant:
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-127, 128, size=(*scales.shape, 8)).astype(np.int8)
+    return QuantizedConstant(values, scales.astype(np.float32), np.zeros(scales.shape, np.int8))
+
+
+def test_close_scales_go_onto_the_largest_rows_grid():
+    scales = np.array([[0.010, 0.011, 0.012, 0.0115], [0.02, 0.021, 0.019, 0.02]])
+    q = _constant(scales)
+    got = per_tensor(q)
+    assert got is not None
+    assert got.scale.shape == (2,) and got.zero_point.shape == (2,) and not got.zero_point.any()
+    np.testing.assert_array_equal(got.scale, scales.max(axis=1).astype(np.float32))
+    exact = q.values * scales[:, :, None]
+    rounded = got.values.astype(np.float64) * got.scale[:, None, None]
+    # one rounding on the direction's grid: at most half its step from quantree's value
+    assert np.all(np.abs(rounded - exact) <= got.scale[:, None, None] / 2 + 1e-6)
+    assert got.values.dtype == np.int8 and np.abs(got.values.astype(int)).max() <= 127
+
+
+def test_shared_scale_covers_every_direction():
+    scales = np.array([[0.010, 0.011, 0.012, 0.0115], [0.011, 0.0105, 0.0118, 0.0119]])
+    got = per_tensor(_constant(scales), shared=True)
+    assert got is not None
+    np.testing.assert_array_equal(got.scale, np.full(2, 0.012, np.float32))
+
+
+def test_spread_scales_stay_per_row():
+    scales = np.array([[0.01, 0.01, 0.01, 0.01], [0.02, 0.0002, 0.02, 0.0002]])
+    top, mean_square = 0.02**2, np.mean(scales[1] ** 2)
+    assert top > SPREAD_LIMIT * mean_square  # the second direction spreads
+    assert per_tensor(_constant(scales)) is None
+
+
+class Lstm(torch.nn.Module):
+    def __init__(self, dead_row: bool = False) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(16, 32, bidirectional=True)
+        if dead_row:  # two gate blocks nearly zero: half the rows' scales far below the rest
+            with torch.no_grad():
+                self.rnn.weight_hh_l0[32:96] *= 1e-3
+                self.rnn.weight_hh_l0_reverse[32:96] *= 1e-3
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("dead_row", [False, True], ids=["close", "spread"])
+def test_lstm_weight_layout_in_the_export(dead_row, tmp_path):
+    torch.manual_seed(0)
+    model = Lstm(dead_row).eval()
+    data = batches((12, 3, 16), n=6)
+    ref = qt.quantize(model, data[0], data[:5], progress=False)
+    path = qt.export_onnx(ref, data[0], tmp_path / "m.onnx", target=qt.OnnxTarget.ONNXRUNTIME)
+    exported = onnx.load(str(path))
+    inits = {i.name: numpy_helper.to_array(i) for i in exported.graph.initializer}
+    (lstm,) = [n for n in exported.graph.node if n.op_type == "DynamicQuantizeLSTM"]
+    nodes = exported.graph.node
+    dequantized = {o for n in nodes if n.op_type == "DequantizeLinear" for o in n.output}
+    assert not dequantized & set(lstm.input[1:4])  # weights and biases: never per call
+    assert lstm.input[5:7] == ["", ""]  # zero initial states: absent, no zeros made per call
+    w, r = inits[lstm.input[1]], inits[lstm.input[2]]
+    assert w.dtype == r.dtype == np.int8 and w.shape == (2, 16, 128) and r.shape == (2, 32, 128)
+    w_scale, w_zp, r_scale, r_zp = (inits[lstm.input[i]] for i in (8, 9, 10, 11))
+    assert w_scale.shape == w_zp.shape == (2, 128)  # quantree's per-row scales, exact
+    assert r_scale.shape == r_zp.shape == ((2, 128) if dead_row else (2,))
+    assert not w_zp.any() and not r_zp.any()
+    if not dead_row:  # one scale shared by both directions
+        assert r_scale[0] == r_scale[1]
+    with torch.no_grad():
+        want, ref_out = model(data[5][0]), ref(data[5][0])
+    got = run_onnx(path, data[5])[0]
+    ref_db, ort_db = qt.sqnr(want, ref_out), qt.sqnr(want, got)
+    assert ort_db >= ref_db - BAND_DB, (ref_db, ort_db)
