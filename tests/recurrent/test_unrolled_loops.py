@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import quantree as qt
+from quantree.core.points import POINT_KEY
 from quantree.recurrent.unrolled.fold import fold_loops
 from quantree.recurrent.unrolled.step_loop import StepLoop
 
@@ -78,13 +79,29 @@ def test_cell_loops_fold_into_one_loop_equal_to_the_unrolled_graph_at_any_length
         assert _ops(unrolled, cell) == 9
         assert _ops(folded, cell) == 0 and len(_loops(folded)) == 1
         (loop,) = _loops(folded)
-        assert _ops(loop.body, cell) == 1 and loop.free
+        # the step's cell op written out as cells mode's cell graph: its gates are points
+        points = {n.meta.get(POINT_KEY) for n in loop.body.graph.nodes}
+        assert _ops(loop.body, cell) == 0 and {"hidden", "state0"} <= points and loop.free
         for a, b in zip(folded(x), unrolled(x), strict=True):
             assert torch.equal(a, b)  # the same ops on the same tensors: exact
         for length in (3, 20):  # the loop iterates over the input's time dimension
             y = torch.randn(3, length, 6)
             for a, b in zip(folded(y), model(y), strict=True):
                 assert torch.equal(a, b)
+
+
+def test_a_folded_cell_loop_runs_as_one_native_cell_program_at_any_length():
+    from quantree.backends.cpu.cells.step_loop import NativeStepLoop
+
+    torch.manual_seed(0)
+    model = CellLoopModel(False).eval()
+    data = [(torch.randn(2, 9, 6),) for _ in range(4)]
+    low = qt.quantize(model, data[0], data, backend="cpu", progress=False)
+    assert [type(m) for m in low.modules() if isinstance(m, NativeStepLoop)] == [NativeStepLoop]
+    for length in (3, 30):
+        y = torch.randn(2, length, 6)
+        for a, b in zip(model(y), low(y), strict=True):
+            assert qt.sqnr(a, b) > 20  # dB; int8 gates and states, every step
 
 
 def test_light_gru_like_loop_folds_and_quantizes_with_the_step_annotated_once():
