@@ -90,7 +90,8 @@ def test_cell_loops_fold_into_one_loop_equal_to_the_unrolled_graph_at_any_length
                 assert torch.equal(a, b)
 
 
-def test_a_folded_cell_loop_runs_as_one_native_cell_program_at_any_length():
+def test_a_folded_cell_loop_runs_as_one_native_cell_program_at_any_length(tmp_path):
+    from quantree.backends import load, save
     from quantree.backends.cpu.cells.step_loop import NativeStepLoop
 
     torch.manual_seed(0)
@@ -102,6 +103,10 @@ def test_a_folded_cell_loop_runs_as_one_native_cell_program_at_any_length():
         y = torch.randn(2, length, 6)
         for a, b in zip(model(y), low(y), strict=True):
             assert qt.sqnr(a, b) > 20  # dB; int8 gates and states, every step
+    save(low, tmp_path / "loop.pt2", data[0])  # only ops the loader reads
+    loaded = load(tmp_path / "loop.pt2")
+    for a, b in zip(loaded(*data[1]), low(*data[1]), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_light_gru_like_loop_folds_and_quantizes_with_the_step_annotated_once():

@@ -21,17 +21,18 @@ from quantree.recurrent.unrolled.step_loop import StepLoop
 class NativeStepLoop(nn.Module):
     """``StepLoop``'s call (``*states, source``) -> ``(*final_states, stacked)``, natively."""
 
-    def __init__(self, cell: NativeCellLoop, n_states: int, dim: int, stack_dim: int) -> None:
+    def __init__(self, cell: NativeCellLoop, n_states: int, batch_first: bool) -> None:
         super().__init__()
         self.cell = cell
         self.n_states = n_states
-        self.dim = dim
-        self.stack_dim = stack_dim
+        self.batch_first = batch_first
 
     def forward(self, *args: Tensor) -> tuple[Tensor, ...]:
+        # transpose, not movedim: a saved model holds only the ops quantree's loader reads
         states, source = args[: self.n_states], args[self.n_states]
-        ys, finals = self.cell(source.movedim(self.dim, 0), tuple(states))
-        return (*finals, ys.movedim(0, self.stack_dim))
+        xs = source.transpose(0, 1) if self.batch_first else source
+        ys, finals = self.cell(xs, tuple(states))
+        return (*finals, ys.transpose(0, 1) if self.batch_first else ys)
 
 
 def native_step_loop(loop: StepLoop) -> NativeStepLoop | None:
@@ -58,10 +59,10 @@ def native_step_loop(loop: StepLoop) -> NativeStepLoop | None:
     program = compile_body(reordered, tuple(example))
     if program is None:
         return None
-    source_dims = placeholders[n].meta["val"].dim() + 1
-    return NativeStepLoop(
-        NativeCellLoop(program, False), n, spec.dim % source_dims, out.dim % source_dims
-    )
+    dim, stack_dim = spec.dim % 3, out.dim % 3  # the source is [T, B, I] or [B, T, I]
+    if dim != stack_dim or dim == 2:
+        return None
+    return NativeStepLoop(NativeCellLoop(program, False), n, batch_first=dim == 1)
 
 
 def _input_first(body: fx.GraphModule, x: fx.Node, states: list[fx.Node]) -> fx.GraphModule:
