@@ -22,7 +22,6 @@ sys.modules.setdefault("torchvision", None)  # type: ignore[arg-type]  # broken 
 sys.modules.setdefault("torchaudio", None)  # type: ignore[arg-type]
 
 import quantree as qt  # noqa: E402
-from quantree.recurrent.unrolled.step_loop import StepLoop  # noqa: E402
 
 FEATURES = 32
 
@@ -103,7 +102,7 @@ def run(name: str) -> None:
     unrolled = qt.quantize(
         model, (x64,), calibration, backend="cpu", progress=False, fold_loops=False
     )
-    loops = sum(isinstance(m, StepLoop) for m in low.modules())
+    loops = sum(type(m).__name__ in ("StepLoop", "NativeStepLoop") for m in low.modules())
     print(f"## {name}: {loops} folded loop(s), quantized in {took:.0f} s")
     for length in (17, 64, 512):
         x = torch.randn(2, length, FEATURES)
