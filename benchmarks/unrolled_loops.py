@@ -22,7 +22,6 @@ sys.modules.setdefault("torchvision", None)  # type: ignore[arg-type]  # broken 
 sys.modules.setdefault("torchaudio", None)  # type: ignore[arg-type]
 
 import quantree as qt  # noqa: E402
-from quantree.recurrent.unrolled.step_loop import StepLoop  # noqa: E402
 
 FEATURES = 32
 
@@ -100,7 +99,10 @@ def run(name: str) -> None:
     start = time.perf_counter()
     low = qt.quantize(model, (x64,), calibration, backend="cpu", progress=False)
     took = time.perf_counter() - start
-    loops = sum(isinstance(m, StepLoop) for m in low.modules())
+    unrolled = qt.quantize(
+        model, (x64,), calibration, backend="cpu", progress=False, fold_loops=False
+    )
+    loops = sum(type(m).__name__ in ("StepLoop", "NativeStepLoop") for m in low.modules())
     print(f"## {name}: {loops} folded loop(s), quantized in {took:.0f} s")
     for length in (17, 64, 512):
         x = torch.randn(2, length, FEATURES)
@@ -109,17 +111,20 @@ def run(name: str) -> None:
         print(f"  {length} tokens: runs, SQNR {score:.1f} dB")
     for length in (64, 512):
         x = torch.randn(2, length, FEATURES)
+        variants = {"float": lambda x=x: model(x), "lowered": lambda x=x: low(x)}
+        if length == 64:  # the unrolled graph runs only at the captured length
+            variants["unrolled"] = lambda x=x: unrolled(x)
         for run_ in (1, 2):
-            times = interleaved_times(
-                {"float": lambda: model(x), "lowered": lambda: low(x)},
-                runs=5 if length == 64 else 3,
-                warmup=2,
-            )
+            times = interleaved_times(variants, runs=5 if length == 64 else 3, warmup=2)
             (fw, fc), (lw, lc) = times["float"], times["lowered"]
-            print(
-                f"  {length} tokens run {run_}: float {fw:.1f} ms, lowered {lw:.1f} ms: "
-                f"{lw / fw:.2f}x wall, {lc / fc:.2f}x CPU ({load_note()})"
+            line = (
+                f"  {length} tokens run {run_}: float {fw:.1f} ms, lowered (folded) {lw:.1f} "
+                f"ms: {lw / fw:.2f}x wall, {lc / fc:.2f}x CPU"
             )
+            if "unrolled" in times:
+                uw, uc = times["unrolled"]
+                line += f"; lowered unrolled {uw / fw:.2f}x wall, {uc / fc:.2f}x CPU"
+            print(f"{line} ({load_note()})")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import quantree as qt
+from quantree.core.points import POINT_KEY
 from quantree.recurrent.unrolled.fold import fold_loops
 from quantree.recurrent.unrolled.step_loop import StepLoop
 
@@ -69,22 +70,43 @@ def _ops(gm: torch.fx.GraphModule, name: str) -> int:
 
 def test_cell_loops_fold_into_one_loop_equal_to_the_unrolled_graph_at_any_length():
     torch.manual_seed(0)
-    for model in (CellLoopModel(False), CellLoopModel(True), CellLoopModel(True, reverse=True)):
+    for model in (CellLoopModel(False), CellLoopModel(True, reverse=True)):
         model.eval()
-        x = torch.randn(2, 7, 6)
+        x = torch.randn(2, 9, 6)  # quantree.capture folds runs of 8 steps or more
         unrolled = qt.capture(model, (x,), fold_loops=False)
         folded = qt.capture(model, (x,))
         cell = "lstm_cell" if model.lstm else "gru_cell"
-        assert _ops(unrolled, cell) == 7
+        assert _ops(unrolled, cell) == 9
         assert _ops(folded, cell) == 0 and len(_loops(folded)) == 1
         (loop,) = _loops(folded)
-        assert _ops(loop.body, cell) == 1 and loop.free
+        # the step's cell op written out as cells mode's cell graph: its gates are points
+        points = {n.meta.get(POINT_KEY) for n in loop.body.graph.nodes}
+        assert _ops(loop.body, cell) == 0 and {"hidden", "state0"} <= points and loop.free
         for a, b in zip(folded(x), unrolled(x), strict=True):
             assert torch.equal(a, b)  # the same ops on the same tensors: exact
         for length in (3, 20):  # the loop iterates over the input's time dimension
             y = torch.randn(3, length, 6)
             for a, b in zip(folded(y), model(y), strict=True):
                 assert torch.equal(a, b)
+
+
+def test_a_folded_cell_loop_runs_as_one_native_cell_program_at_any_length(tmp_path):
+    from quantree.backends import load, save
+    from quantree.backends.cpu.cells.step_loop import NativeStepLoop
+
+    torch.manual_seed(0)
+    model = CellLoopModel(False).eval()
+    data = [(torch.randn(2, 9, 6),) for _ in range(4)]
+    low = qt.quantize(model, data[0], data, backend="cpu", progress=False)
+    assert [type(m) for m in low.modules() if isinstance(m, NativeStepLoop)] == [NativeStepLoop]
+    for length in (3, 30):
+        y = torch.randn(2, length, 6)
+        for a, b in zip(model(y), low(y), strict=True):
+            assert qt.sqnr(a, b) > 20  # dB; int8 gates and states, every step
+    save(low, tmp_path / "loop.pt2", data[0])  # only ops the loader reads
+    loaded = load(tmp_path / "loop.pt2")
+    for a, b in zip(loaded(*data[1]), low(*data[1]), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_light_gru_like_loop_folds_and_quantizes_with_the_step_annotated_once():
@@ -116,7 +138,7 @@ def test_without_repetition_nothing_folds():
     class Distinct(nn.Module):  # the same ops per "step", but each step its own weights
         def __init__(self) -> None:
             super().__init__()
-            self.cells = nn.ModuleList(nn.GRUCell(6, 8) for _ in range(4))
+            self.cells = nn.ModuleList(nn.GRUCell(6, 8) for _ in range(8))
 
         def forward(self, x):
             h = torch.zeros(x.shape[0], 8)
@@ -124,9 +146,12 @@ def test_without_repetition_nothing_folds():
                 h = cell(x[:, t], h)
             return h
 
-    x = torch.randn(2, 4, 6)
+    x = torch.randn(2, 8, 6)
     gm = qt.capture(Distinct().eval(), (x,))
-    assert not _loops(gm) and _ops(gm, "gru_cell") == 4
+    assert not _loops(gm) and _ops(gm, "gru_cell") == 8
+    # a decoder stepped a handful of times stays unrolled (one native call per step)
+    short = qt.capture(CellLoopModel(False).eval(), (torch.randn(2, 5, 6),))
+    assert not _loops(short) and _ops(short, "gru_cell") == 5
 
 
 UNARY = (torch.tanh, torch.sigmoid, torch.relu, torch.exp, nn.functional.softplus)
@@ -230,6 +255,6 @@ def test_scan_becomes_the_same_loop_and_while_loop_is_refused_with_the_fix():
     with pytest.raises(qt.QuantreeError, match=r"higher_order\.while_loop.*Python `for` loop"):
         qt.capture(WhileModel().eval(), (torch.randn(2, 4),))
     fixed = ScanModel(loop=True).eval()  # the fix the error names: a Python for loop
-    x = torch.randn(5, 2, 4)
+    x = torch.randn(9, 2, 4)
     folded = qt.capture(fixed, (x,))
     assert len(_loops(folded)) == 1 and torch.equal(folded(x), fixed(x))

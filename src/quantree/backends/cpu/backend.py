@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from quantree.backends.cpu.cells.layer import NativeRecurrentCells
 from quantree.backends.cpu.cells.program import NativeCellLoop, compile_body
+from quantree.backends.cpu.cells.step_loop import native_step_loop
 from quantree.backends.cpu.native.direct import call_directly
 from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
@@ -65,6 +66,7 @@ from quantree.core.graphs import nested_graphs, replace_submodule
 from quantree.core.lower import Backend, LoweringRule, lower
 from quantree.core.stages import GROUPS_KEY
 from quantree.recurrent.loop import CellLoop, RecurrentCells
+from quantree.recurrent.unrolled.step_loop import StepLoop
 
 
 def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
@@ -125,6 +127,20 @@ def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
     for name, module in list(gm.named_modules()):
         if type(module) is RecurrentCells and NativeRecurrentCells.covers(module):
             replace_submodule(gm, name, NativeRecurrentCells(module))
+    for name, module in list(gm.named_modules()):
+        if isinstance(module, StepLoop) and (native := native_step_loop(module)) is not None:
+            replace_submodule(gm, name, native)
+    folded = [name for name, m in gm.named_modules() if isinstance(m, StepLoop)]
+    if folded:
+        warnings.warn(
+            f"{len(folded)} loop(s) folded from a Python loop over time run their lowered step "
+            f"step by step in Python, slower than float for small steps: {', '.join(folded)}. "
+            "The native cell program does not run these steps yet; quantize with "
+            "fold_loops=False to keep the unrolled steps (fused, but fixed to the captured "
+            "length).",
+            QuantreeWarning,
+            stacklevel=3,
+        )
     if in_python:
         warnings.warn(
             f"{len(in_python)} cell loop(s) run their lowered body step by step in Python, "

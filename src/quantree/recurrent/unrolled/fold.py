@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from quantree.core.graphs import fetch_attr, unique_attr
 from quantree.core.points import POINT_KEY
+from quantree.recurrent.unrolled.cells import write_out_cells
 from quantree.recurrent.unrolled.find import Recurrence, SeqInput, find_recurrence
 from quantree.recurrent.unrolled.step_loop import StepInput, StepLoop, StepOutput
 
@@ -158,6 +159,7 @@ def _body(gm: fx.GraphModule, rec: Recurrence):
     graph.output(tuple(out_nodes))
     body = fx.GraphModule(root, graph, class_name="StepBody")
     graph.lint()
+    write_out_cells(body)
     return body, sources, invariant_args, outputs
 
 

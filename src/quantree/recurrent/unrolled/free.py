@@ -28,6 +28,10 @@ from quantree.recurrent.unrolled.higher_order import fold_scans
 from quantree.recurrent.unrolled.step_loop import StepLoop
 
 Recapture = Callable[[tuple[Any, ...], Mapping[str, Any] | None], fx.GraphModule]
+AUTO_MIN_STEPS = 8
+"""The shortest run ``quantree.capture`` folds on its own. A few unrolled steps (a decoder
+stepped a fixed handful of times) lower to one native call each and have no length to free;
+a loop pays Python per step, so folding starts where the sequence is long."""
 MAX_TRIES = 3
 """Input dimensions tried as the time dimension (those as long as a loop's steps)."""
 
@@ -37,10 +41,12 @@ def fold_and_free(
     example_args: tuple[Any, ...],
     example_kwargs: Mapping[str, Any] | None,
     recapture: Recapture,
+    min_steps: int = AUTO_MIN_STEPS,
 ) -> fx.GraphModule:
-    """Fold ``gm``'s unrolled loops in place and free their length where it can be shown."""
+    """Fold ``gm``'s unrolled loops of at least ``min_steps`` steps in place and free their
+    length where it can be shown."""
     scans = fold_scans(gm)  # torch's scan: a loop already, of any length
-    made = fold_loops(gm)
+    made = fold_loops(gm, min_steps)
     loops = [gm.get_submodule(name) for name in made]
     steps = {loop.steps_captured for loop in loops if isinstance(loop, StepLoop) and loop.free}
     if not steps or scans:
@@ -62,7 +68,7 @@ def fold_and_free(
             gm2 = recapture(args2, kwargs2)
         except Exception:  # a dimension the model does not let vary
             continue
-        fold_loops(gm2)
+        fold_loops(gm2, min_steps)
         freed = _generalise(gm, gm2, index, dim, x.shape[dim])
         if freed is not None and _same(freed, gm2, args2, kwargs2):
             return freed
