@@ -31,6 +31,7 @@ from zoo import (
     CRNN,
     Case,
     flat,
+    import_model_libraries,
     input_dependent_sqnr,
     randn,
     torchao_variant,
@@ -165,6 +166,7 @@ def charlm_rows() -> list[str]:
 
 
 def distilbert() -> tuple[nn.Module, Callable]:
+    import_model_libraries()
     from transformers import DistilBertConfig, DistilBertModel
 
     config = DistilBertConfig(vocab_size=1000, dim=128, n_layers=2, n_heads=4, hidden_dim=512)
