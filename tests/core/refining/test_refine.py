@@ -65,6 +65,18 @@ def test_refined_layers_err_less_and_the_model_holds_on_new_inputs():
     assert any(not torch.equal(a, b) for a, b in pairs)
 
 
+def test_a_refined_graph_exports_to_onnx_as_any_reference_graph(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    _, prepared, ref, data = _setup()
+    refined = qt.refine(prepared, ref, data)
+    qt.export_onnx(refined, data[0], tmp_path / "refined.onnx")
+    session = ort.InferenceSession(str(tmp_path / "refined.onnx"))
+    x = data[0][0]
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    with torch.no_grad():
+        assert torch.equal(torch.from_numpy(got), refined(x))
+
+
 def test_bias_correction_alone_moves_the_mean_output_error_towards_zero():
     model, prepared, ref, data = _setup()
     refined = qt.refine(prepared, ref, data, qt.Refine(rounding=False))
