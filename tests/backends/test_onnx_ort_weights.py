@@ -105,11 +105,17 @@ def test_lstm_weight_layout_in_the_export(dead_row, tmp_path):
     assert ort_db >= ref_db - BAND_DB, (ref_db, ort_db)
 
 
-def test_gru_step_reads_r_on_one_scale(tmp_path):
-    """The ``Scan`` body's product reads int8 ``R^T`` with one scale and zero point; the
-    input projections outside keep quantree's per-row scales."""
+@pytest.mark.parametrize("dead_rows", [False, True], ids=["close", "spread"])
+def test_gru_step_reads_r_on_one_scale(dead_rows, tmp_path):
+    """The ``Scan`` body's product reads int8 ``R^T`` with one scale and zero point: rounded
+    onto it when the rows' scales are close, else on a scale of 1 followed by a ``Mul`` by
+    the rows' scales (quantree's exact values). The input projections outside keep
+    quantree's per-row scales."""
     torch.manual_seed(0)
     model = torch.nn.GRU(16, 32).eval()
+    if dead_rows:  # the reset and update blocks nearly zero: two thirds of the rows
+        with torch.no_grad():
+            model.weight_hh_l0[:64] *= 1e-3
     data = batches((12, 3, 16), n=6)
     ref = qt.quantize(model, data[0], data[:5], progress=False)
     path = qt.export_onnx(ref, data[0], tmp_path / "m.onnx", target=qt.OnnxTarget.ONNXRUNTIME)
@@ -120,6 +126,14 @@ def test_gru_step_reads_r_on_one_scale(tmp_path):
     (step,) = [n for n in body.node if n.op_type == "DynamicQuantizeMatMul"]
     assert inits[step.input[1]].dtype == np.int8 and inits[step.input[1]].shape == (32, 96)
     assert inits[step.input[2]].shape == inits[step.input[3]].shape == (1,)
+    scaled = [n for n in body.node if n.op_type == "Mul" and step.output[0] in n.input]
+    if dead_rows:
+        assert float(inits[step.input[2]][0]) == 1.0
+        (mul,) = scaled
+        (row_scale,) = [inits[i] for i in mul.input if i in inits]
+        assert row_scale.shape == (96,) and row_scale.min() < row_scale.max() / 100
+    else:
+        assert not scaled
     outside = [n for n in exported.graph.node if n.op_type == "DynamicQuantizeMatMul"]
     assert sorted(inits[n.input[2]].shape for n in outside) == [(32,), (64,)]
     with torch.no_grad():

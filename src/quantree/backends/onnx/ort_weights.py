@@ -14,7 +14,8 @@ layouts). Hence:
   of quantree's int8 values: it adds rounding noise of about the per-row grid's size, and
   the hidden state, quantized per step by the operator itself, carries more. Rows whose
   scales are far apart (a trained layer with dead gate rows) would lose most of their bits
-  on the largest row's grid: they keep per-row scales.
+  on the largest row's grid: they keep per-row scales (in the GRU/RNN ``Scan`` step applied
+  by a ``Mul`` after a product on a scale of 1, see ``ort_recurrence``).
 - the input weights ``W``: their product runs once per call over every time step, where
   the epilogue is a small part of the work: ``DynamicQuantizeMatMul`` (GRU, RNN) gets
   quantree's exact values and per-row scales. ``DynamicQuantizeLSTM`` pairs per-column
