@@ -1,12 +1,12 @@
 """Recurrent layers in ONNX Runtime: quantree's two ONNX targets against ORT's own fp32 and int8.
 
-    python benchmarks/onnx_runtimes.py [--runs 15] [--passes 2]
+    python benchmarks/onnx_runtimes.py [--runs 15] [--passes 2] [--only LSTM]
 
 Columns, each an ONNX Runtime CPU session with one thread (``intra_op_num_threads=1``):
 
 - ``ort fp32``: ``torch.onnx.export`` of the float model;
 - ``ort dynamic``: that model through ``onnxruntime.quantization.quantize_dynamic`` (int8
-  weights; ORT rewrites LSTM to ``DynamicQuantizeLSTM`` and leaves GRU float);
+  weights; ORT rewrites LSTM to ``DynamicQuantizeLSTM`` and leaves GRU and RNN float);
 - ``quantree qdq``: ``qt.export_onnx(ref, ...)``, the portable QDQ export;
 - ``quantree ort``: ``qt.export_onnx(ref, ..., target=qt.OnnxTarget.ONNXRUNTIME)``.
 
@@ -43,6 +43,8 @@ ROWS = [  # (kind, input, hidden, layers, bidirectional, seq, batch)
     ("GRU", 256, 256, 2, False, 128, 32),
     ("GRU", 512, 512, 1, False, 64, 1),
     ("GRU", 256, 256, 1, True, 128, 1),
+    ("RNN", 256, 256, 2, False, 128, 1),
+    ("RNN_RELU", 256, 256, 2, False, 128, 1),
 ]
 
 
@@ -70,7 +72,9 @@ def _columns(row: tuple, folder: Path) -> tuple[dict[str, Callable[[], object]],
 
     kind, i, h, layers, bi, seq, batch = row
     torch.manual_seed(0)
-    model = Output(getattr(nn, kind)(i, h, layers, bidirectional=bi)).eval()
+    options = {"nonlinearity": "relu"} if kind == "RNN_RELU" else {}
+    layer = getattr(nn, kind.removesuffix("_RELU"))(i, h, layers, bidirectional=bi, **options)
+    model = Output(layer).eval()
     x = torch.randn(seq, batch, i)
     calib = [(torch.randn(seq, batch, i),) for _ in range(4)]
     ref = qt.quantize(model, (x,), calib, progress=False)
@@ -119,13 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15, help="timed rounds per pass")
     parser.add_argument("--passes", type=int, default=2, help="whole measurements repeated")
+    parser.add_argument("--only", default="", help="rows whose label contains this (LSTM, B32)")
     opts = parser.parse_args(argv)
     one_thread()
     warnings.simplefilter("ignore")
     header = "| shape | " + " | ".join(COLUMNS) + " | SQNR dB ref / " + " / ".join(COLUMNS) + " |"
     lines = [header, "|---" * (len(COLUMNS) + 2) + "|"]
     with tempfile.TemporaryDirectory() as tmp:
-        for n, row in enumerate(ROWS):
+        for n, row in enumerate(r for r in ROWS if opts.only in _label(r)):
             folder = Path(tmp) / str(n)
             folder.mkdir()
             calls, sqnr = _columns(row, folder)

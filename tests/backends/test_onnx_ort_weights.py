@@ -1,9 +1,10 @@
 """The int8 weight layout of the ONNX Runtime target (``backends/onnx/ort_weights.py``).
 
-``W`` keeps quantree's int8 values and per-row scales; ``R`` goes onto one scale when its
-rows' scales are close, and keeps them per row otherwise; zero points are zeros of their
-scale's shape. Numerics: ONNX Runtime's SQNR against the float model at most
-``BAND_DB`` below the reference graph's, as in ``test_onnx_onnxruntime``.
+``R`` (and ``W`` of ``DynamicQuantizeLSTM``) goes onto one scale when its rows' scales are
+close, and keeps them per row otherwise; ``W`` of ``DynamicQuantizeMatMul`` keeps quantree's
+values and per-row scales; zero points are zeros of their scale's shape. Numerics: ONNX
+Runtime's SQNR against the float model at most ``BAND_DB`` below the reference graph's, as
+in ``test_onnx_onnxruntime``.
 """
 
 from __future__ import annotations
@@ -93,13 +94,50 @@ def test_lstm_weight_layout_in_the_export(dead_row, tmp_path):
     w, r = inits[lstm.input[1]], inits[lstm.input[2]]
     assert w.dtype == r.dtype == np.int8 and w.shape == (2, 16, 128) and r.shape == (2, 32, 128)
     w_scale, w_zp, r_scale, r_zp = (inits[lstm.input[i]] for i in (8, 9, 10, 11))
-    assert w_scale.shape == w_zp.shape == (2, 128)  # quantree's per-row scales, exact
+    assert w_scale.shape == w_zp.shape == (2,)  # W's rows are alike in both layers
+    assert w_scale[0] == w_scale[1]  # one scale shared by both directions
     assert r_scale.shape == r_zp.shape == ((2, 128) if dead_row else (2,))
     assert not w_zp.any() and not r_zp.any()
-    if not dead_row:  # one scale shared by both directions
-        assert r_scale[0] == r_scale[1]
     with torch.no_grad():
         want, ref_out = model(data[5][0]), ref(data[5][0])
+    got = run_onnx(path, data[5])[0]
+    ref_db, ort_db = qt.sqnr(want, ref_out), qt.sqnr(want, got)
+    assert ort_db >= ref_db - BAND_DB, (ref_db, ort_db)
+
+
+@pytest.mark.parametrize("dead_rows", [False, True], ids=["close", "spread"])
+def test_gru_step_reads_r_on_one_scale(dead_rows, tmp_path):
+    """The ``Scan`` body's product reads int8 ``R^T`` with one scale and zero point: rounded
+    onto it when the rows' scales are close, else on a scale of 1 followed by a ``Mul`` by
+    the rows' scales (quantree's exact values). The input projections outside keep
+    quantree's per-row scales."""
+    torch.manual_seed(0)
+    model = torch.nn.GRU(16, 32).eval()
+    if dead_rows:  # the reset and update blocks nearly zero: two thirds of the rows
+        with torch.no_grad():
+            model.weight_hh_l0[:64] *= 1e-3
+    data = batches((12, 3, 16), n=6)
+    ref = qt.quantize(model, data[0], data[:5], progress=False)
+    path = qt.export_onnx(ref, data[0], tmp_path / "m.onnx", target=qt.OnnxTarget.ONNXRUNTIME)
+    exported = onnx.load(str(path))
+    inits = {i.name: numpy_helper.to_array(i) for i in exported.graph.initializer}
+    (scan,) = [n for n in exported.graph.node if n.op_type == "Scan"]
+    (body,) = [a.g for a in scan.attribute if a.name == "body"]
+    (step,) = [n for n in body.node if n.op_type == "DynamicQuantizeMatMul"]
+    assert inits[step.input[1]].dtype == np.int8 and inits[step.input[1]].shape == (32, 96)
+    assert inits[step.input[2]].shape == inits[step.input[3]].shape == (1,)
+    scaled = [n for n in body.node if n.op_type == "Mul" and step.output[0] in n.input]
+    if dead_rows:
+        assert float(inits[step.input[2]][0]) == 1.0
+        (mul,) = scaled
+        (row_scale,) = [inits[i] for i in mul.input if i in inits]
+        assert row_scale.shape == (96,) and row_scale.min() < row_scale.max() / 100
+    else:
+        assert not scaled
+    outside = [n for n in exported.graph.node if n.op_type == "DynamicQuantizeMatMul"]
+    assert sorted(inits[n.input[2]].shape for n in outside) == [(32,), (64,)]
+    with torch.no_grad():
+        want, ref_out = model(data[5][0])[0], ref(data[5][0])[0]
     got = run_onnx(path, data[5])[0]
     ref_db, ort_db = qt.sqnr(want, ref_out), qt.sqnr(want, got)
     assert ort_db >= ref_db - BAND_DB, (ref_db, ort_db)

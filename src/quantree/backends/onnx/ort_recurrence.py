@@ -112,13 +112,22 @@ def scan_recurrence(
             )
             xps.append(xp)
         rt = rw.initializer(f"{p}_Rt_int8", np.ascontiguousarray(R.values[d].T))
-        r_scale = rw.initializer(f"{p}_R_scale", np.atleast_1d(R.scale[d]).astype(np.float32))
-        r_zp = rw.initializer(f"{p}_R_zero_point", np.atleast_1d(R.zero_point[d]).astype(np.int8))
-        rb = rw.initializer(f"{p}_Rb", B[d, gates * hidden :].astype(np.float32))
+        r_bias = B[d, gates * hidden :].astype(np.float32)
+        rows = np.atleast_1d(R.scale[d]).astype(np.float32)
+        col = None
+        if rows.size > 1 and np.all(np.isfinite(rows)) and np.all(rows > 0):
+            # per-row scales kept (ort_weights): the product runs on one scale of 1 and a Mul
+            # applies the rows' scales after it, s * (h R^T + b / s): the same values up to
+            # float rounding, and the per-step product stays on MLAS's one-scale path
+            col = rw.initializer(f"{p}_R_row_scale", rows)
+            r_bias, rows = r_bias / rows, np.ones(1, np.float32)
+        r_scale = rw.initializer(f"{p}_R_scale", rows)
+        r_zp = rw.initializer(f"{p}_R_zero_point", np.zeros(rows.size, np.int8))
+        rb = rw.initializer(f"{p}_Rb", r_bias.astype(np.float32))
         h0_index = rw.initializer(f"{p}_h0_index", np.array(d, np.int64))
         h0, y, hT = f"{p}_h0", f"{p}_y", f"{p}_hT"
         nodes.append(helper.make_node("Gather", [node.input[5], h0_index], [h0], axis=0))
-        body = _body(p, gates, hidden, act, rt, r_scale, r_zp, rb)
+        body = _body(p, gates, hidden, act, rt, r_scale, r_zp, rb, col)
         backwards = int(reverse_dir or d == 1)
         nodes.append(
             helper.make_node(
@@ -155,17 +164,28 @@ def _relu(node: onnx.NodeProto) -> bool:
 
 
 def _body(
-    p: str, gates: int, hidden: int, act: bytes, rt: str, r_scale: str, r_zp: str, rb: str
+    p: str,
+    gates: int,
+    hidden: int,
+    act: bytes,
+    rt: str,
+    r_scale: str,
+    r_zp: str,
+    rb: str,
+    col: str | None = None,
 ) -> onnx.GraphProto:
     """One time step: ``(h, x_t...) -> (h', h')``; the weights are read from the outer graph.
 
     Few nodes: each costs about as much as the step's arithmetic at small sizes."""
     h, h_next, rp = f"{p}_h", f"{p}_hn", f"{p}_rp"
+    product = f"{p}_rp_unscaled" if col else rp
     nodes = [
         helper.make_node(
-            "DynamicQuantizeMatMul", [h, rt, r_scale, r_zp, rb], [rp], domain=MS_DOMAIN
+            "DynamicQuantizeMatMul", [h, rt, r_scale, r_zp, rb], [product], domain=MS_DOMAIN
         )
     ]
+    if col:
+        nodes.append(helper.make_node("Mul", [product, col], [rp]))
     if gates == 1:
         xs = [f"{p}_xt"]
         nodes += [

@@ -131,7 +131,9 @@ class Rewriter:
         self, node: onnx.NodeProto, W: QuantizedConstant, R: QuantizedConstant, B: object
     ) -> onnx.NodeProto:
         name = node.name or node.output[0]
-        R = per_tensor(R, shared=True) or R  # layouts: see ort_weights
+        # one scale per weight where the rows allow, as ORT's own quantizer lays them out
+        # (ort_weights says why); otherwise quantree's per-row scales
+        W, R = per_tensor(W, shared=True) or W, per_tensor(R, shared=True) or R
         w = self.initializer(f"{name}_W_int8", np.ascontiguousarray(W.values.transpose(0, 2, 1)))
         r = self.initializer(f"{name}_R_int8", np.ascontiguousarray(R.values.transpose(0, 2, 1)))
         inputs = [self.unquantized(node.input[0]), w, r]

@@ -7,17 +7,20 @@ layouts). Hence:
 
 - zero points: zeros (quantree's recurrent weights are symmetric), of their scale's shape
   (``DynamicQuantizeLSTM`` reads a zero point as per column when its scale is).
-- the input weights ``W`` keep quantree's int8 values and per-row scales exactly: their
-  product runs once per call over every time step, where the per-column epilogue is a small
-  part of the work.
-- the recurrent weights ``R`` run once per time step on a single row at batch 1, where the
-  per-column epilogue is a large part of it. When the rows' scales are close
+- the recurrent weights ``R`` run once per time step, on a single row at batch 1, where the
+  per-column epilogue is a large part of the product. When the rows' scales are close
   (``per_tensor``), ``R`` is rounded again onto one scale (per direction where the
   operator allows), the largest row's, which needs no clipping. That is a second rounding
   of quantree's int8 values: it adds rounding noise of about the per-row grid's size, and
   the hidden state, quantized per step by the operator itself, carries more. Rows whose
   scales are far apart (a trained layer with dead gate rows) would lose most of their bits
-  on the largest row's grid: they keep per-row scales.
+  on the largest row's grid: they keep per-row scales (in the GRU/RNN ``Scan`` step applied
+  by a ``Mul`` after a product on a scale of 1, see ``ort_recurrence``).
+- the input weights ``W``: their product runs once per call over every time step, where
+  the epilogue is a small part of the work: ``DynamicQuantizeMatMul`` (GRU, RNN) gets
+  quantree's exact values and per-row scales. ``DynamicQuantizeLSTM`` pairs per-column
+  scales with per-column zero points, its slower path: ``W`` goes onto one scale there
+  too, under the same rule, the layout ONNX Runtime's own quantizer gives the operator.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from quantree.backends.onnx.ort_constants import QuantizedConstant
 SPREAD_LIMIT = 1.5
 """Largest ``max(scale)^2 / mean(scale^2)`` over a direction's rows for which ``R`` is
 rounded onto one scale: the added rounding noise (a uniform error on the largest row's grid)
-is then at most 1.5 times the per-row grid's average. Calibrated recurrent weights of the
-benchmark layers sit near 1.0."""
+is then at most 1.5 times the per-row grid's average. Freshly initialized layers (rows
+drawn alike) meet it; trained ones mostly do not, and keep exact per-row scales: rounding
+them onto the largest row's grid costs more accuracy than the speed is worth."""
 
 
 def per_tensor(q: QuantizedConstant, shared: bool = False) -> QuantizedConstant | None:
