@@ -97,7 +97,7 @@ def run(name: str) -> None:
     x64 = torch.randn(2, 64, FEATURES)
     calibration = [(torch.randn(2, 64, FEATURES),) for _ in range(4)]
     start = time.perf_counter()
-    low = qt.quantize(model, (x64,), calibration, backend="cpu", progress=False)
+    low = qt.quantize(model, (x64,), calibration, backend="cpu", progress=False, fold_loops=True)
     took = time.perf_counter() - start
     unrolled = qt.quantize(
         model, (x64,), calibration, backend="cpu", progress=False, fold_loops=False

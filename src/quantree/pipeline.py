@@ -104,7 +104,7 @@ def quantize(
     backend: Backend | str | None = "auto",
     progress: bool = True,
     unobserved: Unobserved = Unobserved.ERROR,
-    fold_loops: bool = True,
+    fold_loops: bool | None = None,
     refine: Refine | None = None,
 ) -> fx.GraphModule:
     """Quantize ``model`` in one call.
@@ -121,7 +121,8 @@ def quantize(
     the reference graph it came from, so ``qt.export_onnx`` takes either. ``unobserved`` says
     what becomes of tensors calibration never saw (an error naming them, or float with one
     warning). ``fold_loops`` (as for :func:`quantree.capture`) folds a Python loop over time
-    that export unrolled back into one loop. ``refine`` (a :class:`quantree.Refine`)
+    that export unrolled back into one loop (by default where its step is a recurrent cell).
+    ``refine`` (a :class:`quantree.Refine`)
     re-chooses weight integers and biases after convert (:func:`quantree.refine`; it runs
     ``calibration`` a second time, so that must be a collection, not an iterator). Every
     argument is checked before the model is

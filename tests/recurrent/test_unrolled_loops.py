@@ -109,11 +109,23 @@ def test_a_folded_cell_loop_runs_as_one_native_cell_program_at_any_length(tmp_pa
         assert torch.equal(a, b)
 
 
+def test_a_loop_of_other_steps_stays_unrolled_by_default_and_folds_when_asked():
+    torch.manual_seed(0)
+    model = LightGRULike().eval()
+    x = torch.randn(2, 9, 6)
+    with pytest.warns(qt.QuantreeWarning, match="fold_loops=True"):
+        unrolled = qt.capture(model, (x,))  # its step would run op by op in Python
+    assert not _loops(unrolled) and _ops(unrolled, "sigmoid") == 9
+    folded = qt.capture(model, (x,), fold_loops=True)  # following the warning
+    assert len(_loops(folded)) == 1
+    assert torch.equal(folded(x), unrolled(x))
+
+
 def test_light_gru_like_loop_folds_and_quantizes_with_the_step_annotated_once():
     torch.manual_seed(0)
     model = LightGRULike().eval()
     x = torch.randn(2, 9, 6)
-    folded = qt.capture(model, (x,))
+    folded = qt.capture(model, (x,), fold_loops=True)
     (loop,) = _loops(folded)
     assert torch.equal(folded(x), model(x))
     assert _ops(loop.body, "sigmoid") == 1
@@ -256,5 +268,5 @@ def test_scan_becomes_the_same_loop_and_while_loop_is_refused_with_the_fix():
         qt.capture(WhileModel().eval(), (torch.randn(2, 4),))
     fixed = ScanModel(loop=True).eval()  # the fix the error names: a Python for loop
     x = torch.randn(9, 2, 4)
-    folded = qt.capture(fixed, (x,))
+    folded = qt.capture(fixed, (x,), fold_loops=True)
     assert len(_loops(folded)) == 1 and torch.equal(folded(x), fixed(x))

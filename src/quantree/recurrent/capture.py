@@ -30,7 +30,7 @@ def capture(
     *,
     dynamic_shapes: Any = None,
     dynamic_batch: bool = True,
-    fold_loops: bool = True,
+    fold_loops: bool | None = None,
 ) -> fx.GraphModule:
     """Export ``model`` to an ATen ``GraphModule`` (see ``quantree.core.capture.export_graph``).
 
@@ -45,7 +45,9 @@ def capture(
     A Python loop over time (a ``GRUCell`` stepped by hand, a sequential selective scan),
     which export unrolls into one copy of the step per time step, is folded back into one
     loop over the step graph (``quantree.recurrent.unrolled``): the step is quantized once and
-    the loop runs at any length. ``fold_loops=False`` keeps the unrolled steps.
+    the loop runs at any length. By default (``None``) only loops whose step is a recurrent
+    cell are folded (they run as one native program); a model with another loop keeps it
+    unrolled, with one warning. ``fold_loops=True`` folds every loop, ``False`` none.
     """
     if not isinstance(model, torch.nn.Module):  # the core's capture says what to pass
         return core.export_graph(model, example_args, example_kwargs)
@@ -64,14 +66,14 @@ def capture(
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if free:
         warn_pinned_lengths(model, gm)
-    if fold_loops:
+    if fold_loops is not False:
 
         def again(args: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> fx.GraphModule:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 return _capture(model, args, kwargs, dynamic_shapes, dynamic_batch, recurrent)[0]
 
-        gm = fold_and_free(gm, example_args, example_kwargs, again)
+        gm = fold_and_free(gm, example_args, example_kwargs, again, every_loop=bool(fold_loops))
     return gm
 
 

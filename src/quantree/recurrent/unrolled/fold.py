@@ -24,6 +24,15 @@ from quantree.recurrent.unrolled.cells import write_out_cells
 from quantree.recurrent.unrolled.find import Recurrence, SeqInput, find_recurrence
 from quantree.recurrent.unrolled.step_loop import StepInput, StepLoop, StepOutput
 
+CELL_STEP_KEY = "quantree_cell_step"
+"""``StepBody.meta`` key: True where the step's work is recurrent cell ops (``GRUCell``,
+``LSTMCell``, ``RNNCell``), written out as cells mode's cell graph: the steps a backend can run
+as one native cell program (see ``quantree.recurrent.unrolled.free``'s default policy)."""
+
+
+def is_cell_step(loop: StepLoop) -> bool:
+    return bool(loop.body.meta.get(CELL_STEP_KEY, False))
+
 
 def fold_loops(gm: fx.GraphModule, min_steps: int = 3) -> list[str]:
     """Fold every unrolled recurrence of ``gm`` in place; the names of the loops made."""
@@ -159,7 +168,7 @@ def _body(gm: fx.GraphModule, rec: Recurrence):
     graph.output(tuple(out_nodes))
     body = fx.GraphModule(root, graph, class_name="StepBody")
     graph.lint()
-    write_out_cells(body)
+    body.meta[CELL_STEP_KEY] = write_out_cells(body) > 0
     return body, sources, invariant_args, outputs
 
 

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from quantree.core.errors import QuantreeWarning
 from quantree.recurrent.decompose import drop_export_guards
-from quantree.recurrent.unrolled.fold import fold_loops
+from quantree.recurrent.unrolled.fold import fold_loops, is_cell_step
 from quantree.recurrent.unrolled.higher_order import fold_scans
 from quantree.recurrent.unrolled.step_loop import StepLoop
 
@@ -42,11 +42,33 @@ def fold_and_free(
     example_kwargs: Mapping[str, Any] | None,
     recapture: Recapture,
     min_steps: int = AUTO_MIN_STEPS,
+    every_loop: bool = True,
 ) -> fx.GraphModule:
-    """Fold ``gm``'s unrolled loops of at least ``min_steps`` steps in place and free their
-    length where it can be shown."""
+    """Fold ``gm``'s unrolled loops of at least ``min_steps`` steps (in place) and free their
+    length where it can be shown.
+
+    ``every_loop=False`` (``quantree.capture``'s default) folds only loops whose step is a
+    recurrent cell, which lower to one native program; a model with any other loop over time
+    keeps its unrolled steps with one warning, since its folded step would run op by op in
+    Python, slower than the unrolled graph's fused regions."""
+    from quantree.core.graphs import copy_graph_module
+
+    unfolded = None if every_loop else copy_graph_module(gm)
     scans = fold_scans(gm)  # torch's scan: a loop already, of any length
     made = fold_loops(gm, min_steps)
+    general = [n for n in made if not is_cell_step(gm.get_submodule(n))]
+    if unfolded is not None and general:
+        warnings.warn(
+            f"quantree.capture left {len(general)} Python loop(s) over time unrolled (fixed to "
+            "the captured length): their steps are not recurrent cells, which a folded loop "
+            "runs natively, and a folded step runs op by op in Python, slower than the unrolled "
+            "steps. Pass fold_loops=True to fold them anyway (one loop that runs at any "
+            "length), or capture at the length you run at.",
+            QuantreeWarning,
+            stacklevel=4,
+        )
+        fold_scans(unfolded)
+        return unfolded
     loops = [gm.get_submodule(name) for name in made]
     steps = {loop.steps_captured for loop in loops if isinstance(loop, StepLoop) and loop.free}
     if not steps or scans:

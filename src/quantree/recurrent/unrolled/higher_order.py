@@ -24,8 +24,9 @@ from quantree.recurrent.unrolled.step_loop import StepInput, StepLoop, StepOutpu
 
 WHILE_FIX = (
     "write the loop as a Python `for` loop over the time dimension (for t in "
-    "range(x.shape[1]): ...): quantree.capture folds the steps torch.export unrolls back "
-    "into one loop, quantized once and run at any length"
+    "range(x.shape[1]): ...) and capture with quantree.capture(..., fold_loops=True): it "
+    "folds the steps torch.export unrolls back into one loop, quantized once and run at any "
+    "length"
 )
 
 
