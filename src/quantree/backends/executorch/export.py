@@ -7,7 +7,10 @@
 ``to_executorch()``'s program. What XNNPACK does not take stays in ExecuTorch's portable
 ops; a q/dq pair it does not fuse (an int16 activation) runs as the quantized kernels
 library's ``quantized_decomposed`` op, so a runtime running the file links that library
-(``executorch.kernels.quantized`` in Python). :func:`delegation` says what went where.
+(``executorch.kernels.quantized`` in Python). A whole-mode recurrent layer is one
+``quantree_et::rnn`` op, run by quantree's own kernel library (:mod:`.kernels`; Python:
+``run_executorch`` registers it, C++: docs/deployment-executorch.md). :func:`delegation` says
+what went where.
 """
 
 from __future__ import annotations
