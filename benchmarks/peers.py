@@ -378,6 +378,23 @@ def measure_deployment(name: str, runtimes: list[str], args: argparse.Namespace)
     return lines
 
 
+def deployment_child(name: str, runtime: str, args: argparse.Namespace) -> list[str]:
+    """One (model, runtime) cell in a process of its own: a runtime that crashes the process
+    (a segfault, memory) costs its cell, not the table."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--deployment", "--child", "--models", name,
+           "--runtimes", runtime, "--runs", str(args.runs), "--passes", str(args.passes),
+           "--timeout", str(args.timeout)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [line for line in done.stdout.splitlines() if line.startswith(f"| {name} |")]
+    if done.returncode != 0 or not rows:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:120].replace("|", "/")
+        rows = [f"| {name} | {runtime} | crashed (exit {done.returncode}): {tail} | | |"]
+    print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated, from {', '.join(MODELS)}")
@@ -387,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=10, help="timed rounds per pass")
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per build step")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     one_thread()
     import executorch.kernels.quantized  # noqa: F401  (portable q/dq kernels)
@@ -400,7 +418,11 @@ def main(argv: list[str] | None = None) -> int:
         lines = ["| model | runtime | builds and runs | SQNR vs quantree's reference "
                  "| CPU-time ratio to the runtime's float |", "|---|---|---|---|---|"]  # fmt: skip
         for name in names:
-            lines += measure_deployment(name, args.runtimes.split(","), args)
+            if args.child:
+                lines += measure_deployment(name, args.runtimes.split(","), args)
+                continue
+            for runtime in args.runtimes.split(","):
+                lines += deployment_child(name, runtime, args)
     else:
         peers = args.peers.split(",")
         lines = ["| model | float eager ms | " + " | ".join(peers) + " |",
