@@ -27,7 +27,8 @@ runs (else the error's first line), SQNR of its output against quantree's refere
 and the CPU-time ratio to that runtime's own float model, interleaved, ``--passes`` timings.
 Only the public export functions are called, so what they do after a merge shows here.
 A build step longer than ``--timeout`` seconds is stopped and reported (ExecuTorch's own
-lowering of a float T128 LSTM takes many minutes).
+lowering of a float T128 LSTM takes many minutes). Each (model, runtime) runs in a child
+process, so a runtime that crashes the process costs its own cell only.
 """
 
 from __future__ import annotations
