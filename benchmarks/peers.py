@@ -11,7 +11,8 @@ thread's clock does not see; one pool thread, so still one core), ``--passes`` w
 Ratios are to float PyTorch eager of the same pass. SQNR is input-dependent (``zoo.py``: the
 per-position mean over the held-out inputs removed from the signal) against float.
 
-Peers (``--peers``): ``quantree`` (``qt.quantize`` to the CPU backend); ``et`` (ExecuTorch
+Peers (``--peers``): ``quantree`` (``qt.quantize`` to the CPU backend; ``quantree_h16``, not
+by default: recurrent layers with int16 hidden-state feedback); ``et`` (ExecuTorch
 XNNPACK with its own ``XNNPACKQuantizer``, per channel); ``ov`` (OpenVINO + NNCF
 ``nncf.quantize`` of the converted model); ``ov_qt`` (OpenVINO running quantree's QDQ
 export); ``ort_dynamic`` and ``ort_static`` (ONNX Runtime's ``quantize_dynamic`` and
@@ -172,6 +173,15 @@ def peer_quantree(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
     return lambda args: lowered(*args)
 
 
+def peer_quantree_h16(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
+    """quantree with recurrent layers feeding h back at int16 (``cpu_backend(hidden_bits=16)``)."""
+    from quantree.backends import cpu_backend
+
+    backend = cpu_backend(hidden_bits=16)
+    lowered = qt.quantize(model, calib[0], calib, backend=backend, progress=False)
+    return lambda args: lowered(*args)
+
+
 def peer_et(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
     from executorch_runtime import et_int8
 
@@ -233,6 +243,7 @@ def peer_torchao(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
 
 PEER_BUILDERS: dict[str, Callable[[nn.Module, list[tuple], Path], Call]] = {
     "quantree": peer_quantree,
+    "quantree_h16": peer_quantree_h16,
     "et": peer_et,
     "ov": peer_ov,
     "ov_qt": peer_ov_qt,
