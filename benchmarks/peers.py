@@ -4,6 +4,9 @@
     python benchmarks/peers.py --models lstm_b1 --passes 2 --runs 10
     python benchmarks/peers.py --deployment --models lstm_b1,resnet18 --runtimes ort,ort_int
 
+Over 400 lines because every peer's builder (a dozen short functions) must live in the one
+process that times them interleaved; each is its runtime's documented quantization flow.
+
 Peer mode (issue 26): per model, every peer's int8 model and the float model in one process,
 one thread each, timed interleaved (each round runs every column once, the order rotating),
 medians of process CPU time (XNNPACK and OpenVINO may work on a pool thread the calling
