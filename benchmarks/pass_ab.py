@@ -4,7 +4,8 @@
 
 Per model (``zoo.py``'s builders, data and input-dependent SQNR against float): the model
 lowered to the CPU backend as it is ("after") and with the named ``backend.py`` passes
-replaced by a no-op ("before"), both from the same reference graph, timed interleaved with
+replaced by a no-op ("before"; ``--torch-guards``: its shape guard also run as torch.export's
+on every call), both from the same reference graph, timed interleaved with
 float (medians of thread CPU time, ``--rounds`` whole timings). The "zoo table before and
 after, same run" of a lowering change: the two columns differ by that change alone.
 """
@@ -12,6 +13,7 @@ after, same run" of a lowering change: the two columns differ by that change alo
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import warnings
 
@@ -22,6 +24,7 @@ from common import interleaved_times, load_note, one_thread
 import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu import backend as cpu_backend
+from quantree.core.capturing.shape_guards import PassedShapes
 
 
 def lowered_without(ref: torch.fx.GraphModule, names: list[str]) -> torch.fx.GraphModule:
@@ -41,6 +44,9 @@ def main() -> None:
     parser.add_argument("--models", default="bert,gpt2,transformer_encoder,vit_tiny,resnet18")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--torch-guards", action="store_true", help="before: torch.export's shape guard per call"
+    )
     args = parser.parse_args()
     one_thread()
     warnings.simplefilter("ignore")
@@ -58,6 +64,10 @@ def main() -> None:
         want = zoo.outputs(case.model, held)
         ref = qt.quantize(case.model, calib[0], calib, backend=None, progress=False)
         models = {"before": lowered_without(ref, names), "after": qt.lower(ref, CPU)}
+        guard = getattr(models["before"], "_guards_fn", None)
+        if args.torch_guards and isinstance(guard, PassedShapes):  # shared with "after": a copy
+            models["before"]._guards_fn = copy.deepcopy(guard)
+            models["before"]._guards_fn.__class__ = torch.nn.Module  # torch's guard every call
         db = {k: zoo.input_dependent_sqnr(want, zoo.outputs(m, held)) for k, m in models.items()}
         first = held[0]
         calls = {"float": lambda f=case.model, a=first: f(*a)}

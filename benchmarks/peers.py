@@ -4,6 +4,9 @@
     python benchmarks/peers.py --models lstm_b1 --passes 2 --runs 10
     python benchmarks/peers.py --deployment --models lstm_b1,resnet18 --runtimes ort,ort_int
 
+Over 400 lines because every peer's builder (a dozen short functions) must live in the one
+process that times them interleaved; each is its runtime's documented quantization flow.
+
 Peer mode (issue 26): per model, every peer's int8 model and the float model in one process,
 one thread each, timed interleaved (each round runs every column once, the order rotating),
 medians of process CPU time (XNNPACK and OpenVINO may work on a pool thread the calling
@@ -11,7 +14,8 @@ thread's clock does not see; one pool thread, so still one core), ``--passes`` w
 Ratios are to float PyTorch eager of the same pass. SQNR is input-dependent (``zoo.py``: the
 per-position mean over the held-out inputs removed from the signal) against float.
 
-Peers (``--peers``): ``quantree`` (``qt.quantize`` to the CPU backend); ``et`` (ExecuTorch
+Peers (``--peers``): ``quantree`` (``qt.quantize`` to the CPU backend; ``quantree_h16``, not
+by default: recurrent layers with int16 hidden-state feedback); ``et`` (ExecuTorch
 XNNPACK with its own ``XNNPACKQuantizer``, per channel); ``ov`` (OpenVINO + NNCF
 ``nncf.quantize`` of the converted model); ``ov_qt`` (OpenVINO running quantree's QDQ
 export); ``ort_dynamic`` and ``ort_static`` (ONNX Runtime's ``quantize_dynamic`` and
@@ -27,7 +31,8 @@ runs (else the error's first line), SQNR of its output against quantree's refere
 and the CPU-time ratio to that runtime's own float model, interleaved, ``--passes`` timings.
 Only the public export functions are called, so what they do after a merge shows here.
 A build step longer than ``--timeout`` seconds is stopped and reported (ExecuTorch's own
-lowering of a float T128 LSTM takes many minutes).
+lowering of a float T128 LSTM takes many minutes). Each (model, runtime) runs in a child
+process, so a runtime that crashes the process costs its own cell only.
 """
 
 from __future__ import annotations
@@ -171,6 +176,15 @@ def peer_quantree(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
     return lambda args: lowered(*args)
 
 
+def peer_quantree_h16(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
+    """quantree with recurrent layers feeding h back at int16 (``cpu_backend(hidden_bits=16)``)."""
+    from quantree.backends import cpu_backend
+
+    backend = cpu_backend(hidden_bits=16)
+    lowered = qt.quantize(model, calib[0], calib, backend=backend, progress=False)
+    return lambda args: lowered(*args)
+
+
 def peer_et(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
     from executorch_runtime import et_int8
 
@@ -232,6 +246,7 @@ def peer_torchao(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
 
 PEER_BUILDERS: dict[str, Callable[[nn.Module, list[tuple], Path], Call]] = {
     "quantree": peer_quantree,
+    "quantree_h16": peer_quantree_h16,
     "et": peer_et,
     "ov": peer_ov,
     "ov_qt": peer_ov_qt,
@@ -378,6 +393,23 @@ def measure_deployment(name: str, runtimes: list[str], args: argparse.Namespace)
     return lines
 
 
+def deployment_child(name: str, runtime: str, args: argparse.Namespace) -> list[str]:
+    """One (model, runtime) cell in a process of its own: a runtime that crashes the process
+    (a segfault, memory) costs its cell, not the table."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--deployment", "--child", "--models", name,
+           "--runtimes", runtime, "--runs", str(args.runs), "--passes", str(args.passes),
+           "--timeout", str(args.timeout)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [line for line in done.stdout.splitlines() if line.startswith(f"| {name} |")]
+    if done.returncode != 0 or not rows:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:120].replace("|", "/")
+        rows = [f"| {name} | {runtime} | crashed (exit {done.returncode}): {tail} | | |"]
+    print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated, from {', '.join(MODELS)}")
@@ -387,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=10, help="timed rounds per pass")
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per build step")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     one_thread()
     import executorch.kernels.quantized  # noqa: F401  (portable q/dq kernels)
@@ -400,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         lines = ["| model | runtime | builds and runs | SQNR vs quantree's reference "
                  "| CPU-time ratio to the runtime's float |", "|---|---|---|---|---|"]  # fmt: skip
         for name in names:
-            lines += measure_deployment(name, args.runtimes.split(","), args)
+            if args.child:
+                lines += measure_deployment(name, args.runtimes.split(","), args)
+                continue
+            for runtime in args.runtimes.split(","):
+                lines += deployment_child(name, runtime, args)
     else:
         peers = args.peers.split(",")
         lines = ["| model | float eager ms | " + " | ".join(peers) + " |",

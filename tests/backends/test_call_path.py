@@ -123,6 +123,14 @@ def test_guards_that_read_more_than_sizes_are_not_remembered() -> None:
 
     assert _reads_only_sizes(size_wrapper)
 
+    def bounded(*args):  # the builtin max of sizes: still sizes only (CRNN's guard)
+        torch._assert(max(args[0].size()[2], 1) >= 2, "Guard failed")
+
+    def bounded_wrapper(*args):
+        return bounded(*args)
+
+    assert _reads_only_sizes(bounded_wrapper)
+
 
 class Subclass(torch.Tensor):
     pass

@@ -102,7 +102,9 @@ class PassedShapes(torch.nn.Module):
         return super().__call__(*args)
 
 
-_SIZE_ONLY = {"torch", "_assert", "size", "math", "isnan", "inf"}
+_SIZE_ONLY = {"torch", "_assert", "size", "math", "isnan", "inf", "max", "min"}
+"""Names a size-only guard reads: torch's assert, sizes, and the builtins ``max``/``min`` of
+them (a recurrent layer after pooling over a dynamic length guards ``max(...)``: CRNN)."""
 
 
 def _reads_only_sizes(check: Any) -> bool:
