@@ -89,3 +89,32 @@ def test_a_users_spec_on_an_integer_tensor_is_still_refused() -> None:
     rule = qt.Rule((torch.ops.aten.unbind,), lambda n: qt.Annotation(inputs={(0,): qt.QuantSpec()}))
     with pytest.raises(qt.QuantreeError, match=r"unbind .*not a float tensor"):
         qt.prepare(qt.capture(model, (x,)), qt.Int8Quantizer(rules=(rule,)))
+
+
+class FloatIndexMath(nn.Module):
+    """Encodec's padding arithmetic: a true division of integer tensors gives a float, then
+    ``add`` and ``ceil`` before ``to(int64)`` make an index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("stride", torch.tensor(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [1, 6, 8]
+        n = torch.arange(x.shape[1])
+        idx = torch.ceil(n / self.stride + 0.5).to(torch.int64).clamp(max=x.shape[1] - 1)
+        return self.fc(x).index_select(1, idx)
+
+
+def test_float_index_math_from_integers_is_not_annotated() -> None:
+    torch.manual_seed(0)
+    model = FloatIndexMath().eval()
+    data = [(torch.randn(1, 6, 8),) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = qt.quantize(model, data[0], data, backend="reference", progress=False)
+    quantized = {n.args[0].name for n in ref.graph.nodes if is_quantize(n)}
+    assert not any(name.startswith(("div", "add", "ceil")) for name in quantized)
+    for args in data:
+        got, want = ref(*args), model(*args)
+        assert float(10 * torch.log10(want.pow(2).sum() / (want - got).pow(2).sum())) > 30

@@ -44,7 +44,8 @@ def test_float_ops_are_named_and_no_constant_is_dequantized_per_call() -> None:
 
 
 class FloatIsland(nn.Module):
-    """exp -> cumsum between two float ops: no quantize or dequantize next to cumsum."""
+    """exp -> cumsum between two float ops: no quantize or dequantize next to cumsum (the
+    linear's output, an exponent, is float too: ``recipes/infinities.exponents``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,7 +57,7 @@ class FloatIsland(nn.Module):
 
 def test_ops_inside_a_float_island_are_named() -> None:
     notes = _lowering_notes(FloatIsland())
-    island = [n for n in notes if "other op(s) compute in float" in n]
+    island = [n for n in notes if "op(s) compute in float" in n]
     assert len(island) == 1 and "aten.cumsum.default x" in island[0]
 
 

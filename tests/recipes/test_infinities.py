@@ -94,3 +94,14 @@ def test_an_overflow_is_still_refused() -> None:
     calib = _data(2)
     with pytest.raises(qt.QuantreeError, match="computed NaN or infinity"):
         qt.quantize(Overflow().eval(), calib[0], calib, backend=qt.REFERENCE, progress=False)
+
+
+def test_exponents_stay_float_back_to_where_they_were_made() -> None:
+    """The log-gate sums (cumsum of log-sigmoid) and the stabiliser an exp reads are float;
+    the log-sigmoid made the log values: its output is float, the linear it reads is not."""
+    from quantree.recipes.infinities import exponents
+
+    gm = torch.export.export(LogGates().eval(), _data(1)[0]).module()
+    found = {n.target.__name__.split(".")[0] for n in exponents(gm.graph)}
+    assert {"sub", "max", "cumsum", "log_sigmoid"} <= found
+    assert not found & {"exp", "matmul", "relu", "linear"}

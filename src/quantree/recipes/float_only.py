@@ -11,8 +11,10 @@ user puts on an integer tensor is still refused with the node named.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
+import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
@@ -30,20 +32,57 @@ def _restricted(annotate: AnnotateFn) -> AnnotateFn:
         annotation = annotate(node)
         if annotation is None or annotation.decompose is not None:
             return annotation
+        index = index_math(node.graph)
         inputs = {
             path: spec
             for path, spec in annotation.inputs.items()
-            if spec is None or is_float_tensor(Use.of(node, tuple(path)).value.meta)
+            if spec is None or _float_data(Use.of(node, tuple(path)), index)
         }
         leaves = tensor_meta(node)
         outputs = annotation.outputs
-        if outputs is not None and not _has_float_leaf(leaves):
+        if outputs is not None and (not _has_float_leaf(leaves) or node in index):
             outputs = None
         if not inputs and outputs is None and (annotation.inputs or annotation.outputs):
             return None  # all of it was integer: the op is not the recipe's to claim
         return replace(annotation, inputs=inputs, outputs=outputs)
 
     return restricted
+
+
+def _float_data(use: Use, index: set[fx.Node]) -> bool:
+    """``use`` reads a float tensor that is not index math."""
+    return is_float_tensor(use.value.meta) and use.value.node not in index
+
+
+_INDEX: weakref.WeakKeyDictionary[fx.Graph, tuple[int, set[fx.Node]]] = weakref.WeakKeyDictionary()
+"""Each graph's index math with its node count then (a graph decomposition grew is redone)."""
+
+
+def index_math(graph: fx.Graph) -> set[fx.Node]:
+    """Float-valued nodes of ``graph`` every tensor input of which is an integer tensor or
+    index math itself (and at least one is an integer tensor or index math)."""
+    count = len(graph.nodes)
+    known = _INDEX.get(graph)
+    if known is not None and known[0] == count:
+        return known[1]
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not _has_float_leaf(tensor_meta(node)):
+            continue
+        tensors = [n for n in node.all_input_nodes if _is_tensor(n)]
+        if tensors and all(n in found or _integer_tensor(n) for n in tensors):
+            found.add(node)
+    _INDEX[graph] = (count, found)
+    return found
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(tensor_meta(node), torch.Tensor)
+
+
+def _integer_tensor(node: fx.Node) -> bool:
+    meta = tensor_meta(node)
+    return isinstance(meta, torch.Tensor) and not meta.is_floating_point()
 
 
 def _has_float_leaf(tree: object) -> bool:

@@ -1,4 +1,5 @@
-"""Values that hold -inf or NaN by design stay float, with one warning naming them.
+"""Values that hold -inf or NaN by design stay float, with one warning naming them; so do
+the exponents an ``exp`` reads (log-space values, ``exponents``).
 
 Log-space recurrences (xLSTM's log-gate sums under a ``where(causal, x, -inf)``, max
 stabilisers over them), attention masks filled with -inf and additive masks carry
@@ -23,6 +24,7 @@ import operator
 import warnings
 import weakref
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -31,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 from quantree.core.errors import QuantreeWarning
 from quantree.core.quantizer import Annotation, Rule
 from quantree.core.specs import DerivedSpec, SharedSpec
-from quantree.core.values import Use, is_float_tensor, tensor_meta
+from quantree.core.values import Use, Value, is_float_tensor, tensor_meta
 
 aten = torch.ops.aten
 
@@ -100,6 +102,40 @@ def carrying_infinities(graph: fx.Graph) -> set[fx.Node]:
     return found
 
 
+EXPONENTIAL = (aten.exp, aten.exp_, aten.exp2)
+
+LOG_SPACE_CARRIERS = (
+    *(aten.add, aten.add_, aten.sub, aten.sub_, aten.rsub, aten.neg, aten.cumsum, aten.sum),
+    *(aten.max, aten.maximum, aten.minimum, aten.amax, aten.where, aten.masked_fill),
+    *(aten.view, aten.reshape, aten._unsafe_view, aten.unsqueeze, aten.squeeze, aten.permute),
+    *(aten.transpose, aten.expand, aten.slice, aten.select, aten.clone, aten.contiguous),
+    *(aten._to_copy, aten.to, aten.cat, aten.stack, aten.repeat, aten.pad, aten.alias),
+)
+"""Ops whose output is in log space when it is (sums, maxima, views of log values): an
+exponent read through them is followed back to where it was made."""
+
+
+def exponents(graph: fx.Graph) -> set[fx.Node]:
+    """The values an ``exp`` reads, followed back through sums, maxima and views: log-gate
+    sums, max stabilisers, log-space decays. An int8 step on an exponent is a relative error
+    of the exponential (0.1 in the exponent, 10% of its result), and these values span
+    tens of units while their differences decide the result: they stay float."""
+    powers = [n for n in graph.nodes if getattr(n.target, "overloadpacket", None) in EXPONENTIAL]
+    found: set[fx.Node] = set()
+    todo = [a for n in powers for a in n.all_input_nodes[:1]]
+    while todo:
+        node = todo.pop()
+        if node in found or node.op != "call_function" or not _float_output(node):
+            continue
+        found.add(node)
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet in LOG_SPACE_CARRIERS or node.target is operator.getitem:
+            todo.extend(node.all_input_nodes)
+        elif packet in (aten.mul, aten.mul_, aten.div) and len(node.all_input_nodes) == 1:
+            todo.extend(node.all_input_nodes)  # a log value scaled by a number
+    return found
+
+
 _FOUND: weakref.WeakKeyDictionary[fx.Graph, tuple[int, set[fx.Node]]] = weakref.WeakKeyDictionary()
 """Each graph's analysis with its node count then: a graph decomposition grew is redone."""
 
@@ -112,6 +148,7 @@ def _infinities_of(graph: fx.Graph) -> set[fx.Node]:
     found = carrying_infinities(graph)
     if known is None:
         _warn(found)
+    found |= exponents(graph)
     _FOUND[graph] = (count, found)
     return found
 
@@ -128,15 +165,27 @@ def _warn(found: set[fx.Node]) -> None:
     warnings.warn(
         f"{len(named)} value(s) may hold -inf or NaN by design (a mask or fill of a non-finite "
         f"number reaches them) and stay float, as do the ops reading them: {shown}. No "
-        "integer grid holds an infinity; the ops that end them (exp, softmax) are quantized "
-        "again.",
+        "integer grid holds an infinity; from the ops that end them (exp, softmax) on, values "
+        "are quantized again.",
         QuantreeWarning,
         stacklevel=2,
     )
 
 
-def _refers(spec: object) -> bool:
-    return isinstance(spec, SharedSpec | DerivedSpec)
+def _refers_to(spec: object, node: fx.Node, dropped: set[tuple[Any, ...]], output: bool) -> bool:
+    """``spec`` takes its parameters from ``node``'s output (if ``output`` was dropped) or
+    from one of its ``dropped`` inputs."""
+    targets: tuple[Value | Use, ...] = ()
+    if isinstance(spec, SharedSpec):
+        targets = (spec.target,)
+    elif isinstance(spec, DerivedSpec):
+        targets = spec.derived_from
+    for t in targets:
+        if isinstance(t, Value) and t.node is node and output:
+            return True
+        if isinstance(t, Use) and t.user is node and tuple(t.arg_path) in dropped:
+            return True
+    return False
 
 
 def off_infinities(rule: Rule) -> Rule:
@@ -156,10 +205,11 @@ def off_infinities(rule: Rule) -> Rule:
         }
         if not produces and not dropped:
             return annotation
-        specs = [*annotation.inputs.values(), *tree_leaves(annotation.outputs)]
-        if any(_refers(s) for s in specs):
-            return Annotation()  # parameters shared with what now stays float: all float
         inputs = {p: s for p, s in annotation.inputs.items() if p not in dropped}
-        return replace(annotation, inputs=inputs, outputs=None if produces else annotation.outputs)
+        outputs = None if produces else annotation.outputs
+        kept = [*inputs.values(), *tree_leaves(outputs)]
+        if any(_refers_to(s, node, dropped, produces) for s in kept):
+            return Annotation()  # parameters shared with what now stays float: all float
+        return replace(annotation, inputs=inputs, outputs=outputs)
 
     return replace(rule, annotate=finite_only)
