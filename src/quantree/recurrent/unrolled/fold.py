@@ -30,8 +30,8 @@ CELL_STEP_KEY = "quantree_cell_step"
 as one native cell program (see ``quantree.recurrent.unrolled.free``'s default policy)."""
 
 
-def is_cell_step(loop: StepLoop) -> bool:
-    return bool(loop.body.meta.get(CELL_STEP_KEY, False))
+def is_cell_step(loop: torch.nn.Module) -> bool:
+    return isinstance(loop, StepLoop) and bool(loop.body.meta.get(CELL_STEP_KEY, False))
 
 
 def fold_loops(gm: fx.GraphModule, min_steps: int = 3) -> list[str]:
