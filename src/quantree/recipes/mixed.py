@@ -7,9 +7,9 @@ the wide quantizer's annotation for that node (A16W8's by default: int16 activat
 weights kept int8 per channel) and the wide spec for every input that reads it: were its
 readers to keep their int8 input spec, they would requantize it to int8 and undo the
 widening (an outlier's range would bury the rest again at the next op). Leaving a point
-float drops its annotation, and its readers read it float where they can (an input no
-int32 bias derives its scale from); the backends keep float ops float with their usual
-warning. Every spec a widened point gets is one a recipe already makes, so lowering,
+float drops its annotation (the op runs float on dequantized inputs) and quantized readers
+read its value at int16 (``READ_FLOAT``); the backends keep float ops float with their
+usual warning. Every spec a widened point gets is one a recipe already makes, so lowering,
 saving and export need nothing new. The search that decides which points to widen lives in
 ``quantree.tools.mixed_precision``.
 """
@@ -25,8 +25,12 @@ import torch.fx as fx
 
 from quantree.core.errors import QuantreeError
 from quantree.core.quantizer import Annotation, Quantizer
-from quantree.core.specs import DerivedSpec, QuantSpec
-from quantree.core.values import Use, arg_at, module_scope
+from quantree.core.specs import QDtype, QuantSpec, SharedSpec
+from quantree.core.values import arg_at, module_scope
+
+READ_FLOAT = QuantSpec(QDtype.INT16, symmetric=True)
+"""How a quantized op reads a point left float: at int16, so next to float, and on a grid
+of its own (a max-pool's output shares its input's, a linear's bias derives from it)."""
 
 
 class Precision(enum.Enum):
@@ -96,16 +100,19 @@ class MixedQuantizer(Quantizer):
         if precision is Precision.FLOAT:
             return None
         wide = self.wide.annotate_node(node) if self.choices else None
-        outputs = wide.outputs if precision is Precision.INT16 and wide else annotation.outputs
+        if precision is Precision.INT16 and wide is not None:
+            annotation = wide  # the wide recipe's annotation whole: consistent in itself
         inputs = dict(annotation.inputs)
         for path, spec in annotation.inputs.items():
             producer = _producer(node, path)
             source = self.choices.get(producer) if producer is not None else None
-            if source is Precision.INT16 or precision is Precision.INT16:
-                inputs[path] = (wide.inputs if wide else {}).get(path, spec)
-            elif source is Precision.FLOAT and _plain(spec, path, annotation):
-                del inputs[path]  # a float point's value stays float where its reader allows
-        return replace(annotation, outputs=outputs, inputs=inputs)
+            if source is Precision.INT16 and wide is not None and isinstance(spec, QuantSpec):
+                wider = wide.inputs.get(path)
+                if isinstance(wider, QuantSpec):  # read at the wide grid, not requantized
+                    inputs[path] = wider
+            elif source is Precision.FLOAT and isinstance(spec, QuantSpec | SharedSpec):
+                inputs[path] = READ_FLOAT
+        return replace(annotation, inputs=inputs)
 
     def __repr__(self) -> str:
         return f"MixedQuantizer({self.base!r}, {len(self.choices)} widened)"
@@ -117,16 +124,3 @@ def _producer(node: fx.Node, path: tuple[Any, ...]) -> PointKey | None:
     except (IndexError, KeyError, TypeError, ValueError):
         return None
     return point_key(arg) if isinstance(arg, fx.Node) else None
-
-
-def _plain(spec: Any, path: tuple[Any, ...], annotation: Annotation) -> bool:
-    """Whether the input at ``path`` can go unquantized: a QuantSpec no other spec of the
-    node derives from (a linear's input scale makes its int32 bias's)."""
-    if not isinstance(spec, QuantSpec):
-        return False
-    for other in annotation.inputs.values():
-        if isinstance(other, DerivedSpec) and any(
-            isinstance(src, Use) and src.arg_path == path for src in other.derived_from
-        ):
-            return False
-    return True
