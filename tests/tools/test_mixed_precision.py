@@ -99,3 +99,16 @@ def test_held_out_must_leave_batches_to_calibrate_and_to_measure(held_out):
     data = batches()
     with pytest.raises(qt.QuantreeError, match="held_out"):
         mixed_precision(Outlier(), data[0], data, target_sqnr=30.0, held_out=held_out)
+
+
+def test_quantize_with_a_target_sqnr_lowers_the_chosen_points():
+    data = batches()
+    lowered = qt.quantize(Outlier(), data[0], data, target_sqnr=20.0, backend="cpu")
+    result = lowered.meta[META_KEY]
+    assert result.widened == ((ADD, Precision.INT16),)
+    with torch.no_grad():
+        ref = torch.cat([Outlier()(*b) for b in data[6:]])
+        low = torch.cat([lowered(*b) for b in data[6:]])
+    assert qt.sqnr(ref, low) >= 20.0
+    with pytest.raises(qt.QuantreeError, match=r"quantree\.mixed_precision"):
+        qt.quantize(Outlier(), data[0], data, target_sqnr=20.0, refine=qt.Refine())
