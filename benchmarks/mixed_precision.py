@@ -49,6 +49,8 @@ def rows(name: str, model: nn.Module, calib: list, new: list, quantizer: qt.Quan
             seconds = time.process_time() - start
             kinds = [p.value for _, p in r.widened]
             widened = ", ".join(f"{kinds.count(k)} {k}" for k in ("int16", "float") if k in kinds)
+            if 0 < len(r.widened) <= 3:
+                widened += " (" + ", ".join(f"`{point}`" for point, _ in r.widened) + ")"
             print(f"| {name} | | target {r.target_db:.1f} dB | {r.reached_db:.1f} dB | "
                   f"{widened or 'none'} of {r.points} | {r.trials} trials, {seconds:.0f} s | "
                   f"{score(r.reference):.1f} dB |", flush=True)  # fmt: skip
