@@ -42,7 +42,12 @@ class Precision(enum.Enum):
 
 @dataclass(frozen=True, order=True)
 class PointKey:
-    """One quantization point: the node ``name`` produced inside module ``scope``."""
+    """One quantization point: the node ``name`` produced inside module ``scope``.
+
+    Nodes of two nested graphs (cell bodies) with the same scope and name are one point;
+    a recurrent layer's own node is a point too, which at int16 takes the wide recipe's
+    annotation for the whole layer (A16W8's cells mode: int16 gates and cell state).
+    """
 
     scope: str
     name: str
