@@ -92,6 +92,12 @@ def test_an_unreachable_target_names_the_best_and_the_fix_it_suggests_works():
     assert result.reached_db >= 200.0
     assert {p for _, p in result.widened} == {Precision.FLOAT}
     assert math.isinf(result.reached_db) or result.reached_db >= 200.0
+    # the CPU backend keeps the float points float, saying so once
+    with warnings.catch_warnings(record=True) as caught_warnings:
+        warnings.simplefilter("always")
+        qt.lower(result.reference, "cpu")
+    messages = [str(w.message) for w in caught_warnings]
+    assert len(messages) == 1 and "compute in float" in messages[0]
 
 
 @pytest.mark.parametrize("held_out", [0, 8])
