@@ -10,9 +10,9 @@ bisection, first with the prefix widened to int16 (the wide quantizer's spec on 
 points), then, where every point at int16 is not enough and ``allow_float`` says so, with
 it left float. Every trial is a full prepare -> calibrate -> convert on the calibration
 batches and a float-against-reference run on the held-out ones, so what the result reports
-was measured, not predicted: a model with n points costs about n + 2 log2(n) + 2 trials.
-Bisection assumes the SQNR grows along the prefix; the chosen prefix is one measured to
-meet the target, with the one before it measured not to.
+was measured, not predicted: n points cost n + 1 trials to rank, then about 1 + log2(n)
+per level tried. Bisection assumes the SQNR grows along the prefix; the chosen prefix is
+one measured to meet the target, with the one before it measured not to.
 """
 
 from __future__ import annotations
@@ -137,7 +137,11 @@ class _Search:
         return convert(prepared)
 
     def sqnr(self, choices: dict[PointKey, Precision]) -> float:
-        return output_sqnr(self.captured, self.reference(choices), self.held_out)
+        return self.measure(choices)[0]
+
+    def measure(self, choices: dict[PointKey, Precision]) -> tuple[float, fx.GraphModule]:
+        ref = self.reference(choices)
+        return output_sqnr(self.captured, ref, self.held_out), ref
 
 
 def mixed_precision(
@@ -218,10 +222,8 @@ def mixed_precision(
         if isinstance(found, float):
             best = max(best, found)
             continue
-        k, reached = found
-        choices = dict.fromkeys(ranked[:k], level)
-        ref = search.reference(choices)
-        return done(reached, choices, ref, ranking)
+        k, reached, ref = found
+        return done(reached, dict.fromkeys(ranked[:k], level), ref, ranking)
     tried = " or float" if allow_float else ""
     fix = (
         "lower target_sqnr"
@@ -237,14 +239,18 @@ def mixed_precision(
 
 def _shortest_prefix(
     search: _Search, ranked: list[PointKey], level: Precision, target: float
-) -> tuple[int, float] | float:
+) -> tuple[int, float, fx.GraphModule] | float:
     """The shortest k whose first k points at ``level`` meet ``target`` and its SQNR, or
     the SQNR with every point at ``level`` when even that falls short."""
     measured: dict[int, float] = {}
+    meeting: dict[int, fx.GraphModule] = {}
 
     def at(k: int) -> float:
         if k not in measured:
-            measured[k] = search.sqnr(dict.fromkeys(ranked[:k], level))
+            measured[k], ref = search.measure(dict.fromkeys(ranked[:k], level))
+            if measured[k] >= target:  # keep only the shortest prefix meeting it so far
+                meeting.clear()
+                meeting[k] = ref
         return measured[k]
 
     if at(len(ranked)) < target:
@@ -256,4 +262,4 @@ def _shortest_prefix(
             hi = mid
         else:
             lo = mid
-    return hi, measured[hi]
+    return hi, measured[hi], meeting[hi]
