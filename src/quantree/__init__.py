@@ -54,6 +54,7 @@ from quantree.recurrent.capture import capture
 from quantree.recurrent.decompose import CellsOptions
 from quantree.tools.compare import Comparison, compare
 from quantree.tools.metrics import sqnr
+from quantree.tools.mixed_precision import MixedPrecision, TargetUnreachable, mixed_precision
 
 __all__ = [
     "ActivationPoints",
@@ -105,6 +106,9 @@ __all__ = [
     "refine",
     "lower",
     "merge_statistics",
+    "mixed_precision",
+    "MixedPrecision",
+    "TargetUnreachable",
     "prepare",
     "prepare_qat",
     "freeze_qat",

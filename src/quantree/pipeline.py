@@ -23,6 +23,7 @@ from quantree.core.training.qat import prepare_qat as core_prepare_qat
 from quantree.recipes.int8 import Int8Quantizer
 from quantree.recipes.pt2e import as_quantizer, is_pt2e_quantizer
 from quantree.recurrent.capture import capture
+from quantree.tools.mixed_precision import META_KEY, mixed_precision
 
 BACKEND_NAMES = ("auto", "reference", "cpu")
 """``auto``: the fastest backend this machine runs (``quantree.backends.fastest``)."""
@@ -106,6 +107,7 @@ def quantize(
     unobserved: Unobserved = Unobserved.ERROR,
     fold_loops: bool | None = None,
     refine: Refine | None = None,
+    target_sqnr: float | None = None,
 ) -> fx.GraphModule:
     """Quantize ``model`` in one call.
 
@@ -126,8 +128,26 @@ def quantize(
     re-chooses weight integers and biases after convert (:func:`quantree.refine`; it runs
     ``calibration`` a second time, so that must be a collection, not an iterator). Every
     argument is checked before the model is
-    captured.
+    captured. ``target_sqnr`` (dB) widens the fewest points to int16 or float to meet it on
+    held-out calibration batches (:func:`quantree.mixed_precision`, whose result the model's
+    ``meta["quantree_mixed_precision"]`` holds); it takes argument tuples only.
     """
+    if target_sqnr is not None:
+        if example_kwargs or dynamic_shapes is not None or refine is not None or fold_loops:
+            raise QuantreeError(
+                "target_sqnr works with positional example_args and calibration tuples, "
+                "without example_kwargs, dynamic_shapes, refine or fold_loops; call "
+                "quantree.mixed_precision and quantree.lower yourself for more"
+            )
+        chosen = mixed_precision(
+            model, example_args, calibration, target_sqnr=target_sqnr, quantizer=quantizer
+        )
+        lowered = attach_reference(
+            core_lower.lower(chosen.reference, resolve_backend(backend)), chosen.reference
+        )
+        if isinstance(lowered, fx.GraphModule):
+            lowered.meta[META_KEY] = chosen
+        return lowered
     resolved = resolve_backend(backend)
     # in a process group a shard may be empty; calibrate checks that some process had data
     check_calibration_data(calibration, allow_empty=in_process_group())
