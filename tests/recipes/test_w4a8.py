@@ -10,6 +10,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU
+from quantree.core.graphs import nested_graphs
 from quantree.core.qdq import DEQUANTIZE_PER_CHANNEL, QUANTIZE_PER_CHANNEL
 
 
@@ -102,3 +103,25 @@ def test_embedding_bits_is_checked() -> None:
         qt.W4A8Quantizer(embedding_bits=2)
     spec = qt.int4_weight()
     assert spec.range == (-8, 7) and spec.symmetric and spec.axis == 0
+
+
+def test_cells_mode_gate_weights_are_4_bit_and_lower_exactly() -> None:
+    torch.manual_seed(0)
+    model = nn.LSTM(16, 32, batch_first=True).eval()
+    data = [(torch.randn(2, 6, 16),) for _ in range(4)]
+    prepared = qt.prepare(
+        qt.capture(model, data[0]), qt.W4A8Quantizer(recurrent=qt.RecurrentMode.CELLS)
+    )
+    qt.calibrate(prepared, data, progress=False)
+    ref = qt.convert(prepared)
+    graphs = [ref, *nested_graphs(ref).values()]
+    weights = [
+        n.args[-3:]
+        for g in graphs
+        for n in g.graph.nodes
+        if n.target is DEQUANTIZE_PER_CHANNEL and n.args[-1] == torch.int8
+    ]
+    assert weights == [(-8, 7, torch.int8)] * 2  # the input and the recurrent gate layers
+    low = qt.lower(ref, CPU)
+    for (x,) in data:
+        assert torch.equal(low(x)[0], ref(x)[0])
