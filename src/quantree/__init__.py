@@ -50,6 +50,7 @@ from quantree.recipes.activation_points import ActivationPoints
 from quantree.recipes.int8 import A16W8Quantizer, Int8Quantizer, RecurrentMode
 from quantree.recipes.interop import recurrent_rules
 from quantree.recipes.pt2e import from_pt2e
+from quantree.recipes.w4a8 import W4A8Quantizer, int4_weight
 from quantree.recurrent.capture import capture
 from quantree.recurrent.decompose import CellsOptions
 from quantree.tools.compare import Comparison, compare
@@ -71,6 +72,8 @@ __all__ = [
     "FixedSpec",
     "HistogramObserver",
     "Int8Quantizer",
+    "W4A8Quantizer",
+    "int4_weight",
     "LoweringContext",
     "LoweringRule",
     "MinMaxObserver",

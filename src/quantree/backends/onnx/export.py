@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from quantree.backends.fastest import reference_of
+from quantree.backends.onnx.int4_weights import has_int4_weights, int4_initializers, int4_opset
 from quantree.backends.onnx.target import OnnxTarget, finish_export
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import copy_graph_module, nested_graphs
@@ -108,6 +109,7 @@ def export_onnx(
     check_exported_dims(ref, program)
     if opset is None and _needs_int16(ref):
         opset = INT16_OPSET
+    opset = int4_opset(ref, opset)  # 4-bit weights: int4 QDQ from opset 21
     table = _translations()
     missing = _untranslatable(program, table)
     names = _output_names(program)
@@ -132,6 +134,8 @@ def export_onnx(
     written = Path(path)
     onnx_program.save(str(written))
     finish_export(written, target)
+    if has_int4_weights(ref):
+        int4_initializers(written)
     return written
 
 

@@ -41,7 +41,7 @@ from quantree.backends.cpu.ops.rnn import PER_LAYER, RNN_KINDS, rnn
 from quantree.backends.cpu.ops.rnn_cell import rnn_cell
 from quantree.backends.cpu.ops.rnn_packed import rnn_packed_sequence
 from quantree.backends.cpu.ops.wide import conv16, linear16
-from quantree.backends.cpu.saved import derived_ops
+from quantree.backends.cpu.saved import derived_ops, nibbles
 from quantree.backends.cpu.saved.derived_ops import derived_bias, derived_offset, derived_scale
 
 OPS = (
@@ -55,6 +55,7 @@ OPS = (
     embedding_op,
     gemm_op,
     group_norm_op,
+    nibbles,
     pool_op,
     program_op,
     rnn_op,
@@ -63,7 +64,7 @@ OPS = (
     wide_op,
 )
 """Every module that defines ``torch.ops.quantree`` ops (the cell loops' in ``cells/``, the
-derived constants' in ``saved/``)."""
+derived constants' and 4-bit weights' in ``saved/``)."""
 
 __all__ = [
     "OPS",

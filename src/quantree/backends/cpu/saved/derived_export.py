@@ -71,7 +71,11 @@ class _Keys:
         return self._keys[id(t)]
 
 
-_NARROW_OPS = (torch.ops.quantree.widened.default, torch.ops.quantree.filled.default)
+_NARROW_OPS = (
+    torch.ops.quantree.widened.default,
+    torch.ops.quantree.filled.default,
+    torch.ops.quantree.nibbles.default,
+)
 
 
 class _Given:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import quantree.backends.cpu.saved.nibbles  # noqa: F401  (registers quantree.nibbles)
 from quantree.backends.cpu.native.registry import LIBRARY, op
 from quantree.core.errors import QuantreeError
 from quantree.core.qdq import dequantize_tensor, quantize_tensor
@@ -286,4 +287,5 @@ RECIPE_OPS = (
     torch.ops.quantree.derived_table.default,
     torch.ops.quantree.widened.default,
     torch.ops.quantree.filled.default,
+    torch.ops.quantree.nibbles.default,  # 4-bit weights, two a byte (``nibbles.py``)
 )

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from quantree.backends.cpu.saved.derived import Recipe
 from quantree.backends.cpu.saved.derived_ops import FILLED_DTYPES, MAX_EXPONENT
+from quantree.backends.cpu.saved.nibbles import pack_nibbles
 
 MIN_SAVED_BYTES = 64
 """Save a constant narrow only where that saves at least this much: each recipe costs a node
@@ -67,13 +68,16 @@ def _exponent(t: Tensor) -> int:
 
 
 def narrowed(t: Tensor) -> Recipe | None:
-    """How to save ``t`` in fewer bytes, exactly, if that saves enough: ``filled``, or
-    ``widened(t in a narrower type)``."""
+    """How to save ``t`` in fewer bytes, exactly, if that saves enough: ``filled``,
+    ``nibbles`` (int8 values all in [-8, 7]), or ``widened(t in a narrower type)``."""
     if t.nbytes < MIN_SAVED_BYTES or t.layout != torch.strided:
         return None
     uniform = _filled(t)
     if uniform is not None:
         return uniform
+    packed = pack_nibbles(t)  # a 4-bit weight (int8 storage on [-8, 7]): two a byte
+    if packed is not None and t.nbytes - packed.nbytes >= MIN_SAVED_BYTES:
+        return Recipe(torch.ops.quantree.nibbles.default, (packed, list(t.shape)))
     for dtype in _NARROWER.get(t.dtype, ()):
         saved = t.numel() * (t.element_size() - torch.empty((), dtype=dtype).element_size())
         if saved < MIN_SAVED_BYTES:
