@@ -11,7 +11,6 @@ user puts on an integer tensor is still refused with the node named.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import replace
 
 import torch
@@ -54,15 +53,17 @@ def _float_data(use: Use, index: set[fx.Node]) -> bool:
     return is_float_tensor(use.value.meta) and use.value.node not in index
 
 
-_INDEX: weakref.WeakKeyDictionary[fx.Graph, tuple[int, set[fx.Node]]] = weakref.WeakKeyDictionary()
-"""Each graph's index math with its node count then (a graph decomposition grew is redone)."""
+_INDEX_ATTR = "_quantree_index_math"
+"""Attribute on the graph being annotated (prepare's own copy): its index math with the node
+count then, so a graph decomposition grew is redone. Kept on the graph, not in a module-level
+table, so that nothing outlives or is shared between the graphs quantree works on."""
 
 
 def index_math(graph: fx.Graph) -> set[fx.Node]:
     """Float-valued nodes of ``graph`` every tensor input of which is an integer tensor or
     index math itself (and at least one is an integer tensor or index math)."""
     count = len(graph.nodes)
-    known = _INDEX.get(graph)
+    known = getattr(graph, _INDEX_ATTR, None)
     if known is not None and known[0] == count:
         return known[1]
     found: set[fx.Node] = set()
@@ -72,7 +73,7 @@ def index_math(graph: fx.Graph) -> set[fx.Node]:
         tensors = [n for n in node.all_input_nodes if _is_tensor(n)]
         if tensors and all(n in found or _integer_tensor(n) for n in tensors):
             found.add(node)
-    _INDEX[graph] = (count, found)
+    setattr(graph, _INDEX_ATTR, (count, found))
     return found
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import operator
 import warnings
-import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -136,20 +135,22 @@ def exponents(graph: fx.Graph) -> set[fx.Node]:
     return found
 
 
-_FOUND: weakref.WeakKeyDictionary[fx.Graph, tuple[int, set[fx.Node]]] = weakref.WeakKeyDictionary()
-"""Each graph's analysis with its node count then: a graph decomposition grew is redone."""
+_FOUND_ATTR = "_quantree_infinities"
+"""Attribute on the graph being annotated (prepare's own copy): its analysis with the node
+count then, so a graph decomposition grew is redone. On the graph, not in a module-level
+table, so nothing is shared between the graphs quantree works on."""
 
 
 def _infinities_of(graph: fx.Graph) -> set[fx.Node]:
     count = len(graph.nodes)
-    known = _FOUND.get(graph)
+    known = getattr(graph, _FOUND_ATTR, None)
     if known is not None and known[0] == count:
         return known[1]
     found = carrying_infinities(graph)
     if known is None:
         _warn(found)
     found |= exponents(graph)
-    _FOUND[graph] = (count, found)
+    setattr(graph, _FOUND_ATTR, (count, found))
     return found
 
 
