@@ -165,7 +165,11 @@ def et_call(buffer: bytes) -> Call:
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
     from executorch.runtime import Runtime
 
+    from quantree.backends.executorch import export, kernels
+
     _unsafe_reset_threadpool(1)
+    if export.KERNEL_OP in buffer:  # the program calls quantree's kernel library: register it
+        kernels.load()
     program = Runtime.get().load_program(buffer)  # reads ``buffer`` in place: keep it alive
     method = program.load_method("forward")
     return lambda args, keep=(buffer, program): method.execute(list(args))
