@@ -130,7 +130,16 @@ def cells_rules(
             ("candidate_hidden", "hidden_delta", "update_hidden", "hidden_unprojected"), act
         ),
     }
-    carried = {"h_prev": "hidden", "c_prev": "cell"}
+    # ``h_prev`` has a grid of its own: at the first step it holds the initial state, which
+    # may span far more than the (-1, 1) of the states the cell makes (an h0 ~ N(0, 1));
+    # shared with ``hidden``, that range would set the grid of every output step too.
+    # Each later step requantizes ``hidden`` onto it, as whole mode's kernel does. A pinned
+    # ``hidden`` (a fixed integer-LSTM grid) is carried as it is.
+    carried = {"c_prev": "cell"}
+    if "hidden" in points:
+        carried["h_prev"] = "hidden"
+    else:
+        by_point["h_prev"] = state_spec(act)
     if "gates" in points:
         carried |= dict.fromkeys(FUSED_GATE_PRE, "gates")
     carried = {name: source for name, source in carried.items() if name not in points}
