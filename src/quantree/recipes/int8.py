@@ -181,6 +181,18 @@ def cell_state_spec(dtype: QDtype, act: QuantSpec) -> QuantSpec:
     return QuantSpec(dtype, symmetric=True, power_of_two=dtype == QDtype.INT16)
 
 
+def table_spec(weight: QuantSpec, dtype: QDtype) -> QuantSpec:
+    """An embedding table at ``dtype``: the weight spec's axis and observer, symmetric."""
+    return QuantSpec(dtype, symmetric=True, axis=weight.axis, observer=weight.observer)
+
+
+def cell_sums_spec(dtype: QDtype, act: QuantSpec) -> QuantSpec:
+    """The sums inside a cell: symmetric min-max at 16 bits (no clip pays at that width)."""
+    if dtype == act.dtype:
+        return act
+    return QuantSpec(dtype, symmetric=dtype != QDtype.UINT8)
+
+
 class Int8Quantizer(Quantizer):
     """int8 static quantization of the common ops; anything else stays in float.
 
@@ -190,9 +202,11 @@ class Int8Quantizer(Quantizer):
     error); ``weight_observer`` likewise for weights (``SEARCH``: each channel's clip by its
     exact error; min-max by default); ``per_channel``
     quantizes weights per output channel (else per tensor). ``recurrent`` chooses whole or
-    cells mode for LSTM/GRU/RNN; in cells mode ``split_gates``, ``cell_state_dtype`` (INT16
-    for the integer-LSTM convention), ``gate_dtype`` (sigmoid/tanh outputs, default the
-    activation dtype) and ``points`` (a spec per point name, see ``quantree.recurrent.cell_graph``)
+    cells mode for LSTM/GRU/RNN; in cells mode ``split_gates``, ``cell_state_dtype``,
+    ``gate_dtype`` (sigmoid/tanh outputs), ``cell_sums_dtype`` (projections, gate
+    pre-activations; each the activation dtype by default, all three INT16 the
+    integer-LSTM convention: what whole mode's kernel keeps in int32 and float) and
+    ``points`` (a spec per point name, see ``quantree.recurrent.cell_graph``)
     shape the cells, and ``cells_scope`` limits cells mode to one module (the rest stays
     whole). In whole mode a stacked call (``num_layers > 1``) becomes one call per layer at
     prepare (``split_layers=True``, the default), so each layer's output is observed and
@@ -204,7 +218,10 @@ class Int8Quantizer(Quantizer):
     activations are quantized (``ActivationPoints``: by default every op's, except in graphs
     with layer norm or attention, where only what linear/conv/matmul read).
     ``weighted_inputs_dtype`` is the type of those inputs where only they are quantized
-    (``weighted_input_spec``: int16 by default, INT8 for torchao's int8 recipe). ``rules``
+    (``weighted_input_spec``: int16 by default, INT8 for torchao's int8 recipe).
+    ``embedding_dtype``: embedding tables' type, per row like weights (INT16: about float's
+    accuracy at half its size, where an int8 row's rounding is the model's largest error).
+    ``rules``
     are added last and so take precedence.
     """
 
@@ -220,12 +237,14 @@ class Int8Quantizer(Quantizer):
         split_gates: bool = False,
         cell_state_dtype: QDtype | None = None,
         gate_dtype: QDtype | None = None,
+        cell_sums_dtype: QDtype | None = None,
         points: Mapping[str, Spec] | None = None,
         cells_scope: str | None = None,
         share_recurrent_state: bool = False,
         split_layers: bool = True,
         activations: ActivationPoints = ActivationPoints.AUTO,
         weighted_inputs_dtype: QDtype = QDtype.INT16,
+        embedding_dtype: QDtype = QDtype.INT8,
         rules: tuple[Rule, ...] = (),
     ) -> None:
         if not isinstance(recurrent, RecurrentMode):
@@ -249,7 +268,14 @@ class Int8Quantizer(Quantizer):
         if not isinstance(split_layers, bool):
             raise QuantreeError(f"split_layers must be True or False, got {split_layers!r}")
         image_act = activation or weighted_input_spec(QDtype.INT8, activation_observer)
-        recipe = int8_rules(act, wgt, share_recurrent_state, split_layers) + weighted_inputs_rules(
+        if embedding_dtype not in (QDtype.INT8, QDtype.INT16):
+            raise QuantreeError(
+                f"embedding_dtype must be QDtype.INT8 or QDtype.INT16, got {embedding_dtype!r}"
+            )
+        table = None if embedding_dtype is QDtype.INT8 else table_spec(wgt, embedding_dtype)
+        recipe = int8_rules(
+            act, wgt, share_recurrent_state, split_layers, table
+        ) + weighted_inputs_rules(
             weighted_act, wgt, activations, FLOAT_UNDER_WEIGHTED_INPUTS, image_act
         )
         if recurrent is RecurrentMode.CELLS:
@@ -262,6 +288,7 @@ class Int8Quantizer(Quantizer):
                 CellsOptions(split_gates),
                 points or {},
                 cells_scope,
+                cell_sums_spec(cell_sums_dtype or act.dtype, act),
             )
         recipe = tuple(off_infinities(on_floats(rule)) for rule in recipe)
         super().__init__((*recipe, *rules))  # the user's rules as given
@@ -306,8 +333,10 @@ def int8_rules(
     weight: QuantSpec,
     share_recurrent_state: bool = False,
     split_stacked: bool = True,
+    table: QuantSpec | None = None,
 ) -> tuple[Rule, ...]:
-    """The rules of Int8Quantizer for the given activation and weight specs."""
+    """The rules of Int8Quantizer for the given activation and weight specs (``table``:
+    embedding tables', ``weight`` when None)."""
     fused_activations = RELU_OPS
     split_kinds = SPLITTABLE if split_stacked else RELU_ONLY
 
@@ -379,7 +408,7 @@ def int8_rules(
         return Annotation(inputs={(0,): act})
 
     def embedding(node: fx.Node) -> Annotation:
-        return Annotation(outputs=None, inputs={(0,): weight})
+        return Annotation(outputs=None, inputs={(0,): table or weight})
 
     def recurrent(node: fx.Node) -> Annotation:
         if splittable(node, split_kinds):  # a stacked call: its inner layers observed too

@@ -76,8 +76,12 @@ def cells_rules(
     options: CellsOptions,
     points: Mapping[str, Spec],
     scope: str | None = None,
+    sums: QuantSpec | None = None,
 ) -> tuple[Rule, ...]:
     """Decompose recurrent layers (under ``scope``) into cells and annotate their points.
+
+    ``sums`` quantizes the sums inside a cell: the projections, the gate pre-activations and
+    a GRU's candidate and update products (``act`` when None).
 
     ``points`` pins specs by point name (``{"cell": FixedSpec(2**-11, 0, QDtype.INT16)}``).
     A pinned projection keeps its int8 weight and int32 bias; a pinned ``gates`` carries to
@@ -118,19 +122,30 @@ def cells_rules(
     # spend the cell state's precision (the integer-LSTM convention).
     cell_tanh = fixed_tanh(cell_state.dtype) if cell_state.dtype == QDtype.INT16 else tanh
     gate_pre = (*FUSED_GATE_PRE, "gates", "reset_pre", "update_pre", "candidate_pre", "pre")
+    inner = sums or act
+    projections = sorted(n for n in known if n.startswith(("input_proj", "hidden_proj")))
     by_point: dict[str, Spec] = {
         "x": act,
-        **dict.fromkeys(gate_pre, act),
+        **dict.fromkeys(gate_pre, inner),
+        **dict.fromkeys(projections, inner),
         **dict.fromkeys(("i", "f", "o", "reset", "update"), sigmoid),
         **dict.fromkeys(("g", "candidate"), tanh),
         "cell_tanh": cell_tanh,
         # the cell state keeps the observer asked for (``state_observer``: its resolution)
         **dict.fromkeys(("forget_cell", "input_cell", "cell"), cell_state),
-        **dict.fromkeys(
-            ("candidate_hidden", "hidden_delta", "update_hidden", "hidden_unprojected"), act
-        ),
+        **dict.fromkeys(("candidate_hidden", "hidden_delta", "update_hidden"), inner),
+        "hidden_unprojected": act,
     }
-    carried = {"h_prev": "hidden", "c_prev": "cell"}
+    # ``h_prev`` has a grid of its own: at the first step it holds the initial state, which
+    # may span far more than the (-1, 1) of the states the cell makes (an h0 ~ N(0, 1));
+    # shared with ``hidden``, that range would set the grid of every output step too.
+    # Each later step requantizes ``hidden`` onto it, as whole mode's kernel does. A pinned
+    # ``hidden`` (a fixed integer-LSTM grid) is carried as it is.
+    carried = {"c_prev": "cell"}
+    if "hidden" in points:
+        carried["h_prev"] = "hidden"
+    else:
+        by_point["h_prev"] = state_spec(act)
     if "gates" in points:
         carried |= dict.fromkeys(FUSED_GATE_PRE, "gates")
     carried = {name: source for name, source in carried.items() if name not in points}

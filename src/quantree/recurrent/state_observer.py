@@ -5,14 +5,15 @@ an ordinary activation that costs the clipped values once. A hidden state is dif
 a layer outputs at step t is what step t + 1 reads. Whole mode's native kernel requantizes
 the fed-back h at every step on a grid covering the output sequence's, the initial and the
 returned state's ranges (``backends/cpu/rules/recurrent.py``), and cells mode's ``hidden``
-point is the state ``h_prev`` carries, so a clipped h feeds its error into every later step.
+point is the state ``h_prev`` reads, so a clipped h feeds its error into every later step.
 And h has no outliers to be robust against: an LSTM's or tanh RNN's lies in (-1, 1), a GRU's
 within its initial state's bound; larger inputs just drive it towards the bound.
 
 So the recipes calibrate those points on their running min-max: in whole mode the output
 sequence and every initial and returned state (``c_n`` too: a streaming model feeds it
 back as the next call's ``c_0``; inside, the kernel keeps c in float), in cells mode
-``hidden`` (``h_prev`` shares it; a ``hidden`` pinned in ``points`` keeps the spec given).
+``hidden`` and ``h_prev`` (a grid of its own, which also covers the initial state; a
+``hidden`` pinned in ``points`` keeps the spec given, and ``h_prev`` shares it).
 Cells mode's int8 ``cell`` point keeps the observer asked for: c is unbounded and requantized
 every step, so there the range trades clipping against resolution (min-max on it lost
 resolution where the initial cell states were drawn wide; an int16 cell state is min-max

@@ -13,7 +13,7 @@ aten = torch.ops.aten
 
 
 def lower_embedding(ctx: LoweringContext, node: fx.Node) -> bool:
-    """An embedding whose table is an int8 constant, per tensor or per row."""
+    """An embedding whose table is an int8 (or int16) constant, per tensor or per row."""
     if node.target is not aten.embedding.default:
         return False
     table = ctx.dequantized(node.args[0])
@@ -21,7 +21,7 @@ def lower_embedding(ctx: LoweringContext, node: fx.Node) -> bool:
     if table is None or not table.is_constant or not isinstance(indices, fx.Node):
         return False
     params = table.params
-    if params.axis not in (None, 0) or params.dtype.torch_dtype != torch.int8:
+    if params.axis not in (None, 0) or params.dtype.torch_dtype not in (torch.int8, torch.int16):
         return False
     scale: object
     zero_point: object

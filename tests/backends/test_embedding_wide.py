@@ -1,0 +1,67 @@
+"""Embedding tables at int16 per row (``Int8Quantizer(embedding_dtype=INT16)``): the CPU
+backend gathers the int16 rows as it does int8 ones, bit-equal to the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import quantree as qt
+from quantree.backends import CPU, load, save
+
+from support import calls, qd
+
+
+class Lookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(300, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids)
+
+
+def _ids(n: int = 4) -> list[tuple[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 300, (2, 9), generator=g),) for _ in range(n)]
+
+
+def _table_dq(ref: torch.fx.GraphModule) -> torch.fx.Node:
+    (emb,) = calls(ref, torch.ops.aten.embedding.default)
+    dq = emb.args[0]
+    assert dq.target is qd.dequantize_per_channel.default
+    return dq
+
+
+@pytest.mark.parametrize(("dtype", "torch_dtype", "floor_db"), [
+    (qt.QDtype.INT8, torch.int8, 42.0), (qt.QDtype.INT16, torch.int16, 75.0),
+])  # fmt: skip
+def test_table_per_row_at_the_dtype_asked(tmp_path, dtype, torch_dtype, floor_db) -> None:
+    """N(0, 1) rows of 32: measured 45.2 dB at int8, 80.4 dB at int16 (per row, symmetric)."""
+    torch.manual_seed(0)
+    model, data = Lookup().eval(), _ids()
+    quantizer = qt.Int8Quantizer(embedding_dtype=dtype)
+    ref = qt.quantize(
+        model, data[0], data, quantizer=quantizer, progress=False, backend="reference"
+    )
+    dq = _table_dq(ref)
+    assert dq.args[3] == 0 and dq.args[-1] is torch_dtype  # per row, the dtype asked
+    table = getattr(ref, dq.args[0].target)
+    assert table.dtype is torch_dtype and table.shape == (300, 32)
+    low = qt.lower(ref, CPU)
+    assert len(calls(low, torch.ops.quantree.embedding_rows.default)) == 1
+    assert not calls(low, torch.ops.aten.embedding.default)
+    save(low, tmp_path / "lookup.pt2", data[0])
+    loaded = load(tmp_path / "lookup.pt2")
+    with torch.no_grad():
+        for (ids,) in data:
+            got = low(ids)
+            assert torch.equal(ref(ids), got)
+            assert torch.equal(loaded(ids), got)
+            assert qt.sqnr(model(ids), got) >= floor_db
+
+
+def test_embedding_dtype_is_checked() -> None:
+    with pytest.raises(qt.QuantreeError, match="embedding_dtype"):
+        qt.Int8Quantizer(embedding_dtype=qt.QDtype.INT32)
