@@ -19,16 +19,15 @@ SpeechBrain imports only with ``hyperpyyaml`` beside it:
 from __future__ import annotations
 
 import argparse
-import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 import zoo
-from common import load_note, one_thread
+from common import one_thread
 from torch import nn
-from zoo import Case, First, import_model_libraries, randn, render, run_model, tokens
+from zoo import Case, First, import_model_libraries, randn, tokens
 
 from quantree.backends.cpu.passes.float_report import float_ops as report_float_ops
 
@@ -288,17 +287,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
     zoo.build = build  # run_model builds through the module's ``build``: ours
     zoo.float_ops = with_dequantized_weights(zoo.float_ops)
-    rows = []
-    for name in args.models.split(","):
-        print(f"# {name}", file=sys.stderr, flush=True)
-        model_rows = run_model(name.strip(), args)
-        rows += model_rows
-        for r in model_rows:
-            for note in r.get("notes", []) if args.warnings else []:
-                print(f"  {r['variant']}: {note[:300]}", file=sys.stderr)
-        print("\n".join(render(model_rows).splitlines()[2:]), file=sys.stderr, flush=True)
-    print(f"\n{load_note()}, torch {torch.__version__}, one thread\n")
-    print(render(rows))
+    zoo.run_all(args, note_chars=300)
 
 
 if __name__ == "__main__":

@@ -560,6 +560,11 @@ def main() -> None:
     args = parser.parse_args()
     one_thread()
     warnings.filterwarnings("ignore", category=UserWarning)
+    run_all(args)
+
+
+def run_all(args: argparse.Namespace, note_chars: int | None = None) -> None:
+    """Every model of ``args.models``, each row said as it is measured, then the table."""
     rows = []
     for name in args.models.split(","):
         print(f"# {name}", file=sys.stderr, flush=True)
@@ -567,7 +572,7 @@ def main() -> None:
         rows += model_rows
         for r in model_rows:
             for note in r.get("notes", []) if args.warnings else []:
-                print(f"  {r['variant']}: {note}", file=sys.stderr)
+                print(f"  {r['variant']}: {note[:note_chars]}", file=sys.stderr)
         print("\n".join(render(model_rows).splitlines()[2:]), file=sys.stderr, flush=True)
     print(f"\n{load_note()}, torch {torch.__version__}, one thread\n")
     print(render(rows))
