@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import quantree as qt
+from quantree.core.qdq import DEQUANTIZE_PER_CHANNEL
 from quantree.core.stages import GROUPS_KEY
 from quantree.core.training.fake_quant import (
     DerivedFakeQuant,
@@ -179,6 +180,49 @@ def test_lowered_cpu_model_matches_the_qat_model_within_one_step(tmp_path) -> No
     save(lowered, path, data[0])
     with torch.no_grad():
         assert torch.equal(load(path)(*data[1]), lowered(*data[1]))
+
+
+class WideCharModel(CharModel):
+    """CharModel with rows of 32 weights, more than the 16 levels 4 bits hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, 32)
+        self.rnn = nn.LSTM(32, 32, batch_first=True)
+        self.head = nn.Linear(32, 20)
+
+
+def test_w4a8_qat_learns_on_the_4_bit_grid_and_converts_to_it() -> None:
+    """W4A8 weights fake-quantize to integers in [-8, 7] times each channel's scale (so at
+    most 16 levels a channel), and convert to int8 storage in [-8, 7]."""
+    data = _tokens(4)
+    qat = qt.prepare_qat(qt.capture(WideCharModel().eval(), data[0]), qt.W4A8Quantizer(), data)
+    for _ in range(3):
+        _step(qat, data[0], lr=5e-2)
+    ranges = []
+    for node in qat.graph.nodes:
+        module = qat.get_submodule(str(node.target)) if node.op == "call_module" else None
+        if not isinstance(module, LearnedFakeQuant) or module.axis is None:
+            continue
+        ranges.append((module.quant_min, module.quant_max))
+        if ranges[-1] != (-8, 7):
+            continue
+        weight = qat.get_parameter(str(node.args[0].target))
+        with torch.no_grad():
+            out = module(weight).movedim(module.axis, 0)
+            q = out / module.current_scale().reshape(-1, *[1] * (out.dim() - 1))
+        assert torch.allclose(q, q.round(), atol=1e-4) and q.min() >= -8 and q.max() <= 7
+        assert max(len(torch.unique(row)) for row in out) <= 16
+    # the LSTM's two matrices and the head at 4 bits; the embedding table stays int8
+    assert sorted(ranges) == [(-127, 127)] + [(-8, 7)] * 3, ranges
+    ref = qt.convert(qat)
+    converted = 0
+    for node in ref.graph.nodes:
+        if node.target is DEQUANTIZE_PER_CHANNEL and node.args[-3:] == (-8, 7, torch.int8):
+            q = getattr(ref, str(node.args[0].target))
+            assert q.dtype == torch.int8 and int(q.min()) >= -8 and int(q.max()) <= 7
+            converted += 1
+    assert converted == 3
 
 
 @pytest.mark.skipif(
