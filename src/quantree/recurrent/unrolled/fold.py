@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,10 +35,15 @@ def is_cell_step(loop: torch.nn.Module) -> bool:
     return isinstance(loop, StepLoop) and bool(loop.body.meta.get(CELL_STEP_KEY, False))
 
 
-def fold_loops(gm: fx.GraphModule, min_steps: int = 3) -> list[str]:
-    """Fold every unrolled recurrence of ``gm`` in place; the names of the loops made."""
-    made = []
+def fold_loops(
+    gm: fx.GraphModule, min_steps: int = 3, before_first_fold: Callable[[], None] | None = None
+) -> list[str]:
+    """Fold every unrolled recurrence of ``gm`` in place; the names of the loops made.
+    ``before_first_fold`` is called once, before ``gm`` is first changed (to keep a copy)."""
+    made: list[str] = []
     while (rec := find_recurrence(gm, min_steps)) is not None:
+        if not made and before_first_fold is not None:
+            before_first_fold()
         made.append(fold(gm, rec))
     if made:
         gm.graph.lint()

@@ -53,11 +53,12 @@ def fold_and_free(
     Python, slower than the unrolled graph's fused regions."""
     from quantree.core.graphs import copy_graph_module
 
-    unfolded = None if every_loop else copy_graph_module(gm)
     scans = fold_scans(gm)  # torch's scan: a loop already, of any length
-    made = fold_loops(gm, min_steps)
+    before: list[fx.GraphModule] = []  # the graph as it was, copied only if a loop is found
+    keep = None if every_loop else lambda: before.append(copy_graph_module(gm))
+    made = fold_loops(gm, min_steps, before_first_fold=keep)
     general = [n for n in made if not is_cell_step(gm.get_submodule(n))]
-    if unfolded is not None and general:
+    if before and general:
         warnings.warn(
             f"quantree.capture left {len(general)} Python loop(s) over time unrolled (fixed to "
             "the captured length): their steps are not recurrent cells, which a folded loop "
@@ -67,8 +68,7 @@ def fold_and_free(
             QuantreeWarning,
             stacklevel=4,
         )
-        fold_scans(unfolded)
-        return unfolded
+        return before[0]
     loops = [gm.get_submodule(name) for name in made]
     steps = {loop.steps_captured for loop in loops if isinstance(loop, StepLoop) and loop.free}
     if not steps or scans:
