@@ -381,6 +381,22 @@ class MovingAverageMinMaxObserver(Observer):
             self._average(lo, hi)
 
 
+def clip_candidates(
+    min_val: torch.Tensor, max_val: torch.Tensor, symmetric: bool, grid: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped ranges a histogram's error search tries: 256 symmetric bounds, or every
+    pair of ``grid`` fractions of the observed negative and positive extremes."""
+    lo_all = torch.clamp(min_val, max=0.0)
+    hi_all = torch.clamp(max_val, min=0.0)
+    if symmetric:
+        bound = torch.maximum(-lo_all, hi_all) * torch.linspace(1.0 / 256, 1.0, 256)
+        return -bound, bound
+    frac = torch.linspace(1.0 / grid, 1.0, grid)
+    lo_c = (lo_all * frac)[:, None].expand(grid, grid).reshape(-1)
+    hi_c = (hi_all * frac)[None, :].expand(grid, grid).reshape(-1)
+    return lo_c, hi_c
+
+
 class HistogramObserver(Observer):
     """A histogram of all values; the range is the clip that minimises expected MSE.
 
@@ -468,15 +484,7 @@ class HistogramObserver(Observer):
         centers = self._centers(self.min_val, self.max_val)
         counts = self.histogram
         qmin, qmax = self.spec.range
-        frac = torch.linspace(1.0 / self.grid, 1.0, self.grid)
-        lo_all = torch.clamp(self.min_val, max=0.0)
-        hi_all = torch.clamp(self.max_val, min=0.0)
-        if self.spec.symmetric:
-            bound = torch.maximum(-lo_all, hi_all) * torch.linspace(1.0 / 256, 1.0, 256)
-            lo_c, hi_c = -bound, bound
-        else:
-            lo_c = (lo_all * frac)[:, None].expand(self.grid, self.grid).reshape(-1)
-            hi_c = (hi_all * frac)[None, :].expand(self.grid, self.grid).reshape(-1)
+        lo_c, hi_c = clip_candidates(self.min_val, self.max_val, self.spec.symmetric, self.grid)
         step = (hi_c - lo_c) / (qmax - qmin)
         c = centers[None, :]
         below = torch.clamp(lo_c[:, None] - c, min=0.0)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from quantree.core.errors import QuantreeError
-from quantree.core.observing.observers import HistogramObserver, Observer
+from quantree.core.observing.observers import HistogramObserver, Observer, clip_candidates
 from quantree.core.observing.qparams import fake_quantize, qparams_from_range
 from quantree.core.specs import QParams, QuantSpec
 
@@ -204,15 +204,7 @@ class RangeSearchObserver(HistogramObserver):
 
     def mse(self, counts: torch.Tensor) -> Candidate:
         """The clip of the observed range with the least expected error over ``counts``."""
-        lo_all = torch.clamp(self.min_val, max=0.0)
-        hi_all = torch.clamp(self.max_val, min=0.0)
-        if self.spec.symmetric:
-            bound = torch.maximum(-lo_all, hi_all) * torch.linspace(1.0 / 256, 1.0, 256)
-            lo_c, hi_c = -bound, bound
-        else:
-            frac = torch.linspace(1.0 / self.grid, 1.0, self.grid)
-            lo_c = (lo_all * frac)[:, None].expand(self.grid, self.grid).reshape(-1)
-            hi_c = (hi_all * frac)[None, :].expand(self.grid, self.grid).reshape(-1)
+        lo_c, hi_c = clip_candidates(self.min_val, self.max_val, self.spec.symmetric, self.grid)
         best = int(torch.argmin(self.errors(lo_c, hi_c, counts)))
         return lo_c[best], hi_c[best]
 
