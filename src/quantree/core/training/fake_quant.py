@@ -77,14 +77,17 @@ def fake_quantize_ste(x: torch.Tensor, p: QParams) -> torch.Tensor:
     """``dequantize(quantize(x))`` with gradients to ``x`` (straight through) and ``p.scale``.
 
     The composite form, for parameters computed in the forward (derived and fixed groups);
-    learned groups use torch's fused learnable kernels.
+    learned groups use torch's fused learnable kernels. It multiplies by the float32
+    reciprocal of the scale, as ``quantized_decomposed.quantize_per_*`` (convert's q op)
+    does: ``x / scale`` rounds differently at a few grid boundaries, which is enough to move
+    an int32 bias by one of its units and the layer's output by one step downstream.
     """
-    scale, zp = p.scale, p.zero_point.to(x.dtype)
+    scale, zp = p.scale.to(torch.float32), p.zero_point.to(x.dtype)
     if p.axis is not None:
         shape = [1] * x.dim()
         shape[p.axis] = -1
         scale, zp = scale.reshape(shape), zp.reshape(shape)
-    q = torch.clamp(round_ste(x / scale) + zp, p.quant_min, p.quant_max)
+    q = torch.clamp(round_ste(x * (1.0 / scale)) + zp, p.quant_min, p.quant_max)
     return (q - zp) * scale
 
 
