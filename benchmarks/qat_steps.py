@@ -133,9 +133,7 @@ def lowered_head(low: fx.GraphModule, h_node: fx.Node) -> fx.GraphModule:
         if node is h_node:
             after = True
             continue
-        if node.op == "get_attr":
-            env[node] = graph.node_copy(node, env.__getitem__)
-        elif after:
+        if node.op == "get_attr" or after:
             env[node] = graph.node_copy(node, env.__getitem__)
     return fx.GraphModule(low, graph)
 
