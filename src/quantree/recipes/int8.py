@@ -166,6 +166,10 @@ def _sole_user_is(node: fx.Node, targets: tuple[object, ...]) -> bool:
     return len(users) == 1 and getattr(users[0].target, "overloadpacket", None) in targets
 
 
+CELL_INTERNALS = QDtype.INT16
+"""Cells mode's cell state, gates and sums unless the recipe names another type."""
+
+
 class RecurrentMode(enum.Enum):
     """WHOLE quantizes a recurrent layer at its boundary; CELLS decomposes it into cell loops
     whose gates, cell state and hidden state are named quantization points."""
@@ -204,8 +208,9 @@ class Int8Quantizer(Quantizer):
     quantizes weights per output channel (else per tensor). ``recurrent`` chooses whole or
     cells mode for LSTM/GRU/RNN; in cells mode ``split_gates``, ``cell_state_dtype``,
     ``gate_dtype`` (sigmoid/tanh outputs), ``cell_sums_dtype`` (projections, gate
-    pre-activations; each the activation dtype by default, all three INT16 the
-    integer-LSTM convention: what whole mode's kernel keeps in int32 and float) and
+    pre-activations; each INT16 by default, the integer-LSTM convention: what whole mode's
+    kernel keeps in int32 and float; an int8 cell's rounding, fed back every step, was most
+    of cells mode's error; pass ``QDtype.INT8`` for the all-int8 cell) and
     ``points`` (a spec per point name, see ``quantree.recurrent.cell_graph``)
     shape the cells, and ``cells_scope`` limits cells mode to one module (the rest stays
     whole). In whole mode a stacked call (``num_layers > 1``) becomes one call per layer at
@@ -279,16 +284,16 @@ class Int8Quantizer(Quantizer):
             weighted_act, wgt, activations, FLOAT_UNDER_WEIGHTED_INPUTS, image_act
         )
         if recurrent is RecurrentMode.CELLS:
-            cell_state = cell_state_spec(cell_state_dtype or act.dtype, act)
+            cell_state = cell_state_spec(cell_state_dtype or CELL_INTERNALS, act)
             recipe += cells_rules(
                 act,
                 wgt,
                 cell_state,
-                gate_dtype or act.dtype,
+                gate_dtype or CELL_INTERNALS,
                 CellsOptions(split_gates),
                 points or {},
                 cells_scope,
-                cell_sums_spec(cell_sums_dtype or act.dtype, act),
+                cell_sums_spec(cell_sums_dtype or CELL_INTERNALS, act),
             )
         recipe = tuple(off_infinities(on_floats(rule)) for rule in recipe)
         super().__init__((*recipe, *rules))  # the user's rules as given

@@ -28,16 +28,19 @@ FLOAT_IN_QDQ = ("LSTM", "GRU", "RNN")
 
 def finish_export(path: str | os.PathLike[str], target: OnnxTarget) -> None:
     """Rewrite the exported model at ``path`` in place for ``target``: quantize/dequantize
-    pairs on constants folded (``constant_qdq``); recurrent layers on ONNX Runtime's integer
+    pairs on constants folded (``constant_qdq``), int8 activations on uint8 from opset 21
+    (``uint8_activations``); recurrent layers on ONNX Runtime's integer
     operators for ``ONNXRUNTIME``, with float weights for ``QDQ``; one warning naming what
     runs float."""
     import onnx
 
     from quantree.backends.onnx.constant_qdq import float_recurrent_weights, fold_constant_qdq
     from quantree.backends.onnx.ort_target import to_onnxruntime
+    from quantree.backends.onnx.uint8_activations import uint8_activations
 
     model = onnx.load(str(path))
     fold_constant_qdq(model)
+    uint8_activations(model)  # before ONNX Runtime's own int8 -> uint8 move trips it at opset 21
     if target is OnnxTarget.ONNXRUNTIME:
         left = to_onnxruntime(model)
         where = "the ONNX Runtime export"
