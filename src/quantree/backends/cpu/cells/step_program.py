@@ -27,6 +27,7 @@ from quantree.recurrent.unrolled.step_loop import StepLoop, StepOutput
 
 aten = torch.ops.aten
 TABLES = ("code", "fcode", "slots", "in_slots", "out_slots")
+SIZE_ONE = {aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
 LISTS = ("in_shapes", "in_ranks", "out_shapes", "out_ranks", "out_dtypes", "in_coeffs",
          "out_coeffs", "sym")  # fmt: skip
 
@@ -166,8 +167,8 @@ def native_program_loop(loop: StepLoop) -> NativeProgramLoop | None:
 
 
 def _simplify(body: fx.GraphModule) -> None:
-    """Drop what export leaves that computes nothing: slices of a whole dimension and
-    selects of a size-1 one (a reshape, which the program takes as a view)."""
+    """Drop what export leaves that computes nothing: slices of a whole dimension; selects
+    of a size-1 one, squeezes and unsqueezes become reshapes (which programs take as views)."""
     for n in list(body.graph.nodes):
         a: Any = n.args
         if n.target == aten.slice.Tensor and len(a) >= 2:
@@ -177,11 +178,13 @@ def _simplify(body: fx.GraphModule) -> None:
             if start in (0, None) and (end is None or end >= 2**62) and step == 1:
                 n.replace_all_uses_with(a[0])
                 body.graph.erase_node(n)
-        elif n.target == aten.select.int and isinstance(a[0], fx.Node):
+        elif n.target in SIZE_ONE and isinstance(a[0], fx.Node):
             val, src = n.meta.get("val"), a[0].meta.get("val")
             if not isinstance(val, Tensor) or not isinstance(src, Tensor):
                 continue
-            if src.shape[a[1]] != 1 or sum(not isinstance(d, int) for d in val.shape) > 1:
+            if n.target == aten.select.int and src.shape[a[1]] != 1:
+                continue
+            if sum(not isinstance(d, int) for d in val.shape) > 1:
                 continue
             shape = [d if isinstance(d, int) else -1 for d in val.shape]
             with body.graph.inserting_before(n):
