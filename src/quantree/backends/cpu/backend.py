@@ -20,6 +20,7 @@ import torch.fx as fx
 from quantree.backends.cpu.cells.layer import NativeRecurrentCells
 from quantree.backends.cpu.cells.program import NativeCellLoop, compile_body
 from quantree.backends.cpu.cells.step_loop import native_step_loop
+from quantree.backends.cpu.cells.step_program import native_program_loop
 from quantree.backends.cpu.native.direct import call_directly
 from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
@@ -128,7 +129,10 @@ def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
         if type(module) is RecurrentCells and NativeRecurrentCells.covers(module):
             replace_submodule(gm, name, NativeRecurrentCells(module))
     for name, module in list(gm.named_modules()):
-        if isinstance(module, StepLoop) and (native := native_step_loop(module)) is not None:
+        if not isinstance(module, StepLoop):
+            continue
+        native = native_step_loop(module) or native_program_loop(module)
+        if native is not None:
             replace_submodule(gm, name, native)
     folded = [name for name, m in gm.named_modules() if isinstance(m, StepLoop)]
     if folded:

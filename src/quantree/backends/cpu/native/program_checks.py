@@ -41,6 +41,9 @@ QUANT, DEQUANT, LINEAR, BINARY, LOOKUP, COPY, FAKE_QUANT, FLOAT_BINARY, FLOAT_UN
 )
 LINEAR16 = 10  # float rows split into two int8 planes, then one dual pass (ops_wide.py)
 RMS_NORM = 11  # float rows times rsqrt(mean of squares + eps), then an optional weight
+FLOAT_SCALAR, MATMUL, FLOAT_MATMUL = 12, 13, 14  # a op scalar; batched int8 / float a @ b
+KINDS = {BINARY: 2, FLOAT_BINARY: 5, FLOAT_UNARY: 11, FLOAT_SCALAR: 8}
+"""The largest kind (``c[4]``, ``c[3]`` for unary and scalar ops) each opcode's runner knows."""
 DTYPES = (F32, I8)
 SIZES = (4, 1)
 MAX_VERDICTS = 1024
@@ -235,10 +238,13 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
             scratch0 += planes * a.rows0 * (kp + 4)
             scratch1 += planes * a.rows1 * (kp + 4)
             continue
+        if kind in (MATMUL, FLOAT_MATMUL):
+            matmul(n, kind, f, a, slot(n, 3, c), dst, c[4], expect)
+            continue
         sources = [a]
         if kind in (BINARY, FLOAT_BINARY):
             sources.append(slot(n, 3, c))
-            expect(n, "kind out of range", 0 <= c[4] <= 2)
+            expect(n, "kind out of range", 0 <= c[4] <= KINDS[kind])
         for src in sources:
             expect(n, "a source has fewer rows than the result", covers(src, dst))
             wide = (
@@ -247,22 +253,40 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
             expect(n, "a source row is narrower than the result's", wide)  # COPY: bytes
         if kind == COPY:
             continue
-        float_in = kind in (QUANT, FAKE_QUANT, FLOAT_BINARY, FLOAT_UNARY, NORM, RMS_NORM)
-        float_out = kind in (DEQUANT, FAKE_QUANT, FLOAT_BINARY, FLOAT_UNARY, NORM, RMS_NORM)
+        floats = (FAKE_QUANT, FLOAT_BINARY, FLOAT_UNARY, FLOAT_SCALAR, NORM, RMS_NORM)
+        float_in = kind in (QUANT, *floats)
+        float_out = kind in (DEQUANT, *floats)
         if kind not in (QUANT, DEQUANT, BINARY, LOOKUP) and not float_in:
             raise fail(op, f"instruction {n} has opcode {kind}, which no runner knows")
         expect(n, "wrong operand dtype", all(s.dtype == (0 if float_in else 1) for s in sources))
         expect(n, "wrong result dtype", dst.dtype == (0 if float_out else 1))
         if kind == LOOKUP:
             const(n, c[3], I8, 256)
-        elif kind == FLOAT_UNARY:
-            expect(n, "kind out of range", 0 <= c[3] <= 6)
+        elif kind in (FLOAT_UNARY, FLOAT_SCALAR):
+            expect(n, "kind out of range", 0 <= c[3] <= KINDS[kind])
         elif kind == NORM:
             const(n, c[3], F32, dst.cols, optional=True)
             const(n, c[4], F32, dst.cols, optional=True)
         elif kind == RMS_NORM:
             const(n, c[3], F32, dst.cols, optional=True)
     return need, scratch0, scratch1
+
+
+def matmul(n: int, kind: int, f: list, a: Slot, b: Slot, d: Slot, m: int, expect: Any) -> None:
+    """A batched ``a @ b``: dense [batch M, K] @ [batch K, N] -> [batch M, N], for every
+    size (``a`` has a multiple of ``m`` rows, ``b`` K rows per batch, ``d`` ``a``'s rows)."""
+    expect(n, "M out of range", 1 <= m < LIMIT and a.cols < LIMIT and b.cols < LIMIT)
+    expect(n, "an operand is not dense", all(s.ld == s.cols for s in (a, b, d)))
+    expect(n, "rows are not a whole number of batches", a.rows0 % m == 0 and a.rows1 % m == 0)
+    batches = (a.rows0 // m, a.rows1 // m)
+    expect(n, "b's rows are not K per batch", (b.rows0, b.rows1) == (batches[0] * a.cols,
+           batches[1] * a.cols))  # fmt: skip
+    expect(n, "the result's shape is not [batch M, N]",
+           (d.rows0, d.rows1, d.cols) == (a.rows0, a.rows1, b.cols))  # fmt: skip
+    quantized = kind == MATMUL
+    out = 1 if quantized and f[3] > 0 else 0
+    expect(n, "wrong operand or result dtype",
+           a.dtype == b.dtype == int(quantized) and d.dtype == out)  # fmt: skip
 
 
 def workspace(slots: list[Slot]) -> tuple[int, int]:

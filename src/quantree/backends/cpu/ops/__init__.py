@@ -15,6 +15,7 @@ through ``OPS``.
 """
 
 from quantree.backends.cpu.cells import program as cell_loop
+from quantree.backends.cpu.cells import program_loop as program_loop_op
 from quantree.backends.cpu.ops import affine as affine_op
 from quantree.backends.cpu.ops import conv1d as conv1d_op
 from quantree.backends.cpu.ops import conv_transpose as conv_transpose_op
@@ -58,6 +59,7 @@ OPS = (
     nibbles,
     pool_op,
     program_op,
+    program_loop_op,
     rnn_op,
     rnn_cell_op,
     rnn_packed_op,

@@ -52,6 +52,7 @@ from quantree.backends.cpu.cells.program import (
     Program,
     emit,
 )
+from quantree.backends.cpu.passes import region_math
 from quantree.backends.cpu.passes.region_layout import MAX_COPIES, copies, gather, reshape, row_map
 from quantree.backends.cpu.saved.derived import Recipe, remember
 from quantree.core.graphs import attr_at, fetch_attr, register_constant
@@ -137,6 +138,9 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
     binary = {v: k for k, v in FLOAT_BINARY_KINDS.items()}
     unary = {v: k for k, v in FLOAT_UNARY_KINDS.items()}
     more = {v: k.__name__.split(".")[0] for k, v in MORE_UNARY.items()}
+    more |= {v: k.__name__.split(".")[0] for k, v in region_math.UNARY_KINDS.items()}
+    binary |= {v: k for k, v in region_math.BINARY_KINDS.items()}
+    scalar = {v: k.__name__.split(".")[0] for k, v in region_math.SCALAR_KINDS.items()}
     for row in code.reshape(-1, NI).tolist():
         if row[0] == FLOAT_BINARY:
             names[binary[row[4]].__name__.split(".")[0]] += 1
@@ -146,6 +150,10 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
             names[more[row[3]]] += 1
         elif row[0] == FLOAT_UNARY:
             names[unary[row[3]].__name__.split(".")[0]] += 1
+        elif row[0] == region_math.FLOAT_SCALAR:
+            names[scalar.get(row[3], "rdiv")] += 1
+        elif row[0] == region_math.FLOAT_MATMUL:
+            names["matmul"] += 1
         elif row[0] == LAYER_NORM:
             names["layer_norm"] += 1
         elif row[0] == RMS_NORM:
@@ -153,14 +161,15 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
     return names
 
 
-def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS) -> int:
+def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS, math: bool = False) -> int:
     """Replace each run of at least ``min_ops`` program-covered ops of ``gm`` by one
-    ``quantree.program`` call; returns how many were replaced."""
+    ``quantree.program`` call; returns how many were replaced. ``math``: programs also take
+    ``region_math``'s ops (a folded loop's step, ``cells/step_program.py``)."""
     shapes = _infer_shapes(gm)
     fused = 0
-    regions = _regions(gm, shapes)
+    regions = _regions(gm, shapes, math)
     for region in regions:
-        if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes):
+        if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes, math):
             fused += 1
     if fused or regions:  # a region refused late may have left constants behind
         gm.graph.eliminate_dead_code()
@@ -221,6 +230,7 @@ def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
                 shapes[n] = ((*shape[:-1], int(a[8])), torch.float32)
             else:
                 shapes[n] = (shape, torch.int8)
+        region_math.infer(n, shapes)
     return shapes
 
 
@@ -363,7 +373,9 @@ def _cat_parts(n: fx.Node, shapes: dict[fx.Node, Shape]) -> list[fx.Node] | None
     return parts  # type: ignore[return-value]
 
 
-def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> bool:
+def _covered(
+    n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node], math: bool = False
+) -> bool:
     """Whether the program runs ``n`` (its shapes known, its arguments of the right kind)."""
     a: Any = n.args
     if n.op != "call_function":
@@ -387,6 +399,8 @@ def _covered(n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node]) -> 
         return bool(a[0] in shapes and (len(a) < 3 or a[2] is False or a[1] == 0))
     if n not in shapes or shapes[n][1] not in (torch.float32, torch.int8):
         return False
+    if math and (known := region_math.covered(n, shapes)) is not None:
+        return known
     if n.target in SAME_SLOT:
         if not isinstance(a[0], fx.Node) or n.kwargs or a[0] not in shapes:
             return False
@@ -494,7 +508,9 @@ def _broadcasts(shape: Shape | None, out: Shape) -> bool:
     return shape[1] == out[1] and dims is not None and copies(dims) <= MAX_COPIES
 
 
-def _regions(gm: fx.GraphModule, shapes: dict[fx.Node, Shape]) -> list[list[fx.Node]]:
+def _regions(
+    gm: fx.GraphModule, shapes: dict[fx.Node, Shape], math: bool = False
+) -> list[list[fx.Node]]:
     """Maximal runs of covered nodes, in graph order. A run ends where an uncovered node reads
     one of its values, so that the one call, placed at the run's end, comes before every
     reader outside it and after every value it reads."""
@@ -504,7 +520,7 @@ def _regions(gm: fx.GraphModule, shapes: dict[fx.Node, Shape]) -> list[list[fx.N
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             continue
-        if _covered(n, shapes, inside):
+        if _covered(n, shapes, inside, math):
             current.append(n)
             inside.add(n)
         elif any(x in inside for x in n.all_input_nodes) or n.op == "output":
@@ -516,7 +532,9 @@ def _regions(gm: fx.GraphModule, shapes: dict[fx.Node, Shape]) -> list[list[fx.N
     return regions
 
 
-def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Shape]) -> bool:
+def _replace(
+    gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Shape], math: bool = False
+) -> bool:
     """Compile ``region`` and put the program call in its place (False: left as it was)."""
     inside = set(region)
     outputs = [n for n in region if any(u not in inside for u in n.users)]
@@ -669,12 +687,16 @@ def _replace(gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Sh
             eps = float(a[4]) if len(a) > 4 else 1e-5
             p.emit([LAYER_NORM, dst, slot[a[0]], weight, bias], [eps])
             slot[n] = dst
+        elif math and (done := region_math.emit(p, n, slot, value_slot, shapes)) is not None:
+            if not done:
+                return False
         elif not emit(p, n, slot, value_slot, const_index):
             return False
         elif n.target == quantree_ops.linear.default and float(a[6]) > 0:
             _requantization(gm, p, const_nodes, a, region[0])
         moves = (aten.stack.default, aten.cat.default, aten.expand.default)
-        if n.target not in INT8_OPS and _computes(n) and n.target not in moves:
+        int8 = n.target in INT8_OPS or n.target == quantree_ops.matmul.default
+        if not int8 and _computes(n) and n.target not in moves:
             float_ops.append((str(n.target), n.name, module_scope(n)))
     for n in outputs:
         operand(n)

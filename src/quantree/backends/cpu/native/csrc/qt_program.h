@@ -15,6 +15,10 @@
 
 #include "qt_kernels.h"
 
+extern "C" void qt_matmul(const int8_t* a, const int8_t* bmat, int64_t batch, int64_t M,
+                          int64_t K, int64_t N, float za, float zb, float scale, int8_t* out_q,
+                          float* out_f, float inv, float zp);
+
 namespace qt::prog {
 
 enum Op {
@@ -30,6 +34,9 @@ enum Op {
     LAYER_NORM = 9,    // float layer norm over each row, optional weight / bias
     LINEAR16 = 10,     // float rows quantized to int16, times int8 weights (ops_wide.py)
     RMS_NORM = 11,     // float x * rsqrt(mean(x^2) + eps) over each row, optional weight
+    FLOAT_SCALAR = 12, // float a op scalar f[0]: add mul sub rsub div rdiv max min pow (0-8)
+    MATMUL = 13,       // int8 batched a @ b (qt_matmul): c[4] rows of a per batch
+    FLOAT_MATMUL = 14, // float batched a @ b: c[4] rows of a per batch
 };
 constexpr int NI = 12, NF = 8;  // fields per instruction
 constexpr int NS = 5;  // fields per slot: dtype (0 f32, 1 i8), owner slot, byte offset, cols, ld
@@ -119,9 +126,56 @@ static inline void float_binary_row(int64_t kind, const float* a, const float* b
         for (int64_t j = 0; j < n; ++j) out[j] = a[j] + b[j];
     } else if (kind == 1) {
         for (int64_t j = 0; j < n; ++j) out[j] = a[j] * b[j];
-    } else {
+    } else if (kind == 2) {
         for (int64_t j = 0; j < n; ++j) out[j] = a[j] - b[j];
+    } else if (kind == 3) {
+        for (int64_t j = 0; j < n; ++j) out[j] = a[j] / b[j];
+    } else if (kind == 4) {  // maximum / minimum: NaN wins, as ATen's
+        for (int64_t j = 0; j < n; ++j)
+            out[j] = (a[j] != a[j] || a[j] > b[j]) ? a[j] : b[j];
+    } else {
+        for (int64_t j = 0; j < n; ++j)
+            out[j] = (a[j] != a[j] || a[j] < b[j]) ? a[j] : b[j];
     }
+}
+
+// a op scalar, in float as ATen computes a float tensor with a Python scalar (clamp's
+// bounds: max / min, NaN kept).
+static inline void float_scalar_row(int64_t kind, const float* a, float* out, int64_t n, float s) {
+    switch (kind) {
+        case 0: for (int64_t j = 0; j < n; ++j) out[j] = a[j] + s; break;
+        case 1: for (int64_t j = 0; j < n; ++j) out[j] = a[j] * s; break;
+        case 2: for (int64_t j = 0; j < n; ++j) out[j] = a[j] - s; break;
+        case 3: for (int64_t j = 0; j < n; ++j) out[j] = s - a[j]; break;
+        case 4: for (int64_t j = 0; j < n; ++j) out[j] = a[j] / s; break;
+        case 5: for (int64_t j = 0; j < n; ++j) out[j] = s / a[j]; break;
+        case 6: for (int64_t j = 0; j < n; ++j) out[j] = a[j] != a[j] || a[j] > s ? a[j] : s; break;
+        case 7: for (int64_t j = 0; j < n; ++j) out[j] = a[j] != a[j] || a[j] < s ? a[j] : s; break;
+        default:
+            if (s == 2.0f) {
+                for (int64_t j = 0; j < n; ++j) out[j] = a[j] * a[j];
+            } else {
+                for (int64_t j = 0; j < n; ++j) out[j] = std::pow(a[j], s);
+            }
+            break;
+    }
+}
+
+// Batched float a [batch * M, K] @ b [batch * K, N] -> [batch * M, N], rows of ld strides,
+// summed in k order in float (ATen's bmm blocks its sums: equal up to rounding).
+static inline void float_matmul(const Slot& a, const Slot& b, const Slot& d, int64_t M) {
+    const int64_t K = a.cols, N = b.cols, batch = M > 0 ? a.rows / M : 0;
+    for (int64_t t = 0; t < batch; ++t)
+        for (int64_t m = 0; m < M; ++m) {
+            const float* x = a.f(t * M + m);
+            float* y = d.f(t * M + m);
+            for (int64_t j = 0; j < N; ++j) y[j] = 0.0f;
+            for (int64_t k = 0; k < K; ++k) {
+                const float* w = b.f(t * K + k);
+                const float v = x[k];
+                for (int64_t j = 0; j < N; ++j) y[j] += v * w[j];
+            }
+        }
 }
 
 static inline void float_unary_row(int64_t kind, const float* a, float* out, int64_t n) {
@@ -146,8 +200,18 @@ static inline void float_unary_row(int64_t kind, const float* a, float* out, int
     } else if (kind == 5) {  // silu: x * sigmoid(x), the sigmoid the path's vector kernel
         qt::kernels.activation(0, a, out, n);
         for (int64_t j = 0; j < n; ++j) out[j] *= a[j];
-    } else {  // neg
+    } else if (kind == 6) {  // neg
         for (int64_t j = 0; j < n; ++j) out[j] = -a[j];
+    } else if (kind == 7) {
+        for (int64_t j = 0; j < n; ++j) out[j] = std::exp(a[j]);
+    } else if (kind == 8) {
+        for (int64_t j = 0; j < n; ++j) out[j] = std::log(a[j]);
+    } else if (kind == 9) {  // softplus, beta 1, threshold 20 (ATen's defaults)
+        for (int64_t j = 0; j < n; ++j) out[j] = a[j] > 20.0f ? a[j] : std::log1p(std::exp(a[j]));
+    } else if (kind == 10) {
+        for (int64_t j = 0; j < n; ++j) out[j] = 1.0f / std::sqrt(a[j]);
+    } else {  // abs
+        for (int64_t j = 0; j < n; ++j) out[j] = std::fabs(a[j]);
     }
 }
 
@@ -271,6 +335,21 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
             for (int64_t r = 0; r < dst.rows; ++r) rms_norm_row(a.f(r), dst.f(r), dst.cols, w, f[0]);
             break;
         }
+        case FLOAT_SCALAR:
+            for (int64_t r = 0; r < dst.rows; ++r)
+                float_scalar_row(c[3], a.f(r), dst.f(r), dst.cols, f[0]);
+            break;
+        case MATMUL: {  // dense operands (checked): f = za, zb, scale, 1 / out scale or 0, zo
+            const Slot& b = s[c[3]];
+            const int64_t M = c[4], batch = M > 0 ? a.rows / M : 0;
+            const bool q = f[3] > 0;
+            qt_matmul(a.q(0), b.q(0), batch, M, a.cols, b.cols, f[0], f[1], f[2],
+                      q ? dst.q(0) : nullptr, q ? nullptr : dst.f(0), f[3], f[4]);
+            break;
+        }
+        case FLOAT_MATMUL:
+            float_matmul(a, s[c[3]], dst, c[4]);
+            break;
         case COPY:
             for (int64_t r = 0; r < dst.rows; ++r)
                 std::memcpy(dst.base + r * dst.ld * dst.size, a.base + r * a.ld * a.size,

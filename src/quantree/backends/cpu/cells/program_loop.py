@@ -1,0 +1,130 @@
+"""``quantree.program_loop``: a region program (``quantree.program``'s tables) run for every
+time step of a folded loop in one native call (``csrc/program_loop.cpp``).
+
+Inputs marked ``stepped`` are ``[T, *step shape]`` (step ``t`` reads row ``t``); the others
+are read once, as ``quantree.program``'s. Every output comes back as ``[T, *step shape]``;
+``feed[o] >= 0`` makes output ``o`` the next step's input ``feed[o]`` (a carried state),
+so the final state is the output's last row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from quantree.backends.cpu.native import program_checks
+from quantree.backends.cpu.native.args import NativeArgs
+from quantree.backends.cpu.native.checks import fail
+from quantree.backends.cpu.native.loader import I64, PTR
+from quantree.backends.cpu.native.loader import kernels as native_kernels
+from quantree.backends.cpu.native.registry import op
+from quantree.backends.cpu.ops.program import DTYPES, _resolve, _shapes, _size
+
+SIGNATURES: dict[str, list[type]] = {
+    "qt_program_loop": [
+        *(PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, PTR, I64, I64, I64, PTR, PTR, I64, PTR)
+    ],
+}  # fmt: skip
+kernels = native_kernels(SIGNATURES)
+
+SCHEMA = (
+    "program_loop(Tensor[] inputs, Tensor[] consts, Tensor code, Tensor fcode, Tensor slots, "
+    "Tensor in_slots, Tensor out_slots, int[] in_shapes, int[] in_ranks, int[] out_shapes, "
+    "int[] out_ranks, int[] out_dtypes, int[] in_coeffs, int[] out_coeffs, int[] sym, "
+    "int[] stepped, int[] feed) -> Tensor[]"
+)
+
+
+def _roles(inputs: list[Tensor], stepped: list[int], feed: list[int], n_out: int) -> int:
+    """The number of steps; a ``QuantreeError`` naming the field where the roles are not
+    ones the loop runs (a tampered or hand-made call)."""
+    if len(stepped) != len(inputs) or any(s not in (0, 1) for s in stepped):
+        raise fail("program_loop", f"stepped {list(stepped)}: one 0 or 1 per input")
+    if len(feed) != n_out or any(not -1 <= f < len(inputs) for f in feed):
+        raise fail("program_loop", f"feed {list(feed)}: one input index or -1 per output")
+    fed = [f for f in feed if f >= 0]
+    if len(set(fed)) != len(fed) or any(stepped[f] for f in fed):
+        raise fail("program_loop", "feed names an input twice, or a per-step one")
+    lengths = {int(x.shape[0]) for x, s in zip(inputs, stepped, strict=True) if s and x.dim()}
+    if not any(stepped) or len(lengths) != 1 or min(lengths) < 1:
+        shapes = [tuple(x.shape) for x, s in zip(inputs, stepped, strict=True) if s]
+        raise fail(
+            "program_loop",
+            f"per-step inputs of shapes {shapes}: at least one, all as long (one step or more)",
+        )
+    return lengths.pop()
+
+
+@op(SCHEMA)
+def program_loop(
+    inputs: list[Tensor],
+    consts: list[Tensor],
+    code: Tensor,
+    fcode: Tensor,
+    slots: Tensor,
+    in_slots: Tensor,
+    out_slots: Tensor,
+    in_shapes: list[int],
+    in_ranks: list[int],
+    out_shapes: list[int],
+    out_ranks: list[int],
+    out_dtypes: list[int],
+    in_coeffs: list[int],
+    out_coeffs: list[int],
+    sym: list[int],
+    stepped: list[int],
+    feed: list[int],
+) -> list[Tensor]:
+    """Every step's outputs, ``[T, *shape]`` each."""
+    name = "program_loop"
+    if any(d not in (0, 1) for d in out_dtypes):
+        raise fail(name, f"out_dtypes {list(out_dtypes)}: each 0 (float32) or 1 (int8)")
+    steps = _roles(inputs, list(stepped), list(feed), len(out_dtypes))
+    step_inputs = [x[0] if s else x for x, s in zip(inputs, stepped, strict=True)]
+    program_checks.symbol(step_inputs, sym)
+    size = _size(step_inputs, list(sym))
+    expected = _shapes(_resolve(list(in_shapes), list(in_coeffs), size), list(in_ranks))
+    if [list(x.shape) for x in step_inputs] != expected:
+        raise fail(
+            name,
+            f"compiled for steps of shapes {expected}, got {[list(x.shape) for x in step_inputs]}"
+            ": lower the model again with example inputs of these shapes",
+        )
+    out_step = _shapes(_resolve(list(out_shapes), list(out_coeffs), size), list(out_ranks))
+    for o, f in enumerate(feed):
+        if f >= 0 and (out_step[o] != expected[f] or DTYPES[out_dtypes[o]] != inputs[f].dtype):
+            raise fail(name, f"output {o} feeds input {f}, of another shape or dtype")
+    dense = [x.contiguous() for x in inputs]
+    outs = [
+        torch.empty([steps, *shape], dtype=DTYPES[d])
+        for shape, d in zip(out_step, out_dtypes, strict=True)
+    ]
+    program_checks.program(
+        [x[0] if s else x for x, s in zip(dense, stepped, strict=True)], consts, code, fcode,
+        slots, in_slots, out_slots, out_dtypes, size, [o[0] for o in outs],
+    )  # fmt: skip
+    step_bytes = [x[0].numel() * x.element_size() if s else 0 for x, s in zip(dense, stepped,
+                  strict=True)]  # fmt: skip
+    a = NativeArgs(name)  # every address below points into a tensor ``a`` holds
+    kernels().qt_program_loop(
+        a.inputs("inputs", dense), a.input("in_slots", in_slots),
+        a.input("in_step", torch.tensor(step_bytes, dtype=torch.int64)), len(dense),
+        a.outputs("outputs", outs), a.input("out_slots", out_slots),
+        a.input("feed", torch.tensor(list(feed), dtype=torch.int64)), len(outs), steps,
+        a.input("slots", slots), slots.shape[0], slots.shape[1], size, a.input("code", code),
+        a.input("fcode", fcode), code.shape[0], a.inputs("consts", consts),
+    )  # fmt: skip
+    return outs
+
+
+@torch.library.register_fake("quantree::program_loop")
+def _(inputs, consts, code, fcode, slots, in_slots, out_slots, in_shapes, in_ranks, out_shapes,
+      out_ranks, out_dtypes, in_coeffs, out_coeffs, sym, stepped, feed):  # fmt: skip
+    step_inputs = [x[0] if s else x for x, s in zip(inputs, stepped, strict=True)]
+    steps = next(x.shape[0] for x, s in zip(inputs, stepped, strict=True) if s)
+    size = _size(step_inputs, list(sym))
+    out_step = _shapes(_resolve(list(out_shapes), list(out_coeffs), size), list(out_ranks))
+    return [
+        torch.empty([steps, *shape], dtype=DTYPES[d])
+        for shape, d in zip(out_step, out_dtypes, strict=True)
+    ]

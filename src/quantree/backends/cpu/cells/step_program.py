@@ -1,0 +1,196 @@
+"""A folded loop whose lowered step is one region program, run natively for every step.
+
+A loop folded from a Python loop over time (``recurrent.unrolled.StepLoop``) whose step is
+not a recurrent cell (a selective scan, a Light-GRU written with modules) would run its
+lowered step op by op in Python, slower than float. Its lowered body is given to the region
+pass (``passes/regions.py``) with no minimum size: where every op of the step lands in one
+program (the identity casts, full slices and size-1 selects export leaves dropped first),
+the loop becomes ``NativeProgramLoop``, which cuts each per-step input into a ``[T, ...]``
+buffer and runs the program for every step in one ``quantree.program_loop`` call. Anything
+else keeps the Python loop (and the backend's warning that says so).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from quantree.backends.cpu.cells.program_loop import program_loop
+from quantree.backends.cpu.passes.casts import drop_identity_casts
+from quantree.backends.cpu.passes.regions import fuse_regions
+from quantree.core.graphs import copy_graph_module, fetch_attr
+from quantree.recurrent.unrolled.step_loop import StepLoop, StepOutput
+
+aten = torch.ops.aten
+TABLES = ("code", "fcode", "slots", "in_slots", "out_slots")
+SIZE_ONE = {aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
+LISTS = ("in_shapes", "in_ranks", "out_shapes", "out_ranks", "out_dtypes", "in_coeffs",
+         "out_coeffs", "sym")  # fmt: skip
+
+
+class NativeProgramLoop(nn.Module):
+    """``StepLoop``'s call ``(*states, *sources, *invariants) -> (*final_states, *outputs)``
+    with the step as one native program."""
+
+    quantree_read_only_buffers = True  # the program and its constants (core.constants)
+
+    def __init__(
+        self, loop: StepLoop, args: dict[str, Any], roles: list[tuple[str, int]],
+        consts: list[Tensor], results: list[int], feed: list[int],
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.n_states, self.inputs, self.outputs = loop.n_states, loop.inputs, loop.outputs
+        self.steps_captured, self.free = loop.steps_captured, loop.free
+        for k in TABLES:
+            self.register_buffer(k, args[k])
+        for i, c in enumerate(consts):
+            self.register_buffer(f"const{i}", c)
+        self.n_consts = len(consts)
+        self.lists = {k: [int(v) for v in args[k]] for k in LISTS}
+        self.roles = roles
+        """Per program input: ("state" | "source" | "invariant", index) or ("const", i)."""
+        self.results = results
+        """Per body output (states, then per-step outputs): the program output it is."""
+        self.feed = feed
+
+    def forward(self, *args: Tensor) -> tuple[Tensor, ...]:
+        n, m = self.n_states, len(self.inputs)
+        states, sources, invariants = args[:n], args[n : n + m], args[n + m :]
+        steps = StepLoop.length(self, sources)  # type: ignore[arg-type]
+        cut = [_per_step(src, spec, steps) for src, spec in zip(sources, self.inputs, strict=True)]
+        buffers: Any = self._buffers
+        pick = {"state": states, "source": cut, "invariant": invariants}
+        inputs = [
+            buffers[f"const{i}"] if role == "const" else pick[role][i] for role, i in self.roles
+        ]
+        consts = [buffers[f"const{i}"] for i in range(self.n_consts)]
+        stepped = [int(role == "source") for role, _ in self.roles]
+        call = (
+            program_loop
+            if all(type(x) is Tensor for x in inputs)
+            else torch.ops.quantree.program_loop
+        )
+        outs = call(
+            inputs, consts, *(buffers[k] for k in TABLES), *(self.lists[k] for k in LISTS),
+            stepped, self.feed,
+        )  # fmt: skip
+        finals = [outs[i][-1] for i in self.results[:n]]
+        collected = []
+        for spec, i in zip(self.outputs, self.results[n:], strict=True):
+            collected.append(_joined(outs[i], spec))
+        return (*finals, *collected)
+
+
+def _per_step(src: Tensor, spec: Any, steps: int) -> Tensor:
+    """Step ``t``'s slice of ``src`` as row ``t`` of one ``[T, ...]`` tensor."""
+    size = src.shape[spec.dim]
+    first = spec.start if spec.stride > 0 else size - 1 - spec.start
+    moved = src.movedim(spec.dim, 0)
+    if spec.stride > 0:
+        return moved.narrow(0, first, steps).contiguous()
+    return moved.narrow(0, first - steps + 1, steps).flip(0).contiguous()
+
+
+def _joined(values: Tensor, spec: StepOutput) -> Tensor:
+    """The ``stack``/``cat``/``last`` of the per-step ``values`` [T, ...]."""
+    if spec.kind == "last":
+        return values[-1]
+    if spec.reverse:
+        values = values.flip(0)
+    if spec.kind == "stack":
+        return values.movedim(0, spec.dim % values.dim()).contiguous()
+    dim = spec.dim % (values.dim() - 1)
+    return values.movedim(0, dim).flatten(dim, dim + 1).contiguous()
+
+
+def native_program_loop(loop: StepLoop) -> NativeProgramLoop | None:
+    """The native loop computing ``loop`` (lowered), or None where its step is not one
+    program or its per-step inputs are not single steps in order or reversed."""
+    if any(s.width != 0 or abs(s.stride) != 1 for s in loop.inputs) or not loop.inputs:
+        return None
+    body = copy_graph_module(loop.body)
+    _simplify(body)
+    drop_identity_casts(body)
+    fuse_regions(body, min_ops=1, math=True)
+    program = [n for n in body.graph.nodes if n.op == "call_function"
+               and n.target == torch.ops.quantree.program.default]  # fmt: skip
+    if len(program) != 1:
+        return None
+    call = program[0]
+    for n in body.graph.nodes:
+        if n.op == "call_function" and n is not call:
+            if n.target is not operator.getitem or n.args[0] is not call:
+                return None
+    output = next(n for n in body.graph.nodes if n.op == "output")
+    results = []
+    for r in output.args[0]:  # type: ignore[union-attr]
+        if not (isinstance(r, fx.Node) and r.target is operator.getitem and r.args[0] is call):
+            return None
+        results.append(int(r.args[1]))  # type: ignore[arg-type]
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    n, m = loop.n_states, len(loop.inputs)
+    a: Any = call.args
+    names = ("inputs", "consts", *TABLES, *LISTS[:5])
+    args = dict(zip(names, a, strict=False))
+    extra = list(a[len(names) :])
+    args.update(in_coeffs=[], out_coeffs=[], sym=[])
+    if extra:
+        args.update(in_coeffs=extra[0], out_coeffs=extra[1], sym=extra[2])
+    if not args["in_coeffs"]:  # a static program: every size fixed
+        args["in_coeffs"] = [0] * len(args["in_shapes"])
+        args["out_coeffs"] = [0] * len(args["out_shapes"])
+    for k in TABLES:
+        args[k] = fetch_attr(body, str(args[k].target))
+    consts = [fetch_attr(body, str(c.target)) for c in args["consts"]]
+    roles: list[tuple[str, int]] = []
+    for x in args["inputs"]:
+        if x.op == "get_attr":
+            roles.append(("const", len(consts)))
+            consts.append(fetch_attr(body, str(x.target)))
+            continue
+        i = placeholders.index(x)
+        roles.append(("state", i) if i < n else ("source", i - n) if i < n + m
+                     else ("invariant", i - n - m))  # fmt: skip
+    if not any(role == "source" for role, _ in roles):
+        return None
+    feed = [-1] * len(args["out_dtypes"])
+    for j in range(n):
+        if ("state", j) in roles:
+            if feed[results[j]] != -1:
+                return None
+            feed[results[j]] = roles.index(("state", j))
+    return NativeProgramLoop(loop, args, roles, consts, results, feed)
+
+
+def _simplify(body: fx.GraphModule) -> None:
+    """Drop what export leaves that computes nothing: slices of a whole dimension; selects
+    of a size-1 one, squeezes and unsqueezes become reshapes (which programs take as views)."""
+    for n in list(body.graph.nodes):
+        a: Any = n.args
+        if n.target == aten.slice.Tensor and len(a) >= 2:
+            start = a[2] if len(a) > 2 else 0
+            end = a[3] if len(a) > 3 else None
+            step = a[4] if len(a) > 4 else 1
+            if start in (0, None) and (end is None or end >= 2**62) and step == 1:
+                n.replace_all_uses_with(a[0])
+                body.graph.erase_node(n)
+        elif n.target in SIZE_ONE and isinstance(a[0], fx.Node):
+            val, src = n.meta.get("val"), a[0].meta.get("val")
+            if not isinstance(val, Tensor) or not isinstance(src, Tensor):
+                continue
+            if n.target == aten.select.int and src.shape[a[1]] != 1:
+                continue
+            if sum(not isinstance(d, int) for d in val.shape) > 1:
+                continue
+            shape = [d if isinstance(d, int) else -1 for d in val.shape]
+            with body.graph.inserting_before(n):
+                view = body.graph.call_function(aten.reshape.default, (a[0], shape))
+            view.meta = dict(n.meta)
+            n.replace_all_uses_with(view)
+            body.graph.erase_node(n)
+    body.graph.lint()
+    body.recompile()

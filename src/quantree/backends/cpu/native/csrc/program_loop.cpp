@@ -1,0 +1,88 @@
+// A region program (program.cpp's tables) run once per time step of a folded loop.
+//
+// A loop folded from a Python loop over time (recurrent/unrolled) whose lowered step is one
+// region program would otherwise call the program once per step from Python: a selective
+// scan's step is a few small ops on a few hundred values, so the per-step call (Python,
+// argument checks, workspace layout) cost more than the step. Here the workspace is laid out
+// once and the steps run back to back: each step copies its per-step inputs in (a slice of
+// a [T, ...] buffer), runs the code, copies every output to step t of its [T, ...] buffer,
+// and the outputs that are carried states are copied back into their input slots.
+#include "qt_program.h"
+
+using namespace qt::prog;
+
+namespace {
+constexpr int NSR = 6;  // resolved slot fields, as program.cpp's
+
+void copy_in(const Slot& d, const char* src) {
+    for (int64_t r = 0; r < d.rows; ++r)
+        std::memcpy(d.base + r * d.ld * d.size, src + r * d.cols * d.size,
+                    static_cast<size_t>(d.cols * d.size));
+}
+
+void copy_out(const Slot& d, char* dst) {
+    for (int64_t r = 0; r < d.rows; ++r)
+        std::memcpy(dst + r * d.cols * d.size, d.base + r * d.ld * d.size,
+                    static_cast<size_t>(d.cols * d.size));
+}
+}  // namespace
+
+extern "C" {
+
+// inputs[i]: slot in_slots[i]'s rows x cols, dense; step t reads inputs[i] + t * in_step[i]
+// bytes (in_step[i] 0: the same value every step, copied in once). outputs[o]: T dense
+// values of slot out_slots[o], step t at t * its bytes. feed[o] >= 0: output o is the next
+// step's input feed[o] (a carried state). Other arguments as qt_program_run's.
+void qt_program_loop(void** inputs, const int64_t* in_slots, const int64_t* in_step, int64_t n_in,
+                     void** outputs, const int64_t* out_slots, const int64_t* feed,
+                     int64_t n_out, int64_t T, const int64_t* slots, int64_t n_slots,
+                     int64_t fields, int64_t size, const int64_t* code, const float* fcode,
+                     int64_t n_code, void** consts) try {
+    std::vector<int64_t> table(static_cast<size_t>(n_slots * NSR));
+    for (int64_t i = 0; i < n_slots; ++i) {
+        const int64_t* d = slots + fields * i;
+        int64_t* r = table.data() + NSR * i;
+        std::memcpy(r, d, NSR * sizeof(int64_t));
+        if (fields >= 8) {
+            r[2] = d[2] + d[7] * size;
+            r[5] = d[5] + d[6] * size;
+        }
+    }
+    std::vector<char> ws;
+    const std::vector<Slot> s =
+        lay_out(ws, table.data(), n_slots, NSR, [](const int64_t* d) { return d[5]; });
+    int64_t scratch = 0;
+    for (int64_t n = 0; n < n_code; ++n) {
+        const int64_t* c = code + NI * n;
+        if (c[0] == LINEAR || c[0] == LINEAR16) {
+            const int64_t need = s[c[2]].rows * (c[9] + 4) * (c[0] == LINEAR16 ? 2 : 1);
+            scratch = need > scratch ? need : scratch;
+        }
+    }
+    std::vector<uint8_t> u8(static_cast<size_t>(scratch));
+    std::vector<int64_t> out_bytes(static_cast<size_t>(n_out));
+    for (int64_t o = 0; o < n_out; ++o) {
+        const Slot& d = s[out_slots[o]];
+        out_bytes[o] = d.rows * d.cols * d.size;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t i = 0; i < n_in; ++i)
+            if (t == 0 || in_step[i] > 0)
+                copy_in(s[in_slots[i]], static_cast<const char*>(inputs[i]) + t * in_step[i]);
+        for (int64_t n = 0; n < n_code; ++n) {
+            const int64_t* c = code + NI * n;
+            const float* f = fcode + NF * n;
+            const bool requant = c[0] == LINEAR && f[0] > 0;
+            const float* mult = requant ? static_cast<const float*>(consts[c[11]]) : nullptr;
+            run_op(c, f, s, consts, u8.data(), mult, requant ? mult + c[8] : nullptr);
+        }
+        for (int64_t o = 0; o < n_out; ++o)
+            copy_out(s[out_slots[o]], static_cast<char*>(outputs[o]) + t * out_bytes[o]);
+        // after every output is out: a state's slot may be another output's source
+        for (int64_t o = 0; o < n_out; ++o)
+            if (feed[o] >= 0)
+                copy_in(s[in_slots[feed[o]]], static_cast<const char*>(outputs[o]) + t * out_bytes[o]);
+    }
+} QT_CATCH
+
+}  // extern "C"

@@ -1,0 +1,146 @@
+"""The arithmetic of recurrence steps in region programs: scalar operands, exp / log /
+softplus / rsqrt / abs, division, maximum / minimum, clamps, and batched matmuls.
+
+A selective scan's or a gated linear recurrence's step (``recurrent.unrolled``) is a few
+such ops on small tensors: ``1 - z``, ``exp(A dt)``, ``softplus``, ``state @ C``. Without
+them in programs the step cannot be one program, so its loop runs op by op in Python. Each
+is float32 arithmetic as ATen's (``csrc/qt_program.h``: ``FLOAT_SCALAR``, ``FLOAT_UNARY``
+7-11, ``FLOAT_BINARY`` 3-5, ``FLOAT_MATMUL``), or an int8 matmul through ``qt_matmul``
+(``MATMUL``: the same bits as ``quantree.matmul``). ``passes/regions.py`` asks ``covered``
+and ``emit`` before its own cases.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+FLOAT_BINARY, FLOAT_UNARY, FLOAT_SCALAR, MATMUL, FLOAT_MATMUL = 7, 8, 12, 13, 14
+SCALAR_KINDS = {
+    aten.add.Tensor: 0, aten.add.Scalar: 0, aten.mul.Tensor: 1, aten.mul.Scalar: 1,
+    aten.sub.Tensor: 2, aten.sub.Scalar: 2, aten.rsub.Scalar: 3, aten.div.Tensor: 4,
+    aten.div.Scalar: 4, aten.clamp_min.default: 6, aten.clamp_max.default: 7,
+    aten.pow.Tensor_Scalar: 8,
+}  # fmt: skip
+"""``x op scalar`` (``FLOAT_SCALAR`` kinds; 5, ``scalar / x``, has no single aten op)."""
+UNARY_KINDS = {
+    aten.exp.default: 7, aten.log.default: 8, aten.softplus.default: 9, aten.rsqrt.default: 10,
+    aten.abs.default: 11,
+}  # fmt: skip
+BINARY_KINDS = {aten.div.Tensor: 3, aten.maximum.default: 4, aten.minimum.default: 5}
+MATMULS = {aten.matmul.default, aten.bmm.default}
+
+Shape = tuple[tuple[Any, ...], torch.dtype]
+
+
+def _scalar(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _scalar_op(n: fx.Node) -> tuple[int, float] | None:
+    """``n`` as ``(kind, scalar)`` if it is a float tensor op a scalar."""
+    a: Any = n.args
+    kind = SCALAR_KINDS.get(n.target)  # type: ignore[arg-type]
+    if kind is None or len(a) != 2 or not isinstance(a[0], fx.Node) or not _scalar(a[1]):
+        return None
+    if n.kwargs and set(n.kwargs) != {"alpha"} or n.kwargs.get("alpha", 1) != 1:
+        return None
+    return kind, float(a[1])
+
+
+def _matmul_dims(n: fx.Node, shapes: dict[fx.Node, Shape]) -> tuple[int, int] | None:
+    """``(M, rank)`` of a batched matmul of two operands of one batch shape (or None)."""
+    a: Any = n.args
+    if len(a) < 2 or not all(isinstance(x, fx.Node) and x in shapes for x in a[:2]):
+        return None
+    (sa, _), (sb, _) = shapes[a[0]], shapes[a[1]]
+    if len(sa) != len(sb) or len(sa) < 2 or sa[:-2] != sb[:-2] or sa[-1] != sb[-2]:
+        return None
+    if not all(type(d) is int for d in (sa[-2], sa[-1], sb[-1])):
+        return None
+    return sa[-2], len(sa)
+
+
+def infer(n: fx.Node, shapes: dict[fx.Node, Shape]) -> None:
+    """The shape of a ``quantree.matmul`` (the lowering's int8 ops carry none)."""
+    if n.target != torch.ops.quantree.matmul.default or n in shapes:
+        return
+    a: Any = n.args
+    if _matmul_dims(n, shapes) is None:
+        return
+    sa, sb = shapes[a[0]][0], shapes[a[1]][0]
+    shapes[n] = ((*sa[:-1], sb[-1]), torch.int8 if float(a[6]) > 0 else torch.float32)
+
+
+def covered(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool | None:
+    """Whether the program runs ``n`` (None: not an op of this module's)."""
+    a: Any = n.args
+    out = shapes.get(n)
+    floats = out is not None and out[1] == torch.float32
+    if n.target in SCALAR_KINDS and _scalar_op(n) is not None:
+        return floats and shapes.get(a[0]) == out
+    if n.target == aten.clamp.default:
+        bounds = [x for x in a[1:3] if x is not None]
+        return floats and shapes.get(a[0]) == out and all(_scalar(x) for x in bounds)
+    if n.target in UNARY_KINDS:
+        if n.target == aten.softplus.default and tuple(a[1:]) not in ((), (1,), (1, 20)):
+            return False
+        return floats and not n.kwargs and shapes.get(a[0]) == out
+    if n.target in BINARY_KINDS and len(a) == 2 and all(isinstance(x, fx.Node) for x in a):
+        return floats and not n.kwargs and all(shapes.get(x) == out for x in a)
+    if n.target in MATMULS:
+        same = all(shapes.get(x, ((), None))[1] == torch.float32 for x in a[:2])
+        return floats and same and _matmul_dims(n, shapes) is not None
+    if n.target == torch.ops.quantree.matmul.default:
+        same = all(shapes.get(x, ((), None))[1] == torch.int8 for x in a[:2])
+        return out is not None and same and _matmul_dims(n, shapes) is not None
+    return None
+
+
+def emit(
+    p: Any, n: fx.Node, slot: dict[fx.Node, int], value_slot: Callable[[fx.Node], int | None],
+    shapes: dict[fx.Node, Shape],
+) -> bool | None:  # fmt: skip
+    """Append ``n``'s instructions (None: not an op of this module's; False: refused)."""
+    a: Any = n.args
+    if covered(n, shapes) is None:
+        return None
+    dst = value_slot(n)
+    if dst is None:
+        return False
+    if n.target == aten.clamp.default:
+        src = slot[a[0]]
+        bounds = [(6, a[1] if len(a) > 1 else None), (7, a[2] if len(a) > 2 else None)]
+        steps = [(k, float(v)) for k, v in bounds if v is not None]
+        if not steps:
+            return False
+        for i, (kind, value) in enumerate(steps):
+            target = dst if i == len(steps) - 1 else value_slot(n)
+            assert target is not None
+            p.emit([FLOAT_SCALAR, target, src, kind], [value])
+            src = target
+    elif (scalar := _scalar_op(n)) is not None:
+        p.emit([FLOAT_SCALAR, dst, slot[a[0]], scalar[0]], [scalar[1]])
+    elif n.target in UNARY_KINDS:
+        p.emit([FLOAT_UNARY, dst, slot[a[0]], UNARY_KINDS[n.target]], [])  # type: ignore[index]
+    elif n.target in BINARY_KINDS:
+        p.emit([FLOAT_BINARY, dst, slot[a[0]], slot[a[1]], BINARY_KINDS[n.target]], [])  # type: ignore[index]
+    else:
+        dims = _matmul_dims(n, shapes)
+        assert dims is not None
+        if any(p.slots[s][3] != p.slots[s][4] for s in (slot[a[0]], slot[a[1]])):
+            return False  # a view of a wider value: the kernels read dense operands
+        if n.target == torch.ops.quantree.matmul.default:
+            scale = float(a[2]) * float(a[4])
+            inv = 1.0 / float(a[6]) if float(a[6]) > 0 else 0.0
+            floats = [float(a[3]), float(a[5]), scale, inv, float(a[7])]
+            p.emit([MATMUL, dst, slot[a[0]], slot[a[1]], dims[0]], floats)
+        else:
+            p.emit([FLOAT_MATMUL, dst, slot[a[0]], slot[a[1]], dims[0]], [])
+    slot[n] = dst
+    return True
