@@ -7,6 +7,7 @@ import torch
 
 import quantree as qt
 from quantree.core.observing.kinds import make_observer
+from support import batches, run
 
 KINDS = list(qt.ObserverKind)
 
@@ -137,3 +138,30 @@ def test_moving_average_counts_a_loop_batch_once():
                 holder(torch.tensor([-scale, scale * (step + 1) / 10]))
     assert int(observer.num_averaged) == 2
     assert float(observer.max_val) == pytest.approx(2.0)
+
+
+def test_an_all_zero_weight_channel_takes_the_other_channels_grid():
+    """Zeros are exact on any grid; the floor scale is not, for the int32 bias derived from
+    it (input scale x weight scale): it overflowed and was clamped."""
+    w = torch.tensor([[0.0, 0.0], [0.5, -0.25], [0.0, 0.0]])
+    observer = make_observer(qt.QuantSpec(qt.QDtype.INT8, symmetric=True, axis=0), "w")
+    observer(w)
+    scale = observer.qparams().scale
+    assert scale[0] == scale[1] == scale[2] and scale[1] > 0.0039  # 0.5 / 127.5 ~ 0.0039
+    zeros = make_observer(qt.QuantSpec(qt.QDtype.INT8, symmetric=True, axis=0), "w")
+    zeros(torch.zeros(3, 2))
+    assert torch.equal(zeros.qparams().scale, torch.ones(3))
+
+
+def test_a_zero_weight_layer_keeps_its_large_bias():
+    """xLSTM's gate projections start as zero weights and a -10 bias: the gate is the bias,
+    which int32 at input scale x weight scale must hold (it was clamped to about -0.002)."""
+    gate = torch.nn.Linear(8, 2)
+    with torch.no_grad():
+        gate.weight.zero_()
+        gate.bias.fill_(-10.0)
+    data = batches((4, 8))
+    _, converted = run(gate.eval(), data)
+    with torch.no_grad():
+        got = converted(*data[0])
+    assert torch.allclose(got, torch.full((4, 2), -10.0), atol=0.05)

@@ -34,6 +34,24 @@ def half_exact(scale: torch.Tensor) -> torch.Tensor:
     return rounded.view(torch.float32)
 
 
+def _zero_channels_on_a_common_grid(scale: torch.Tensor) -> torch.Tensor:
+    """Per-channel ``scale`` with each all-zero channel given the largest scale of the
+    others (1.0 when every channel is zero).
+
+    Any scale holds a channel of zeros exactly, but the floor was not harmless: a layer's
+    int32 bias is quantized at input scale x weight scale, so a zero weight row beside a
+    bias (xLSTM initialises its gate projections to zero weights and a -10 bias) put the
+    bias at -10 / (s_in x 1.2e-7), past int32, where it was clamped to a far smaller
+    value: the gate, and the model, lost their accuracy with no error.
+    """
+    zero = scale == 0
+    if not bool(zero.any()):
+        return scale
+    others = scale[~zero]
+    common = others.max() if others.numel() else torch.ones((), dtype=scale.dtype)
+    return torch.where(zero, common, scale)
+
+
 def qparams_from_range(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec) -> QParams:
     """Scale and zero point that represent [min_val, max_val] (widened to hold 0 exactly)."""
     qmin, qmax = spec.range
@@ -42,6 +60,8 @@ def qparams_from_range(min_val: torch.Tensor, max_val: torch.Tensor, spec: Quant
     if spec.symmetric:
         bound = torch.maximum(-lo, hi)
         scale = bound / ((qmax - qmin) / 2)
+        if spec.axis is not None:
+            scale = _zero_channels_on_a_common_grid(scale)
         scale = torch.clamp(scale, min=SCALE_FLOOR)
         if spec.axis is not None:
             scale = half_exact(scale)
@@ -49,7 +69,10 @@ def qparams_from_range(min_val: torch.Tensor, max_val: torch.Tensor, spec: Quant
             scale = torch.exp2(torch.ceil(torch.log2(scale)))
         zero_point = torch.full_like(scale, (qmin + qmax + 1) // 2, dtype=torch.int64)
     else:
-        scale = torch.clamp((hi - lo) / (qmax - qmin), min=SCALE_FLOOR)
+        scale = (hi - lo) / (qmax - qmin)
+        if spec.axis is not None:
+            scale = _zero_channels_on_a_common_grid(scale)
+        scale = torch.clamp(scale, min=SCALE_FLOOR)
         if spec.axis is not None:
             scale = half_exact(scale)
         if spec.power_of_two:
