@@ -273,10 +273,11 @@ static bool amx_on() {
 // TR row tiles x TC column tiles of C (at most 2 x 2: 4 accumulators, 2 A and 2 B tiles fill
 // the 8 tile registers). A rows at a (stride lda) for the kfull whole 64-byte k tiles, then
 // the k tail from at (stride 64, zero padded); B blocks from b (tail from bt, zero padded).
+// The second row tile reads a1 (the next 16 rows of A, or the same rows' low-byte plane).
 template <int TR, int TC>
 __attribute__((target("amx-tile,amx-int8"))) static void amx_block(
-    const uint8_t* a, int64_t lda, const uint8_t* at, const int8_t* b, int64_t kq,
-    const int8_t* bt, int64_t kfull, int32_t* c) {
+    const uint8_t* a, const uint8_t* a1, int64_t lda, const uint8_t* at, const int8_t* b,
+    int64_t kq, const int8_t* bt, int64_t kfull, int32_t* c) {
     _tile_zero(0);
     if (TC > 1) _tile_zero(1);
     if (TR > 1) _tile_zero(2);
@@ -288,7 +289,7 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_block(
         _tile_dpbusd(0, 4, 6);
         if (TC > 1) _tile_dpbusd(1, 4, 7);
         if (TR > 1) {
-            _tile_loadd(5, a + 16 * lda + k * 64, lda);
+            _tile_loadd(5, a1 + k * 64, lda);
             _tile_dpbusd(2, 5, 6);
             if (TC > 1) _tile_dpbusd(3, 5, 7);
         }
@@ -326,14 +327,17 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_config() {
 
 __attribute__((target("amx-tile"))) static void amx_release() { _tile_release(); }
 
-// C = epilogue(A . B) for M >= 16 rows without a second plane. Rows go in panels of 32 (a
-// panel's A stays in L1/L2 while every column block passes); a panel with fewer rows, and
-// every panel's k tail (Kp % 64 bytes), are copied zero padded, and so are the B blocks'
-// k tails (the tile would read the next block's, or past the weight's end).
+// C = epilogue(A . B) for M >= 16 rows. Rows go in panels of 32 (a panel's A stays in L1/L2
+// while every column block passes); with a second plane A_lo, panels of 16 rows whose second
+// row tile is that plane (store_block combines the two as the VNNI path does). A panel with
+// fewer rows, and every panel's k tail (Kp % 64 bytes), are copied zero padded, and so are
+// the B blocks' k tails (the tile would read the next block's, or past the weight's end).
 static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
-                     const int8_t* B, const Epilogue& ep) {
+                     const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
     const int64_t kq = Kp / 4, kfull = Kp / 64, tail = Kp - kfull * 64;
     const int64_t nblocks = (N + 15) / 16, K64 = (Kp + 63) / 64 * 64;
+    const bool dual = A_lo != nullptr;
+    const int64_t step = dual ? 16 : 32;
     // scratch: B tails (nblocks x 1 KiB), A tails (2 KiB), a short panel (32 x K64), C (4 KiB)
     const int64_t bt_bytes = tail ? nblocks * 1024 : 0, short_bytes = 32 * K64;
     uint8_t* scratch = static_cast<uint8_t*>(
@@ -349,37 +353,55 @@ static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
             std::memcpy(bt + j * 1024, B + (j * kq + kfull * 16) * 64, static_cast<size_t>(tail * 16));
     }
     amx_config();
-    for (int64_t r0 = 0; r0 < M; r0 += 32) {
-        const int64_t m = M - r0 < 32 ? M - r0 : 32;
-        const int tr = m > 16 ? 2 : 1;
+    for (int64_t r0 = 0; r0 < M; r0 += step) {
+        const int64_t m = M - r0 < step ? M - r0 : step;
+        const int tr = dual || m > 16 ? 2 : 1;
+        // the panel's two row tiles: rows r0.. and r0 + 16.. (or the low plane's rows r0..)
         const uint8_t* a = A + r0 * lda;
+        const uint8_t* a1 = dual ? A_lo + r0 * lda : a + 16 * lda;
         int64_t stride = lda;
-        if (m < 16 * tr) {  // a short panel: its rows, zero padded to whole tiles
+        if (m < (dual ? 16 : 16 * tr)) {  // a short panel: its rows, zero padded to whole tiles
             std::memset(panel_copy, 0, static_cast<size_t>(short_bytes));
-            for (int64_t i = 0; i < m; ++i)
+            for (int64_t i = 0; i < m; ++i) {
                 std::memcpy(panel_copy + i * K64, a + i * lda, static_cast<size_t>(Kp));
+                const uint8_t* second = dual ? a1 + i * lda : a + (16 + i) * lda;
+                if (dual || 16 + i < m)
+                    std::memcpy(panel_copy + (16 + i) * K64, second, static_cast<size_t>(Kp));
+            }
             a = panel_copy;
+            a1 = panel_copy + 16 * K64;
             stride = K64;
         }
         const uint8_t* at = nullptr;
         if (tail) {
             std::memset(atail, 0, 2048);
-            for (int64_t i = 0; i < m; ++i)
-                std::memcpy(atail + i * 64, a + i * stride + kfull * 64, static_cast<size_t>(tail));
+            for (int64_t i = 0; i < 16; ++i) {
+                if (i < m)
+                    std::memcpy(atail + i * 64, a + i * stride + kfull * 64, static_cast<size_t>(tail));
+                if (dual ? i < m : 16 + i < m)
+                    std::memcpy(atail + (16 + i) * 64, a1 + i * stride + kfull * 64,
+                                static_cast<size_t>(tail));
+            }
             at = atail;
         }
         for (int64_t nb = 0; nb < nblocks; nb += 2) {
             const int tc = nblocks - nb > 1 ? 2 : 1;
             const int8_t* b = B + nb * kq * 64;
             const int8_t* btn = bt + nb * 1024;
-            if (tr == 2 && tc == 2) amx_block<2, 2>(a, stride, at, b, kq, btn, kfull, c);
-            else if (tr == 2) amx_block<2, 1>(a, stride, at, b, kq, btn, kfull, c);
-            else if (tc == 2) amx_block<1, 2>(a, stride, at, b, kq, btn, kfull, c);
-            else amx_block<1, 1>(a, stride, at, b, kq, btn, kfull, c);
+            if (tr == 2 && tc == 2) amx_block<2, 2>(a, a1, stride, at, b, kq, btn, kfull, c);
+            else if (tr == 2) amx_block<2, 1>(a, a1, stride, at, b, kq, btn, kfull, c);
+            else if (tc == 2) amx_block<1, 2>(a, a1, stride, at, b, kq, btn, kfull, c);
+            else amx_block<1, 1>(a, a1, stride, at, b, kq, btn, kfull, c);
             for (int64_t i = 0; i < m; ++i)
-                for (int j = 0; j < tc; ++j)
-                    store_block(ep, r0 + i, (nb + j) * 16, N,
-                                _mm512_load_si512(c + i * 32 + j * 16), nullptr);
+                for (int j = 0; j < tc; ++j) {
+                    const __m512i hi = _mm512_load_si512(c + i * 32 + j * 16);
+                    if (dual) {
+                        const __m512i lo = _mm512_load_si512(c + (16 + i) * 32 + j * 16);
+                        store_block(ep, r0 + i, (nb + j) * 16, N, hi, &lo);
+                    } else {
+                        store_block(ep, r0 + i, (nb + j) * 16, N, hi, nullptr);
+                    }
+                }
         }
     }
     amx_release();
@@ -388,8 +410,8 @@ static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
 
 void gemm_avx512vnni(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
-    if (!A_lo && M >= 16 && amx_on()) {
-        gemm_amx(M, N, Kp, A, lda, B, ep);
+    if (M >= 16 && amx_on()) {
+        gemm_amx(M, N, Kp, A, lda, B, ep, A_lo);
         return;
     }
     const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
