@@ -7,7 +7,9 @@ XNNPACK's int8 model (its own ``XNNPACKQuantizer``, per channel), timed interlea
 eager, each sample a loop of ``--reps`` calls (a call of the small CNN is tens of
 microseconds: one call per sample measures the clock). Then every node of the lowered graph
 timed on its own with its recorded arguments (the same ``DirectCall``/``BoundCall`` the
-forward makes, so the Python entry is in the figure), summed per op. Then each distinct
+forward makes, so the Python entry is in the figure), summed per op. quantree runs twice:
+with its GEMMs on AMX tiles where the CPU offers them (the default) and on AVX-512 VNNI only
+(``qt_amx(0)``, same bits). Then each distinct
 convolution of the model as a one-layer model (conv, or conv + ReLU as the model has it)
 through both: quantree's node call on int8 NHWC data against XNNPACK's whole one-layer
 program minus its quantize/dequantize (measured as an identity-conv-free program: the
@@ -32,6 +34,7 @@ from torch import fx, nn
 
 import quantree as qt
 from quantree.backends import CPU
+from quantree.backends.cpu.native.loader import library
 
 
 def timed(fns: dict[str, Callable[[], Any]], reps: int, runs: int) -> dict[str, float]:
@@ -129,11 +132,16 @@ def whole(name: str, reps: int, runs: int) -> None:
     args = calib[0]
     lowered = qt.quantize(model, args, calib, backend=CPU, progress=False)
     et = et_call(et_int8(model, args, calib))
-    t = timed({"float": lambda: model(*args), "quantree": lambda: lowered(*args),
-               "et": lambda: et(args)}, reps, runs)  # fmt: skip
+    amx = library().qt_amx
+    t = timed({"float": lambda: model(*args), "quantree": lambda: (amx(1), lowered(*args)),
+               "vnni": lambda: (amx(0), lowered(*args)), "et": lambda: et(args)},
+              reps, runs)  # fmt: skip
+    amx(1)
     print(f"\n### {name}: whole model, ms per call (ratio to float)\n")
-    print("| float | quantree | et xnnpack | quantree / et |\n|---|---|---|---|")
+    print("| float | quantree (AMX where offered) | quantree, AVX-512 VNNI only | et xnnpack "
+          "| quantree / et |\n|---|---|---|---|---|")  # fmt: skip
     print(f"| {t['float']:.3f} | {t['quantree']:.3f} ({t['quantree'] / t['float']:.2f}x) | "
+          f"{t['vnni']:.3f} ({t['vnni'] / t['float']:.2f}x) | "
           f"{t['et']:.3f} ({t['et'] / t['float']:.2f}x) | {t['quantree'] / t['et']:.2f} |")  # fmt: skip
     calls = recorded_calls(lowered, args)
     per = timed({str(i): fn for i, (_, fn) in enumerate(calls)}, reps, max(5, runs // 3))
@@ -156,8 +164,8 @@ def per_layer(model: nn.Module, example: tuple, reps: int, runs: int) -> None:
     print("\nper convolution (+ReLU), one-layer models, ms per call: quantree's conv node on "
           "int8 NHWC; ExecuTorch's whole one-layer program (q, conv, dq) and the same for "
           "quantree's whole one-layer model\n")  # fmt: skip
-    print("| conv | in | quantree node | quantree model | et model | model ratio |")
-    print("|---|---|---|---|---|---|")
+    print("| conv | in | quantree node | node, VNNI only | quantree model | et model "
+          "| model ratio |\n|---|---|---|---|---|---|---|")  # fmt: skip
     g = torch.Generator().manual_seed(0)
     for conv, (x,), relu in convs_with_relu(model, example):
         one = OneConv(conv, relu).eval()
@@ -165,11 +173,15 @@ def per_layer(model: nn.Module, example: tuple, reps: int, runs: int) -> None:
         lowered = qt.quantize(one, calib[0], calib, backend=CPU, progress=False)
         et = et_call(et_int8(one, calib[0], calib))
         node = [fn for n, fn in recorded_calls(lowered, calib[0]) if "conv2d" in op_name(n)][0]
-        t = timed({"node": node, "qt": lambda: lowered(*calib[0]),
-                   "et": lambda: et(calib[0])}, reps, runs)  # fmt: skip
+        amx = library().qt_amx
+        t = timed({"node": lambda: (amx(1), node()), "vnni": lambda: (amx(0), node()),
+                   "qt": lambda: (amx(1), lowered(*calib[0])), "et": lambda: et(calib[0])},
+                  reps, runs)  # fmt: skip
+        amx(1)
         shape = (f"{conv.in_channels}->{conv.out_channels} k{conv.kernel_size[0]} "
                  f"s{conv.stride[0]} g{conv.groups}")  # fmt: skip
-        print(f"| {shape} | {tuple(x.shape[1:])} | {t['node']:.4f} | {t['qt']:.4f} | "
+        print(f"| {shape} | {tuple(x.shape[1:])} | {t['node']:.4f} | {t['vnni']:.4f} | "
+              f"{t['qt']:.4f} | "
               f"{t['et']:.4f} | {t['qt'] / t['et']:.2f} |")  # fmt: skip
 
 
