@@ -134,6 +134,9 @@ def library() -> ctypes.CDLL:
     lib.qt_select_isa.argtypes = [INT]
     lib.qt_select_isa.restype = INT
     lib.qt_current_isa.restype = INT
+    # AMX tiles for the AVX-512 VNNI path's GEMMs: -1 asks, 0 / 1 switch (same bits either way)
+    lib.qt_amx.argtypes = [INT]
+    lib.qt_amx.restype = INT
     lib.qt_cpu_features.restype = INT
     lib.qt_isa_for.argtypes = [INT, INT]
     lib.qt_isa_for.restype = INT

@@ -6,6 +6,8 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "qt_kernels.h"
 #include "qt_vmath.h"
@@ -234,8 +236,184 @@ static void gemv_rows(int64_t M, int64_t N, int64_t kq, const uint8_t* A, int64_
     }
 }
 
+
+// ---- AMX (Sapphire Rapids and later): the same products on 16 x 64-byte tiles ---------------
+//
+// Why a hand-written kernel: no well-kept library in the installed stack runs an int8 GEMM on
+// AMX with quantree's packed weights and epilogue. XNNPACK's qs8 convolutions (ExecuTorch)
+// stop at AVX-512 VNNI, and oneDNN's int8 primitives (torch.ops.onednn) take uint8
+// activations and their own opaque weight (benchmarks/README.md, "oneDNN's int8 ops"). The
+// packed weight layout ([blocks of 16 columns][Kp/4][16][4]) is already AMX's B-tile layout:
+// 16 consecutive k-quads of one block are one 16 x 64-byte tile, read in place. One
+// `tdpbusd` does 16 x 16 x 64 u8 x s8 products (int32 sums that wrap as vpdpbusd's do), so
+// the results are the VNNI path's bits; the epilogue is store_block, row by row.
+
+struct TileConfig {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static bool amx_permitted() {
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8
+    // Linux hands out the 8 KiB tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+static int amx_mode = -1;  // -1: not decided yet; 0: off; 1: on
+
+static bool amx_on() {
+    if (amx_mode < 0) amx_mode = amx_permitted() ? 1 : 0;
+    return amx_mode == 1;
+}
+
+// TR row tiles x TC column tiles of C (at most 2 x 2: 4 accumulators, 2 A and 2 B tiles fill
+// the 8 tile registers). A rows at a (stride lda) for the kfull whole 64-byte k tiles, then
+// the k tail from at (stride 64, zero padded); B blocks from b (tail from bt, zero padded).
+// The second row tile reads a1 (the next 16 rows of A, or the same rows' low-byte plane).
+template <int TR, int TC>
+__attribute__((target("amx-tile,amx-int8"))) static void amx_block(
+    const uint8_t* a, const uint8_t* a1, int64_t lda, const uint8_t* at, const int8_t* b,
+    int64_t kq, const int8_t* bt, int64_t kfull, int32_t* c) {
+    _tile_zero(0);
+    if (TC > 1) _tile_zero(1);
+    if (TR > 1) _tile_zero(2);
+    if (TR > 1 && TC > 1) _tile_zero(3);
+    for (int64_t k = 0; k < kfull; ++k) {
+        _tile_loadd(4, a + k * 64, lda);
+        _tile_loadd(6, b + k * 1024, 64);
+        if (TC > 1) _tile_loadd(7, b + kq * 64 + k * 1024, 64);
+        _tile_dpbusd(0, 4, 6);
+        if (TC > 1) _tile_dpbusd(1, 4, 7);
+        if (TR > 1) {
+            _tile_loadd(5, a1 + k * 64, lda);
+            _tile_dpbusd(2, 5, 6);
+            if (TC > 1) _tile_dpbusd(3, 5, 7);
+        }
+    }
+    if (at) {
+        _tile_loadd(4, at, 64);
+        _tile_loadd(6, bt, 64);
+        if (TC > 1) _tile_loadd(7, bt + 1024, 64);
+        _tile_dpbusd(0, 4, 6);
+        if (TC > 1) _tile_dpbusd(1, 4, 7);
+        if (TR > 1) {
+            _tile_loadd(5, at + 1024, 64);
+            _tile_dpbusd(2, 5, 6);
+            if (TC > 1) _tile_dpbusd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 128);
+    if (TC > 1) _tile_stored(1, c + 16, 128);
+    if (TR > 1) _tile_stored(2, c + 512, 128);
+    if (TR > 1 && TC > 1) _tile_stored(3, c + 528, 128);
+}
+
+__attribute__((target("amx-tile,amx-int8"))) static void amx_config() {
+    alignas(64) TileConfig cfg;
+    std::memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    // inline asm, not _tile_loadconfig: GCC 12 does not see that builtin read the
+    // configuration and dropped the stores filling it (every tile then faulted as unconfigured)
+    asm volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+__attribute__((target("amx-tile"))) static void amx_release() { _tile_release(); }
+
+// C = epilogue(A . B) for M >= 16 rows. Rows go in panels of 32 (a panel's A stays in L1/L2
+// while every column block passes); with a second plane A_lo, panels of 16 rows whose second
+// row tile is that plane (store_block combines the two as the VNNI path does). A panel with
+// fewer rows, and every panel's k tail (Kp % 64 bytes), are copied zero padded, and so are
+// the B blocks' k tails (the tile would read the next block's, or past the weight's end).
+static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+                     const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
+    const int64_t kq = Kp / 4, kfull = Kp / 64, tail = Kp - kfull * 64;
+    const int64_t nblocks = (N + 15) / 16, K64 = (Kp + 63) / 64 * 64;
+    const bool dual = A_lo != nullptr;
+    const int64_t step = dual ? 16 : 32;
+    // scratch: B tails (nblocks x 1 KiB), A tails (2 KiB), a short panel (32 x K64), C (4 KiB)
+    const int64_t bt_bytes = tail ? nblocks * 1024 : 0, short_bytes = 32 * K64;
+    uint8_t* scratch = static_cast<uint8_t*>(
+        std::aligned_alloc(64, static_cast<size_t>(bt_bytes + 2048 + short_bytes + 4096)));
+    if (!scratch) throw std::bad_alloc();
+    int8_t* bt = reinterpret_cast<int8_t*>(scratch);
+    uint8_t* atail = scratch + bt_bytes;
+    uint8_t* panel_copy = atail + 2048;
+    int32_t* c = reinterpret_cast<int32_t*>(panel_copy + short_bytes);
+    if (tail) {
+        std::memset(bt, 0, static_cast<size_t>(bt_bytes));
+        for (int64_t j = 0; j < nblocks; ++j)
+            std::memcpy(bt + j * 1024, B + (j * kq + kfull * 16) * 64, static_cast<size_t>(tail * 16));
+    }
+    amx_config();
+    for (int64_t r0 = 0; r0 < M; r0 += step) {
+        const int64_t m = M - r0 < step ? M - r0 : step;
+        const int tr = dual || m > 16 ? 2 : 1;
+        // the panel's two row tiles: rows r0.. and r0 + 16.. (or the low plane's rows r0..)
+        const uint8_t* a = A + r0 * lda;
+        const uint8_t* a1 = dual ? A_lo + r0 * lda : a + 16 * lda;
+        int64_t stride = lda;
+        if (m < (dual ? 16 : 16 * tr)) {  // a short panel: its rows, zero padded to whole tiles
+            std::memset(panel_copy, 0, static_cast<size_t>(short_bytes));
+            for (int64_t i = 0; i < m; ++i) {
+                std::memcpy(panel_copy + i * K64, a + i * lda, static_cast<size_t>(Kp));
+                const uint8_t* second = dual ? a1 + i * lda : a + (16 + i) * lda;
+                if (dual || 16 + i < m)
+                    std::memcpy(panel_copy + (16 + i) * K64, second, static_cast<size_t>(Kp));
+            }
+            a = panel_copy;
+            a1 = panel_copy + 16 * K64;
+            stride = K64;
+        }
+        const uint8_t* at = nullptr;
+        if (tail) {
+            std::memset(atail, 0, 2048);
+            for (int64_t i = 0; i < 16; ++i) {
+                if (i < m)
+                    std::memcpy(atail + i * 64, a + i * stride + kfull * 64, static_cast<size_t>(tail));
+                if (dual ? i < m : 16 + i < m)
+                    std::memcpy(atail + (16 + i) * 64, a1 + i * stride + kfull * 64,
+                                static_cast<size_t>(tail));
+            }
+            at = atail;
+        }
+        for (int64_t nb = 0; nb < nblocks; nb += 2) {
+            const int tc = nblocks - nb > 1 ? 2 : 1;
+            const int8_t* b = B + nb * kq * 64;
+            const int8_t* btn = bt + nb * 1024;
+            if (tr == 2 && tc == 2) amx_block<2, 2>(a, a1, stride, at, b, kq, btn, kfull, c);
+            else if (tr == 2) amx_block<2, 1>(a, a1, stride, at, b, kq, btn, kfull, c);
+            else if (tc == 2) amx_block<1, 2>(a, a1, stride, at, b, kq, btn, kfull, c);
+            else amx_block<1, 1>(a, a1, stride, at, b, kq, btn, kfull, c);
+            for (int64_t i = 0; i < m; ++i)
+                for (int j = 0; j < tc; ++j) {
+                    const __m512i hi = _mm512_load_si512(c + i * 32 + j * 16);
+                    if (dual) {
+                        const __m512i lo = _mm512_load_si512(c + (16 + i) * 32 + j * 16);
+                        store_block(ep, r0 + i, (nb + j) * 16, N, hi, &lo);
+                    } else {
+                        store_block(ep, r0 + i, (nb + j) * 16, N, hi, nullptr);
+                    }
+                }
+        }
+    }
+    amx_release();
+    std::free(scratch);
+}
+
 void gemm_avx512vnni(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
+    if (M >= 16 && amx_on()) {
+        gemm_amx(M, N, Kp, A, lda, B, ep, A_lo);
+        return;
+    }
     const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
     const bool dual = A_lo != nullptr;
     const int mr_max = dual ? 2 : 4;
@@ -379,3 +557,14 @@ void activation_avx512(int kind, const float* a, float* out, int64_t n) {
 // The AVX-VNNI GEMM, EVEX-encoded: what the AVX-VNNI path runs on an AVX-512 VNNI CPU.
 #define QT_VNNI256_NAME gemm_vnni256_evex
 #include "gemm_vnni256.h"
+
+// AMX on (1) or off (0) for the GEMMs above, or only asked (-1): returns whether it is on.
+// Off runs the AVX-512 VNNI micro-kernels (same bits): benchmarks time one against the
+// other in one process; on is refused where the CPU or the OS does not offer AMX.
+extern "C" int qt_amx(int on) {
+    using namespace qt;
+    const bool usable = amx_mode >= 0 ? amx_mode == 1 || amx_permitted() : amx_permitted();
+    if (on >= 0) amx_mode = on && usable ? 1 : 0;
+    else if (amx_mode < 0) amx_mode = usable ? 1 : 0;
+    return amx_mode;
+}

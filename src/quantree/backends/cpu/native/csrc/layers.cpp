@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "qt_kernels.h"
@@ -323,7 +324,8 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
     const int64_t P = batch * OH * OW, OCg = OC / groups, lda = groups * Kp, panel = 256;
     const int64_t group_weight = (OCg + 15) / 16 * Kp * 16;
     const uint8_t pad = static_cast<uint8_t>(x_zp + 128);
-    std::vector<uint8_t> col(static_cast<size_t>((P < panel ? P : panel) * lda + 8));
+    // not zero filled: im2col writes every byte of the rows it fills (their padding included)
+    std::unique_ptr<uint8_t[]> col(new uint8_t[static_cast<size_t>((P < panel ? P : panel) * lda + 8)]);
     const Requant rq(scale, bias, OC, inv);
     // fewer than 16 output channels a group: every group's products at once (conv_narrow.cpp)
     const bool narrow = groups > 1 && OCg < 16;
@@ -337,9 +339,9 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
     }
     for (int64_t p0 = 0; p0 < P; p0 += panel) {
         const int64_t rows = P - p0 < panel ? P - p0 : panel;
-        im2col(x, x + batch * H * W * C, g, groups, p0, rows, pad, col.data(), Kp);
+        im2col(x, x + batch * H * W * C, g, groups, p0, rows, pad, col.get(), Kp);
         if (narrow) {
-            qt::kernels.narrow(narrow_w.data(), rows, groups, OCg, Kp, col.data(), lda,
+            qt::kernels.narrow(narrow_w.data(), rows, groups, OCg, Kp, col.get(), lda,
                                narrow_acc.data());
             qt::kernels.rows_epilogue(
                 make_epilogue(off, scale, bias, out_f ? out_f + p0 * OC : nullptr,
@@ -352,7 +354,7 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
                 make_epilogue(off, scale, bias, out_f ? out_f + p0 * OC : nullptr,
                               out_q ? out_q + p0 * OC : nullptr, OC, inv, zp, relu, &rq,
                               gi * OCg);
-            qt::gemm_u8s8(rows, OCg, Kp, col.data() + gi * Kp, lda, w + gi * group_weight, ep);
+            qt::gemm_u8s8(rows, OCg, Kp, col.get() + gi * Kp, lda, w + gi * group_weight, ep);
         }
     }
 } QT_CATCH

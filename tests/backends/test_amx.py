@@ -1,0 +1,61 @@
+"""The AVX-512 VNNI path's GEMMs on AMX tiles give the bits of its vector micro-kernels.
+
+``qt_amx`` switches the tiles in-process; where the CPU or the OS does not offer them, it
+stays off and these tests skip. Shapes cover the row panel's tails (fewer than 16 or 32
+rows), the k tail (Kp not a multiple of 64), odd column blocks, a padded last block, and the
+int16 activations' two planes (``linear16``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import quantree as qt
+from quantree.backends import CPU
+from quantree.backends.cpu.native.loader import library
+
+
+@pytest.fixture
+def amx() -> Iterator[object]:
+    lib = library()
+    if lib.qt_amx(-1) != 1:
+        pytest.skip("no AMX on this CPU or OS")
+    yield lib.qt_amx
+    lib.qt_amx(1)
+
+
+def both(lowered: torch.nn.Module, x: torch.Tensor, amx: object) -> tuple[torch.Tensor, torch.Tensor]:
+    assert amx(0) == 0  # type: ignore[operator]
+    off = lowered(x)
+    assert amx(1) == 1  # type: ignore[operator]
+    return off, lowered(x)
+
+
+@pytest.mark.parametrize(
+    "cin, cout, kernel, stride, size",
+    [(3, 32, 3, 1, 9), (17, 33, 5, 1, 11), (64, 48, 3, 2, 12), (70, 16, 1, 1, 7), (5, 7, 3, 1, 4)],
+)
+def test_conv_on_tiles_equals_vector_path(amx, cin, cout, kernel, stride, size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(cin, cout, kernel, stride, kernel // 2), nn.ReLU()).eval()
+    calib = [(torch.randn(2, cin, size, size),) for _ in range(2)]
+    lowered = qt.quantize(model, calib[0], calib, backend=CPU, progress=False)
+    off, on = both(lowered, torch.randn(2, cin, size, size), amx)
+    assert torch.equal(off, on)
+
+
+@pytest.mark.parametrize("rows, depth, width", [(16, 64, 16), (47, 100, 33), (33, 200, 70)])
+@pytest.mark.parametrize("wide", [False, True])
+def test_linear_on_tiles_equals_vector_path(amx, rows, depth, width, wide):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(depth, width), nn.ReLU(), nn.Linear(width, 8)).eval()
+    calib = [(torch.randn(rows, depth),) for _ in range(2)]
+    quantizer = qt.A16W8Quantizer() if wide else None
+    lowered = qt.quantize(model, calib[0], calib, backend=CPU, progress=False, quantizer=quantizer)
+    assert ("linear16" in lowered.code) == wide
+    off, on = both(lowered, torch.randn(rows, depth), amx)
+    assert torch.equal(off, on)
