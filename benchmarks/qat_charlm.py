@@ -15,6 +15,11 @@ with ``time.process_time`` beside wall time, twice. Memory is the bytes of the t
 autograd saves for backward in one step (what training adds over inference; weights and
 optimizer state are the same for both).
 
+PTQ and QAT models are lowered with ``cpu_backend(hidden_bits=16)`` (``--hidden-bits``): its
+recurrent kernels feed h back on an int16 grid, which keeps the lowered logits within one
+step of the QAT model's; the default int8 feedback (also reported) moves a few by two
+(``benchmarks/qat_steps.py``).
+
 The float model keeps its weights: the QAT model is fine-tuned on training text the float
 model was trained on (more steps of it), so part of any gain over float is training, not
 quantization; ``--float-finetune`` also fine-tunes a float copy with the same budget to
