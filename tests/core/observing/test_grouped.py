@@ -15,8 +15,8 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
-from quantree.backends.cpu.saved.nibbles import pack_grouped
 from quantree.backends.cpu.native.packing import pack
+from quantree.backends.cpu.saved.nibbles import pack_grouped
 from quantree.core.observing.grouped import (
     GROUP_SIZE_KEY,
     best_multipliers,
