@@ -92,11 +92,11 @@ class IssueLSTM(nn.Module):
         return self.out(y), self.h(hn), self.c(cn)
 
 
-I16 = qt.QDtype.INT16
-CELL16 = {"cell_state_dtype": I16, "gate_dtype": I16, "cell_sums_dtype": I16}
+I8 = qt.QDtype.INT8
+CELL8 = {"cell_state_dtype": I8, "gate_dtype": I8, "cell_sums_dtype": I8}
 MODES = [(m.value, m, {}) for m in qt.RecurrentMode] + [
-    ("cells, int16 cell state, gates, sums", qt.RecurrentMode.CELLS, CELL16)
-]
+    ("cells, all-int8 cell (cell state, gates, sums int8)", qt.RecurrentMode.CELLS, CELL8)
+]  # cells mode's default: int16 cell state, gates and sums
 
 
 def lstm_rows() -> list[str]:

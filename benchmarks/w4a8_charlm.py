@@ -6,12 +6,13 @@ validation text, read on the reference graph (lowering computes the same integer
 sizes of the CPU-lowered models (``quantree.backends.save``); latency of the lowered int8 and
 w4a8 models on one batch, one thread, interleaved, CPU and wall time, two runs.
 
-    PYTHONPATH=src python benchmarks/w4a8_charlm.py
+    PYTHONPATH=src python benchmarks/w4a8_charlm.py ["w4a8 groups of 32, search + refine" ...]
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -55,7 +56,20 @@ def main() -> None:
             qt.W4A8Quantizer(activation_observer=SEARCH, weight_observer=SEARCH),
             True,
         ),
+        **{
+            f"w4a8 groups of {g}, search + refine": (
+                qt.W4A8Quantizer(activation_observer=SEARCH, weight_observer=SEARCH, group_size=g),
+                True,
+            )
+            for g in (16, 32, 64)
+        },
+        **{
+            f"w4a8 groups of {g}, min-max + refine": (qt.W4A8Quantizer(group_size=g), True)
+            for g in (32,)
+        },
     }
+    chosen = sys.argv[1:] or list(variants)  # names to run (int8 always: the size reference)
+    variants = {k: v for k, v in variants.items() if k == "int8" or k in chosen}
     print(f"load: {os.getloadavg()}")
     print("| model | bits/char | vs float | saved bytes | vs int8 |")
     print("| --- | --- | --- | --- | --- |")
@@ -73,16 +87,18 @@ def main() -> None:
               f"{sizes[name] / sizes['int8']:.2f}x |", flush=True)  # fmt: skip
     (x,) = calib[0]
     for run in (1, 2):
-        totals = {name: [0.0, 0.0] for name in ("int8", "w4a8 search + refine")}
+        totals = {name: [0.0, 0.0] for name in lowered}
         for _ in range(5):  # interleaved
             for name in totals:
                 cpu, wall = timed(lowered[name], x, 4)
                 totals[name][0] += cpu
                 totals[name][1] += wall
-        (c8, w8), (c4, w4) = totals.values()
-        print(f"run {run}: w4a8 / int8 latency, one thread, batch {tuple(x.shape)}: "
-              f"CPU {c4 / c8:.3f}, wall {w4 / w8:.3f} (int8 {1000 * c8 / 20:.1f} ms CPU a call); "
-              f"load {os.getloadavg()[0]:.2f}")  # fmt: skip
+        c8, w8 = totals["int8"]
+        for name, (c4, w4) in totals.items():
+            if name != "int8":
+                print(f"run {run}: {name} / int8 latency, one thread, batch {tuple(x.shape)}: "
+                      f"CPU {c4 / c8:.3f}, wall {w4 / w8:.3f} (int8 {1000 * c8 / 20:.1f} ms CPU "
+                      f"a call); load {os.getloadavg()[0]:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from quantree.core.grouping.group_params import (
 )
 from quantree.core.grouping.sharing import Group
 from quantree.core.normalizing.fold import own_written_state
+from quantree.core.observing.grouped import GROUP_SIZE_KEY
 from quantree.core.observing.qparams import SCALE_FLOOR, per_channel_mismatch
 from quantree.core.qdq import (
     DEQUANTIZE_PER_CHANNEL,
@@ -115,6 +116,8 @@ class _Rewriter:
                 stored = quantize_tensor(fetch_attr(self.gm, str(source.target)), p)
                 quantized = graph.get_attr(register_constant(self.gm, "_quantized_", stored))
                 quantized.meta["val"] = stored
+                if p.group_size is not None:
+                    quantized.meta[GROUP_SIZE_KEY] = p.group_size
                 if p.dtype == QDtype.INT32:
                     quantized.meta[FOLDED_FROM_KEY] = fetch_attr(self.gm, str(source.target))
             else:

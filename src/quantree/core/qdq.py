@@ -13,6 +13,7 @@ import torch.ao.quantization.fx._decomposed
 import torch.fx as fx
 
 from quantree.core.graphs import fetch_attr
+from quantree.core.observing.grouped import quantize_grouped
 from quantree.core.specs import QDtype, QParams
 
 qd = torch.ops.quantized_decomposed
@@ -41,6 +42,8 @@ def quantize_tensor(x: torch.Tensor, p: QParams) -> torch.Tensor:
     which its cast wraps to ``-2**31``; a positive value past the range (a bias whose derived
     scale is tiny, as one derived from a zero initial state's) is kept at the top instead.
     """
+    if p.group_size is not None:
+        return quantize_grouped(x, p.scale, p.group_size)
     if p.axis is None:
         q = qd.quantize_per_tensor(
             x, float(p.scale), int(p.zero_point), p.quant_min, p.quant_max, p.dtype.torch_dtype

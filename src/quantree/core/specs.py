@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantree.core.errors import QuantreeError
+from quantree.core.observing.grouped import check_group_size
 
 if TYPE_CHECKING:
     from quantree.core.values import Use, Value
@@ -70,7 +71,9 @@ class QuantSpec:
     """Quantize with parameters computed from calibration statistics.
 
     ``quant_min``/``quant_max`` default to the dtype's full range. ``power_of_two`` rounds the
-    scale up to a power of two (the integer-LSTM convention for cell state).
+    scale up to a power of two (the integer-LSTM convention for cell state). ``group_size``
+    (symmetric int8 weights per channel on axis 0 only): 4-bit codes with a scale per group of
+    that many input columns, held on the channel's int8 grid (``quantree.core.observing.grouped``).
     """
 
     dtype: QDtype = QDtype.INT8
@@ -80,10 +83,20 @@ class QuantSpec:
     quant_min: int | None = None
     quant_max: int | None = None
     power_of_two: bool = False
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, QDtype):
             raise QuantreeError(f"QuantSpec.dtype must be a QDtype, got {self.dtype!r}")
+        check_group_size(self.group_size)
+        if self.group_size is not None and not (
+            self.dtype is QDtype.INT8 and self.symmetric and self.axis == 0
+        ):
+            raise QuantreeError(
+                "QuantSpec.group_size needs a symmetric int8 weight spec per channel on axis 0 "
+                f"(dtype=QDtype.INT8, symmetric=True, axis=0), got dtype={self.dtype.value}, "
+                f"symmetric={self.symmetric}, axis={self.axis}"
+            )
         if not isinstance(self.observer, ObserverKind):
             raise QuantreeError(
                 f"QuantSpec.observer must be an ObserverKind, got {self.observer!r}"
@@ -156,6 +169,9 @@ class QParams:
     quant_min: int
     quant_max: int
     axis: int | None = None
+    group_size: int | None = None
+    """Weights: 4-bit codes with a multiplier per group of this many columns
+    (``quantree.core.observing.grouped``); the dequantize is the plain per-channel one."""
 
     @property
     def per_channel(self) -> bool:

@@ -78,7 +78,7 @@ def qparams_from_range(min_val: torch.Tensor, max_val: torch.Tensor, spec: Quant
         if spec.power_of_two:
             scale = torch.exp2(torch.ceil(torch.log2(scale)))
         zero_point = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax).to(torch.int64)
-    return QParams(scale, zero_point, spec.dtype, qmin, qmax, spec.axis)
+    return QParams(scale, zero_point, spec.dtype, qmin, qmax, spec.axis, spec.group_size)
 
 
 def per_channel_mismatch(axis: int, channels: int | None, shape: Sequence[object]) -> str | None:

@@ -343,4 +343,4 @@ class ChannelSearchObserver(Observer):
 
 def _on_axis0(p: QParams) -> QParams:
     """``p`` for values laid out channel first (rows), as the search keeps them."""
-    return QParams(p.scale, p.zero_point, p.dtype, p.quant_min, p.quant_max, 0)
+    return QParams(p.scale, p.zero_point, p.dtype, p.quant_min, p.quant_max, 0, p.group_size)

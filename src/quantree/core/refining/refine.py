@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from quantree.core.calibrate import as_args
 from quantree.core.errors import QuantreeError
+from quantree.core.observing.grouped import GROUP_SIZE_KEY
 from quantree.core.refining.recurrent import RECURRENT, RecurrentInputs
 from quantree.core.refining.rounding import output_error, round_against_output
 from quantree.core.refining.statistics import InputMoments
@@ -273,7 +274,8 @@ def _refine_layer(
     before = output_error(w_float - (q - z) * s, stats.gram)
     rounded = options.rounding and stats.rows >= ROWS_PER_COLUMN * w_float.shape[1]
     if rounded:
-        q = round_against_output(w_float, s, z, qmin, qmax, stats.gram)
+        group = layer.weight.args[0].meta.get(GROUP_SIZE_KEY)  # type: ignore[union-attr]
+        q = round_against_output(w_float, s, z, qmin, qmax, stats.gram, group)
         _set_attr(result, target, q.reshape(ints.shape).to(ints.dtype))
     after = output_error(w_float - (q - z) * s, stats.gram)
     corrected = False

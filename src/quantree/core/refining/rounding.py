@@ -14,6 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from quantree.core.observing.grouped import (
+    CODE_MAX,
+    CODE_MIN,
+    best_multipliers,
+    quantize_grouped,
+)
+
 DAMPING = 0.01
 """Added to H's diagonal, as a fraction of its mean: keeps the inverse defined where an
 input column is constant or unseen."""
@@ -33,13 +40,20 @@ def round_against_output(
     qmin: int,
     qmax: int,
     gram: torch.Tensor,
+    group_size: int | None = None,
 ) -> torch.Tensor:
     """Integers for ``weight`` ([out, in]; ``scale``/``zero_point`` per row, shape [out, 1],
-    or scalars) chosen column by column with error feedback; never worse than nearest."""
+    or scalars) chosen column by column with error feedback; never worse than nearest.
+    ``group_size``: 4-bit codes times a multiplier per group of columns
+    (``observing/grouped.py``), each group's multiplier chosen when its first column is
+    reached, on the columns as the errors before it left them."""
     rows = weight.shape[0]
     s = scale.double().reshape(-1, 1).expand(rows, 1)
     z = zero_point.double().reshape(-1, 1).expand(rows, 1)
-    nearest = torch.clamp(torch.round(weight.double() / s) + z, qmin, qmax)
+    if group_size is None:
+        nearest = torch.clamp(torch.round(weight.double() / s) + z, qmin, qmax)
+    else:
+        nearest = quantize_grouped(weight, s[:, 0], group_size).double()
     w = weight.double().clone()
     h = gram.clone()
     dead = torch.diagonal(h) == 0
@@ -51,9 +65,19 @@ def round_against_output(
     except RuntimeError:  # not positive definite even damped: keep nearest rounding
         return nearest
     q = torch.empty_like(w)
+    step = s[:, 0]
+    energy = torch.diagonal(gram).clamp(min=0.0)
     for i in range(w.shape[1]):
+        if group_size is not None and i % group_size == 0:  # the group's multiplier, from
+            block = w[:, i : i + group_size].unsqueeze(1)  # its columns as fed back so far
+            m = best_multipliers(block, s[:, 0], energy[i : i + group_size].unsqueeze(0))
+            step = s[:, 0] * m[:, 0].double()
         column = w[:, i]
-        q[:, i] = torch.clamp(torch.round(column / s[:, 0]) + z[:, 0], qmin, qmax)
+        if group_size is None:
+            q[:, i] = torch.clamp(torch.round(column / step) + z[:, 0], qmin, qmax)
+        else:
+            codes = torch.clamp(torch.round(column / step), CODE_MIN, CODE_MAX)
+            q[:, i] = codes * torch.round(step / s[:, 0])
         err = (column - (q[:, i] - z[:, 0]) * s[:, 0]) / upper[i, i]
         w[:, i:] -= err[:, None] * upper[i, i:][None, :]
     better = output_error(weight - (q - z) * s, gram) <= output_error(

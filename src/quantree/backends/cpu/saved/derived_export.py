@@ -75,6 +75,7 @@ _NARROW_OPS = (
     torch.ops.quantree.widened.default,
     torch.ops.quantree.filled.default,
     torch.ops.quantree.nibbles.default,
+    torch.ops.quantree.grouped_nibbles.default,
 )
 
 

@@ -288,4 +288,5 @@ RECIPE_OPS = (
     torch.ops.quantree.widened.default,
     torch.ops.quantree.filled.default,
     torch.ops.quantree.nibbles.default,  # 4-bit weights, two a byte (``nibbles.py``)
+    torch.ops.quantree.grouped_nibbles.default,  # grouped 4-bit weights (``nibbles.py``)
 )

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from quantree.backends.cpu.saved.derived import Recipe
 from quantree.backends.cpu.saved.derived_ops import FILLED_DTYPES, MAX_EXPONENT
-from quantree.backends.cpu.saved.nibbles import pack_nibbles
+from quantree.backends.cpu.saved.nibbles import pack_grouped, pack_nibbles
 
 MIN_SAVED_BYTES = 64
 """Save a constant narrow only where that saves at least this much: each recipe costs a node
@@ -69,7 +69,8 @@ def _exponent(t: Tensor) -> int:
 
 def narrowed(t: Tensor) -> Recipe | None:
     """How to save ``t`` in fewer bytes, exactly, if that saves enough: ``filled``,
-    ``nibbles`` (int8 values all in [-8, 7]), or ``widened(t in a narrower type)``."""
+    ``nibbles`` (int8 values all in [-8, 7]), ``grouped_nibbles`` (a grouped 4-bit weight),
+    or ``widened(t in a narrower type)``."""
     if t.nbytes < MIN_SAVED_BYTES or t.layout != torch.strided:
         return None
     uniform = _filled(t)
@@ -78,6 +79,12 @@ def narrowed(t: Tensor) -> Recipe | None:
     packed = pack_nibbles(t)  # a 4-bit weight (int8 storage on [-8, 7]): two a byte
     if packed is not None and t.nbytes - packed.nbytes >= MIN_SAVED_BYTES:
         return Recipe(torch.ops.quantree.nibbles.default, (packed, list(t.shape)))
+    grouped = pack_grouped(t)  # a grouped 4-bit weight (``code * m`` a group): codes, m
+    if grouped is not None:
+        codes, multipliers, group = grouped
+        if t.nbytes - codes.nbytes - multipliers.nbytes >= MIN_SAVED_BYTES:
+            args = (codes, multipliers, list(t.shape), group)
+            return Recipe(torch.ops.quantree.grouped_nibbles.default, args)
     for dtype in _NARROWER.get(t.dtype, ()):
         saved = t.numel() * (t.element_size() - torch.empty((), dtype=dtype).element_size())
         if saved < MIN_SAVED_BYTES:

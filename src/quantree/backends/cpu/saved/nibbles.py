@@ -69,3 +69,67 @@ def nibbles(packed: Tensor, size: list[int]) -> Tensor:
 @torch.library.register_fake("quantree::nibbles")
 def _(packed, size):
     return packed.new_empty(list(size), dtype=torch.int8)
+
+
+# Grouped 4-bit weights (``W4A8Quantizer(group_size=...)``, ``core/observing/grouped.py``):
+# each group of a channel's columns is ``code * m`` on the channel's int8 grid. The kernels'
+# blocked layout (``native/packing.py``: ``[N/16, K/4, 64]``) is read back as ``[N, K]``
+# rows, each group's codes packed as nibbles and its multiplier as one more nibble (``m - 9``),
+# 4 + 4/group bits a weight; ``grouped_nibbles`` rebuilds the blocked tensor bit for bit.
+GROUP_SIZES = (256, 128, 64, 32, 16)
+"""Group sizes tried, largest first (the largest that factors every group is the smallest
+file)."""
+_LANES, _DEPTH = 16, 4
+
+
+def _rows_of_blocks(t: Tensor) -> Tensor:
+    p, q, _ = t.shape
+    return t.view(p, q, _LANES, _DEPTH).permute(0, 2, 1, 3).reshape(p * _LANES, q * _DEPTH)
+
+
+def _blocks_of_rows(rows: Tensor) -> Tensor:
+    n, k = rows.shape
+    blocks = rows.view(n // _LANES, _LANES, k // _DEPTH, _DEPTH).permute(0, 2, 1, 3)
+    return blocks.contiguous().view(n // _LANES, k // _DEPTH, _LANES * _DEPTH)
+
+
+def pack_grouped(t: Tensor) -> tuple[Tensor, Tensor, int] | None:
+    """``(codes, multipliers, group)`` for an int8 weight in the kernels' blocked layout whose
+    every group is ``code * m`` (codes and ``m - 9`` two a byte); None where none is."""
+    from quantree.core.observing.grouped import group_codes
+
+    if t.dtype != torch.int8 or t.dim() != 3 or t.shape[2] != _LANES * _DEPTH or t.numel() == 0:
+        return None
+    rows = _rows_of_blocks(t.detach().contiguous())
+    for group in GROUP_SIZES:
+        if rows.shape[1] % group:
+            continue
+        found = group_codes(rows, group)
+        if found is None:
+            continue
+        codes, multipliers = found
+        packed_m = pack_nibbles((multipliers.to(torch.int16) - 9).to(torch.int8))  # 1..16 -> -8..7
+        packed_codes = pack_nibbles(codes)
+        if packed_m is None or packed_codes is None:
+            return None
+        return packed_codes, packed_m, group
+    return None
+
+
+@op("grouped_nibbles(Tensor codes, Tensor multipliers, int[] size, int group) -> Tensor")
+def grouped_nibbles(codes: Tensor, multipliers: Tensor, size: list[int], group: int) -> Tensor:
+    """The blocked int8 weight of shape ``size`` that ``pack_grouped`` packed."""
+    if len(size) != 3 or size[2] != _LANES * _DEPTH or not isinstance(group, int) or group < 1:
+        raise _refuse(f"grouped nibbles of shape {list(size)} with group {group!r}")
+    rows_n, cols = size[0] * _LANES, size[1] * _DEPTH
+    if cols % group:
+        raise _refuse(f"{cols} columns a row that groups of {group} do not split")
+    code_values = nibbles(codes, [rows_n, cols]).to(torch.int16)
+    m = nibbles(multipliers, [rows_n, cols // group]).to(torch.int16) + 9  # stored as m - 9
+    values = code_values.view(rows_n, cols // group, group) * m.unsqueeze(-1)
+    return _blocks_of_rows(values.reshape(rows_n, cols).to(torch.int8))
+
+
+@torch.library.register_fake("quantree::grouped_nibbles")
+def _(codes, multipliers, size, group):
+    return codes.new_empty(list(size), dtype=torch.int8)

@@ -1,0 +1,78 @@
+"""int8 against int16 embedding tables: accuracy, saved size and latency of the lowered model.
+
+For the zoo's BERT and GPT-2 and the accuracy script's DistilBERT: the default recipe
+(int8 per-row tables) and ``Int8Quantizer(embedding_dtype=INT16)``, each quantized and
+lowered on the CPU backend; input-dependent SQNR on held-out inputs (zoo's data), the saved
+``.pt2`` (``saved_size``), and thread-CPU/wall milliseconds of one call, float and both
+variants interleaved in the same rounds (one thread, medians).
+
+    PYTHONPATH=src python benchmarks/embedding_tables.py [--runs 20] [--models bert,gpt2,distilbert]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+
+import torch
+from accuracy_algorithms import distilbert
+from common import interleaved_times, one_thread
+from saved_size import saved_size
+from zoo import Case, build, input_dependent_sqnr, outputs
+
+import quantree as qt
+from quantree.backends import CPU
+
+VARIANTS = {"int8 table": qt.QDtype.INT8, "int16 table": qt.QDtype.INT16}
+
+
+def case_of(name: str) -> Case:
+    if name == "distilbert":
+        model, sample = distilbert()
+        return Case(model, sample)
+    return build(name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="bert,gpt2,distilbert")
+    parser.add_argument("--runs", type=int, default=20)
+    args = parser.parse_args()
+    one_thread()
+    warnings.filterwarnings("ignore")
+    print(f"load: {os.getloadavg()}")
+    print("| model | table | SQNR | saved size (x int8 weight bytes) | CPU-time ratio to float "
+          "| wall ratio |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in args.models.split(","):
+        torch.manual_seed(0)
+        case = case_of(name)
+        case.model.eval()
+        gen = torch.Generator().manual_seed(1)
+        calib = [case.sample(gen) for _ in range(16)]
+        held = [case.sample(gen) for _ in range(8)]
+        want = outputs(case.model, held)
+        x = held[0]
+        timed = {"float": lambda f=case.model, x=x: f(*x)}
+        rows = {}
+        for label, dtype in VARIANTS.items():
+            lowered = qt.quantize(
+                case.model, calib[0], calib, quantizer=qt.Int8Quantizer(embedding_dtype=dtype),
+                backend=CPU, progress=False,
+            )  # fmt: skip
+            with torch.no_grad():
+                sqnr = input_dependent_sqnr(want, outputs(lowered, held))
+            rows[label] = (sqnr, saved_size(case.model, lowered, calib[0]).render())
+            timed[label] = lambda q=lowered, x=x: q(*x)
+        ms = interleaved_times(timed, args.runs, warmup=3)
+        wall_f, cpu_f = ms["float"]
+        for label, (sqnr, size) in rows.items():
+            wall, cpu = ms[label]
+            print(f"| {name} | {label} | {sqnr:.1f} dB | {size} | {cpu / cpu_f:.2f}x "
+                  f"({cpu:.2f} / {cpu_f:.2f} ms) | {wall / wall_f:.2f}x |", flush=True)  # fmt: skip
+    print(f"load: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
