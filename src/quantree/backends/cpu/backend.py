@@ -139,7 +139,8 @@ def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
         warnings.warn(
             f"{len(folded)} loop(s) folded from a Python loop over time run their lowered step "
             f"step by step in Python, slower than float for small steps: {', '.join(folded)}. "
-            "The native cell program does not run these steps yet; quantize with "
+            "Their lowered steps hold an op or a shape the native step program does not run "
+            "(cells/step_program.py); quantize with "
             "fold_loops=False to keep the unrolled steps (fused, but fixed to the captured "
             "length).",
             QuantreeWarning,
