@@ -118,3 +118,33 @@ def test_float_index_math_from_integers_is_not_annotated() -> None:
     for args in data:
         got, want = ref(*args), model(*args)
         assert float(10 * torch.log10(want.pow(2).sum() / (want - got).pow(2).sum())) > 30
+
+
+class Spectrogram(nn.Module):
+    """HDemucs's front: an STFT (complex), ``view_as_real``, a normalisation, a conv2d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3)
+        self.register_buffer("window", torch.hann_window(32))
+
+    def forward(self, wave: torch.Tensor) -> torch.Tensor:  # [1, 256]
+        spec = torch.stft(wave, 32, 8, window=self.window, return_complex=True)
+        x = torch.view_as_real(spec).permute(0, 3, 1, 2)  # [1, 2, freq, frames]
+        return self.conv((x - x.mean()) / (1e-5 + x.std()))
+
+
+def test_a_complex_spectrum_is_data_not_index_math() -> None:
+    """It prepared with the conv's input dropped as index math and its bias still derived
+    from it: "DerivedSpec ... derives from conv2d.input[0], which has no spec"."""
+    torch.manual_seed(0)
+    model = Spectrogram().eval()
+    data = [(torch.randn(1, 256),) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = qt.quantize(model, data[0], data, backend="reference", progress=False)
+    conv = next(n for n in ref.graph.nodes if n.target is torch.ops.aten.conv2d.default)
+    assert is_dequantize(conv.args[0])
+    for args in data:
+        got, want = ref(*args), model(*args)
+        assert float(10 * torch.log10(want.pow(2).sum() / (want - got).pow(2).sum())) > 25

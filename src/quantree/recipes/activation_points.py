@@ -66,9 +66,44 @@ def _packet(node: fx.Node) -> object:
     return getattr(node.target, "overloadpacket", None)
 
 
+_ROOTS = (aten.rsqrt, aten.sqrt)
+_MEANS = (aten.mean, aten.var, aten.sum)
+_EPSILON_ADDS = (aten.add, aten.add_)
+
+
+def _hand_written_norm(node: fx.Node) -> bool:
+    """``node`` is the root of a mean of squares (or a variance), maybe plus an epsilon: the
+    denominator of an RMS norm or layer norm written by hand (Mamba's, Griffin's and
+    xLSTM's RMS norms, a global layer norm), ``aten.rms_norm`` itself."""
+    if _packet(node) is aten.rms_norm:
+        return True
+    if _packet(node) not in _ROOTS:
+        return False
+    arg = node.args[0]
+    if isinstance(arg, fx.Node) and _packet(arg) in _EPSILON_ADDS:
+        tensors = [a for a in arg.args[:2] if isinstance(a, fx.Node)]
+        arg = tensors[0] if len(tensors) == 1 else None
+    if not isinstance(arg, fx.Node) or _packet(arg) not in _MEANS:
+        return False
+    squared = arg.args[0]
+    return _packet(arg) is aten.var or (
+        isinstance(squared, fx.Node)
+        and (
+            (_packet(squared) is aten.pow and squared.args[1:2] == (2,))
+            or (_packet(squared) is aten.mul and squared.args[0] is squared.args[1])
+        )
+    )
+
+
 def transformer_like(graph: fx.Graph) -> bool:
-    """Whether ``graph`` normalises features (layer/group norm) or computes attention (SDPA,
-    or a softmax a matmul reads): the graphs whose residual streams carry outliers."""
+    """Whether ``graph`` normalises features (layer/group norm, or an RMS norm or variance
+    written by hand) or computes attention (SDPA, or a softmax a matmul reads): the graphs
+    whose residual streams carry outliers.
+
+    The hand-written norms bring in the modern recurrences (Mamba, Griffin's RG-LRU, xLSTM,
+    a dual-path RNN's global layer norm): there every op quantized rounded each step of an
+    unrolled scan, its gates and log-space decays (xLSTM 11 dB, where only what weights
+    read gave 35 dB; figures in benchmarks/README.md, "Modern recurrences: accuracy")."""
     owner = graph.owning_module
     if owner is not None and _VERDICT_KEY in owner.meta:
         return bool(owner.meta[_VERDICT_KEY])
@@ -79,6 +114,7 @@ def transformer_like(graph: fx.Graph) -> bool:
             packet in _NORMS
             or packet in _ATTENTION
             or (packet in _SOFTMAX and any(_packet(u) in _MATMULS for u in node.users))
+            or _hand_written_norm(node)
         ):
             verdict = True
         if verdict:

@@ -82,8 +82,11 @@ def _is_tensor(node: fx.Node) -> bool:
 
 
 def _integer_tensor(node: fx.Node) -> bool:
+    """An integer or boolean tensor; a complex one is data (an STFT's spectrum, which
+    ``view_as_real`` turns into the float a spectrogram model's convolutions read: HDemucs
+    failed to prepare when it counted as index math)."""
     meta = tensor_meta(node)
-    return isinstance(meta, torch.Tensor) and not meta.is_floating_point()
+    return isinstance(meta, torch.Tensor) and not (meta.is_floating_point() or meta.is_complex())
 
 
 def _has_float_leaf(tree: object) -> bool:
