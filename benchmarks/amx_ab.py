@@ -57,8 +57,8 @@ def main() -> None:
         first = held[0]
         calls = {
             "float": lambda f=case.model, a=first: f(*a),
-            "before": lambda a=first: (amx(0), lowered(*a)),
-            "after": lambda a=first: (amx(1), lowered(*a)),
+            "before": lambda m=lowered, a=first: (amx(0), m(*a)),
+            "after": lambda m=lowered, a=first: (amx(1), m(*a)),
         }
         for _ in range(args.rounds):
             cpu = {k: c for k, (_, c) in interleaved_times(calls, args.runs, warmup=3).items()}

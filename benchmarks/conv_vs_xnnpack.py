@@ -140,9 +140,9 @@ def whole(name: str, reps: int, runs: int) -> None:
     print(f"\n### {name}: whole model, ms per call (ratio to float)\n")
     print("| float | quantree (AMX where offered) | quantree, AVX-512 VNNI only | et xnnpack "
           "| quantree / et |\n|---|---|---|---|---|")  # fmt: skip
-    print(f"| {t['float']:.3f} | {t['quantree']:.3f} ({t['quantree'] / t['float']:.2f}x) | "
-          f"{t['vnni']:.3f} ({t['vnni'] / t['float']:.2f}x) | "
-          f"{t['et']:.3f} ({t['et'] / t['float']:.2f}x) | {t['quantree'] / t['et']:.2f} |")  # fmt: skip
+    ratio = {k: f"{v:.3f} ({v / t['float']:.2f}x)" for k, v in t.items()}
+    print(f"| {t['float']:.3f} | {ratio['quantree']} | {ratio['vnni']} | {ratio['et']} "
+          f"| {t['quantree'] / t['et']:.2f} |")  # fmt: skip
     calls = recorded_calls(lowered, args)
     per = timed({str(i): fn for i, (_, fn) in enumerate(calls)}, reps, max(5, runs // 3))
     by_op: dict[str, list[float]] = collections.defaultdict(list)
@@ -172,11 +172,12 @@ def per_layer(model: nn.Module, example: tuple, reps: int, runs: int) -> None:
         calib = [(torch.randn(x.shape, generator=g),) for _ in range(4)]
         lowered = qt.quantize(one, calib[0], calib, backend=CPU, progress=False)
         et = et_call(et_int8(one, calib[0], calib))
-        node = [fn for n, fn in recorded_calls(lowered, calib[0]) if "conv2d" in op_name(n)][0]
-        amx = library().qt_amx
-        t = timed({"node": lambda: (amx(1), node()), "vnni": lambda: (amx(0), node()),
-                   "qt": lambda: (amx(1), lowered(*calib[0])), "et": lambda: et(calib[0])},
-                  reps, runs)  # fmt: skip
+        node = next(fn for n, fn in recorded_calls(lowered, calib[0]) if "conv2d" in op_name(n))
+        amx, a = library().qt_amx, calib[0]
+        t = timed({"node": lambda amx=amx, f=node: (amx(1), f()),
+                   "vnni": lambda amx=amx, f=node: (amx(0), f()),
+                   "qt": lambda amx=amx, m=lowered, a=a: (amx(1), m(*a)),
+                   "et": lambda f=et, a=a: f(a)}, reps, runs)  # fmt: skip
         amx(1)
         shape = (f"{conv.in_channels}->{conv.out_channels} k{conv.kernel_size[0]} "
                  f"s{conv.stride[0]} g{conv.groups}")  # fmt: skip

@@ -28,7 +28,9 @@ def amx() -> Iterator[object]:
     lib.qt_amx(1)
 
 
-def both(lowered: torch.nn.Module, x: torch.Tensor, amx: object) -> tuple[torch.Tensor, torch.Tensor]:
+def both(
+    lowered: torch.nn.Module, x: torch.Tensor, amx: object
+) -> tuple[torch.Tensor, torch.Tensor]:
     assert amx(0) == 0  # type: ignore[operator]
     off = lowered(x)
     assert amx(1) == 1  # type: ignore[operator]

@@ -229,3 +229,18 @@ def test_pooling_binds_its_geometry() -> None:
     with pytest.raises(NativeArgumentError, match=r"x is torch\.float32"):
         call(x.float(), *geometry)
     assert torch.equal(call(x, *geometry), op(x, *geometry))
+
+
+def test_each_input_shape_keeps_its_own_kernel_call(lowered) -> None:
+    """A bound conv2d / linear keeps its kernel call per input shape (``plans``): another
+    batch gets its own, the first one's still gives its result, and a rebind drops them."""
+    bound, checked, x = _fresh(lowered)
+    three = torch.cat([x, x[:1] * 0.5])
+    with torch.no_grad():
+        for inputs in (x, three, x):
+            assert torch.equal(bound(inputs), checked(inputs))
+    targets = [n.target for n in bound.graph.nodes if isinstance(n.target, BoundCall)]
+    convs = [t.binding for t in targets if t.op.__name__ == "conv2d.default"]
+    assert convs and all(len(b.plans) == 2 for b in convs)
+    convs[0].unbind()
+    assert convs[0].plans == {}

@@ -41,7 +41,18 @@ from torch import Tensor
 from quantree.backends.cpu.native import checks as check
 from quantree.backends.cpu.native.args import NativeArgs
 from quantree.backends.cpu.native.packing import packed_depth
-from quantree.backends.cpu.ops.gemm import as_conv2d_geometry, is_depthwise, run_conv2d, run_linear
+from quantree.backends.cpu.ops.gemm import (
+    Conv2dPlan,
+    LinearPlan,
+    as_conv2d_geometry,
+    conv2d_plan,
+    is_depthwise,
+    linear_plan,
+    run_conv2d,
+    run_conv2d_plan,
+    run_linear,
+    run_linear_plan,
+)
 from quantree.backends.cpu.ops.pool import run_max_pool2d
 from quantree.backends.cpu.ops.wide import run_linear16
 
@@ -133,10 +144,24 @@ class BoundLinear(Binding):
         check.linear(*args[:6])
         return packed_depth(args[1])
 
+    plans_kept = 8
+    """Input shapes a node keeps a kernel call for (``BoundConv2d.plans_kept``)."""
+
+    def unbind(self) -> None:
+        super().unbind()
+        self.plans: dict[torch.Size, LinearPlan] = {}
+
     def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:
         x, _, offset, scale, bias, n, out_scale, out_zp, relu = args
-        return run_linear(x, derived, pointers, offset, scale, bias, n, out_scale, out_zp,
-                          relu)  # fmt: skip
+        plan = self.plans.get(x.shape)
+        if plan is None:
+            if x.shape[-1] == 0:  # no product (K = 0): the op's own answer, not kept
+                return run_linear(x, derived, pointers, offset, scale, bias, n, out_scale,
+                                  out_zp, relu)  # fmt: skip
+            plan = linear_plan(x.shape, derived, pointers, n, out_scale, out_zp, relu)
+            if len(self.plans) < self.plans_kept:
+                self.plans[x.shape] = plan
+        return run_linear_plan(x, plan)
 
 
 class BoundLinear16(Binding):
@@ -170,8 +195,23 @@ class BoundConv2d(Binding):
                      groups)  # fmt: skip
         return 0 if is_depthwise(int(x.shape[1]), oc, groups) else packed_depth(weight)
 
+    plans_kept = 8
+    """Input shapes a node keeps a kernel call for (a model sees few; more are derived anew)."""
+
+    def unbind(self) -> None:
+        super().unbind()
+        self.plans: dict[torch.Size, Conv2dPlan] = {}
+        """The kernel call per input shape, made from this binding's pointers (a new binding
+        starts with none)."""
+
     def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:
-        return run_conv2d(args[0], derived, pointers, *args[5:])
+        x = args[0]
+        plan = self.plans.get(x.shape)
+        if plan is None:
+            plan = conv2d_plan(x.shape, derived, pointers, *args[5:])
+            if len(self.plans) < self.plans_kept:
+                self.plans[x.shape] = plan
+        return run_conv2d_plan(x, plan)
 
 
 class BoundConv1d(BoundConv2d):

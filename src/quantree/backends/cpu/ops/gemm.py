@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -61,18 +62,37 @@ def run_linear(x: Tensor, kp: int, pointers: tuple[int | None, ...], offset: Ten
     """``linear`` once its arguments passed ``check.linear``: the constants as ``kp`` and the
     data pointers of weight, offset, scale and bias (a bound call keeps them from the check,
     ``bound_calls.py``)."""
-    rows = -1 if x.numel() else math.prod(x.shape[:-1])  # -1 is ambiguous when empty
-    x2 = x.reshape(rows, x.shape[-1]).contiguous()
-    shape = (*x.shape[:-1], out_features)
-    quantized = out_scale > 0
-    if x2.shape[1] == 0:  # K = 0: no product to run (some paths size their panels by K)
+    if x.shape[-1] == 0:  # K = 0: no product to run (some paths size their panels by K)
+        shape = (*x.shape[:-1], out_features)
         return _requantized(offset.float() * scale, bias, out_scale, out_zero_point, relu, shape)
-    out = torch.empty(shape, dtype=torch.int8 if quantized else torch.float32)
-    kernels().qt_linear(
-        ptr(x2), x2.shape[0], x2.shape[1], out_features, kp, *pointers,
-        ptr(out) if quantized else None, None if quantized else ptr(out), inverse(out_scale),
-        float(out_zero_point), int(relu),
-    )  # fmt: skip
+    plan = linear_plan(x.shape, kp, pointers, out_features, out_scale, out_zero_point, relu)
+    return run_linear_plan(x, plan)
+
+
+LinearPlan = tuple[int, tuple[int, ...], torch.dtype, Any, tuple[Any, ...], tuple[Any, ...], bool]
+
+
+def linear_plan(x_shape: torch.Size, kp: int, pointers: tuple[int | None, ...],
+                out_features: int, out_scale: float, out_zero_point: int,
+                relu: bool) -> LinearPlan:  # fmt: skip
+    """A ``linear`` call on an input of ``x_shape`` (K > 0) but the pointers of input and
+    output: (rows, output shape, dtype, entry point, arguments before the output pointers,
+    after them, int8 output?); kept per input shape by a bound node, as ``conv2d_plan``."""
+    rows, k = math.prod(x_shape[:-1]), x_shape[-1]
+    quantized = out_scale > 0
+    head = (rows, k, out_features, kp, *pointers)
+    tail = (inverse(out_scale), float(out_zero_point), int(relu))
+    dtype = torch.int8 if quantized else torch.float32
+    return rows, (*x_shape[:-1], out_features), dtype, kernels().qt_linear, head, tail, quantized
+
+
+def run_linear_plan(x: Tensor, plan: LinearPlan) -> Tensor:
+    """The kernel call ``plan`` describes, on ``x`` (of the shape it was made for)."""
+    rows, shape, dtype, fn, head, tail, quantized = plan
+    x2 = x.reshape(rows, x.shape[-1]).contiguous()
+    out = torch.empty(shape, dtype=dtype)
+    at = out.data_ptr()  # fresh and dense: no check needed
+    fn(ptr(x2), *head, *((at, None) if quantized else (None, at)), *tail)
     return out
 
 
@@ -106,7 +126,15 @@ def conv2d_shape(
     dilation: list[int],
 ) -> tuple[int, int, int, int]:  # fmt: skip
     """The NCHW output shape; ``padding`` is ``[top, left]`` or ``[top, left, bottom, right]``."""
-    n, _, h, w = x.shape
+    return conv2d_shape_of(x.shape, out_channels, kernel, stride, padding, dilation)
+
+
+def conv2d_shape_of(
+    x_shape: torch.Size | tuple[int, ...], out_channels: int, kernel: list[int],
+    stride: list[int], padding: list[int], dilation: list[int],
+) -> tuple[int, int, int, int]:  # fmt: skip
+    """``conv2d_shape`` of an input of this shape."""
+    n, _, h, w = x_shape
     end = padding[2:] or padding
     oh = (h + padding[0] + end[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
     ow = (w + padding[1] + end[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
@@ -167,24 +195,45 @@ def run_conv2d(x: Tensor, kp: int, pointers: tuple[int | None, ...], out_channel
                groups: int = 1) -> Tensor:  # fmt: skip
     """``conv2d`` once its arguments passed ``check.conv2d``: the weight as ``kp`` (0 for the
     depthwise kernel) and the data pointers of weight, offset, scale and bias."""
-    x = x.contiguous(memory_format=torch.channels_last)
-    shape = conv2d_shape(x, out_channels, kernel, stride, padding, dilation)
+    plan = conv2d_plan(x.shape, kp, pointers, out_channels, kernel, stride, padding, dilation,
+                       x_zero_point, out_scale, out_zero_point, relu, groups)  # fmt: skip
+    return run_conv2d_plan(x, plan)
+
+
+Conv2dPlan = tuple[tuple[int, ...], torch.dtype, Any, tuple[Any, ...], tuple[Any, ...], bool]
+
+
+def conv2d_plan(x_shape: torch.Size, kp: int, pointers: tuple[int | None, ...],
+                out_channels: int, kernel: list[int], stride: list[int], padding: list[int],
+                dilation: list[int], x_zero_point: int, out_scale: float, out_zero_point: int,
+                relu: bool, groups: int = 1) -> Conv2dPlan:  # fmt: skip
+    """Everything a ``conv2d`` call passes its kernel but the input's and output's pointers,
+    for an input of ``x_shape``: (output shape, dtype, entry point, the arguments before the
+    output pointers, those after, int8 output?). A bound node keeps one per input shape
+    (``bound_calls.BoundConv2d``): at batch 1 the per-call Python that derives these (shape
+    arithmetic, a 28-argument tuple) cost as much as a small layer's arithmetic."""
+    n, c, h, w = x_shape
+    shape = conv2d_shape_of(x_shape, out_channels, kernel, stride, padding, dilation)
     quantized = out_scale > 0
-    dtype = torch.int8 if quantized else torch.float32
-    out = torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
-    n, c, h, w = x.shape
-    out_q, out_f = (ptr(out), None) if quantized else (None, ptr(out))
-    requant = (*pointers, out_q, out_f, inverse(out_scale), float(out_zero_point), int(relu))
+    tail = (inverse(out_scale), float(out_zero_point), int(relu))
     if is_depthwise(c, out_channels, groups):
-        kernels().qt_conv2d_depthwise(
-            ptr(x), n, c, h, w, x_zero_point, *kernel, *stride, *padding[:2], *dilation,
-            shape[2], shape[3], *requant,
-        )  # fmt: skip
+        fn = kernels().qt_conv2d_depthwise
+        head = (n, c, h, w, x_zero_point, *kernel, *stride, *padding[:2], *dilation, shape[2],
+                shape[3], *pointers)  # fmt: skip
     else:
-        kernels().qt_conv2d_grouped(
-            ptr(x), n, c, h, w, x_zero_point, out_channels, groups, *kernel, *stride,
-            *padding[:2], *dilation, shape[2], shape[3], kp, *requant,
-        )  # fmt: skip
+        fn = kernels().qt_conv2d_grouped
+        head = (n, c, h, w, x_zero_point, out_channels, groups, *kernel, *stride, *padding[:2],
+                *dilation, shape[2], shape[3], kp, *pointers)  # fmt: skip
+    return shape, torch.int8 if quantized else torch.float32, fn, head, tail, quantized
+
+
+def run_conv2d_plan(x: Tensor, plan: Conv2dPlan) -> Tensor:
+    """The kernel call ``plan`` describes, on ``x`` (of the shape it was made for)."""
+    shape, dtype, fn, head, tail, quantized = plan
+    x = x.contiguous(memory_format=torch.channels_last)
+    out = torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
+    at = out.data_ptr()  # fresh and dense: no check needed
+    fn(ptr(x), *head, *((at, None) if quantized else (None, at)), *tail)
     return out
 
 
