@@ -9,6 +9,8 @@ special: an LSTM's annotation is a tuple of specs shaped like its output.
 
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 import math
 from collections.abc import Callable, Mapping
@@ -226,6 +228,10 @@ class Int8Quantizer(Quantizer):
     (``weighted_input_spec``: int16 by default, INT8 for torchao's int8 recipe).
     ``embedding_dtype``: embedding tables' type, per row like weights (INT16: about float's
     accuracy at half its size, where an int8 row's rounding is the model's largest error).
+    ``recurrent_sequence_dtype``: the input and output sequences of whole-mode recurrent
+    layers (INT16 by default, symmetric: at int8 the output grid was most of an LSTM's
+    error, 3 dB under ONNX Runtime's dynamic LSTM; the native kernel reads and writes the
+    int16 sequences as byte planes and floats; benchmarks/README.md, branch ``lstmb1``).
     ``rules``
     are added last and so take precedence.
     """
@@ -250,6 +256,7 @@ class Int8Quantizer(Quantizer):
         activations: ActivationPoints = ActivationPoints.AUTO,
         weighted_inputs_dtype: QDtype = QDtype.INT16,
         embedding_dtype: QDtype = QDtype.INT8,
+        recurrent_sequence_dtype: QDtype = QDtype.INT16,
         rules: tuple[Rule, ...] = (),
     ) -> None:
         if not isinstance(recurrent, RecurrentMode):
@@ -278,8 +285,20 @@ class Int8Quantizer(Quantizer):
                 f"embedding_dtype must be QDtype.INT8 or QDtype.INT16, got {embedding_dtype!r}"
             )
         table = None if embedding_dtype is QDtype.INT8 else table_spec(wgt, embedding_dtype)
+        if recurrent_sequence_dtype not in (QDtype.INT8, QDtype.INT16):
+            raise QuantreeError(
+                f"recurrent_sequence_dtype must be QDtype.INT8 or QDtype.INT16, got "
+                f"{recurrent_sequence_dtype!r}"
+            )
+        sequence = (  # the observer asked for, on a symmetric int16 grid
+            dataclasses.replace(
+                act, dtype=QDtype.INT16, symmetric=True, quant_min=None, quant_max=None
+            )
+            if recurrent_sequence_dtype is QDtype.INT16 and activation is None
+            else None
+        )
         recipe = int8_rules(
-            act, wgt, share_recurrent_state, split_layers, table
+            act, wgt, share_recurrent_state, split_layers, table, sequence
         ) + weighted_inputs_rules(
             weighted_act, wgt, activations, FLOAT_UNDER_WEIGHTED_INPUTS, image_act
         )
@@ -339,9 +358,11 @@ def int8_rules(
     share_recurrent_state: bool = False,
     split_stacked: bool = True,
     table: QuantSpec | None = None,
+    sequence: QuantSpec | None = None,
 ) -> tuple[Rule, ...]:
     """The rules of Int8Quantizer for the given activation and weight specs (``table``:
-    embedding tables', ``weight`` when None)."""
+    embedding tables', ``weight`` when None; ``sequence``: whole-mode recurrent layers'
+    input and output sequences', ``act`` when None)."""
     fused_activations = RELU_OPS
     split_kinds = SPLITTABLE if split_stacked else RELU_ONLY
 
@@ -418,7 +439,7 @@ def int8_rules(
     def recurrent(node: fx.Node) -> Annotation:
         if splittable(node, split_kinds):  # a stacked call: its inner layers observed too
             return Annotation(decompose=split_layers)
-        return recurrent_whole_annotation(node, act, weight, share_recurrent_state)
+        return recurrent_whole_annotation(node, act, weight, share_recurrent_state, sequence)
 
     return (
         Rule((aten.linear, aten.conv1d, aten.conv2d), weighted),

@@ -23,7 +23,11 @@ from quantree.recurrent.state_observer import state_spec
 
 
 def recurrent_whole_annotation(
-    node: fx.Node, act: QuantSpec, weight: QuantSpec, share_state: bool = False
+    node: fx.Node,
+    act: QuantSpec,
+    weight: QuantSpec,
+    share_state: bool = False,
+    sequence: QuantSpec | None = None,
 ) -> Annotation:
     """Quantize a recurrent layer at its boundary.
 
@@ -40,10 +44,14 @@ def recurrent_whole_annotation(
 
     The output sequence (every step's hidden state, which the next step reads back) and the
     states are calibrated on their extremes whatever ``act``'s observer (``state_observer``).
+
+    ``sequence``, when given, is the spec of the input and output sequences instead of
+    ``act`` (the int8 recipe's ``recurrent_sequence_dtype``: int16, where the int8 output
+    grid was most of a layer's error).
     """
     call = RecurrentCall.parse(node)
     state = state_spec(act)
-    inputs: dict[Path, Spec] = {(0,): act}
+    inputs: dict[Path, Spec] = {(0,): sequence or act}
     for path in call.state_paths:
         inputs[path] = state
     input_use = Use.of(node, (0,))
@@ -64,7 +72,8 @@ def recurrent_whole_annotation(
     states = tuple(
         SharedSpec(Use.of(node, path)) if share_state else state for path in call.state_paths
     )
-    return Annotation(outputs=(state, *states), inputs=inputs, name=call.kind)
+    sequence_out = state_spec(sequence) if sequence is not None else state
+    return Annotation(outputs=(sequence_out, *states), inputs=inputs, name=call.kind)
 
 
 def recurrent_cell_annotation(node: fx.Node, act: QuantSpec, weight: QuantSpec) -> Annotation:

@@ -66,6 +66,9 @@ def to_executorch_op(graph: fx.Graph, node: fx.Node) -> fx.Node:
     bits, proj, float_in, float_out = args[9:13]
     config = [KINDS.index(kind), hidden, layers, 2 if bidirectional else 1, bits, proj]
     config += [int(bool(float_in)), int(bool(float_out))]
+    x_bits, y_bits = (*args[13:15], 8, 8)[:2]
+    if (x_bits, y_bits) != (8, 8):  # int16 sequences: the longer config
+        config += [int(x_bits), int(y_bits)]
     h0 = hx[0] if hx else None
     c0 = hx[1] if len(hx) > 1 else None
     with graph.inserting_before(node):

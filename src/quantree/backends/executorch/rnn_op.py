@@ -14,7 +14,7 @@ Arguments (every one checked again by the runtime kernel, which reads them from 
 ``x`` ``[T, B, K]`` time-major, int8 (float with ``config[6]``); ``h0``/``c0`` int8 initial
 states or None for zeros; ``params`` the CPU op's packed weights, row sums, scales and
 biases per layer and direction; ``config`` = (kind, hidden, layers, directions, hidden
-bits, proj_size, float input, float output); ``qparams`` the CPU op's 18 floats.
+bits, proj_size, float input, float output[, x bits, y bits]: 16 for int16 sequences); ``qparams`` the CPU op's 18 floats.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ def run_cpu(
     qparams: list[float],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The layer computed by quantree's CPU op (what the ExecuTorch kernel computes)."""
-    kind, hidden, layers, dirs, bits, proj, float_in, float_out = config
+    kind, hidden, layers, dirs, bits, proj, float_in, float_out = config[:8]
+    x_bits, y_bits = (*config[8:10], 8, 8)[:2]
     hx = [] if h0 is None else [h0, *([c0] if c0 is not None else [])]
     return torch.ops.quantree.rnn.default(
         KINDS[kind], x, hx, list(params), hidden, layers, dirs == 2, False, list(qparams),
-        bits, proj, bool(float_in), bool(float_out),
+        bits, proj, bool(float_in), bool(float_out), x_bits, y_bits,
     )  # fmt: skip
 
 
@@ -63,7 +64,7 @@ def rnn_out_cpu(x, h0, c0, params, config, qparams, *, out, h_n, c_n):  # type: 
 
 
 def output_shapes(x: Tensor, config: list[int]) -> tuple[tuple[int, ...], ...]:
-    kind, hidden, layers, dirs, _, proj, _, _ = config
+    kind, hidden, layers, dirs, _, proj = config[:6]
     width = proj or hidden
     steps, batch = x.shape[0], x.shape[1]
     cells = (layers * dirs, batch, hidden) if kind == 0 else (0,)

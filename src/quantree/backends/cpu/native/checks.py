@@ -429,6 +429,22 @@ def rnn_plan(kind: str, params: Sequence[Tensor], hidden: int, num_layers: int,
             layer_params(op, params[i : i + per_layer], gates, hidden, proj_size, inputs, where)
 
 
+def rnn_boundaries(x_bits: int, y_bits: int, float_input: bool, float_output: bool,
+                   qparams: Sequence[float]) -> None:  # fmt: skip
+    """The int16 boundaries of ``rnn``: a float input or output on a symmetric grid (the
+    kernel quantizes x to int16 planes, or rounds its float output onto the grid)."""
+    for bits, is_float, name, zero in ((x_bits, float_input, "x", 1), (y_bits, float_output, "y", 5)):
+        if bits not in (8, 16):
+            raise fail("rnn", f"{name}_bits {bits}: 8 or 16 expected")
+        if bits == 16 and not is_float:
+            raise fail("rnn", f"{name}_bits 16 needs float_{'input' if name == 'x' else 'output'}")
+        if bits == 16 and len(qparams) > zero and qparams[zero] != 0:
+            raise fail("rnn", f"{name}_bits 16 reads a symmetric grid, zero point "
+                       f"{qparams[zero]} given")  # fmt: skip
+    if y_bits == 16 and len(qparams) > 4:
+        positive("rnn", "qparams[4] (y scale)", qparams[4])
+
+
 def rnn_call(x: Tensor, hx: Sequence[Tensor], float_input: bool, lstm: bool, states: int,
              cells: int, op: str = "rnn", packed: bool = False) -> None:  # fmt: skip
     """The activations of one ``qt_rnn`` call: x [T, B, K] (``packed``: the rows [N, K] of

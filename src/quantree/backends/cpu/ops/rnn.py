@@ -37,7 +37,8 @@ QPARAM_NAMES = (
 @op(
     "rnn(str kind, Tensor x, Tensor[] hx, Tensor[] params, int hidden, int num_layers, "
     "bool bidirectional, bool batch_first, float[] qparams, int hidden_bits, int proj_size, "
-    "bool float_input=False, bool float_output=False) -> (Tensor, Tensor, Tensor)"
+    "bool float_input=False, bool float_output=False, int x_bits=8, int y_bits=8) "
+    "-> (Tensor, Tensor, Tensor)"
 )
 def rnn(
     kind: str,
@@ -53,6 +54,8 @@ def rnn(
     proj_size: int,
     float_input: bool = False,
     float_output: bool = False,
+    x_bits: int = 8,
+    y_bits: int = 8,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A whole int8 LSTM/GRU/RNN: ``(output, h_n, c_n)``, all int8 (``c_n`` empty if no cell).
 
@@ -70,12 +73,16 @@ def rnn(
     ``float_input``: ``x`` is float, quantized on its grid inside the kernel;
     ``float_output``: the output is dequantized there (the graph's quantize and dequantize
     around the op, fused: two op calls fewer per call, the same bits).
+    ``x_bits`` / ``y_bits`` 16: that quantize / dequantize is symmetric int16 (zero point
+    0; with ``float_input`` / ``float_output`` only): the first layer reads x as two byte
+    planes, the last layer's float output is rounded onto the int16 grid. The layers' outputs
+    are what quantization cost the most (benchmarks/README.md, branch ``lstmb1``).
     Through the dispatcher each call builds its argument block; a lowered graph calls one
     ``RnnRunner`` per node, which builds it once.
     """
     return RnnRunner()(
         kind, x, hx, params, hidden, num_layers, bidirectional, batch_first, qparams,
-        hidden_bits, proj_size, float_input, float_output,
+        hidden_bits, proj_size, float_input, float_output, x_bits, y_bits,
     )  # fmt: skip
 
 
@@ -87,6 +94,8 @@ class RnnPlan(ctypes.Structure):
         *((name, ctypes.c_float) for name in QPARAM_NAMES),
         ("params", ctypes.POINTER(ctypes.c_void_p)),
         ("depth", ctypes.POINTER(ctypes.c_int64)),
+        ("x16", ctypes.c_int64),
+        ("y16", ctypes.c_int64),
     ]
 
 
@@ -137,10 +146,14 @@ class RnnRunner:
         proj_size: int,
         float_input: bool = False,
         float_output: bool = False,
+        x_bits: int = 8,
+        y_bits: int = 8,
         inner_steps: Sequence[float] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``inner_steps``: see ``packed``."""
-        key = (kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, x.shape[-1])
+        check.rnn_boundaries(x_bits, y_bits, float_input, float_output, qparams)
+        key = (kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, x.shape[-1],
+               x_bits, y_bits)  # fmt: skip
         self.ensure(key, params, qparams)
         dirs = 2 if bidirectional else 1
         width = proj_size or hidden
@@ -186,6 +199,8 @@ class RnnRunner:
         inner_steps: Sequence[float] | None = None,
         float_input: bool = False,
         float_output: bool = False,
+        x_bits: int = 8,
+        y_bits: int = 8,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The op on a packed sequence: int8 rows ``x`` [N, K] in packed order, the output
         rows packed the same way, every layer and direction in one native call
@@ -196,7 +211,9 @@ class RnnRunner:
         over the call's rows: for checks, so that a sequence run alone is computed on the
         grid its batch used.
         """
-        key = (kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, x.shape[-1])
+        check.rnn_boundaries(x_bits, y_bits, float_input, float_output, qparams)
+        key = (kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, x.shape[-1],
+               x_bits, y_bits)  # fmt: skip
         self.ensure(key, params, qparams)
         if x.dim() != 2:
             raise check.fail("rnn_packed_sequence", f"x has shape {tuple(x.shape)}, the kernel "
@@ -254,7 +271,7 @@ class RnnRunner:
             self.prepare(key, params, qparams)
 
     def prepare(self, key: tuple, params: list[Tensor], qparams: list[float]) -> None:
-        kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, features = key
+        kind, hidden, num_layers, bidirectional, hidden_bits, proj_size, features, xb, yb = key
         per_layer = PER_LAYER + (PER_PROJECTION if proj_size else 0)
         check.rnn_plan(kind, params, hidden, num_layers, bidirectional, hidden_bits, proj_size,
                        features, qparams, per_layer)  # fmt: skip
@@ -274,7 +291,8 @@ class RnnRunner:
             kind=RNN_KINDS[kind], layers=num_layers, dirs=2 if bidirectional else 1,
             K=features, H=hidden, P=proj_size, wide=int(hidden_bits == 16),
             params=ctypes.cast(pointers, ctypes.POINTER(ctypes.c_void_p)),
-            depth=ctypes.cast(depth, ctypes.POINTER(ctypes.c_int64)), **values,
+            depth=ctypes.cast(depth, ctypes.POINTER(ctypes.c_int64)), x16=int(xb == 16),
+            y16=int(yb == 16), **values,
         )  # fmt: skip
         self.key, self.qparams, self.params, self.plan = key, list(qparams), list(params), plan
         self.run = kernels().qt_rnn
@@ -296,7 +314,7 @@ def batch_size(x: Tensor) -> int:
 @torch.library.register_fake("quantree::rnn")
 def _(
     kind, x, hx, params, hidden, num_layers, bidirectional, batch_first, qparams, hidden_bits,
-    proj_size, float_input=False, float_output=False,
+    proj_size, float_input=False, float_output=False, x_bits=8, y_bits=8,
 ):  # fmt: skip
     dirs = 2 if bidirectional else 1
     width = proj_size or hidden

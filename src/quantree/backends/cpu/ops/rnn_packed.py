@@ -23,7 +23,8 @@ from quantree.backends.cpu.ops.rnn import RnnRunner
 @op(
     "rnn_packed_sequence(str kind, Tensor x, Tensor batch_sizes, Tensor[] hx, Tensor[] params, "
     "int hidden, int num_layers, bool bidirectional, float[] qparams, int hidden_bits, "
-    "int proj_size, bool float_input=False, bool float_output=False) -> (Tensor, Tensor, Tensor)"
+    "int proj_size, bool float_input=False, bool float_output=False, int x_bits=8, "
+    "int y_bits=8) -> (Tensor, Tensor, Tensor)"
 )
 def rnn_packed_sequence(
     kind: str,
@@ -39,6 +40,8 @@ def rnn_packed_sequence(
     proj_size: int,
     float_input: bool = False,
     float_output: bool = False,
+    x_bits: int = 8,
+    y_bits: int = 8,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``quantree::rnn`` on packed int8 rows ``x``; the output rows are packed the same way.
     ``float_input`` / ``float_output``: the graph's quantize before the op and dequantize
@@ -48,7 +51,7 @@ def rnn_packed_sequence(
     ``PackedRnnRunner`` per node, which builds it once."""
     return PackedRnnRunner()(
         kind, x, batch_sizes, hx, params, hidden, num_layers, bidirectional, qparams,
-        hidden_bits, proj_size, float_input, float_output,
+        hidden_bits, proj_size, float_input, float_output, x_bits, y_bits,
     )  # fmt: skip
 
 
@@ -73,10 +76,13 @@ class PackedRnnRunner:
         proj_size: int,
         float_input: bool = False,
         float_output: bool = False,
+        x_bits: int = 8,
+        y_bits: int = 8,
     ) -> tuple[Tensor, Tensor, Tensor]:
         return self.runner.packed(
             kind, x, batch_sizes, hx, params, hidden, num_layers, bidirectional, qparams,
             hidden_bits, proj_size, float_input=float_input, float_output=float_output,
+            x_bits=x_bits, y_bits=y_bits,
         )  # fmt: skip
 
     def __getstate__(self) -> dict:  # a copied graph builds its own plan from its own weights
@@ -89,7 +95,7 @@ class PackedRnnRunner:
 @torch.library.register_fake("quantree::rnn_packed_sequence")
 def _(
     kind, x, batch_sizes, hx, params, hidden, num_layers, bidirectional, qparams, hidden_bits,
-    proj_size, float_input=False, float_output=False,
+    proj_size, float_input=False, float_output=False, x_bits=8, y_bits=8,
 ):  # fmt: skip
     width = (proj_size or hidden) * (2 if bidirectional else 1)
     c_n = hx[1].new_empty(hx[1].shape) if kind == "lstm" else x.new_empty((0,))

@@ -36,6 +36,7 @@ from quantree.core.errors import QuantreeError
 from quantree.core.graphs import fetch_attr
 from quantree.core.lower import LoweringContext, LoweringRule, Quantized
 from quantree.core.qdq import DEQUANTIZE_PER_TENSOR, QUANTIZE_OPS, QUANTIZE_PER_TENSOR
+from quantree.core.specs import QDtype, QParams
 from quantree.core.stages import OUTPUT_GRID_KEY
 from quantree.core.values import Path, arg_at
 from quantree.recurrent.call import RECURRENT_OPS, RecurrentCall
@@ -95,7 +96,7 @@ def _observed_ranges(
 ) -> list[tuple[float, float]]:
     """The last layer's hidden states: its observed output, the initial state and, when it
     has a grid of its own, the returned state (every layer's final state)."""
-    ranges = [_range(*output), _range(*initial)]
+    ranges = [_range(*output), _range(*initial)]  # output: (scale, zero point[, bits])
     if returned is not None:
         ranges.append(_range(*returned))
     projected = any(p.w_hr is not None for p in call.layers)
@@ -111,8 +112,19 @@ def _projection_bound(ctx: LoweringContext, node: fx.Node, path: Path) -> float:
     return float(values.abs().sum(1).max())
 
 
-def _range(scale: float, zero_point: int) -> tuple[float, float]:
-    return (-128 - zero_point) * scale, (127 - zero_point) * scale
+def _range(scale: float, zero_point: int, bits: int = 8) -> tuple[float, float]:
+    low, high = (-32768, 32767) if bits == 16 else (-128, 127)
+    return (low - zero_point) * scale, (high - zero_point) * scale
+
+
+def is_int16_symmetric(p: QParams) -> bool:
+    """A symmetric int16 per-tensor grid: what the kernel reads and writes as int16."""
+    return (
+        p.axis is None
+        and p.dtype == QDtype.INT16
+        and (p.quant_min, p.quant_max) == (-32768, 32767)
+        and int(p.zero_point) == 0
+    )
 
 
 def _outputs(ctx: LoweringContext, node: fx.Node) -> dict[int, Quantized] | None:
@@ -122,9 +134,13 @@ def _outputs(ctx: LoweringContext, node: fx.Node) -> dict[int, Quantized] | None
         if user.target is not operator.getitem:
             return None
         q = ctx.quantized_output(user)
-        if q is None or not is_int8_per_tensor(q.params):
+        leaf = int(user.args[1])  # type: ignore[arg-type]
+        # the output sequence may be int16 (the kernel writes it as float on that grid)
+        if q is None or not (
+            is_int8_per_tensor(q.params) or (leaf == 0 and is_int16_symmetric(q.params))
+        ):
             return None
-        found[int(user.args[1])] = q  # type: ignore[arg-type]
+        found[leaf] = q
     return found if 0 in found else None
 
 
@@ -154,6 +170,23 @@ def _float_input(x: Activation, node: fx.Node) -> fx.Node | None:
         return None
     same_grid = float(q.args[1]) == x.scale and int(q.args[2]) == x.zero_point  # type: ignore[arg-type]
     return q.args[0] if same_grid else None
+
+
+def _int16_input(ctx: LoweringContext, node: fx.Node) -> tuple[fx.Node, float] | None:
+    """The float tensor and the step of the layer's input when it is read through a
+    symmetric int16 quantize and dequantize of its own: the kernel quantizes that float to
+    int16 itself (two byte planes), on the same grid."""
+    dq = ctx.dequantized(node.args[0])
+    if dq is None or dq.is_constant or not is_int16_symmetric(dq.params):
+        return None
+    q = dq.source
+    if q.target != QUANTIZE_PER_TENSOR or not isinstance(q.args[0], fx.Node):
+        return None
+    if list(q.users) != [dq.node] or list(dq.node.users) != [node]:
+        return None
+    if q.args[1:] != dq.node.args[1:]:
+        return None
+    return q.args[0], float(dq.params.scale)
 
 
 def _float_readers(output: Quantized) -> list[fx.Node]:
@@ -226,6 +259,9 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
         return False
     call = RecurrentCall.parse(node)
     x = activation(ctx, node.args[0])
+    wide_x = None if x is not None else _int16_input(ctx, node)
+    if wide_x is not None:  # x read at int16: the kernel quantizes the float it comes from
+        x = Activation(wide_x[0], wide_x[1], 0)
     states = [activation(ctx, arg_at(node, path), True) for path in call.state_paths]
     outputs = _outputs(ctx, node)
     if x is None or outputs is None or any(s is None for s in states):
@@ -236,6 +272,7 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     assert c0 is not None
     y = outputs[0].params
     y_s, y_z = float(y.scale), int(y.zero_point)
+    y_bits = 16 if y.dtype == QDtype.INT16 else 8
     if call.kind == "rnn_relu" and call.num_layers > 1:
         return False  # no bound on the unobserved layers' states: stays as the reference
     params = _layer_params(ctx, node, call)
@@ -244,8 +281,9 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     initial = (h0.scale, h0.zero_point)
     h_n = outputs.get(1)
     returned = None if h_n is None else (float(h_n.params.scale), int(h_n.params.zero_point))
-    inner = inner_params(_hidden_ranges(ctx, node, call, (y_s, y_z), initial, returned))
-    last = inner_params(_observed_ranges(call, (y_s, y_z), initial, returned))
+    y_range = (y_s, y_z, y_bits)
+    inner = inner_params(_hidden_ranges(ctx, node, call, y_range, initial, returned))
+    last = inner_params(_observed_ranges(call, y_range, initial, returned))
     first = call.layers[0]
     w_hh = weight(ctx, arg_at(node, first.w_hh))
     assert w_hh is not None
@@ -266,12 +304,15 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
     if call.batch_sizes_path is None and all(_is_zeros(ctx, s) for s in states if s):
         hx = []  # zero initial states: the kernel starts from zeros, no tensor is made for them
     graph = ctx.gm.graph
-    float_x = _float_input(x, node)
+    float_x = wide_x[0] if wide_x is not None else _float_input(x, node)
     readers = _float_readers(outputs[0])
+    # an int16 output is written as float on its grid; a quantize left in place (below)
+    # gives its readers the int16 values
+    float_y = bool(readers) or y_bits == 16
     with graph.inserting_before(node):
         shape: tuple = (hidden, call.num_layers, call.bidirectional)
         rest: tuple = ([float(v) for v in qparams], hidden_bits, proj_size)
-        rest = (*rest, float_x is not None, bool(readers))
+        rest = (*rest, float_x is not None, float_y, 16 if wide_x else 8, y_bits)
         if call.batch_sizes_path is None:
             op, args = (
                 torch.ops.quantree.rnn.default,
@@ -294,6 +335,10 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
             for dq in readers:
                 dq.replace_all_uses_with(leaf)
                 graph.erase_node(dq)
+        elif index == 0 and float_y:  # float on the int16 grid: its quantize stays, exact
+            leaf.meta.pop(OUTPUT_GRID_KEY, None)
+            q.node.args = (leaf, *q.node.args[1:])
+            continue
         q.node.replace_all_uses_with(leaf)
         graph.erase_node(q.node)
     for user in list(node.users):

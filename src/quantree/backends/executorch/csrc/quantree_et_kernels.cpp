@@ -38,6 +38,7 @@ using executorch::runtime::Span;
 
 constexpr int64_t LIMIT = int64_t(1) << 31;  // every size: the kernels multiply pairs in int64
 constexpr int64_t CONFIG = 8;   // kind, hidden, layers, dirs, hidden_bits, proj, float in, out
+constexpr int64_t CONFIG_WIDE = 10;  // then x bits, y bits (8, or 16: symmetric int16 float)
 constexpr int64_t QPARAMS = 18;  // as QtRnnPlan's floats, the final states' scales not inverted
 constexpr int64_t ARGS = 9;      // x, h0, c0, params, config, qparams, out, h_n, c_n
 
@@ -115,16 +116,20 @@ void rnn_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
     Tensor& out = a[6]->toTensor();
     Tensor& h_n = a[7]->toTensor();
     Tensor& c_n = a[8]->toTensor();
-    if (config.size() != CONFIG || q.size() != QPARAMS) {
+    if ((config.size() != CONFIG && config.size() != CONFIG_WIDE) || q.size() != QPARAMS) {
         fail(ctx, "config / qparams lengths", static_cast<int64_t>(config.size()),
              static_cast<int64_t>(q.size()));
         return;
     }
     const int64_t kind = config[0], H = config[1], L = config[2], D = config[3];
     const int64_t bits = config[4], P = config[5], float_in = config[6], float_out = config[7];
+    const bool wide_io = config.size() == CONFIG_WIDE;
+    const int64_t x_bits = wide_io ? config[8] : 8, y_bits = wide_io ? config[9] : 8;
     if (kind < 0 || kind > 3 || H < 1 || H >= LIMIT || L < 1 || L >= 1024 || D < 1 || D > 2 ||
         (bits != 8 && bits != 16) || P < 0 || P >= H || (P && kind != 0) || float_in < 0 ||
-        float_in > 1 || float_out < 0 || float_out > 1) {
+        float_in > 1 || float_out < 0 || float_out > 1 || (x_bits != 8 && x_bits != 16) ||
+        (y_bits != 8 && y_bits != 16) || (x_bits == 16 && !float_in) ||
+        (y_bits == 16 && !float_out)) {
         fail(ctx, "config out of range (kind, hidden)", kind, H);
         return;
     }
@@ -215,6 +220,7 @@ void rnn_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
     QtRnnPlan plan{};
     plan.kind = kind, plan.layers = L, plan.dirs = D, plan.K = K, plan.H = H, plan.P = P;
     plan.wide = bits == 16;
+    plan.x16 = x_bits == 16, plan.y16 = y_bits == 16;
     plan.x_s = f(0), plan.x_z = f(1), plan.inner_s = f(2), plan.inner_z = f(3);
     plan.y_s = f(4), plan.y_z = f(5), plan.h_s = f(6), plan.h_z = f(7), plan.c_s = f(8);
     plan.c_z = f(9), plan.inner_fb = f(10), plan.last_s = f(11), plan.last_z = f(12);

@@ -13,6 +13,14 @@
 #endif
 #endif
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
 #ifndef QT_SOURCE_DIGEST
 #define QT_SOURCE_DIGEST "unknown"
 #endif
@@ -82,6 +90,32 @@ Kernels kernels{gemm_portable, cell_portable, activation_portable};
 }  // namespace qt
 
 static int active_isa = qt::PORTABLE;
+static bool amx_wanted = true;
+
+// Whether this CPU has AMX int8 and the OS lets this process use its tile data (Linux asks
+// for it once per process: arch_prctl ARCH_REQ_XCOMP_PERM). Asked once.
+static bool amx_usable() {
+#if defined(__x86_64__) && defined(__linux__)
+    static const bool usable = [] {
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
+        if (!tile || !int8) return false;
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return usable;
+#else
+    return false;
+#endif
+}
+
+static void apply_amx() {
+#if defined(__x86_64__)
+    qt::kernels.gemm_tall =
+        amx_wanted && active_isa == qt::AVX512VNNI && amx_usable() ? qt::gemm_amx : nullptr;
+#endif
+}
 
 extern "C" {
 std::atomic<int> qt_errors_pending{0};  // read by native/caught.py as a plain int
@@ -184,6 +218,8 @@ int qt_select_isa(int cap) {
 #if defined(__x86_64__)
     if (isa == AVX512VNNI) {
         kernels = Kernels{gemm_avx512vnni, cell_avx512, activation_avx512};
+        kernels.planes16 = planes16_avx512;
+        kernels.round16 = round16_avx512;
     } else if (isa == AVXVNNI) {
         kernels = Kernels{(features & 4) ? gemm_avxvnni : gemm_vnni256_evex, cell_avx2,
                           activation_avx2, nullptr, nullptr, lookup_avx2};
@@ -208,7 +244,16 @@ int qt_select_isa(int cap) {
     }
 #endif
     active_isa = isa;
+    apply_amx();
     return isa;
+}
+
+// AMX for the GEMMs of many rows (on the AVX-512 VNNI path, where the CPU has it): on with
+// 1, off with 0 (to compare), only asked with -1. Returns whether it is now on.
+int qt_set_amx(int on) {
+    if (on >= 0) amx_wanted = on != 0;
+    apply_amx();
+    return qt::kernels.gemm_tall != nullptr;
 }
 
 }  // extern "C"

@@ -544,6 +544,39 @@ void cell_avx512(const RnnStep& s, const float* gx, const float* gh, float* h, f
     }
 }
 
+// planes16_portable and round16_portable, 16 lanes at a time: the same arithmetic (round to
+// nearest even, then the clamp), the same bits.
+void planes16_avx512(const float* x, int64_t M, int64_t K, float inv, uint8_t* hi, uint8_t* lo,
+                     int64_t Kp, float qmin) {
+    const __m512 vi = _mm512_set1_ps(inv), lo_q = _mm512_set1_ps(qmin);
+    const __m512 hi_q = _mm512_set1_ps(32767.0f);
+    for (int64_t m = 0; m < M; ++m) {
+        for (int64_t k = 0; k < Kp; k += 16) {
+            const __mmask16 in = k < K ? lanes16(K - k) : 0, all = lanes16(Kp - k);
+            __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, x + m * K + k), vi),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm512_min_ps(_mm512_max_ps(q, lo_q), hi_q);
+            const __m512i qi = _mm512_cvtps_epi32(q);
+            // padding (k >= K) is zero in both planes
+            const __m512i h = _mm512_maskz_add_epi32(in, _mm512_srai_epi32(qi, 8), _mm512_set1_epi32(128));
+            const __m512i l = _mm512_maskz_and_epi32(in, qi, _mm512_set1_epi32(255));
+            _mm512_mask_cvtusepi32_storeu_epi8(hi + m * Kp + k, all, h);
+            _mm512_mask_cvtusepi32_storeu_epi8(lo + m * Kp + k, all, l);
+        }
+    }
+}
+
+void round16_avx512(float* y, int64_t n, float inv, float scale) {
+    const __m512 vi = _mm512_set1_ps(inv), vs = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = lanes16(n - i);
+        __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, y + i), vi),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-32768.0f)), _mm512_set1_ps(32767.0f));
+        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(q, vs));
+    }
+}
+
 void activation_avx512(int kind, const float* a, float* out, int64_t n) {
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 m = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);

@@ -185,6 +185,23 @@ void narrow_vnni(const void*, int64_t, int64_t, int64_t, int64_t, const uint8_t*
                  int32_t*);
 #endif
 
+// Float rows [M, K] quantized to symmetric int16 q = clamp(round(x * inv), qmin, 32767) as
+// two uint8 planes of stride Kp, zero padded: hi = (q >> 8) + 128, lo = q & 255 (a recurrent
+// layer's int16 input, rnn.cpp).
+using Planes16Fn = void (*)(const float* x, int64_t M, int64_t K, float inv, uint8_t* hi,
+                            uint8_t* lo, int64_t Kp, float qmin);
+void planes16_portable(const float*, int64_t, int64_t, float, uint8_t*, uint8_t*, int64_t,
+                       float);
+// y[i] = clamp(round(y[i] * inv), -32768, 32767) * scale in place: a float output rounded
+// onto a symmetric int16 grid (the graph's quantize and dequantize, fused).
+using Round16Fn = void (*)(float* y, int64_t n, float inv, float scale);
+void round16_portable(float*, int64_t, float, float);
+
+// A GEMM for many rows (AMX tiles), given the path's GEMM for what it does not cover.
+using TallGemmFn = void (*)(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+                            const int8_t* B, const Epilogue& ep, const uint8_t* A_lo,
+                            GemmFn fallback);
+
 struct Kernels {
     GemmFn gemm;
     CellFn cell;
@@ -195,6 +212,9 @@ struct Kernels {
     NarrowPrepareFn narrow_prepare = narrow_prepare_portable;
     NarrowFn narrow = narrow_portable;
     RowsEpilogueFn rows_epilogue = rows_epilogue_portable;
+    TallGemmFn gemm_tall = nullptr;  // set where the CPU and the OS give AMX (qt_set_amx)
+    Planes16Fn planes16 = planes16_portable;
+    Round16Fn round16 = round16_portable;
 };
 extern Kernels kernels;  // set by qt_select_isa (the portable path until then)
 
@@ -233,6 +253,8 @@ void cell_portable(const RnnStep&, const float*, const float*, float*, float*, u
                    int8_t*, float*, float*);
 void activation_portable(int, const float*, float*, int64_t);
 #if defined(__x86_64__)
+void gemm_amx(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+              const Epilogue&, const uint8_t*, GemmFn);
 void gemm_avx512vnni(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
                      const Epilogue&, const uint8_t*);
 void gemm_vnni256_evex(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
@@ -240,6 +262,8 @@ void gemm_vnni256_evex(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const
 void cell_avx512(const RnnStep&, const float*, const float*, float*, float*, uint8_t*, int8_t*,
                  float*, float*);
 void activation_avx512(int, const float*, float*, int64_t);
+void planes16_avx512(const float*, int64_t, int64_t, float, uint8_t*, uint8_t*, int64_t, float);
+void round16_avx512(float*, int64_t, float, float);
 void gemm_avxvnni(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
                   const Epilogue&, const uint8_t*);
 void gemm_avx2(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
@@ -271,6 +295,17 @@ inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_
         kernels.gemm_prepared(M, N, Kp, A, lda, B, ep, A_lo, p);
     else
         kernels.gemm(M, N, Kp, A, lda, B, ep, A_lo);
+}
+
+// gemm_u8s8 for products of many rows (16 and more: a recurrent layer's input projection,
+// its step at a batch of 16 and more): on AMX where the path has it (the same bits).
+inline void gemm_tall_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+                           const int8_t* B, const Epilogue& ep, const uint8_t* A_lo = nullptr,
+                           const PreparedB* prepared = nullptr) {
+    if (M >= 16 && N > 0 && kernels.gemm_tall)
+        kernels.gemm_tall(M, N, Kp, A, lda, B, ep, A_lo, kernels.gemm);
+    else
+        gemm_u8s8(M, N, Kp, A, lda, B, ep, A_lo, prepared);
 }
 
 }  // namespace qt

@@ -19,6 +19,10 @@ struct QtRnnPlan {
     const void* const* params;  // per layer and direction: w_ih, colsum_ih, ws_ih, b_ih, w_hh,
                                 // colsum_hh, ws_hh, b_hh (then w_hr, colsum_hr, ws_hr with P)
     const int64_t* depth;       // per layer and direction: Kp of w_ih and of w_hh
+    // int16 boundaries (0: int8): x16, the first layer reads x_float as symmetric int16 on
+    // x_s (two byte planes, one dual pass over W_ih); y16, the last layer writes y_float on
+    // the symmetric int16 grid y_s (quantize and dequantize of the graph, fused).
+    int64_t x16, y16;
 };
 
 // A whole stacked (bidirectional) LSTM / GRU / RNN over [T, B] time-major rows (rnn.cpp).

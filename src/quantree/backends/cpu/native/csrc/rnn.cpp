@@ -137,21 +137,30 @@ static void quantize_rows(const float* h, int64_t B, int64_t H, float inv, float
 }
 
 
+namespace qt {
+
 // The float output of a layer as the next layer's int16 input, two uint8 planes zero padded
 // from K to Kp: quantize16 and split_planes in one pass, a chunk at a time so that the planes
-// are read from L2 right after they are written.
-static void float_planes(const float* x, int64_t M, int64_t K, float inv, uint8_t* hi,
-                         uint8_t* lo, int64_t Kp) {
+// are read from L2 right after they are written (qt::Planes16Fn).
+void planes16_portable(const float* x, int64_t M, int64_t K, float inv, uint8_t* hi,
+                       uint8_t* lo, int64_t Kp, float qmin) {
     for (int64_t m = 0; m < M; ++m) {
         for (int64_t k = 0; k < K; ++k) {
             const int32_t q = static_cast<int32_t>(
-                qt::quantize_value(x[m * K + k], inv, 0.0f, -32767.0f, 32767.0f));
+                qt::quantize_value(x[m * K + k], inv, 0.0f, qmin, 32767.0f));
             hi[m * Kp + k] = static_cast<uint8_t>((q >> 8) + 128);
             lo[m * Kp + k] = static_cast<uint8_t>(q & 255);
         }
         for (int64_t k = K; k < Kp; ++k) hi[m * Kp + k] = lo[m * Kp + k] = 0;
     }
 }
+
+void round16_portable(float* y, int64_t n, float inv, float scale) {
+    for (int64_t i = 0; i < n; ++i)
+        y[i] = quantize_value(y[i], inv, 0.0f, -32768.0f, 32767.0f) * scale;
+}
+
+}  // namespace qt
 
 namespace {
 
@@ -165,7 +174,8 @@ void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
            float in_z, int wide, int8_t* y, int64_t y_ld, float y_s, float y_z,
            float* h, float* c, const int8_t* w_hr, int64_t P, const int32_t* colsum_hr,
            const float* ws_hr, float* yf, const int16_t* x16, const float* xf, float xf_inv,
-           const int64_t* bs = nullptr, const int64_t* first_row = nullptr) {
+           const int64_t* bs = nullptr, const int64_t* first_row = nullptr,
+           float xf_min = -32767.0f) {
     if (T <= 0 || B <= 0) return;  // nothing to compute (and no chunk size to derive)
     // Step t's rows: all B at t * B (padded), or, on a packed sequence (bs given, with
     // first_row[t] its prefix sums), the bs[t] sequences still running at first_row[t]. The
@@ -213,15 +223,15 @@ void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
         const int64_t t0 = reverse ? T - c0 - n : c0;  // first time index of this chunk
         const int64_t r0 = row0(t0), m = row0(t0 + n) - r0;  // the chunk's rows, contiguous
         if (xf)
-            float_planes(xf + r0 * K, m, K, xf_inv, xu.get(), xlo.get(), kp_ih);
+            qt::kernels.planes16(xf + r0 * K, m, K, xf_inv, xu.get(), xlo.get(), kp_ih, xf_min);
         else if (x16)
             split_planes(x16 + r0 * K, m, K, xu.get(), xlo.get(), kp_ih);
         else
             qt::to_u8(x + r0 * K, m, K, K, xu.get(), kp_ih);
         const qt::Epilogue ex{off_ih.data(), sc_ih.data(), b_ih, gx.get(), nullptr, N,
                               0, 0, 0, 0};
-        qt::gemm_u8s8(m, N, kp_ih, xu.get(), kp_ih, w_ih, ex,
-                      x16 || xf ? xlo.get() : nullptr, &pw_ih);
+        qt::gemm_tall_u8s8(m, N, kp_ih, xu.get(), kp_ih, w_ih, ex,
+                           x16 || xf ? xlo.get() : nullptr, &pw_ih);
         for (int64_t i = 0; i < n; ++i) {
             const int64_t local = reverse ? n - 1 - i : i, t = t0 + local;
             const int64_t rows = rows_at(t), r = row0(t), g = r - r0;
@@ -231,8 +241,8 @@ void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
             const int64_t cont = std::min(ran, rows);
             const qt::Epilogue eh{off_hh.data(), sc_hh.data(), b_hh, gh.get(), nullptr,
                                   N, 0, 0, 0, 0};
-            qt::gemm_u8s8(cont, N, kp_hh, hu8.data(), kp_hh, w_hh, eh,
-                          wide ? hu8.data() + B * kp_hh : nullptr, &pw_hh);
+            qt::gemm_tall_u8s8(cont, N, kp_hh, hu8.data(), kp_hh, w_hh, eh,
+                               wide ? hu8.data() + B * kp_hh : nullptr, &pw_hh);
             const qt::Epilogue e0{off0.data(), sc0.data(), b_hh, gh.get() + cont * N, nullptr,
                                   N, 0, 0, 0, 0};
             qt::gemm_u8s8(rows - cont, N, kp_hh, hu8.data() + cont * kp_hh, kp_hh, w_hh, e0,
@@ -354,12 +364,15 @@ void rnn_stack(const QtRnnPlan* p, int64_t T, int64_t B, const int64_t* bs,
     // by the caller as that op does), and a float output dequantized here as its dequantize
     // did: two op calls fewer around the kernel, the same bits
     std::unique_ptr<int8_t[]> x_own, y_own;
-    if (x_float) {
+    // x16: the first layer quantizes x_float itself, to int16 planes chunk by chunk (the
+    // graph's symmetric int16 quantize: clamped to [-32768, 32767])
+    const bool x16 = p->x16 && x_float, y16 = p->y16 && y_float;
+    if (x_float && !x16) {
         x_own.reset(new int8_t[static_cast<size_t>(std::max<int64_t>(1, rows * p->K))]);
         qt_quantize(x_float, rows * p->K, x_inv, p->x_z, x_own.get());
         x = x_own.get();
     }
-    if (y_float) {
+    if (y_float && !y16) {
         y_own.reset(new int8_t[static_cast<size_t>(std::max<int64_t>(1, rows * width))]);
         y = y_own.get();
     }
@@ -378,8 +391,8 @@ void rnn_stack(const QtRnnPlan* p, int64_t T, int64_t B, const int64_t* bs,
     const auto inner0 = aligned_buffer<float>(inner_size);
     const auto inner1 = aligned_buffer<float>(L > 2 ? inner_size : 0);
     float* const inner[2] = {inner0.get(), inner1.get()};
-    float in_s = p->x_s, in_z = p->x_z, in_inv = 0.0f;
-    const float* xf = nullptr;
+    float in_s = p->x_s, in_z = x16 ? 0.0f : p->x_z, in_inv = x16 ? x_inv : 0.0f;
+    const float* xf = x16 ? x_float : nullptr;
     for (int64_t l = 0; l < L; ++l) {
         const bool last = l == L - 1;
         const float grid_s = last ? p->last_s : p->inner_s, grid_z = last ? p->last_z : p->inner_z;
@@ -388,7 +401,7 @@ void rnn_stack(const QtRnnPlan* p, int64_t T, int64_t B, const int64_t* bs,
         // bound on states never observed, too coarse for int8 where the states are small
         const int layer_wide = p->wide || !last ? 1 : 0;
         const float fb_s = layer_wide ? grid_fb : grid_s, fb_z = layer_wide ? 0.0f : grid_z;
-        float* out = last ? nullptr : inner[l % 2];
+        float* out = last ? (y16 ? y_float : nullptr) : inner[l % 2];
         for (int64_t d = 0; d < D; ++d) {
             const int64_t i = l * D + d;
             const void* const* q = p->params + i * per;
@@ -399,13 +412,14 @@ void rnn_stack(const QtRnnPlan* p, int64_t T, int64_t B, const int64_t* bs,
                   static_cast<const int8_t*>(q[4]), p->depth[2 * i + 1],
                   static_cast<const int32_t*>(q[5]), static_cast<const float*>(q[6]),
                   static_cast<const float*>(q[7]), p->h_s, p->h_z, fb_s, fb_z, layer_wide,
-                  last ? y + d * W : nullptr, width, p->y_s, p->y_z, h.get() + i * B * W,
+                  last && !y16 ? y + d * W : nullptr, width, p->y_s, p->y_z, h.get() + i * B * W,
                   lstm ? c.get() + i * B * H : nullptr,
                   p->P ? static_cast<const int8_t*>(q[8]) : nullptr, p->P,
                   p->P ? static_cast<const int32_t*>(q[9]) : nullptr,
                   p->P ? static_cast<const float*>(q[10]) : nullptr,
-                  last ? nullptr : out + d * W, nullptr, xf, in_inv, bs,
-                  bs ? first_row.data() : nullptr);
+                  out ? out + d * W : nullptr, nullptr, xf,
+                  in_inv, bs, bs ? first_row.data() : nullptr,
+                  l == 0 ? -32768.0f : -32767.0f);
         }
         if (!last) {  // the next layer's input: symmetric int16 on the range this one took
             float lo = 0.0f, hi = 0.0f;
@@ -420,7 +434,12 @@ void rnn_stack(const QtRnnPlan* p, int64_t T, int64_t B, const int64_t* bs,
             xf = out;
         }
     }
-    if (y_float) qt_dequantize(y, rows * width, p->y_s, p->y_z, y_float);
+    if (y16) {  // the graph's quantize and dequantize on the int16 grid, in place
+        qt::kernels.round16(y_float, rows * width,
+                            static_cast<float>(1.0 / static_cast<double>(p->y_s)), p->y_s);
+    } else if (y_float) {
+        qt_dequantize(y, rows * width, p->y_s, p->y_z, y_float);
+    }
     if (hn)
         for (int64_t i = 0; i < nh; ++i)
             hn[i] = static_cast<int8_t>(qt::quantize_value(h[i], p->hn_inv, p->hn_z, -128.0f, 127.0f));
