@@ -168,11 +168,14 @@ def test_reference_graph_equals_the_trained_qat_model(name, mode, weights) -> No
             {"params": [p for n, p in named if n.endswith(".scale")], "lr": 1e-3},
         ]
     )
+    scales = {n: p.detach().clone() for n, p in named if n.endswith(".scale")}
     for step in range(4):
         loss = qat(*data[step % 2]).square().mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    moved = [n for n, p in qat.named_parameters() if n in scales and not torch.equal(p, scales[n])]
+    assert moved  # training moved learned scales (and weights), off calibration's values
     ref = qt.convert(qat)
     points = _quantized_points(qat, ref, data[2])
     bodies = nested_graphs(qat)
