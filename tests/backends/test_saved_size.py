@@ -131,7 +131,10 @@ def test_cells_mode_decoder_saves_its_cell_programs_constants_as_recipes(tmp_pat
     torch.manual_seed(0)
     model = Seq2SeqLike().eval()
     data = _data(6)
-    quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
+    i8 = qt.QDtype.INT8  # the all-int8 cell: its gates are lookup tables
+    quantizer = qt.Int8Quantizer(
+        recurrent=qt.RecurrentMode.CELLS, cell_state_dtype=i8, gate_dtype=i8, cell_sums_dtype=i8
+    )
     low = qt.quantize(model, data[0], data, quantizer=quantizer, backend=CPU, progress=False)
     ops = _saved_ops(low, data[0])
     derived = torch.ops.quantree

@@ -90,8 +90,11 @@ def test_cells_mode_hidden_point_keeps_min_max(split):
     torch.manual_seed(0)
     model = WithStates().eval()
     data = batches(2, 1)
-    quantizer = qt.Int8Quantizer(
-        activation_observer=AVERAGE, recurrent=qt.RecurrentMode.CELLS, split_gates=split
+    quantizer = qt.Int8Quantizer(  # the int8 cell keeps the observer asked for
+        activation_observer=AVERAGE,
+        recurrent=qt.RecurrentMode.CELLS,
+        split_gates=split,
+        cell_state_dtype=qt.QDtype.INT8,
     )
     prepared = qt.prepare(qt.capture(model, data[0]), quantizer)
     kinds = observers(prepared)

@@ -1,10 +1,13 @@
-"""w4a8: 4-bit per-channel weights, int8 activations, int32 biases.
+"""w4a8: 4-bit per-channel (or per-group) weights, int8 activations, int32 biases.
 
 Weights are expressed as pt2e expresses 4-bit integers: int8 storage with
 ``quant_min=-8, quant_max=7`` on the weight's quantize/dequantize pair, so the reference
 graph is plain pt2e dialect, the CPU backend's int8 kernels compute on the values exactly
 (the same kernels, so no slower than int8), and only the saved file packs two weights a byte
 (``backends/cpu/saved/nibbles.py``). Everything else is the int8 recipe's.
+
+``group_size`` gives each group of input columns its own 4-bit step, an integer multiple of
+the channel's int8 scale (``core/observing/grouped.py``): still int8 integers to the kernels.
 
 Embedding tables stay at int8 (``embedding_bits=8``): a table is read by lookup, not by a
 matmul, so 4 bits save little time; on the char-LM its 4-bit table was most of the w4a8

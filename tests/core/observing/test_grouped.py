@@ -168,3 +168,11 @@ def test_a_group_size_that_does_not_divide_names_the_fix() -> None:
 def _prepared_and_converted(quantizer: qt.Quantizer) -> None:
     _, prepared, _ = _prepared(quantizer)
     qt.convert(prepared)
+
+
+def test_qat_of_grouped_weights_is_refused_naming_per_channel() -> None:
+    data = _data()[:2]
+    model = Tagger().eval()
+    with pytest.raises(qt.QuantreeError, match=r"qt.W4A8Quantizer\(\) without group_size"):
+        qt.prepare_qat(qt.capture(model, data[0]), qt.W4A8Quantizer(group_size=16), data)
+    qt.prepare_qat(qt.capture(model, data[0]), qt.W4A8Quantizer(), data)  # the fix it names

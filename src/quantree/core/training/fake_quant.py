@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from quantree.core.errors import QuantreeError
 from quantree.core.observing.observers import Observer
 from quantree.core.observing.qparams import SCALE_FLOOR, half_exact
 from quantree.core.specs import Derivation, FixedSpec, QParams, QuantSpec
@@ -100,6 +101,12 @@ class LearnedFakeQuant(FakeQuant):
 
     def __init__(self, observer: Observer, spec: QuantSpec, label: str) -> None:
         super().__init__()
+        if spec.group_size is not None:  # the fake quant would train on the int8 grid
+            raise QuantreeError(
+                f"{label}: quantization-aware training of grouped 4-bit weights (group_size="
+                f"{spec.group_size}) is not built; train with per-channel 4-bit weights "
+                "(qt.W4A8Quantizer() without group_size) or quantize post-training with groups"
+            )
         self.spec = spec
         self.label = label
         self.observer: Observer | None = observer

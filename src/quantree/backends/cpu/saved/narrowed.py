@@ -83,8 +83,8 @@ def narrowed(t: Tensor) -> Recipe | None:
     if grouped is not None:
         codes, multipliers, group = grouped
         if t.nbytes - codes.nbytes - multipliers.nbytes >= MIN_SAVED_BYTES:
-            args = (codes, multipliers, list(t.shape), group)
-            return Recipe(torch.ops.quantree.grouped_nibbles.default, args)
+            packed_args = (codes, multipliers, list(t.shape), group)
+            return Recipe(torch.ops.quantree.grouped_nibbles.default, packed_args)
     for dtype in _NARROWER.get(t.dtype, ()):
         saved = t.numel() * (t.element_size() - torch.empty((), dtype=dtype).element_size())
         if saved < MIN_SAVED_BYTES:
