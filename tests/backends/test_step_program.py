@@ -118,7 +118,7 @@ def test_step_math_in_programs_matches_aten_within_rounding():
 
 
 def test_step_math_stays_out_of_programs_unless_asked():
-    gm, ex = _float_step()
+    gm, _ = _float_step()
     fuse_regions(gm, min_ops=1)
     assert any(n.target == torch.ops.aten.exp.default for n in gm.graph.nodes)
 
@@ -128,7 +128,7 @@ def _loop_call(monkeypatch):
     model = LightGRULike().eval()
     x = torch.randn(2, 9, 6)
     low = _lowered(model, x, True, monkeypatch)
-    (loop,) = [m for m in low.modules() if isinstance(m, NativeProgramLoop)]
+    assert [m for m in low.modules() if isinstance(m, NativeProgramLoop)]
     seen = {}
 
     def spy(*args):

@@ -69,7 +69,7 @@ class NativeProgramLoop(nn.Module):
         ]
         consts = [buffers[f"const{i}"] for i in range(self.n_consts)]
         stepped = [int(role == "source") for role, _ in self.roles]
-        call = (
+        call: Any = (
             program_loop
             if all(type(x) is Tensor for x in inputs)
             else torch.ops.quantree.program_loop
@@ -173,9 +173,9 @@ def native_program_loop(loop: StepLoop) -> NativeProgramLoop | None:
         return None
     feed = [-1] * len(args["out_dtypes"])
     for j in range(n):
+        if ("state", j) in roles and feed[results[j]] != -1:
+            return None
         if ("state", j) in roles:
-            if feed[results[j]] != -1:
-                return None
             feed[results[j]] = roles.index(("state", j))
     return NativeProgramLoop(loop, args, roles, consts, results, feed)
 
