@@ -136,9 +136,9 @@ def native_program_loop(loop: StepLoop) -> NativeProgramLoop | None:
         return None
     call = program[0]
     for n in body.graph.nodes:
-        if n.op == "call_function" and n is not call:
-            if n.target is not operator.getitem or n.args[0] is not call:
-                return None
+        inside = n.target is operator.getitem and n.args[0] is call
+        if n.op == "call_function" and n is not call and not inside:
+            return None
     output = next(n for n in body.graph.nodes if n.op == "output")
     results = []
     for r in output.args[0]:  # type: ignore[union-attr]
