@@ -102,7 +102,10 @@ def run(name: str) -> None:
     unrolled = qt.quantize(
         model, (x64,), calibration, backend="cpu", progress=False, fold_loops=False
     )
-    loops = sum(type(m).__name__ in ("StepLoop", "NativeStepLoop") for m in low.modules())
+    loops = sum(
+        type(m).__name__ in ("StepLoop", "NativeStepLoop", "NativeProgramLoop")
+        for m in low.modules()
+    )
     print(f"## {name}: {loops} folded loop(s), quantized in {took:.0f} s")
     for length in (17, 64, 512):
         x = torch.randn(2, length, FEATURES)

@@ -62,8 +62,9 @@ def fold_and_free(
         warnings.warn(
             f"quantree.capture left {len(general)} Python loop(s) over time unrolled (fixed to "
             "the captured length): their steps hold ops a native step program does not run, "
-            "so a folded step would run op by op in Python, slower than the unrolled steps. Pass fold_loops=True to fold them anyway (one loop that runs at any "
-            "length), or capture at the length you run at.",
+            "so a folded step would run op by op in Python, slower than the unrolled steps. "
+            "Pass fold_loops=True to fold them anyway (one loop that runs at any length), or "
+            "capture at the length you run at.",
             QuantreeWarning,
             stacklevel=4,
         )

@@ -69,7 +69,7 @@ class NativeProgramLoop(nn.Module):
         ]
         consts = [buffers[f"const{i}"] for i in range(self.n_consts)]
         stepped = [int(role == "source") for role, _ in self.roles]
-        call = (
+        call: Any = (
             program_loop
             if all(type(x) is Tensor for x in inputs)
             else torch.ops.quantree.program_loop
@@ -89,7 +89,7 @@ def _per_step(src: Tensor, spec: Any, steps: int) -> Tensor:
     """Step ``t``'s slice of ``src`` as row ``t`` of one ``[T, ...]`` tensor."""
     size = src.shape[spec.dim]
     first = spec.start if spec.stride > 0 else size - 1 - spec.start
-    moved = src.movedim(spec.dim, 0)
+    moved = _to_front(src, spec.dim)
     if spec.stride > 0:
         return moved.narrow(0, first, steps).contiguous()
     return moved.narrow(0, first - steps + 1, steps).flip(0).contiguous()
@@ -102,9 +102,23 @@ def _joined(values: Tensor, spec: StepOutput) -> Tensor:
     if spec.reverse:
         values = values.flip(0)
     if spec.kind == "stack":
-        return values.movedim(0, spec.dim % values.dim()).contiguous()
+        return _from_front(values, spec.dim % values.dim()).contiguous()
     dim = spec.dim % (values.dim() - 1)
-    return values.movedim(0, dim).flatten(dim, dim + 1).contiguous()
+    moved = _from_front(values, dim)
+    shape = [*moved.shape[:dim], moved.shape[dim] * moved.shape[dim + 1], *moved.shape[dim + 2 :]]
+    return moved.reshape(shape)
+
+
+# permute, not movedim: a saved model holds only Core ATen ops (saved/checks/vocabulary.py)
+def _to_front(t: Tensor, dim: int) -> Tensor:
+    dim %= t.dim()
+    return t.permute([dim, *(d for d in range(t.dim()) if d != dim)])
+
+
+def _from_front(t: Tensor, dim: int) -> Tensor:
+    order = list(range(1, t.dim()))
+    order.insert(dim, 0)
+    return t.permute(order)
 
 
 def native_program_loop(loop: StepLoop) -> NativeProgramLoop | None:
@@ -122,9 +136,9 @@ def native_program_loop(loop: StepLoop) -> NativeProgramLoop | None:
         return None
     call = program[0]
     for n in body.graph.nodes:
-        if n.op == "call_function" and n is not call:
-            if n.target is not operator.getitem or n.args[0] is not call:
-                return None
+        inside = n.target is operator.getitem and n.args[0] is call
+        if n.op == "call_function" and n is not call and not inside:
+            return None
     output = next(n for n in body.graph.nodes if n.op == "output")
     results = []
     for r in output.args[0]:  # type: ignore[union-attr]
@@ -159,9 +173,9 @@ def native_program_loop(loop: StepLoop) -> NativeProgramLoop | None:
         return None
     feed = [-1] * len(args["out_dtypes"])
     for j in range(n):
+        if ("state", j) in roles and feed[results[j]] != -1:
+            return None
         if ("state", j) in roles:
-            if feed[results[j]] != -1:
-                return None
             feed[results[j]] = roles.index(("state", j))
     return NativeProgramLoop(loop, args, roles, consts, results, feed)
 

@@ -45,10 +45,10 @@ def _scalar(x: object) -> bool:
 def _scalar_op(n: fx.Node) -> tuple[int, float] | None:
     """``n`` as ``(kind, scalar)`` if it is a float tensor op a scalar."""
     a: Any = n.args
-    kind = SCALAR_KINDS.get(n.target)  # type: ignore[arg-type]
+    kind = SCALAR_KINDS.get(n.target)  # type: ignore[call-overload]
     if kind is None or len(a) != 2 or not isinstance(a[0], fx.Node) or not _scalar(a[1]):
         return None
-    if n.kwargs and set(n.kwargs) != {"alpha"} or n.kwargs.get("alpha", 1) != 1:
+    if (n.kwargs and set(n.kwargs) != {"alpha"}) or n.kwargs.get("alpha", 1) != 1:
         return None
     return kind, float(a[1])
 

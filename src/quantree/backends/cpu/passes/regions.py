@@ -616,7 +616,11 @@ def _replace(
                 slot[n] = gather(p, slot[a[0]], moved)
         elif n.target == aten.dropout.default or n.target in SAME_SLOT:
             slot[n] = slot[a[0]]
-        elif n.target in FLOAT_BINARY_KINDS and any(shapes[x] != shapes[n] for x in a):
+        elif (
+            n.target in FLOAT_BINARY_KINDS
+            and all(isinstance(x, fx.Node) for x in a)
+            and any(shapes[x] != shapes[n] for x in a)
+        ):
             sources = []
             for x in a:
                 if shapes[x] == shapes[n]:

@@ -1,0 +1,186 @@
+"""A folded loop's lowered step run as one native program for every step
+(``backends/cpu/cells/step_program.py``, ``quantree.program_loop``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import quantree as qt
+from quantree.backends.cpu.cells import step_program
+from quantree.backends.cpu.cells.program_loop import program_loop
+from quantree.backends.cpu.cells.step_program import NativeProgramLoop
+from quantree.backends.cpu.passes.regions import fuse_regions
+from quantree.recurrent.unrolled.step_loop import StepLoop
+
+
+class LightGRULike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(6, 16, bias=False)
+        self.u = nn.Linear(8, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wx = self.w(x)
+        h = torch.zeros(x.shape[0], 8)
+        ys = []
+        for t in range(x.shape[1]):
+            a, z = (wx[:, t] + self.u(h)).chunk(2, dim=-1)
+            z = torch.sigmoid(z)
+            h = z * h + (1 - z) * torch.relu(a)
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+
+class ScanLike(nn.Module):
+    """A selective scan's sequential step: state [B, D, N] decayed by a per-step factor,
+    read out by a per-step [B, N] vector (Mamba-1's slow path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a_log = nn.Parameter(torch.randn(4, 3))
+        self.proj = nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, 5]
+        dt = nn.functional.softplus(self.proj(x))  # [B, T, 4]
+        decay = torch.exp(-torch.exp(self.a_log)[None, None] * dt[..., None])  # [B, T, 4, 3]
+        drive = dt[..., None] * x[..., :3, None].transpose(-1, -2)  # [B, T, 4, 3]
+        state = torch.zeros(x.shape[0], 4, 3)
+        ys = []
+        for t in range(x.shape[1]):
+            state = decay[:, t] * state + drive[:, t]
+            ys.append(torch.matmul(state, x[:, t, 2:5, None])[:, :, 0])
+        return torch.stack(ys, -1)
+
+
+def _lowered(model: nn.Module, x: torch.Tensor, native: bool, monkeypatch) -> nn.Module:
+    generator = torch.Generator().manual_seed(1)  # the same calibration for both
+    data = [(torch.randn(x.shape, generator=generator),) for _ in range(3)]
+    with monkeypatch.context() as m:
+        if not native:
+            m.setattr(step_program, "fuse_regions", lambda *a, **k: 0)
+        with pytest.warns(qt.QuantreeWarning):
+            return qt.quantize(model, (x,), data, backend="cpu", progress=False)
+
+
+@pytest.mark.parametrize("model_type", [LightGRULike, ScanLike])
+def test_a_folded_step_runs_as_one_program_equal_to_its_python_loop_at_any_length(
+    model_type, monkeypatch
+):
+    torch.manual_seed(0)
+    model = model_type().eval()
+    x = torch.randn(2, 9, 5 if model_type is ScanLike else 6)
+    native = _lowered(model, x, True, monkeypatch)
+    python = _lowered(model, x, False, monkeypatch)
+    assert [type(m) for m in native.modules() if isinstance(m, NativeProgramLoop)] == [
+        NativeProgramLoop
+    ]
+    assert [type(m) for m in python.modules() if isinstance(m, StepLoop)] == [StepLoop]
+    for length in (1, 4, 9, 40):  # captured at 9
+        y = torch.randn(2, length, x.shape[-1])
+        with torch.no_grad():
+            assert torch.equal(native(y), python(y))  # the same int8 ops, natively
+            if model_type is LightGRULike:  # (the toy scan's accuracy is its recipe's matter)
+                assert qt.sqnr(model(y), native(y)) > 20  # dB; int8 steps
+
+
+def _float_step():
+    """A float step with broadcasting, scalars, exp / log / softplus, division, clamps,
+    maximum and a batched matmul, exported (its ops as the lowering leaves them)."""
+
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("a", -torch.rand(4, 3) - 0.5)
+
+        def forward(self, state, u, c):  # [B, 4, 3], [B, 4, 3], [B, 3, 2]
+            decay = torch.exp(torch.clamp(self.a * 0.5, -4.0, 4.0))
+            gate = nn.functional.softplus(u) / (1 + torch.abs(u))
+            new = torch.maximum(decay * state + gate, torch.log(torch.sigmoid(u))) - 0.25
+            return new, torch.bmm(new, c), torch.rsqrt(new * new + 1)
+
+    ex = (torch.randn(2, 4, 3), torch.randn(2, 4, 3), torch.randn(2, 3, 2))
+    gm = torch.export.export(Step(), ex).module()
+    return gm, ex
+
+
+def test_step_math_in_programs_matches_aten_within_rounding():
+    gm, ex = _float_step()
+    want = gm(*ex)
+    assert fuse_regions(gm, min_ops=1, math=True) == 1
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.quantree.program.default) == 1
+    assert all("aten" not in str(t) for t in ops)  # every op inside the program
+    got = gm(*ex)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # libm vs ATen's exp/log
+
+
+def test_step_math_stays_out_of_programs_unless_asked():
+    gm, _ = _float_step()
+    fuse_regions(gm, min_ops=1)
+    assert any(n.target == torch.ops.aten.exp.default for n in gm.graph.nodes)
+
+
+def _loop_call(monkeypatch):
+    torch.manual_seed(0)
+    model = LightGRULike().eval()
+    x = torch.randn(2, 9, 6)
+    low = _lowered(model, x, True, monkeypatch)
+    assert [m for m in low.modules() if isinstance(m, NativeProgramLoop)]
+    seen = {}
+
+    def spy(*args):
+        seen["args"] = args
+        return program_loop(*args)
+
+    monkeypatch.setattr(step_program, "program_loop", spy)
+    with torch.no_grad():
+        low(x)
+    return list(seen["args"])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (15, "stepped", "per-step inputs"),
+        (16, "feed", "feed"),
+        (16, "feed a per-step input", "per-step one"),
+        (2, "opcode", "opcode"),
+        (2, "matmul", "instruction"),
+    ],
+)
+def test_a_tampered_step_program_is_refused_with_a_quantree_error(
+    field, value, message, monkeypatch
+):
+    args = _loop_call(monkeypatch)
+    if value == "stepped":
+        args[field] = [0] * len(args[field])
+    elif value == "feed":
+        args[field] = [len(args[0]) + 3] * len(args[field])
+    elif value == "feed a per-step input":
+        args[field] = [args[15].index(1)] * len(args[field])
+    elif value == "opcode":
+        code = args[field].clone()
+        code[0, 0] = 99
+        args[field] = code
+    else:  # a batched matmul whose operands are no whole batches
+        code = args[field].clone()
+        code[0, 0], code[0, 3], code[0, 4] = 13, code[0, 2], 1 << 40
+        args[field] = code
+    with pytest.raises(qt.QuantreeError, match=message):
+        program_loop(*args)
+
+
+def test_a_saved_step_program_loads_and_runs_the_same(tmp_path, monkeypatch):
+    from quantree.backends import load, save
+
+    torch.manual_seed(0)
+    model = LightGRULike().eval()
+    x = torch.randn(2, 9, 6)
+    low = _lowered(model, x, True, monkeypatch)
+    save(low, tmp_path / "loop.pt2", (x,))
+    loaded = load(tmp_path / "loop.pt2")
+    with torch.no_grad():
+        assert torch.equal(loaded(x), low(x))
