@@ -7,6 +7,7 @@ import torch
 
 import quantree as qt
 from quantree.core.observing.kinds import make_observer
+
 from support import batches, run
 
 KINDS = list(qt.ObserverKind)
