@@ -8,8 +8,9 @@ eager, each sample a loop of ``--reps`` calls (a call of the small CNN is tens o
 microseconds: one call per sample measures the clock). Then every node of the lowered graph
 timed on its own with its recorded arguments (the same ``DirectCall``/``BoundCall`` the
 forward makes, so the Python entry is in the figure), summed per op. quantree runs twice:
-with its GEMMs on AMX tiles where the CPU offers them (the default) and on AVX-512 VNNI only
-(``qt_amx(0)``, same bits). Then each distinct
+as this branch does (GEMMs on AMX tiles where the CPU offers them and the product is large,
+kernel calls kept per input shape) and as main does (AVX-512 VNNI, ``qt_amx(0)``; each call
+deriving its kernel arguments, ``plans_kept = 0``), same bits. Then each distinct
 convolution of the model as a one-layer model (conv, or conv + ReLU as the model has it)
 through both: quantree's node call on int8 NHWC data against XNNPACK's whole one-layer
 program minus its quantize/dequantize (measured as an identity-conv-free program: the
@@ -34,6 +35,7 @@ from torch import fx, nn
 
 import quantree as qt
 from quantree.backends import CPU
+from quantree.backends.cpu.native.bound_calls import BoundConv2d, BoundLinear
 from quantree.backends.cpu.native.loader import library
 
 
@@ -123,6 +125,15 @@ def convs_with_relu(model: nn.Module, example: tuple) -> list[tuple[nn.Conv2d, t
     return list(found.values())
 
 
+KEPT = BoundConv2d.plans_kept
+
+
+def mode(branch: bool) -> None:
+    """This branch's kernel path (AMX, kernel calls kept per shape) or main's."""
+    library().qt_amx(int(branch))
+    BoundConv2d.plans_kept = BoundLinear.plans_kept = KEPT if branch else 0
+
+
 def whole(name: str, reps: int, runs: int) -> None:
     from executorch_runtime import et_int8
 
@@ -132,13 +143,12 @@ def whole(name: str, reps: int, runs: int) -> None:
     args = calib[0]
     lowered = qt.quantize(model, args, calib, backend=CPU, progress=False)
     et = et_call(et_int8(model, args, calib))
-    amx = library().qt_amx
-    t = timed({"float": lambda: model(*args), "quantree": lambda: (amx(1), lowered(*args)),
-               "vnni": lambda: (amx(0), lowered(*args)), "et": lambda: et(args)},
+    t = timed({"float": lambda: model(*args), "quantree": lambda: (mode(True), lowered(*args)),
+               "vnni": lambda: (mode(False), lowered(*args)), "et": lambda: et(args)},
               reps, runs)  # fmt: skip
-    amx(1)
+    mode(True)
     print(f"\n### {name}: whole model, ms per call (ratio to float)\n")
-    print("| float | quantree (AMX where offered) | quantree, AVX-512 VNNI only | et xnnpack "
+    print("| float | quantree | quantree as on main (VNNI, no kept calls) | et xnnpack "
           "| quantree / et |\n|---|---|---|---|---|")  # fmt: skip
     ratio = {k: f"{v:.3f} ({v / t['float']:.2f}x)" for k, v in t.items()}
     print(f"| {t['float']:.3f} | {ratio['quantree']} | {ratio['vnni']} | {ratio['et']} "

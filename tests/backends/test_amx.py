@@ -1,9 +1,10 @@
 """The AVX-512 VNNI path's GEMMs on AMX tiles give the bits of its vector micro-kernels.
 
 ``qt_amx`` switches the tiles in-process; where the CPU or the OS does not offer them, it
-stays off and these tests skip. Shapes cover the row panel's tails (fewer than 16 or 32
-rows), the k tail (Kp not a multiple of 64), odd column blocks, a padded last block, and the
-int16 activations' two planes (``linear16``).
+stays off and these tests skip. The tiles run for products of 2 M multiply-adds or more
+(``gemm_avx512vnni``), so every shape here is above that; they cover the row panel's tails
+(fewer than 16 or 32 rows), the k tail (Kp not a multiple of 64), odd column blocks, a
+padded last block, and the int16 activations' two planes (``linear16``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def both(
 
 @pytest.mark.parametrize(
     "cin, cout, kernel, stride, size",
-    [(3, 32, 3, 1, 9), (17, 33, 5, 1, 11), (64, 48, 3, 2, 12), (70, 16, 1, 1, 7), (5, 7, 3, 1, 4)],
+    [(17, 33, 5, 1, 24), (64, 48, 3, 2, 40), (200, 64, 1, 1, 30)],
 )
 def test_conv_on_tiles_equals_vector_path(amx, cin, cout, kernel, stride, size):
     torch.manual_seed(0)
@@ -50,9 +51,10 @@ def test_conv_on_tiles_equals_vector_path(amx, cin, cout, kernel, stride, size):
     assert torch.equal(off, on)
 
 
-@pytest.mark.parametrize("rows, depth, width", [(16, 64, 16), (47, 100, 33), (33, 200, 70)])
+@pytest.mark.parametrize("rows, depth, width", [(47, 1000, 70), (33, 2000, 40), (100, 700, 100)])
 @pytest.mark.parametrize("wide", [False, True])
 def test_linear_on_tiles_equals_vector_path(amx, rows, depth, width, wide):
+    assert rows * (width + 15) // 16 * 16 * depth >= 1 << 21  # the tiles' threshold
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(depth, width), nn.ReLU(), nn.Linear(width, 8)).eval()
     calib = [(torch.randn(rows, depth),) for _ in range(2)]

@@ -153,7 +153,7 @@ class BoundLinear(Binding):
 
     def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:
         x, _, offset, scale, bias, n, out_scale, out_zp, relu = args
-        plan = self.plans.get(x.shape)
+        plan = self.plans.get(x.shape) if self.plans_kept else None
         if plan is None:
             if x.shape[-1] == 0:  # no product (K = 0): the op's own answer, not kept
                 return run_linear(x, derived, pointers, offset, scale, bias, n, out_scale,
@@ -196,7 +196,8 @@ class BoundConv2d(Binding):
         return 0 if is_depthwise(int(x.shape[1]), oc, groups) else packed_depth(weight)
 
     plans_kept = 8
-    """Input shapes a node keeps a kernel call for (a model sees few; more are derived anew)."""
+    """Input shapes a node keeps a kernel call for (a model sees few; more are derived anew;
+    0: none kept or read, every call derives its own, as before plans: benchmarks/amx_ab.py)."""
 
     def unbind(self) -> None:
         super().unbind()
@@ -206,7 +207,7 @@ class BoundConv2d(Binding):
 
     def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:
         x = args[0]
-        plan = self.plans.get(x.shape)
+        plan = self.plans.get(x.shape) if self.plans_kept else None
         if plan is None:
             plan = conv2d_plan(x.shape, derived, pointers, *args[5:])
             if len(self.plans) < self.plans_kept:

@@ -263,10 +263,16 @@ static bool amx_permitted() {
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 }
 
-static int amx_mode = -1;  // -1: not decided yet; 0: off; 1: on
+static int amx_usable = -1;  // -1: not asked yet; else whether the CPU and OS offer AMX
+static int amx_mode = -1;    // -1: not decided yet (on if usable); 0: off; 1: on
+
+static bool amx_offered() {
+    if (amx_usable < 0) amx_usable = amx_permitted() ? 1 : 0;
+    return amx_usable == 1;
+}
 
 static bool amx_on() {
-    if (amx_mode < 0) amx_mode = amx_permitted() ? 1 : 0;
+    if (amx_mode < 0) amx_mode = amx_offered() ? 1 : 0;
     return amx_mode == 1;
 }
 
@@ -410,7 +416,10 @@ static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
 
 void gemm_avx512vnni(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
-    if (M >= 16 && amx_on()) {
+    // AMX costs a few microseconds a call whatever the size (tile set-up, scratch, the unit
+    // waking up): measured on Sapphire Rapids, it pays from about 2 M multiply-adds
+    // (benchmarks/README.md, branch `cnnspeed`); smaller products stay on the vector path.
+    if (M >= 16 && M * ((N + 15) / 16 * 16) * Kp >= (int64_t{1} << 21) && amx_on()) {
         gemm_amx(M, N, Kp, A, lda, B, ep, A_lo);
         return;
     }
@@ -596,8 +605,6 @@ void activation_avx512(int kind, const float* a, float* out, int64_t n) {
 // other in one process; on is refused where the CPU or the OS does not offer AMX.
 extern "C" int qt_amx(int on) {
     using namespace qt;
-    const bool usable = amx_mode >= 0 ? amx_mode == 1 || amx_permitted() : amx_permitted();
-    if (on >= 0) amx_mode = on && usable ? 1 : 0;
-    else if (amx_mode < 0) amx_mode = usable ? 1 : 0;
-    return amx_mode;
+    if (on >= 0) amx_mode = on && amx_offered() ? 1 : 0;
+    return amx_on() ? 1 : 0;
 }
