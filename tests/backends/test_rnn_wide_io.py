@@ -80,7 +80,9 @@ def test_int16_output_read_by_a_linear():
     assert tuple(node.args[-2:]) == (16, 16)
     (leaf,) = node.users
     # the quantize the linear's pattern reads stays, fed the kernel's float
-    assert [str(u.target) for u in leaf.users] == ["quantized_decomposed.quantize_per_tensor.default"]
+    assert [str(u.target) for u in leaf.users] == [
+        "quantized_decomposed.quantize_per_tensor.default"
+    ]
     with torch.no_grad():
         x = data[1][0]
         assert sqnr(ref(x), low(x)) > 30.0  # the kernel's int8 feedback, not the boundary

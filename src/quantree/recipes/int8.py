@@ -10,7 +10,6 @@ special: an LSTM's annotation is a tuple of specs shaped like its output.
 from __future__ import annotations
 
 import dataclasses
-
 import enum
 import math
 from collections.abc import Callable, Mapping

@@ -62,7 +62,7 @@ def _hidden_ranges(
     ctx: LoweringContext,
     node: fx.Node,
     call: RecurrentCall,
-    output: tuple[float, int],
+    output: tuple[float, int, int],
     initial: tuple[float, int],
     returned: tuple[float, int] | None = None,
 ) -> list[tuple[float, float]]:
@@ -90,7 +90,7 @@ def _hidden_ranges(
 
 def _observed_ranges(
     call: RecurrentCall,
-    output: tuple[float, int],
+    output: tuple[float, int, int],
     initial: tuple[float, int],
     returned: tuple[float, int] | None = None,
 ) -> list[tuple[float, float]]:
