@@ -1,7 +1,7 @@
 """Whole-mode recurrent layers with int16 input and output sequences, and the AMX GEMM.
 
-The int8 recipe quantizes a whole-mode layer's input and output sequences as symmetric
-int16 (``recurrent_sequence_dtype``): the lowered ``quantree.rnn`` reads the float input
+``Int8Quantizer(recurrent_sequence_dtype=QDtype.INT16)`` quantizes a whole-mode layer's
+input and output sequences as symmetric int16: the lowered ``quantree.rnn`` reads the float input
 as int16 byte planes and writes its float output on the int16 grid. The AMX path of the
 many-row GEMMs (input projection, steps of 16 rows and more) gives the VNNI path's bits.
 """
@@ -49,7 +49,7 @@ def rnn_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if str(n.target) == "quantree.rnn.default"]
 
 
-def test_int16_sequences_by_default_and_more_accurate_than_int8():
+def test_int16_sequences_lowered_and_more_accurate_than_int8():
     torch.manual_seed(0)
     model = Seq(nn.LSTM(16, 32, 2)).eval()
     data = batches((24, 1, 16), n=4)
