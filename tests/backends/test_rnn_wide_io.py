@@ -119,3 +119,30 @@ def test_int16_boundary_needs_float_and_a_symmetric_grid():
         bad = list(q)
         bad[5] = 3
         RNN("lstm", x.float(), [], [], 4, 1, False, False, bad, 8, 0, True, True, 8, 16)
+
+
+def test_int16_sequences_give_the_same_bits_on_every_vector_path():
+    """The AVX-512 planes and rounding (and AMX) against AVX2's portable ones."""
+    from quantree.backends.cpu.native.loader import ISA_NAMES, isa_cap
+
+    lib = library()
+    paths = [
+        i for i, name in enumerate(ISA_NAMES) if name != "portable" and lib.qt_select_isa(i) == i
+    ]
+    lib.qt_select_isa(isa_cap())
+    if len(paths) < 2:
+        pytest.skip("fewer than two vector paths on this CPU")
+    torch.manual_seed(3)
+    model = Seq(nn.LSTM(64, 24, 2)).eval()
+    data = batches((20, 17, 64), n=3)
+    _, low = lowered(model, data, qt.QDtype.INT16)
+    results = []
+    try:
+        for isa in paths:
+            assert lib.qt_select_isa(isa) == isa
+            with torch.no_grad():
+                results.append(low(data[1][0]))
+    finally:
+        lib.qt_select_isa(isa_cap())
+    for got in results[1:]:
+        assert torch.equal(results[0], got)
