@@ -15,7 +15,8 @@ Ratios are to float PyTorch eager of the same pass. SQNR is input-dependent (``z
 per-position mean over the held-out inputs removed from the signal) against float.
 
 Peers (``--peers``): ``quantree`` (``qt.quantize`` to the CPU backend; ``quantree_h16``, not
-by default: recurrent layers with int16 hidden-state feedback); ``et`` (ExecuTorch
+by default: recurrent layers with int16 hidden-state feedback; ``quantree_s16``, not by
+default: whole-mode int16 input and output sequences); ``et`` (ExecuTorch
 XNNPACK with its own ``XNNPACKQuantizer``, per channel); ``ov`` (OpenVINO + NNCF
 ``nncf.quantize`` of the converted model); ``ov_qt`` (OpenVINO running quantree's QDQ
 export); ``ort_dynamic`` and ``ort_static`` (ONNX Runtime's ``quantize_dynamic`` and
@@ -189,6 +190,15 @@ def peer_quantree_h16(model: nn.Module, calib: list[tuple], folder: Path) -> Cal
     return lambda args: lowered(*args)
 
 
+def peer_quantree_s16(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
+    """quantree with whole-mode recurrent layers' input and output sequences at int16
+    (``Int8Quantizer(recurrent_sequence_dtype=QDtype.INT16)``)."""
+    quantizer = qt.Int8Quantizer(recurrent_sequence_dtype=qt.QDtype.INT16)
+    lowered = qt.quantize(model, calib[0], calib, quantizer=quantizer, backend=CPU,
+                          progress=False)  # fmt: skip
+    return lambda args: lowered(*args)
+
+
 def peer_et(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
     from executorch_runtime import et_int8
 
@@ -251,6 +261,7 @@ def peer_torchao(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
 PEER_BUILDERS: dict[str, Callable[[nn.Module, list[tuple], Path], Call]] = {
     "quantree": peer_quantree,
     "quantree_h16": peer_quantree_h16,
+    "quantree_s16": peer_quantree_s16,
     "et": peer_et,
     "ov": peer_ov,
     "ov_qt": peer_ov_qt,

@@ -31,13 +31,15 @@ class Output(nn.Module):
         return self.rnn(x)[0]
 
 
-def lowered(rnn: nn.Module, shape: tuple[int, ...]) -> tuple[torch.fx.GraphModule, torch.Tensor]:
+def lowered(
+    rnn: nn.Module, shape: tuple[int, ...], sequences: qt.QDtype = qt.QDtype.INT16
+) -> tuple[torch.fx.GraphModule, torch.Tensor]:
     torch.manual_seed(0)
     model = Output(rnn.eval()).eval()
     x = torch.randn(*shape)
     data = [(torch.randn(*shape),) for _ in range(3)]
     # stacked layers kept in one call: the runner's inner-layer (int16) path is exercised too
-    quantizer = qt.Int8Quantizer(split_layers=False)
+    quantizer = qt.Int8Quantizer(split_layers=False, recurrent_sequence_dtype=sequences)
     return qt.lower(
         qt.quantize(model, (x,), data, quantizer=quantizer, backend="reference"), CPU
     ), x
@@ -115,11 +117,12 @@ def test_copied_graph_runs_on_its_own_weights():
 
 
 def test_quantize_and_dequantize_around_the_layer_run_inside_it_exactly():
-    gm, x = lowered(nn.LSTM(12, 10, 2), (6, 3, 12))
+    # int8 sequences: the int8 quantize and dequantize fused into the kernel
+    gm, x = lowered(nn.LSTM(12, 10, 2), (6, 3, 12), qt.QDtype.INT8)
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert "quantree.quantize.default" not in targets
     assert "quantree.dequantize.default" not in targets
-    args = list(spy_args(gm, x))
+    args = list(spy_args(gm, x))[:13]  # x_bits and y_bits 8 (the op's defaults) left off
     assert args[1].dtype == torch.float32 and args[-2:] == [True, True]
     fused = torch.ops.quantree.rnn.default(*args)
     x_s, x_z, y_s, y_z = args[8][0], int(args[8][1]), args[8][4], int(args[8][5])

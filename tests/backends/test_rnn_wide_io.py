@@ -1,7 +1,7 @@
 """Whole-mode recurrent layers with int16 input and output sequences, and the AMX GEMM.
 
-The int8 recipe quantizes a whole-mode layer's input and output sequences as symmetric
-int16 (``recurrent_sequence_dtype``): the lowered ``quantree.rnn`` reads the float input
+``Int8Quantizer(recurrent_sequence_dtype=QDtype.INT16)`` quantizes a whole-mode layer's
+input and output sequences as symmetric int16: the lowered ``quantree.rnn`` reads the float input
 as int16 byte planes and writes its float output on the int16 grid. The AMX path of the
 many-row GEMMs (input projection, steps of 16 rows and more) gives the VNNI path's bits.
 """
@@ -49,7 +49,7 @@ def rnn_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if str(n.target) == "quantree.rnn.default"]
 
 
-def test_int16_sequences_by_default_and_more_accurate_than_int8():
+def test_int16_sequences_lowered_and_more_accurate_than_int8():
     torch.manual_seed(0)
     model = Seq(nn.LSTM(16, 32, 2)).eval()
     data = batches((24, 1, 16), n=4)
@@ -80,7 +80,9 @@ def test_int16_output_read_by_a_linear():
     assert tuple(node.args[-2:]) == (16, 16)
     (leaf,) = node.users
     # the quantize the linear's pattern reads stays, fed the kernel's float
-    assert [str(u.target) for u in leaf.users] == ["quantized_decomposed.quantize_per_tensor.default"]
+    assert [str(u.target) for u in leaf.users] == [
+        "quantized_decomposed.quantize_per_tensor.default"
+    ]
     with torch.no_grad():
         x = data[1][0]
         assert sqnr(ref(x), low(x)) > 30.0  # the kernel's int8 feedback, not the boundary
@@ -117,3 +119,30 @@ def test_int16_boundary_needs_float_and_a_symmetric_grid():
         bad = list(q)
         bad[5] = 3
         RNN("lstm", x.float(), [], [], 4, 1, False, False, bad, 8, 0, True, True, 8, 16)
+
+
+def test_int16_sequences_give_the_same_bits_on_every_vector_path():
+    """The AVX-512 planes and rounding (and AMX) against AVX2's portable ones."""
+    from quantree.backends.cpu.native.loader import ISA_NAMES, isa_cap
+
+    lib = library()
+    paths = [
+        i for i, name in enumerate(ISA_NAMES) if name != "portable" and lib.qt_select_isa(i) == i
+    ]
+    lib.qt_select_isa(isa_cap())
+    if len(paths) < 2:
+        pytest.skip("fewer than two vector paths on this CPU")
+    torch.manual_seed(3)
+    model = Seq(nn.LSTM(64, 24, 2)).eval()
+    data = batches((20, 17, 64), n=3)
+    _, low = lowered(model, data, qt.QDtype.INT16)
+    results = []
+    try:
+        for isa in paths:
+            assert lib.qt_select_isa(isa) == isa
+            with torch.no_grad():
+                results.append(low(data[1][0]))
+    finally:
+        lib.qt_select_isa(isa_cap())
+    for got in results[1:]:
+        assert torch.equal(results[0], got)

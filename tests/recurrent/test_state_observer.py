@@ -81,7 +81,7 @@ def test_whole_mode_states_and_output_sequence_keep_min_max():
     assert len(states) == 5  # the output sequence (with the head's input), h_n, c_n, h0, c0
     assert all(kinds[label] is MinMaxObserver for label in states)
     others = [label for label in kinds if label.endswith(("(linear)", "(lstm.input[0])"))]
-    assert len(others) == 2  # the layer's input (int16), the head's output: as asked
+    assert len(others) == 2  # the layer's input, the head's output: as asked
     assert all(kinds[label] is MovingAverageMinMaxObserver for label in others)
 
 

@@ -10,7 +10,6 @@ special: an LSTM's annotation is a tuple of specs shaped like its output.
 from __future__ import annotations
 
 import dataclasses
-
 import enum
 import math
 from collections.abc import Callable, Mapping
@@ -229,9 +228,11 @@ class Int8Quantizer(Quantizer):
     ``embedding_dtype``: embedding tables' type, per row like weights (INT16: about float's
     accuracy at half its size, where an int8 row's rounding is the model's largest error).
     ``recurrent_sequence_dtype``: the input and output sequences of whole-mode recurrent
-    layers (INT16 by default, symmetric: at int8 the output grid was most of an LSTM's
-    error, 3 dB under ONNX Runtime's dynamic LSTM; the native kernel reads and writes the
-    int16 sequences as byte planes and floats; benchmarks/README.md, branch ``lstmb1``).
+    layers (INT16: symmetric; at int8 the output grid was most of an LSTM's error, 3 dB
+    under ONNX Runtime's dynamic LSTM, and INT16 gains 7-10 dB on the CPU backend; the
+    native kernel reads and writes the int16 sequences as byte planes and floats. INT8 by
+    default while ONNX Runtime's integer LSTM (``OnnxTarget.ONNXRUNTIME``) refuses a 16-bit
+    input; benchmarks/README.md, branch ``lstmb1``).
     ``rules``
     are added last and so take precedence.
     """
@@ -256,7 +257,7 @@ class Int8Quantizer(Quantizer):
         activations: ActivationPoints = ActivationPoints.AUTO,
         weighted_inputs_dtype: QDtype = QDtype.INT16,
         embedding_dtype: QDtype = QDtype.INT8,
-        recurrent_sequence_dtype: QDtype = QDtype.INT16,
+        recurrent_sequence_dtype: QDtype = QDtype.INT8,
         rules: tuple[Rule, ...] = (),
     ) -> None:
         if not isinstance(recurrent, RecurrentMode):

@@ -14,7 +14,8 @@ Arguments (every one checked again by the runtime kernel, which reads them from 
 ``x`` ``[T, B, K]`` time-major, int8 (float with ``config[6]``); ``h0``/``c0`` int8 initial
 states or None for zeros; ``params`` the CPU op's packed weights, row sums, scales and
 biases per layer and direction; ``config`` = (kind, hidden, layers, directions, hidden
-bits, proj_size, float input, float output[, x bits, y bits]: 16 for int16 sequences); ``qparams`` the CPU op's 18 floats.
+bits, proj_size, float input, float output[, x bits, y bits]: 16 for int16 sequences);
+``qparams`` the CPU op's 18 floats.
 """
 
 from __future__ import annotations

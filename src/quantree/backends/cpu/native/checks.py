@@ -433,7 +433,10 @@ def rnn_boundaries(x_bits: int, y_bits: int, float_input: bool, float_output: bo
                    qparams: Sequence[float]) -> None:  # fmt: skip
     """The int16 boundaries of ``rnn``: a float input or output on a symmetric grid (the
     kernel quantizes x to int16 planes, or rounds its float output onto the grid)."""
-    for bits, is_float, name, zero in ((x_bits, float_input, "x", 1), (y_bits, float_output, "y", 5)):
+    for bits, is_float, name, zero in (
+        (x_bits, float_input, "x", 1),
+        (y_bits, float_output, "y", 5),
+    ):
         if bits not in (8, 16):
             raise fail("rnn", f"{name}_bits {bits}: 8 or 16 expected")
         if bits == 16 and not is_float:

@@ -62,7 +62,7 @@ def _hidden_ranges(
     ctx: LoweringContext,
     node: fx.Node,
     call: RecurrentCall,
-    output: tuple[float, int],
+    output: tuple[float, int, int],
     initial: tuple[float, int],
     returned: tuple[float, int] | None = None,
 ) -> list[tuple[float, float]]:
@@ -90,13 +90,13 @@ def _hidden_ranges(
 
 def _observed_ranges(
     call: RecurrentCall,
-    output: tuple[float, int],
+    output: tuple[float, int, int],
     initial: tuple[float, int],
     returned: tuple[float, int] | None = None,
 ) -> list[tuple[float, float]]:
     """The last layer's hidden states: its observed output, the initial state and, when it
     has a grid of its own, the returned state (every layer's final state)."""
-    ranges = [_range(*output), _range(*initial)]  # output: (scale, zero point[, bits])
+    ranges = [_range(*output), _range(*initial)]  # output: (scale, zero point, bits)
     if returned is not None:
         ranges.append(_range(*returned))
     projected = any(p.w_hr is not None for p in call.layers)
