@@ -61,7 +61,7 @@ def _lowered(model: nn.Module, x: torch.Tensor, native: bool, monkeypatch) -> nn
         if not native:
             m.setattr(step_program, "fuse_regions", lambda *a, **k: 0)
         with pytest.warns(qt.QuantreeWarning):
-            return qt.quantize(model, (x,), data, backend="cpu", progress=False)
+            return qt.quantize(model, (x,), data, backend="cpu", progress=False, fold_loops=True)
 
 
 @pytest.mark.parametrize("model_type", [LightGRULike, ScanLike])

@@ -35,40 +35,6 @@ def is_cell_step(loop: torch.nn.Module) -> bool:
     return isinstance(loop, StepLoop) and bool(loop.body.meta.get(CELL_STEP_KEY, False))
 
 
-_aten = torch.ops.aten
-STEP_OPS = frozenset({
-    _aten.add.Tensor, _aten.add.Scalar, _aten.sub.Tensor, _aten.sub.Scalar, _aten.rsub.Scalar,
-    _aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar, _aten.neg.default,
-    _aten.exp.default, _aten.log.default, _aten.softplus.default, _aten.sigmoid.default,
-    _aten.tanh.default, _aten.relu.default, _aten.silu.default, _aten.gelu.default,
-    _aten.rsqrt.default, _aten.abs.default, _aten.clamp.default, _aten.clamp_min.default,
-    _aten.clamp_max.default, _aten.maximum.default, _aten.minimum.default,
-    _aten.pow.Tensor_Scalar, _aten.matmul.default, _aten.bmm.default, _aten.linear.default,
-    _aten.layer_norm.default, _aten.rms_norm.default, _aten.chunk.default, _aten.select.int,
-    _aten.slice.Tensor, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.squeeze.dims,
-    _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default,
-    _aten.permute.default, _aten.transpose.int, _aten.expand.default, _aten.cat.default,
-    _aten.stack.default, _aten.unbind.int, _aten.to.dtype, _aten._assert_tensor_metadata.default,
-    _aten.alias.default, _aten.clone.default, _aten.contiguous.default, _aten.dropout.default,
-    operator.getitem,
-})  # fmt: skip
-"""The float ops of a step that quantree's native step program runs (the CPU backend's region
-instructions, ``backends/cpu/passes/region_math.py``): a loop of such steps is folded by
-default, since it runs as one native call. Known at capture, before any backend is chosen,
-so it is the ops' list, not the backend's verdict: a step the backend still cannot run
-(an unusual shape) keeps its Python loop and the backend says so."""
-
-
-def is_native_step(loop: torch.nn.Module) -> bool:
-    """A cell step, or one made only of ``STEP_OPS``."""
-    if is_cell_step(loop):
-        return True
-    if not isinstance(loop, StepLoop):
-        return False
-    calls = [n for n in loop.body.graph.nodes if n.op == "call_function"]
-    return all(n.target in STEP_OPS for n in calls)
-
-
 def fold_loops(
     gm: fx.GraphModule, min_steps: int = 3, before_first_fold: Callable[[], None] | None = None
 ) -> list[str]:

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from quantree.core.errors import QuantreeWarning
 from quantree.recurrent.decompose import drop_export_guards
-from quantree.recurrent.unrolled.fold import fold_loops, is_native_step
+from quantree.recurrent.unrolled.fold import fold_loops, is_cell_step
 from quantree.recurrent.unrolled.higher_order import fold_scans
 from quantree.recurrent.unrolled.step_loop import StepLoop
 
@@ -48,23 +48,23 @@ def fold_and_free(
     length where it can be shown.
 
     ``every_loop=False`` (``quantree.capture``'s default) folds only loops whose step is a
-    recurrent cell or made of the ops a native step program runs (``fold.STEP_OPS``); a model
-    with any other loop over time keeps its unrolled steps with one warning, since its folded
-    step would run op by op in Python, slower than the unrolled graph's fused regions."""
+    recurrent cell, which lower to one native program; a model with any other loop over time
+    keeps its unrolled steps with one warning, since its folded step would run op by op in
+    Python, slower than the unrolled graph's fused regions."""
     from quantree.core.graphs import copy_graph_module
 
     scans = fold_scans(gm)  # torch's scan: a loop already, of any length
     before: list[fx.GraphModule] = []  # the graph as it was, copied only if a loop is found
     keep = None if every_loop else lambda: before.append(copy_graph_module(gm))
     made = fold_loops(gm, min_steps, before_first_fold=keep)
-    general = [n for n in made if not is_native_step(gm.get_submodule(n))]
+    general = [n for n in made if not is_cell_step(gm.get_submodule(n))]
     if before and general:
         warnings.warn(
             f"quantree.capture left {len(general)} Python loop(s) over time unrolled (fixed to "
-            "the captured length): their steps hold ops a native step program does not run, "
-            "so a folded step would run op by op in Python, slower than the unrolled steps. "
-            "Pass fold_loops=True to fold them anyway (one loop that runs at any length), or "
-            "capture at the length you run at.",
+            "the captured length): their steps are not recurrent cells, which a folded loop "
+            "runs natively, and a folded step runs op by op in Python, slower than the unrolled "
+            "steps. Pass fold_loops=True to fold them anyway (one loop that runs at any "
+            "length), or capture at the length you run at.",
             QuantreeWarning,
             stacklevel=4,
         )

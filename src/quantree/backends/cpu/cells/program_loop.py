@@ -18,7 +18,10 @@ from quantree.backends.cpu.native.checks import fail
 from quantree.backends.cpu.native.loader import I64, PTR
 from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.registry import op
-from quantree.backends.cpu.ops.program import DTYPES, _resolve, _shapes, _size
+from quantree.backends.cpu.ops.program import DTYPES
+from quantree.backends.cpu.ops.program import resolve as _resolve
+from quantree.backends.cpu.ops.program import split_shapes as _shapes
+from quantree.backends.cpu.ops.program import symbol_size as _size
 
 SIGNATURES: dict[str, list[type]] = {
     "qt_program_loop": [

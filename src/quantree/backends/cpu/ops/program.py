@@ -139,3 +139,7 @@ def _(inputs, consts, code, fcode, slots, in_slots, out_slots, in_shapes, in_ran
             strict=True,
         )
     ]
+
+
+split_shapes, resolve, symbol_size = _shapes, _resolve, _size
+"""The shape helpers a step loop's call shares (``cells/program_loop.py``)."""
