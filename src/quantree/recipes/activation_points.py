@@ -102,8 +102,8 @@ def transformer_like(graph: fx.Graph) -> bool:
 
     The hand-written norms bring in the modern recurrences (Mamba, Griffin's RG-LRU, xLSTM,
     a dual-path RNN's global layer norm): there every op quantized rounded each step of an
-    unrolled scan, its gates and log-space decays (xLSTM 11 dB, where only what weights
-    read gave 35 dB; figures in benchmarks/README.md, "Modern recurrences: accuracy")."""
+    unrolled scan, its gates and log-space decays, and cost both accuracy and speed
+    (benchmarks/README.md, "Modern recurrences: accuracy")."""
     owner = graph.owning_module
     if owner is not None and _VERDICT_KEY in owner.meta:
         return bool(owner.meta[_VERDICT_KEY])
