@@ -69,7 +69,7 @@ def test_qdq_export_compiles_and_matches_in_openvino(factory, batch, tmp_path):
     model = factory().eval()
     shapes = [(5, batch, 8)] + ([(2, batch, 16)] * 2 if isinstance(model, Tagger) else [])
     data = batches(*shapes, n=5)
-    # int8 sequences: on the int16 ones (the default) OpenVINO's float LSTM differed from
+    # int8 sequences: on int16 ones (recurrent_sequence_dtype) OpenVINO's float LSTM differed from
     # torch's by up to 3e-3, hundreds of int16 steps, where one int8 step hid it
     quantizer = qt.Int8Quantizer(recurrent_sequence_dtype=qt.QDtype.INT8)
     ref = qt.quantize(
