@@ -10,14 +10,6 @@
 
 using namespace qt::prog;
 
-namespace {
-// Fields per resolved slot: dtype (0 f32, 1 i8), owner, byte offset, cols, ld, rows. A slot
-// table of 8 fields (a dynamic program's) adds the rows' and the byte offset's coefficients
-// of the size symbol: rows = f[5] + f[6] * size, offset = f[2] + f[7] * size. Tables of 6
-// fields (programs saved before) are static.
-constexpr int NSR = 6;
-}
-
 extern "C" {
 
 // inputs[i] (dense, the slot in_slots[i]'s rows x cols) are copied in, the code is run once,
@@ -28,16 +20,7 @@ void qt_program_run(void** inputs, const int64_t* in_slots, int64_t n_in, void**
                     const int64_t* out_slots, int64_t n_out, const int64_t* slots, int64_t n_slots,
                     int64_t fields, int64_t size, const int64_t* code, const float* fcode,
                     int64_t n_code, void** consts) try {
-    std::vector<int64_t> table(static_cast<size_t>(n_slots * NSR));
-    for (int64_t i = 0; i < n_slots; ++i) {
-        const int64_t* d = slots + fields * i;
-        int64_t* r = table.data() + NSR * i;
-        std::memcpy(r, d, NSR * sizeof(int64_t));
-        if (fields >= 8) {
-            r[2] = d[2] + d[7] * size;
-            r[5] = d[5] + d[6] * size;
-        }
-    }
+    std::vector<int64_t> table = resolve_slots(slots, n_slots, fields, size);
     // A dense, 64-byte aligned input or output whose slot owns its storage is used in place:
     // no copy in or out, no workspace (a transformer layer's program moved ~0.3 MB per call
     // through copies and a cleared workspace, ~25 us, more than its layer norm).

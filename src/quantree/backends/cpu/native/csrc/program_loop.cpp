@@ -12,7 +12,6 @@
 using namespace qt::prog;
 
 namespace {
-constexpr int NSR = 6;  // resolved slot fields, as program.cpp's
 
 void copy_in(const Slot& d, const char* src) {
     for (int64_t r = 0; r < d.rows; ++r)
@@ -38,16 +37,7 @@ void qt_program_loop(void** inputs, const int64_t* in_slots, const int64_t* in_s
                      int64_t n_out, int64_t T, const int64_t* slots, int64_t n_slots,
                      int64_t fields, int64_t size, const int64_t* code, const float* fcode,
                      int64_t n_code, void** consts) try {
-    std::vector<int64_t> table(static_cast<size_t>(n_slots * NSR));
-    for (int64_t i = 0; i < n_slots; ++i) {
-        const int64_t* d = slots + fields * i;
-        int64_t* r = table.data() + NSR * i;
-        std::memcpy(r, d, NSR * sizeof(int64_t));
-        if (fields >= 8) {
-            r[2] = d[2] + d[7] * size;
-            r[5] = d[5] + d[6] * size;
-        }
-    }
+    std::vector<int64_t> table = resolve_slots(slots, n_slots, fields, size);
     std::vector<char> ws;
     const std::vector<Slot> s =
         lay_out(ws, table.data(), n_slots, NSR, [](const int64_t* d) { return d[5]; });

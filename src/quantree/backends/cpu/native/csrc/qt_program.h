@@ -21,6 +21,29 @@ extern "C" void qt_matmul(const int8_t* a, const int8_t* bmat, int64_t batch, in
 
 namespace qt::prog {
 
+// Fields per resolved slot: dtype (0 f32, 1 i8), owner, byte offset, cols, ld, rows. A slot
+// table of 8 fields (a dynamic program's) adds the rows' and the byte offset's coefficients
+// of the size symbol: rows = f[5] + f[6] * size, offset = f[2] + f[7] * size. Tables of 6
+// fields (programs saved before) are static.
+constexpr int NSR = 6;
+
+// The slot table resolved for this call's size symbol (one place for program.cpp and
+// program_loop.cpp, which read the same tables).
+inline std::vector<int64_t> resolve_slots(const int64_t* slots, int64_t n_slots, int64_t fields,
+                                          int64_t size) {
+    std::vector<int64_t> table(static_cast<size_t>(n_slots * NSR));
+    for (int64_t i = 0; i < n_slots; ++i) {
+        const int64_t* d = slots + fields * i;
+        int64_t* r = table.data() + NSR * i;
+        std::memcpy(r, d, NSR * sizeof(int64_t));
+        if (fields >= 8) {
+            r[2] = d[2] + d[7] * size;
+            r[5] = d[5] + d[6] * size;
+        }
+    }
+    return table;
+}
+
 enum Op {
     QUANT = 0,
     DEQUANT = 1,
