@@ -174,6 +174,7 @@ def one_model(kind: str, args, train_stream, validation) -> dict[str, float]:
             f"{gaps[bits]:.2f} output steps, {100 * far:.3f}% of logits off; reference "
             f"graph vs QAT model: max {ref_gap / step:.2f} steps"
         )
+    os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, f"charlm_{kind}_qat_w{args.weights}a8.pt2")
     save(lowered, path, (probe,))
     reloaded = load(path)

@@ -19,6 +19,7 @@ Messages covered here (others: tests/tools/test_error_messages.py, tests/test_de
 - convert before calibration: ``quantree.calibrate``
 - lower before convert: calibrate and convert
 - tensors calibration never reached: ``unobserved=quantree.Unobserved.FLOAT``
+- saving into a directory that does not exist: ``os.makedirs(directory, exist_ok=True)``
 """
 
 from __future__ import annotations
@@ -283,3 +284,18 @@ def test_tensors_never_observed_are_told_to_stay_float_and_that_works() -> None:
     x, memory = data[1][0], torch.zeros(3, 0, 5)
     with torch.no_grad():
         assert qt.sqnr(WithMemory().eval()(x, memory), ref(x, memory)) > 25.0
+
+
+def test_saving_into_a_missing_directory_is_told_to_create_it_and_that_works(tmp_path) -> None:
+    import os
+
+    from quantree.backends import load, save
+
+    lowered = qt.quantize(_conv(), EXAMPLE, DATA, progress=False, backend="cpu")
+    path = tmp_path / "not" / "there" / "model.pt2"
+    with pytest.raises(qt.QuantreeError, match=r"os\.makedirs\(directory, exist_ok=True\)") as err:
+        save(lowered, path, EXAMPLE)
+    assert "does not exist" in str(err.value)
+    os.makedirs(path.parent, exist_ok=True)  # the fix, as the message spells it
+    save(lowered, path, EXAMPLE)
+    torch.testing.assert_close(load(path)(*EXAMPLE), lowered(*EXAMPLE), rtol=0, atol=0)

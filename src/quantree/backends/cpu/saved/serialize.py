@@ -51,6 +51,15 @@ def save(
     """Export ``lowered`` with ``example_args`` to ``path``: the first dimension of each
     input stays dynamic where the lowered graph allows it (``dynamic_batch=False``: every
     dimension fixed to the example's)."""
+    # checked before exporting (which takes seconds to minutes), so a wrong path fails at once
+    # and not with torch's archive writer's error after the work is done
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise QuantreeError(
+            f"cannot save to {str(path)[:200]!r}: its directory {str(parent)[:200]!r} does not "
+            "exist; create it first (os.makedirs(directory, exist_ok=True)) or give a path in "
+            "an existing directory"
+        )
     write_program(saved_program(lowered, example_args, dynamic_batch), path)
 
 
