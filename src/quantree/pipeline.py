@@ -19,6 +19,7 @@ from quantree.core.prepare import prepare as core_prepare
 from quantree.core.quantizer import Quantizer
 from quantree.core.refining.refine import Refine
 from quantree.core.refining.refine import refine as refine_weights
+from quantree.core.stages import TRAINED_KEY
 from quantree.core.training.qat import prepare_qat as core_prepare_qat
 from quantree.recipes.int8 import Int8Quantizer
 from quantree.recipes.pt2e import as_quantizer, is_pt2e_quantizer
@@ -88,9 +89,18 @@ def lower(ref: fx.GraphModule, backend: Backend | str | None = REFERENCE) -> fx.
     """``quantree.core.lower.lower`` with a backend given as a Backend or by name.
 
     The lowered model keeps ``ref`` (``quantree.backends.fastest.reference_of``), so what
-    reads only q/dq graphs, ONNX export, takes it as well.
+    reads only q/dq graphs, ONNX export, takes it as well. A reference converted from a QAT
+    model, lowered by name (``"cpu"``, ``"auto"``), feeds recurrent states back as int16
+    (``cpu_backend(hidden_bits=16)``): it was trained with them fed back in float, and int8
+    feedback moved its outputs by two steps where int16 stays within one (docs/qat.md).
     """
-    return attach_reference(core_lower.lower(ref, resolve_backend(backend)), ref)
+    chosen = resolve_backend(backend)
+    if isinstance(backend, str) and ref.meta.get(TRAINED_KEY):
+        from quantree.backends import CPU, cpu_backend
+
+        if chosen is CPU:
+            chosen = cpu_backend(hidden_bits=16)
+    return attach_reference(core_lower.lower(ref, chosen), ref)
 
 
 def quantize(

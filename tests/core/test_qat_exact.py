@@ -228,3 +228,24 @@ def test_lowered_model_is_within_one_output_step_of_the_qat_model(name, weights)
             expected = qat(*args)
             assert torch.equal(ref(*args), expected)
             assert float((lowered(*args) - expected).abs().max()) <= step * 1.001
+
+
+def test_a_qat_reference_lowered_by_name_feeds_the_state_back_as_int16() -> None:
+    """``qt.lower(ref, "cpu")`` of a QAT model is the lowering the test above measures; a
+    post-training reference lowered by name keeps the fastest (int8) feedback."""
+    from quantree.backends import CPU, cpu_backend
+
+    model, shape = _model("lstm")
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(shape, generator=g),) for _ in range(3)]
+    qat = qt.prepare_qat(qt.capture(model.eval(), data[0]), qt.Int8Quantizer(), data)
+    ref = qt.convert(qat)
+    x = data[2]
+    with torch.no_grad():
+        by_name = qt.lower(ref, "cpu")(*x)
+        assert torch.equal(by_name, qt.lower(ref, cpu_backend(hidden_bits=16))(*x))
+        assert not torch.equal(by_name, qt.lower(ref, CPU)(*x))
+        prepared = qt.prepare(qt.capture(model.eval(), x), qt.Int8Quantizer())
+        qt.calibrate(prepared, data)
+        ptq = qt.convert(prepared)
+        assert torch.equal(qt.lower(ptq, "cpu")(*x), qt.lower(ptq, CPU)(*x))

@@ -53,6 +53,7 @@ from quantree.core.stages import (
     OBSERVER_KEY,
     PREPARED,
     STAGE_KEY,
+    TRAINED_KEY,
     NodeQuant,
     node_quant,
     require_stage,
@@ -169,7 +170,8 @@ def convert(
     """
     if not isinstance(unobserved, Unobserved):
         raise QuantreeError(f"unobserved must be a quantree.Unobserved, got {unobserved!r}")
-    if is_qat(prepared):  # the learned parameters stand where the observers stood
+    trained = is_qat(prepared)
+    if trained:  # the learned parameters stand where the observers stood
         prepared = as_prepared(prepared)
     floated: list[str] = []
     gm, vanishing = _convert(prepared, floated if unobserved is Unobserved.FLOAT else None)
@@ -191,6 +193,8 @@ def convert(
             QuantreeWarning,
             stacklevel=2,
         )
+    if trained:
+        gm.meta[TRAINED_KEY] = True
     return gm
 
 

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from quantree.core.grouping.sharing import Group
 
 STAGE_KEY = "quantree_stage"
+TRAINED_KEY = "quantree_trained"
+"""Set on a reference graph converted from a QAT model: it was trained against float
+arithmetic between its points (a recurrent layer's state fed back in float), which a lowering
+can choose to follow more closely than its fastest form does."""
 """``gm.meta`` key: :data:`PREPARED` or :data:`CONVERTED`, so each step refuses the wrong input."""
 GROUPS_KEY = "quantree_groups"
 """``gm.meta`` key: ``dict[int, Group]``, the sharing groups (with parameters once converted)."""
