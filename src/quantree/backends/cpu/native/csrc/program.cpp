@@ -58,13 +58,7 @@ void qt_program_run(void** inputs, const int64_t* in_slots, int64_t n_in, void**
             std::memcpy(d.base + r * d.ld * d.size, src + r * d.cols * d.size,
                         static_cast<size_t>(d.cols * d.size));
     }
-    for (int64_t n = 0; n < n_code; ++n) {
-        const int64_t* c = code + NI * n;
-        const float* f = fcode + NF * n;
-        const bool requant = c[0] == LINEAR && f[0] > 0;
-        const float* mult = requant ? static_cast<const float*>(consts[c[11]]) : nullptr;
-        run_op(c, f, s, consts, u8.data(), mult, requant ? mult + c[8] : nullptr);
-    }
+    run_code(code, fcode, n_code, s, consts, u8.data());
     for (int64_t i = 0; i < n_out; ++i) {
         const Slot& d = s[out_slots[i]];
         char* dst = static_cast<char*>(outputs[i]);

@@ -59,13 +59,7 @@ void qt_program_loop(void** inputs, const int64_t* in_slots, const int64_t* in_s
         for (int64_t i = 0; i < n_in; ++i)
             if (t == 0 || in_step[i] > 0)
                 copy_in(s[in_slots[i]], static_cast<const char*>(inputs[i]) + t * in_step[i]);
-        for (int64_t n = 0; n < n_code; ++n) {
-            const int64_t* c = code + NI * n;
-            const float* f = fcode + NF * n;
-            const bool requant = c[0] == LINEAR && f[0] > 0;
-            const float* mult = requant ? static_cast<const float*>(consts[c[11]]) : nullptr;
-            run_op(c, f, s, consts, u8.data(), mult, requant ? mult + c[8] : nullptr);
-        }
+        run_code(code, fcode, n_code, s, consts, u8.data());
         for (int64_t o = 0; o < n_out; ++o)
             copy_out(s[out_slots[o]], static_cast<char*>(outputs[o]) + t * out_bytes[o]);
         // after every output is out: a state's slot may be another output's source

@@ -383,4 +383,17 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
     }
 }
 
+// Runs a whole program once over the slots s (program.cpp once per call, program_loop.cpp
+// once per step): a LINEAR writing int8 reads its multipliers from the constant c[11].
+static inline void run_code(const int64_t* code, const float* fcode, int64_t n_code,
+                            const std::vector<Slot>& s, void* const* consts, uint8_t* u8) {
+    for (int64_t n = 0; n < n_code; ++n) {
+        const int64_t* c = code + NI * n;
+        const float* f = fcode + NF * n;
+        const bool requant = c[0] == LINEAR && f[0] > 0;
+        const float* mult = requant ? static_cast<const float*>(consts[c[11]]) : nullptr;
+        run_op(c, f, s, consts, u8, mult, requant ? mult + c[8] : nullptr);
+    }
+}
+
 }  // namespace qt::prog
