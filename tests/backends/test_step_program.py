@@ -184,3 +184,37 @@ def test_a_saved_step_program_loads_and_runs_the_same(tmp_path, monkeypatch):
     loaded = load(tmp_path / "loop.pt2")
     with torch.no_grad():
         assert torch.equal(loaded(x), low(x))
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        ("opcode", r"quantree\.program: instruction 0 .*opcode 99"),
+        ("feed", r"quantree\.program_loop: feed \["),
+        ("stride", r"quantree\.program: slot \d+ owns its storage with a row stride"),
+    ],
+)
+def test_a_tampered_saved_step_program_is_refused_when_the_file_loads(
+    tamper, message, tmp_path, monkeypatch
+):
+    """The folded loop's tables and roles in a file are checked by ``load`` (not at the
+    first call), like a region program's: the crafted file never runs."""
+    from quantree.backends import load, save
+    from quantree.tools.files import BadFile
+
+    torch.manual_seed(0)
+    model = LightGRULike().eval()
+    x = torch.randn(2, 9, 6)
+    low = _lowered(model, x, True, monkeypatch)
+    (loop,) = [m for m in low.modules() if isinstance(m, NativeProgramLoop)]
+    if tamper == "opcode":
+        loop.code[0, 0] = 99
+    elif tamper == "feed":
+        loop.feed = [len(loop.roles) + 3] * len(loop.feed)
+    else:
+        slots = loop.slots
+        owner = next(i for i in range(slots.shape[0]) if slots[i, 1] == i)
+        slots[owner, 4] = 2**31 - 1
+    save(low, tmp_path / "crafted.pt2", (x,))
+    with pytest.raises(BadFile, match=message):
+        load(tmp_path / "crafted.pt2")

@@ -1,7 +1,8 @@
 """A fuzzer of saved files, kept: mutate a saved lowered model, load and call each mutant.
 
 ``python file_fuzz.py COUNT SEED [WORKDIR [N,N...]]`` (the last replays those mutations
-only: a finding prints its seed and index) saves one small lowered model (a layer-normed
+only: a finding prints its seed and index; ``QUANTREE_FUZZ_MODEL=folded`` takes ``Folded``,
+whose loop is folded into one native program) saves one small lowered model (a layer-normed
 recurrence that lowers to a region program, a cells-mode LSTM that lowers to a native cell
 loop, recipes, narrowed and pooled constants), then for each of COUNT mutations writes the
 mutant and forks a child that loads it with ``quantree.backends.load`` and calls it under
@@ -83,19 +84,47 @@ class Model(nn.Module):
         return self.fc(self.lstm(torch.stack(outs, 0))[0])
 
 
-def build(root: Path) -> tuple[Path, tuple[torch.Tensor, ...]]:
+class Folded(nn.Module):
+    """A gated recurrence over a Python loop (a Light-GRU's step), folded into one native
+    program run for every step, feeding a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.u = nn.Linear(6, 16, bias=False), nn.Linear(8, 16, bias=False)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, B, 6]
+        wx, h, ys = self.w(x), x.new_zeros(x.shape[1], 8), []
+        for t in range(x.shape[0]):
+            a, z = (wx[t] + self.u(h)).chunk(2, dim=-1)
+            z = torch.sigmoid(z)
+            h = z * h + (1 - z) * torch.relu(a)
+            ys.append(h)
+        return self.fc(torch.stack(ys, 0))
+
+
+def build(root: Path, folded: bool = False) -> tuple[Path, tuple[torch.Tensor, ...]]:
+    """The saved model; ``folded`` folds its Python loop into one native program run for
+    every step (``quantree.program_loop``: tables, per-step roles and fed states in the file)."""
+    import warnings
+
     import quantree as qt
     from quantree.backends import CPU, save
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(4, 2, 6, generator=g),) for _ in range(4)]
-    path = root / "model.pt2"
+    data = [(torch.randn(9 if folded else 4, 2, 6, generator=g),) for _ in range(4)]
+    path = root / ("folded.pt2" if folded else "model.pt2")
     if path.exists():  # built by an earlier run in this directory
         return path, data[0]
     quantizer = qt.Int8Quantizer(recurrent=qt.RecurrentMode.CELLS)
-    low = qt.quantize(Model().eval(), data[0], data, quantizer=quantizer, backend=CPU,
-                      progress=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)  # the folded loop's one warning
+        model = Folded() if folded else Model()
+        low = qt.quantize(model.eval(), data[0], data, quantizer=quantizer, backend=CPU,
+                          progress=False, fold_loops=folded or None)  # fmt: skip
+    if folded and not any(type(m).__name__ == "NativeProgramLoop" for m in low.modules()):
+        raise AssertionError("the folded model's loop did not become one native program")
     save(low, path, data[0])
     return path, data[0]
 
@@ -317,9 +346,10 @@ def honest_peak(path: Path, example: tuple) -> tuple[torch.Tensor, int]:
         return expected, int(pipe.read()) * 1024
 
 
-def fuzz(count: int, seed: int, root: Path, only: set[int] | None = None) -> dict[str, Any]:
+def fuzz(count: int, seed: int, root: Path, only: set[int] | None = None,
+         folded: bool = False) -> dict[str, Any]:  # fmt: skip
     torch.set_num_threads(1)
-    path, example = build(root)
+    path, example = build(root, folded)
     expected, peak = honest_peak(path, example)
     limit = 2 * peak
     rng = random.Random(seed)
@@ -364,4 +394,5 @@ if __name__ == "__main__":
     workdir = Path(sys.argv[3]) if len(sys.argv) > 3 else Path(tempfile.mkdtemp())
     workdir.mkdir(parents=True, exist_ok=True)
     replay = {int(n) for n in sys.argv[4].split(",")} if len(sys.argv) > 4 else None
-    fuzz(int(sys.argv[1]), int(sys.argv[2]), workdir, replay)
+    fuzz(int(sys.argv[1]), int(sys.argv[2]), workdir, replay,
+         os.environ.get("QUANTREE_FUZZ_MODEL") == "folded")  # fmt: skip

@@ -41,13 +41,7 @@ SCHEMA = (
 def _roles(inputs: list[Tensor], stepped: list[int], feed: list[int], n_out: int) -> int:
     """The number of steps; a ``QuantreeError`` naming the field where the roles are not
     ones the loop runs (a tampered or hand-made call)."""
-    if len(stepped) != len(inputs) or any(s not in (0, 1) for s in stepped):
-        raise fail("program_loop", f"stepped {list(stepped)}: one 0 or 1 per input")
-    if len(feed) != n_out or any(not -1 <= f < len(inputs) for f in feed):
-        raise fail("program_loop", f"feed {list(feed)}: one input index or -1 per output")
-    fed = [f for f in feed if f >= 0]
-    if len(set(fed)) != len(fed) or any(stepped[f] for f in fed):
-        raise fail("program_loop", "feed names an input twice, or a per-step one")
+    program_checks.loop_roles(len(inputs), stepped, feed, n_out)
     lengths = {int(x.shape[0]) for x, s in zip(inputs, stepped, strict=True) if s and x.dim()}
     if not any(stepped) or len(lengths) != 1 or min(lengths) < 1:
         shapes = [tuple(x.shape) for x, s in zip(inputs, stepped, strict=True) if s]

@@ -466,10 +466,26 @@ def symbol(inputs: Sequence[Tensor], sym: Sequence[int]) -> None:
         raise fail("program", f"size symbol {list(sym)} names no dimension of the inputs")
 
 
+def loop_roles(n_in: int, stepped: Sequence[int], feed: Sequence[int], n_out: int) -> None:
+    """A folded loop's roles (``quantree.program_loop``): one 0/1 per input, at least one
+    per-step input, and per output the input it feeds next step (not a per-step one, no input
+    twice) or -1. Checked when a file loads and at each call, before the tables."""
+    op = "program_loop"
+    if len(stepped) != n_in or any(s not in (0, 1) for s in stepped) or not any(stepped):
+        raise fail(op, f"stepped {list(stepped)}: one 0 or 1 per input, at least one 1 "
+                   "(per-step inputs)")  # fmt: skip
+    if len(feed) != n_out or any(not -1 <= f < n_in for f in feed):
+        raise fail(op, f"feed {list(feed)}: one input index or -1 per output")
+    fed = [f for f in feed if f >= 0]
+    if len(set(fed)) != len(fed) or any(stepped[f] for f in fed):
+        raise fail(op, "feed names an input twice, or a per-step one")
+
+
 def check_graph(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Verdict]]:
-    """Check now the tables of every region program and cell loop of ``gm`` that reads them
-    from constants (a loaded model's), so that a bad table is refused when the file loads
-    (``serialize.load``), not at the first call; the verdicts are cached for those calls.
+    """Check now the tables (and a folded loop's roles) of every region program, folded loop
+    and cell loop of ``gm`` that reads them from constants (a loaded model's), so that a bad
+    table is refused when the file loads (``serialize.load``), not at the first call; the
+    verdicts are cached for those calls.
     Returns each checked node with its verdict (``table_needs`` bounds them further)."""
     quantree = torch.ops.quantree
     checked: list[tuple[torch.fx.Node, Verdict]] = []
@@ -477,8 +493,9 @@ def check_graph(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Verdict]]
         target = node.target
         if not isinstance(target, OpOverload):
             target = getattr(target, "op", target)  # a DirectCall's op
-        if target not in (quantree.program.default, quantree.cell_loop.default,
-                          quantree.cell_loop_packed.default):  # fmt: skip
+        tabled = (quantree.program.default, quantree.program_loop.default,
+                  quantree.cell_loop.default, quantree.cell_loop_packed.default)  # fmt: skip
+        if target not in tabled:
             continue
         normalized = normalize_function(
             target, node.args, node.kwargs, normalize_to_only_use_kwargs=True
@@ -487,8 +504,10 @@ def check_graph(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Verdict]]
             continue
         a: dict[str, Any] = {k: constant(gm, v) for k, v in normalized.kwargs.items()}
         consts = a["consts"] if isinstance(a["consts"], list) else []
-        if target == quantree.program.default:
+        if target in (quantree.program.default, quantree.program_loop.default):
             tables = tuple(a[k] for k in ("code", "fcode", "slots", "in_slots", "out_slots"))
+            if target == quantree.program_loop.default:
+                loop_roles(len(a["inputs"]), a["stepped"], a["feed"], len(a["out_dtypes"]))
             if all(isinstance(t, Tensor) for t in tables):
                 n_in, dtypes = len(a["inputs"]), tuple(a["out_dtypes"])
                 code, fcode, slots, ins, outs = tables

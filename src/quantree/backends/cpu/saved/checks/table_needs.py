@@ -31,7 +31,8 @@ def _op(node: fx.Node) -> object:
 
 def _example_size(node: fx.Node) -> int:
     """The size symbol at the saved example: a cell loop's batch, a dynamic program's
-    ``(dim - a) // b`` of the dimension ``sym`` names; 1 where unknown."""
+    ``(dim - a) // b`` of the dimension ``sym`` names (of one step's input, for a folded
+    loop's per-step input); 1 where unknown."""
     if _op(node) == torch.ops.quantree.cell_loop.default:
         xs = node.args[0] if node.args else None
         val = xs.meta.get("val") if isinstance(xs, fx.Node) else None
@@ -46,9 +47,16 @@ def _example_size(node: fx.Node) -> int:
     index, dim, a, b = sym
     source = inputs[index] if 0 <= index < len(inputs) else None
     val = source.meta.get("val") if isinstance(source, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or not -val.dim() <= dim < val.dim():
+    stepped: Any = node.kwargs.get("stepped", node.args[15] if len(node.args) > 15 else [])
+    looped = _op(node) == torch.ops.quantree.program_loop.default
+    if not isinstance(val, torch.Tensor):
         return 1
-    size = val.shape[dim]
+    shape = list(val.shape)
+    if looped and isinstance(stepped, list | tuple) and index < len(stepped) and stepped[index]:
+        shape = shape[1:]
+    if not -len(shape) <= dim < len(shape):
+        return 1
+    size = shape[dim]
     return max((size - a) // b, 1) if isinstance(size, int) and b > 0 else 1
 
 
@@ -66,7 +74,12 @@ def check_loaded_tables(gm: fx.GraphModule, budget: LoadBudget | None) -> None:
     """``check_graph``, then each table's slots dense and its workspace at the example's
     size within ``budget``."""
     for node, verdict in check_graph(gm):
-        op = "program" if _op(node) == torch.ops.quantree.program.default else "cell_loop"
+        quantree = torch.ops.quantree
+        names: dict[object, str] = {
+            quantree.program.default: "program",
+            quantree.program_loop.default: "program_loop",
+        }
+        op = names.get(_op(node), "cell_loop")
         check_needs(op, verdict)
         if budget is not None:
             size = _example_size(node)
