@@ -33,6 +33,24 @@ class LightGRULike(nn.Module):
         return torch.stack(ys, 1)
 
 
+class MaskedLightGRU(LightGRULike):
+    """SpeechBrain's ``LiGRU`` step: the candidate times a dropout mask, in eval mode a
+    one-element tensor of ones made before the loop (an int8 binary with a broadcast [1]
+    operand the step reads as a loop invariant)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wx = self.w(x)
+        mask = torch.ones(1)
+        h = torch.zeros(x.shape[0], 8)
+        ys = []
+        for t in range(x.shape[1]):
+            a, z = (wx[:, t] + self.u(h)).chunk(2, dim=-1)
+            z = torch.sigmoid(z)
+            h = z * h + (1 - z) * (torch.relu(a) * mask)
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+
 class ScanLike(nn.Module):
     """A selective scan's sequential step: state [B, D, N] decayed by a per-step factor,
     read out by a per-step [B, N] vector (Mamba-1's slow path)."""
@@ -64,7 +82,7 @@ def _lowered(model: nn.Module, x: torch.Tensor, native: bool, monkeypatch) -> nn
             return qt.quantize(model, (x,), data, backend="cpu", progress=False, fold_loops=True)
 
 
-@pytest.mark.parametrize("model_type", [LightGRULike, ScanLike])
+@pytest.mark.parametrize("model_type", [LightGRULike, MaskedLightGRU, ScanLike])
 def test_a_folded_step_runs_as_one_program_equal_to_its_python_loop_at_any_length(
     model_type, monkeypatch
 ):
@@ -81,7 +99,7 @@ def test_a_folded_step_runs_as_one_program_equal_to_its_python_loop_at_any_lengt
         y = torch.randn(2, length, x.shape[-1])
         with torch.no_grad():
             assert torch.equal(native(y), python(y))  # the same int8 ops, natively
-            if model_type is LightGRULike:  # (the toy scan's accuracy is its recipe's matter)
+            if model_type is not ScanLike:  # (the toy scan's accuracy is its recipe's matter)
                 assert qt.sqnr(model(y), native(y)) > 20  # dB; int8 steps
 
 
@@ -184,3 +202,44 @@ def test_a_saved_step_program_loads_and_runs_the_same(tmp_path, monkeypatch):
     loaded = load(tmp_path / "loop.pt2")
     with torch.no_grad():
         assert torch.equal(loaded(x), low(x))
+
+
+class NormedScan(nn.Module):
+    """``ScanLike`` inside an RMS norm written by hand and a projection: a Mamba-like block,
+    whose recipe (``ActivationPoints.AUTO``) quantizes what the linears read only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scan = ScanLike()
+        self.out = nn.Linear(9, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        y = self.scan(x)  # [B, 4, T]
+        return self.out(torch.cat([y.transpose(1, 2), x], -1))
+
+
+def test_a_folded_step_takes_the_verdict_of_the_model_it_was_folded_from():
+    """Unrolled, a scan's steps are the graph's own ops: a model with RMS norms keeps their
+    arithmetic float. Folded, the step graph is annotated on its own but takes the same
+    verdict: its ops stay float (no quantize inside the step), and the lowered loop is one
+    native program computing what the unrolled lowered model computes, up to float rounding
+    (the program's matmul sums in another order than ATen's)."""
+    torch.manual_seed(0)
+    model = NormedScan().eval()
+    x = torch.randn(2, 9, 5)
+    data = [(torch.randn(2, 9, 5),) for _ in range(3)]
+    q = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    prepared = qt.prepare(qt.capture(model, (x,), fold_loops=True), qt.Int8Quantizer())
+    qt.calibrate(prepared, data, progress=False)
+    folded_ref = qt.convert(prepared)
+    loops = [m for m in folded_ref.modules() if isinstance(m, StepLoop)]
+    assert len(loops) == 1
+    assert not [n for n in loops[0].body.graph.nodes if n.target == q]
+    with pytest.warns(qt.QuantreeWarning):
+        folded = qt.quantize(model, (x,), data, backend="cpu", progress=False, fold_loops=True)
+    unrolled = qt.quantize(model, (x,), data, backend="cpu", progress=False, fold_loops=False)
+    assert len([m for m in folded.modules() if isinstance(m, NativeProgramLoop)]) == 1
+    with torch.no_grad():
+        assert qt.sqnr(unrolled(x), folded(x)) > 80  # dB: float rounding only
+        assert qt.sqnr(model(x), folded(x)) > 30
