@@ -243,3 +243,48 @@ def test_a_folded_step_takes_the_verdict_of_the_model_it_was_folded_from():
     with torch.no_grad():
         assert qt.sqnr(unrolled(x), folded(x)) > 80  # dB: float rounding only
         assert qt.sqnr(model(x), folded(x)) > 30
+
+
+class CumsumStep(nn.Module):
+    """A step with an op no program runs (``cumsum``): folded, it would run op by op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.u = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, 8]
+        h = torch.zeros(x.shape[0], 8)
+        ys = []
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.u(h) + x[:, t]).cumsum(-1) * 0.5
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("model_type", [NormedScan, MaskedLightGRU, CumsumStep])
+def test_quantize_folds_a_loop_by_default_where_its_step_runs_as_one_program(model_type):
+    """``qt.quantize``'s default: the loop folded where the lowered step is one native
+    program (then it runs at any length), else the unrolled steps, exactly as
+    ``fold_loops=False`` gives them."""
+    torch.manual_seed(0)
+    model = model_type().eval()
+    width = {NormedScan: 5, MaskedLightGRU: 6, CumsumStep: 8}[model_type]
+    x = torch.randn(2, 9, width)
+    data = [(torch.randn(2, 9, width),) for _ in range(3)]
+    default = qt.quantize(model, (x,), data, backend="cpu", progress=False)
+    unrolled = qt.quantize(model, (x,), data, backend="cpu", progress=False, fold_loops=False)
+    loops = [m for m in default.modules() if isinstance(m, (StepLoop, NativeProgramLoop))]
+    with torch.no_grad():
+        if model_type is CumsumStep:
+            assert loops == []
+            assert torch.equal(default(x), unrolled(x))
+            return
+        assert [type(m) for m in loops] == [NativeProgramLoop]
+        if model_type is NormedScan:  # a float step: float rounding only
+            assert qt.sqnr(unrolled(x), default(x)) > 80
+        else:  # int8 steps, one grid for all steps folded (one per step unrolled): as close
+            assert qt.sqnr(model(x), default(x)) > qt.sqnr(model(x), unrolled(x)) - 3 > 10
+        for length in (1, 17, 40):  # captured at 9; the toys' own accuracy is about 10-13 dB
+            y = torch.randn(2, length, width)
+            assert default(y).shape == model(y).shape
+            assert qt.sqnr(model(y), default(y)) > 8
