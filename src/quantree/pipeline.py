@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -24,6 +25,8 @@ from quantree.core.training.qat import prepare_qat as core_prepare_qat
 from quantree.recipes.int8 import Int8Quantizer
 from quantree.recipes.pt2e import as_quantizer, is_pt2e_quantizer
 from quantree.recurrent.capture import capture
+from quantree.recurrent.unrolled.fold import is_cell_step
+from quantree.recurrent.unrolled.step_loop import StepLoop
 from quantree.tools.mixed_precision import META_KEY, mixed_precision
 
 BACKEND_NAMES = ("auto", "reference", "cpu")
@@ -175,20 +178,48 @@ def quantize(
         )
     if not isinstance(unobserved, Unobserved):
         raise QuantreeError(f"unobserved must be a quantree.Unobserved, got {unobserved!r}")
-    captured = capture(
-        model,
-        example_args,
-        example_kwargs,
-        dynamic_shapes=dynamic_shapes,
-        dynamic_batch=dynamic_batch,
-        fold_loops=fold_loops,
-    )
-    prepared = prepare(captured, quantizer or Int8Quantizer())
-    calibrate(prepared, calibration, progress=progress)
-    reference = convert(prepared, unobserved=unobserved)
-    if refine is not None:
-        reference = refine_weights(prepared, reference, calibration, refine)
-    return attach_reference(core_lower.lower(reference, resolved), reference)
+
+    def quantized(fold: bool | None) -> tuple[fx.GraphModule, fx.GraphModule]:
+        captured = capture(
+            model,
+            example_args,
+            example_kwargs,
+            dynamic_shapes=dynamic_shapes,
+            dynamic_batch=dynamic_batch,
+            fold_loops=fold,
+        )
+        prepared = prepare(captured, quantizer or Int8Quantizer())
+        calibrate(prepared, calibration, progress=progress)
+        reference = convert(prepared, unobserved=unobserved)
+        if refine is not None:
+            reference = refine_weights(prepared, reference, calibration, refine)
+        return captured, attach_reference(core_lower.lower(reference, resolved), reference)
+
+    # by default every Python loop over time is folded where its lowered step runs natively
+    # (quantree.recurrent.unrolled): tried folded, kept unrolled where a step would run op by
+    # op in Python. Calibration runs twice then, so only a collection of batches is tried.
+    trial = fold_loops is None and resolved is not REFERENCE
+    trial = trial and iter(calibration) is not calibration
+    if not trial:
+        return quantized(fold_loops)[1]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            captured, lowered = quantized(True)
+        except Exception:  # whatever fails folded is said by the default's own run
+            return quantized(None)[1]
+    if not any(isinstance(m, StepLoop) and not is_cell_step(m) for m in captured.modules()):
+        _say(said)  # no loop but cell loops: what the default folds anyway
+        return lowered
+    if any(isinstance(m, StepLoop) for m in lowered.modules()):  # a step left in Python
+        return quantized(None)[1]
+    _say(said)
+    return lowered
+
+
+def _say(said: list[warnings.WarningMessage]) -> None:
+    for w in said:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 __all__ = ["BACKEND_NAMES", "lower", "prepare", "prepare_qat", "quantize", "resolve_backend"]

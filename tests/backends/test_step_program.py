@@ -33,6 +33,24 @@ class LightGRULike(nn.Module):
         return torch.stack(ys, 1)
 
 
+class MaskedLightGRU(LightGRULike):
+    """SpeechBrain's ``LiGRU`` step: the candidate times a dropout mask, in eval mode a
+    one-element tensor of ones made before the loop (an int8 binary with a broadcast [1]
+    operand the step reads as a loop invariant)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wx = self.w(x)
+        mask = torch.ones(1)
+        h = torch.zeros(x.shape[0], 8)
+        ys = []
+        for t in range(x.shape[1]):
+            a, z = (wx[:, t] + self.u(h)).chunk(2, dim=-1)
+            z = torch.sigmoid(z)
+            h = z * h + (1 - z) * (torch.relu(a) * mask)
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+
 class ScanLike(nn.Module):
     """A selective scan's sequential step: state [B, D, N] decayed by a per-step factor,
     read out by a per-step [B, N] vector (Mamba-1's slow path)."""
@@ -64,7 +82,7 @@ def _lowered(model: nn.Module, x: torch.Tensor, native: bool, monkeypatch) -> nn
             return qt.quantize(model, (x,), data, backend="cpu", progress=False, fold_loops=True)
 
 
-@pytest.mark.parametrize("model_type", [LightGRULike, ScanLike])
+@pytest.mark.parametrize("model_type", [LightGRULike, MaskedLightGRU, ScanLike])
 def test_a_folded_step_runs_as_one_program_equal_to_its_python_loop_at_any_length(
     model_type, monkeypatch
 ):
@@ -81,7 +99,7 @@ def test_a_folded_step_runs_as_one_program_equal_to_its_python_loop_at_any_lengt
         y = torch.randn(2, length, x.shape[-1])
         with torch.no_grad():
             assert torch.equal(native(y), python(y))  # the same int8 ops, natively
-            if model_type is LightGRULike:  # (the toy scan's accuracy is its recipe's matter)
+            if model_type is not ScanLike:  # (the toy scan's accuracy is its recipe's matter)
                 assert qt.sqnr(model(y), native(y)) > 20  # dB; int8 steps
 
 
@@ -218,3 +236,87 @@ def test_a_tampered_saved_step_program_is_refused_when_the_file_loads(
     save(low, tmp_path / "crafted.pt2", (x,))
     with pytest.raises(BadFile, match=message):
         load(tmp_path / "crafted.pt2")
+class NormedScan(nn.Module):
+    """``ScanLike`` inside an RMS norm written by hand and a projection: a Mamba-like block,
+    whose recipe (``ActivationPoints.AUTO``) quantizes what the linears read only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scan = ScanLike()
+        self.out = nn.Linear(9, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        y = self.scan(x)  # [B, 4, T]
+        return self.out(torch.cat([y.transpose(1, 2), x], -1))
+
+
+def test_a_folded_step_takes_the_verdict_of_the_model_it_was_folded_from():
+    """Unrolled, a scan's steps are the graph's own ops: a model with RMS norms keeps their
+    arithmetic float. Folded, the step graph is annotated on its own but takes the same
+    verdict: its ops stay float (no quantize inside the step), and the lowered loop is one
+    native program computing what the unrolled lowered model computes, up to float rounding
+    (the program's matmul sums in another order than ATen's)."""
+    torch.manual_seed(0)
+    model = NormedScan().eval()
+    x = torch.randn(2, 9, 5)
+    data = [(torch.randn(2, 9, 5),) for _ in range(3)]
+    q = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    prepared = qt.prepare(qt.capture(model, (x,), fold_loops=True), qt.Int8Quantizer())
+    qt.calibrate(prepared, data, progress=False)
+    folded_ref = qt.convert(prepared)
+    loops = [m for m in folded_ref.modules() if isinstance(m, StepLoop)]
+    assert len(loops) == 1
+    assert not [n for n in loops[0].body.graph.nodes if n.target == q]
+    with pytest.warns(qt.QuantreeWarning):
+        folded = qt.quantize(model, (x,), data, backend="cpu", progress=False, fold_loops=True)
+    unrolled = qt.quantize(model, (x,), data, backend="cpu", progress=False, fold_loops=False)
+    assert len([m for m in folded.modules() if isinstance(m, NativeProgramLoop)]) == 1
+    with torch.no_grad():
+        assert qt.sqnr(unrolled(x), folded(x)) > 80  # dB: float rounding only
+        assert qt.sqnr(model(x), folded(x)) > 30
+
+
+class CumsumStep(nn.Module):
+    """A step with an op no program runs (``cumsum``): folded, it would run op by op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.u = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, 8]
+        h = torch.zeros(x.shape[0], 8)
+        ys = []
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.u(h) + x[:, t]).cumsum(-1) * 0.5
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("model_type", [NormedScan, MaskedLightGRU, CumsumStep])
+def test_quantize_folds_a_loop_by_default_where_its_step_runs_as_one_program(model_type):
+    """``qt.quantize``'s default: the loop folded where the lowered step is one native
+    program (then it runs at any length), else the unrolled steps, exactly as
+    ``fold_loops=False`` gives them."""
+    torch.manual_seed(0)
+    model = model_type().eval()
+    width = {NormedScan: 5, MaskedLightGRU: 6, CumsumStep: 8}[model_type]
+    x = torch.randn(2, 9, width)
+    data = [(torch.randn(2, 9, width),) for _ in range(3)]
+    default = qt.quantize(model, (x,), data, backend="cpu", progress=False)
+    unrolled = qt.quantize(model, (x,), data, backend="cpu", progress=False, fold_loops=False)
+    loops = [m for m in default.modules() if isinstance(m, (StepLoop, NativeProgramLoop))]
+    with torch.no_grad():
+        if model_type is CumsumStep:
+            assert loops == []
+            assert torch.equal(default(x), unrolled(x))
+            return
+        assert [type(m) for m in loops] == [NativeProgramLoop]
+        if model_type is NormedScan:  # a float step: float rounding only
+            assert qt.sqnr(unrolled(x), default(x)) > 80
+        else:  # int8 steps, one grid for all steps folded (one per step unrolled): as close
+            assert qt.sqnr(model(x), default(x)) > qt.sqnr(model(x), unrolled(x)) - 3 > 10
+        for length in (1, 17, 40):  # captured at 9; the toys' own accuracy is about 10-13 dB
+            y = torch.randn(2, length, width)
+            assert default(y).shape == model(y).shape
+            assert qt.sqnr(model(y), default(y)) > 8

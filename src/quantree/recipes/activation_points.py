@@ -29,6 +29,8 @@ from quantree.recipes.transposed import (
     transposed_annotation,
 )
 from quantree.recipes.weighted import weighted_annotation
+from quantree.recurrent.unrolled.fold import is_cell_step
+from quantree.recurrent.unrolled.step_loop import StepLoop
 
 aten = torch.ops.aten
 
@@ -107,7 +109,16 @@ def transformer_like(graph: fx.Graph) -> bool:
     owner = graph.owning_module
     if owner is not None and _VERDICT_KEY in owner.meta:
         return bool(owner.meta[_VERDICT_KEY])
-    verdict = False
+    steps = _folded_steps(owner) if owner is not None else []
+    verdict = any(_normalises(g) for g in (graph, *(step.graph for step in steps)))
+    if owner is not None:  # asked once per node: remember the answer on the graph's module
+        owner.meta[_VERDICT_KEY] = verdict
+    for step in steps:
+        step.meta.setdefault(_VERDICT_KEY, verdict)
+    return verdict
+
+
+def _normalises(graph: fx.Graph) -> bool:
     for node in graph.nodes:
         packet = _packet(node)
         if (
@@ -116,12 +127,21 @@ def transformer_like(graph: fx.Graph) -> bool:
             or (packet in _SOFTMAX and any(_packet(u) in _MATMULS for u in node.users))
             or _hand_written_norm(node)
         ):
-            verdict = True
-        if verdict:
-            break
-    if owner is not None:  # asked once per node: remember the answer on the graph's module
-        owner.meta[_VERDICT_KEY] = verdict
-    return verdict
+            return True
+    return False
+
+
+def _folded_steps(owner: torch.nn.Module) -> list[fx.GraphModule]:
+    """The step graphs of the Python loops over time folded in ``owner``
+    (``quantree.recurrent.unrolled``), cell steps aside: unrolled, their ops were the
+    graph's own, so the graph and its steps are one model and take one verdict (a folded
+    selective scan in a model with RMS norms keeps its arithmetic float, as unrolled). A
+    recurrent cell's step keeps its own: cells mode's recipe, whatever the model around it."""
+    return [
+        m.body
+        for m in owner.modules()
+        if isinstance(m, StepLoop) and not is_cell_step(m) and isinstance(m.body, fx.GraphModule)
+    ]
 
 
 def weighted_inputs_rules(

@@ -170,11 +170,15 @@ def emit(
         floats = [1.0 / args[1], float(args[2]), float(args[3])]
     elif n.target == quantree_ops.binary.default and args[1] in slot and args[2] in slot:
         a, b = p.slots[slot[args[1]]], p.slots[slot[args[2]]]
-        if a[3] != b[3] or args[0] not in BINARY_KINDS:
+        grids = [float(args[3]), float(args[4]), float(args[5]), float(args[6])]
+        first, second = slot[args[1]], slot[args[2]]
+        one = _one_value(p, second, first)  # b of one element, broadcast: the flag c[5]
+        if _one_value(p, first, second) and args[0] in ("add", "mul"):  # swapped: a op b = b op a
+            first, second, grids, one = second, first, grids[2:] + grids[:2], True
+        if (a[3] != b[3] and not one) or args[0] not in BINARY_KINDS:
             return False
-        ints = [BINARY, 0, slot[args[1]], slot[args[2]], BINARY_KINDS[args[0]]]
-        floats = [float(args[3]), float(args[4]), float(args[5]), float(args[6])]
-        floats += [1.0 / args[7], float(args[8])]
+        ints = [BINARY, 0, first, second, BINARY_KINDS[args[0]], int(one)]
+        floats = [*grids, 1.0 / args[7], float(args[8])]
     elif n.target == quantree_ops.lookup.default and args[0] in slot:
         ints, floats = [LOOKUP, 0, slot[args[0]], const_index(args[1])], []
     elif n.target == qd.quantize_per_tensor.default:
@@ -385,3 +389,12 @@ def cell_loop_packed(
 def _(xs, batch_sizes, state, consts, code, fcode, slots, outs, reverse):
     ys = xs.new_empty((xs.shape[0], state[0].shape[-1]), dtype=torch.float32)
     return [ys, *[torch.empty_like(s, dtype=torch.float32) for s in state]]
+
+
+def _one_value(p: Program, x: int, other: int) -> bool:
+    """Whether slot ``x`` holds one element and ``other`` more (a broadcast scalar tensor,
+    such as an eval-mode dropout mask of ones): region programs' slots, which record rows."""
+    sx, so = p.slots[x], p.slots[other]
+    if len(sx) < 6 or len(so) < 6:
+        return False
+    return sx[3] == 1 and sx[5] == 1 and (so[3] != 1 or not (isinstance(so[5], int) and so[5] == 1))

@@ -243,8 +243,14 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
             continue
         sources = [a]
         if kind in (BINARY, FLOAT_BINARY):
-            sources.append(slot(n, 3, c))
+            b = slot(n, 3, c)
             expect(n, "kind out of range", 0 <= c[4] <= KINDS[kind])
+            one = kind == BINARY and c[5] == 1  # b is one value, read for every element
+            expect(n, "operand flag out of range", c[5] in (0, 1) and (c[5] == 0 or one))
+            if one:
+                expect(n, "b is not one int8 value", b.dtype == 1 and min(b.rows0, b.cols) >= 1)
+            else:
+                sources.append(b)
         for src in sources:
             expect(n, "a source has fewer rows than the result", covers(src, dst))
             wide = (

@@ -216,6 +216,9 @@ def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
                 shapes[n] = sliced
         if n.target in INT8_OPS and n not in shapes:
             source = a[1] if n.target == quantree_ops.binary.default else a[0]
+            binary = n.target == quantree_ops.binary.default
+            if binary and source in shapes and a[2] in shapes and _numel(shapes[source][0]) == 1:
+                source = a[2]  # a one-element first operand, broadcast
             if source not in shapes:
                 continue
             shape = shapes[source][0]
@@ -477,6 +480,12 @@ def _covered(
         return shapes.get(a[0]) == shapes[n] and shapes[n][1] == torch.float32
     if n.target in INT8_OPS:
         if n.target == quantree_ops.binary.default:
+            one = [_numel(shapes[x][0]) == 1 for x in a[1:3] if x in shapes]
+            if len(one) == 2 and one != [True, True] and True in one:  # a one-element operand
+                big = a[1] if one[1] else a[2]
+                scalar_first = one[0] and a[0] not in ("add", "mul")
+                ok = shapes[big] == (shapes[n][0], torch.int8) and not scalar_first
+                return ok and all(shapes[x][1] == torch.int8 for x in a[1:3])
             return shapes.get(a[1]) == shapes.get(a[2]) == (shapes[n][0], torch.int8)
         if n.target == quantree_ops.linear16.default:
             return len(a) == 9 and shapes.get(a[0], ((), None))[1] == torch.float32

@@ -320,8 +320,18 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
                           lo, prepared);
             break;
         }
-        case BINARY: {
+        case BINARY: {  // c[5] 1: b is one value (a [1] operand), read for every element
             const Slot& b = s[c[3]];
+            if (c[5] == 1) {
+                int8_t row[64];
+                std::memset(row, b.q(0)[0], sizeof(row));
+                for (int64_t r = 0; r < dst.rows; ++r)
+                    for (int64_t j = 0; j < dst.cols; j += 64) {
+                        const int64_t n = dst.cols - j < 64 ? dst.cols - j : 64;
+                        binary_row(c[4], a.q(r) + j, row, dst.q(r) + j, n, f);
+                    }
+                break;
+            }
             for (int64_t r = 0; r < dst.rows; ++r)
                 binary_row(c[4], a.q(r), b.q(r), dst.q(r), dst.cols, f);
             break;
