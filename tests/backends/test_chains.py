@@ -33,9 +33,27 @@ class Convs(nn.Module):
         return self.fc(torch.flatten(y, 1))
 
 
-def lowered(seed: int = 0) -> tuple[nn.Module, fx.GraphModule, list[torch.Tensor]]:
+class Residual(nn.Module):
+    """Two residual blocks: one adding its input back, one a 1x1 stride-2 projection of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.a1, self.a2 = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1)
+        self.b1 = nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.b2, self.down = nn.Conv2d(32, 32, 3, padding=1), nn.Conv2d(16, 32, 1, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = torch.relu(self.stem(x))
+        u = torch.relu(u + self.a2(torch.relu(self.a1(u))))
+        return torch.relu(self.b2(torch.relu(self.b1(u))) + self.down(u))
+
+
+def lowered(
+    seed: int = 0, model_type: type = Convs
+) -> tuple[nn.Module, fx.GraphModule, list[torch.Tensor]]:
     torch.manual_seed(seed)
-    model = Convs().eval()
+    model = model_type().eval()
     data = [(torch.randn(2, 3, 16, 16),) for _ in range(4)]  # batch 2: a dynamic batch
     low = qt.quantize(model, data[0], data, backend=CPU, progress=False)
     return model, low, [torch.randn(1, 3, 16, 16) for _ in range(3)]
@@ -60,6 +78,18 @@ def test_the_chain_equals_the_per_op_forward_bit_for_bit() -> None:
             for _ in range(2):  # the first call plans, the second runs natively
                 assert torch.equal(low(x), ops(x))
     assert any(plan is not None for plan in chain.plans.values())
+
+
+def test_residual_adds_run_in_their_chain() -> None:
+    _, low, inputs = lowered(model_type=Residual)
+    ops = per_op(low)
+    calls = chain_calls(low)
+    assert any("binary" in c.names and c.n_inputs == 2 for c in calls)
+    with torch.no_grad():
+        for x in inputs:
+            for _ in range(2):
+                assert torch.equal(low(x), ops(x))
+    assert all(plan is not None for c in calls for plan in c.plans.values())
 
 
 def test_the_graph_still_shows_every_op() -> None:

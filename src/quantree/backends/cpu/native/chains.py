@@ -20,6 +20,7 @@ saved, so a saved program holds the ops themselves).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -31,16 +32,17 @@ from torch.fx.graph_module import _forward_from_src
 from quantree.backends.cpu.native.direct import BoundCall, DirectCall
 from quantree.backends.cpu.native.loader import I64, PTR
 from quantree.backends.cpu.native.loader import kernels as native_kernels
+from quantree.backends.cpu.ops.elementwise import BINARY as BINARY_KINDS
 
-SIGNATURES: dict[str, list[type]] = {"qt_chain_run": [PTR, PTR, I64, PTR, I64, I64, PTR, PTR]}
+SIGNATURES: dict[str, list[type]] = {"qt_chain_run": [PTR, PTR, I64, PTR, I64, I64, PTR, I64, PTR]}
 kernels = native_kernels(SIGNATURES)
 
 WIDTH = 32
 """int64 fields of one step (``csrc/chain.cpp``: kind, input buffer, output buffer, args)."""
 QUANTIZE, DEQUANTIZE, TO_CHANNELS_LAST, TO_CONTIGUOUS = 0, 1, 2, 3
-CONV, CONV_DEPTHWISE, LINEAR, MAX_POOL, LOOKUP = 4, 5, 6, 7, 8
-OPS = ("quantize", "dequantize", "conv2d", "linear", "max_pool2d", "lookup")
-"""quantree ops a chain runs natively (their data input is argument 0)."""
+CONV, CONV_DEPTHWISE, LINEAR, MAX_POOL, LOOKUP, BINARY = 4, 5, 6, 7, 8, 9
+OPS = ("quantize", "dequantize", "conv2d", "linear", "max_pool2d", "lookup", "binary")
+"""quantree ops a chain runs natively."""
 VIEWS = (torch.ops.aten.flatten.using_ints, torch.ops.aten.view.default,
          torch.ops.aten.reshape.default)  # fmt: skip
 """Reshapes a chain runs inside it (a copy into contiguous order where torch copies)."""
@@ -56,24 +58,31 @@ def op_name(node: fx.Node) -> str | None:
     return target.op._schema.name.split("::")[1]
 
 
+def data_positions(node: fx.Node) -> tuple[int, ...]:
+    """Where ``node`` reads activations: ``binary``'s two operands, else argument 0."""
+    return (1, 2) if op_name(node) == "binary" else (0,)
+
+
 def chainable(node: fx.Node) -> bool:
-    """Whether ``node`` can be a step: a supported op or reshape, its data input a graph
-    value at position 0, every other graph value it reads a constant (``get_attr``)."""
+    """Whether ``node`` can be a step: a supported op or reshape, its activations graph
+    values, every other graph value it reads a constant (``get_attr``)."""
     if node.op != "call_function" or node.kwargs:
         return False
     if op_name(node) not in OPS and node.target not in VIEWS:
         return False
-    if not node.args or not isinstance(node.args[0], fx.Node):
+    data = data_positions(node)
+    if len(node.args) <= max(data) or not all(isinstance(node.args[i], fx.Node) for i in data):
         return False
     found: list[fx.Node] = []
-    _map(node.args[1:], found.append)
+    _map([a for i, a in enumerate(node.args) if i not in data], found.append)
     return all(n.op == "get_attr" for n in found)
 
 
 def find_chains(graph: fx.Graph) -> list[list[fx.Node]]:
     """Maximal runs of chainable nodes, each reading the previous one's output, which
-    nothing else reads; no reshape first or last (it would alias the chain's input or be
-    its output); at least two steps."""
+    nothing else reads (a residual add's other operand may come from anywhere before it);
+    no reshape first or last (it would alias the chain's input or be its output); at least
+    two steps."""
     chains: list[list[fx.Node]] = []
     taken: set[fx.Node] = set()
     for node in graph.nodes:
@@ -82,7 +91,9 @@ def find_chains(graph: fx.Graph) -> list[list[fx.Node]]:
         chain = [node]
         while len(chain[-1].users) == 1:
             (user,) = chain[-1].users
-            if not chainable(user) or user.args[0] is not chain[-1]:
+            ok = user not in taken and chainable(user)
+            reads = [user.args[i] for i in data_positions(user)] if ok else []
+            if chain[-1] not in reads or reads.count(chain[-1]) > 1:
                 break
             chain.append(user)
         while chain and chain[0].target in VIEWS:
@@ -96,23 +107,28 @@ def find_chains(graph: fx.Graph) -> list[list[fx.Node]]:
 
 
 class Ref:
-    """A tensor a step reads: the chain's input (``step`` -1), a constant (``constant``), or
+    """A tensor a step reads: the chain's input ``input``, a constant (``constant``), or
     step ``step``'s output."""
 
-    __slots__ = ("constant", "step")
+    __slots__ = ("constant", "input", "step")
 
-    def __init__(self, step: int = -1, constant: int = -1) -> None:
-        self.step, self.constant = step, constant
+    def __init__(self, step: int = -1, constant: int = -1, input: int = -1) -> None:
+        self.step, self.constant, self.input = step, constant, input
 
 
-def _resolve(arg: Any, x: Tensor, constants: tuple, outputs: list) -> Any:
+def _resolve(arg: Any, inputs: tuple, constants: tuple, outputs: list) -> Any:
     if isinstance(arg, Ref):
         if arg.constant >= 0:
             return constants[arg.constant]
-        return x if arg.step < 0 else outputs[arg.step]
+        return inputs[arg.input] if arg.input >= 0 else outputs[arg.step]
     if isinstance(arg, list | tuple):
-        return type(arg)(_resolve(a, x, constants, outputs) for a in arg)
+        return type(arg)(_resolve(a, inputs, constants, outputs) for a in arg)
     return arg
+
+
+Step = tuple[list[int], tuple[float, ...]]
+FLOATS = 6
+"""floats of one step (``csrc/chain.cpp``)."""
 
 
 class Plan:
@@ -121,13 +137,13 @@ class Plan:
     (identity, version, data pointer) the pointers were taken from, and what keeps the
     checked storages alive."""
 
-    def __init__(self, steps: list[tuple[list[int], tuple[float, float]]], offsets: list[int],
-                 workspace: int, out: Tensor, constants: tuple[Tensor, ...],
-                 keep: tuple[Any, ...]) -> None:  # fmt: skip
+    def __init__(self, steps: list[Step], offsets: list[int], workspace: int, out: Tensor,
+                 constants: tuple[Tensor, ...], keep: tuple[Any, ...]) -> None:  # fmt: skip
         ints = torch.zeros(len(steps), WIDTH, dtype=torch.int64)
-        for s, (fields, _) in enumerate(steps):
+        floats = torch.zeros(len(steps), FLOATS, dtype=torch.float32)
+        for s, (fields, fs) in enumerate(steps):
             ints[s, : len(fields)] = torch.tensor(fields, dtype=torch.int64)
-        floats = torch.tensor([f for _, fs in steps for f in fs], dtype=torch.float32)
+            floats[s, : len(fs)] = torch.tensor(fs, dtype=torch.float32)
         self.arrays = (ints, floats, torch.tensor(offsets, dtype=torch.int64))
         self.head = (ints.data_ptr(), floats.data_ptr(), len(steps),
                      self.arrays[2].data_ptr(), len(offsets), workspace)  # fmt: skip
@@ -143,48 +159,56 @@ class Plan:
         return True
 
 
+def _layout(t: Tensor) -> tuple:
+    return t.dtype, t.shape, t.stride()
+
+
 class ChainCall:
-    """A chain of nodes as one call ``chain(x, *constants)``: native once planned for ``x``'s
-    layout and these constants, else each op in turn (``run_ops``)."""
+    """A chain of nodes as one call ``chain(*inputs, *constants)``: native once planned for
+    the inputs' layouts and these constants, else each op in turn (``run_ops``)."""
 
     def __init__(self, names: list[str], targets: list[Callable[..., Any]],
-                 args: list[tuple[Any, ...]]) -> None:  # fmt: skip
-        self.names, self.targets, self.args = names, targets, args
+                 args: list[tuple[Any, ...]], n_inputs: int = 1) -> None:  # fmt: skip
+        self.names, self.targets, self.args, self.n_inputs = names, targets, args, n_inputs
         self.__name__ = "chain_" + "_".join(names)
         self.__module__ = __name__
         self.plans: dict[tuple, Plan | None] = {}
 
     def __getstate__(self) -> dict:  # a copy plans its own calls
-        return {"names": self.names, "targets": self.targets, "args": self.args}
+        return {"names": self.names, "targets": self.targets, "args": self.args,
+                "n_inputs": self.n_inputs}  # fmt: skip
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["names"], state["targets"], state["args"])  # type: ignore[misc]
+        self.__init__(**state)  # type: ignore[misc]
 
-    def __call__(self, x: Any, *constants: Any) -> Any:
-        if type(x) is Tensor:
-            plan = self.plans.get((x.dtype, x.shape, x.stride()))
+    def __call__(self, *args: Any) -> Any:
+        n = self.n_inputs
+        inputs, constants = args[:n], args[n:]
+        if all(type(t) is Tensor for t in inputs):
+            key = tuple(_layout(t) for t in inputs)
+            plan = self.plans.get(key)
             if plan is not None and plan.current(constants):
                 out = torch.empty_strided(plan.shape, plan.stride, dtype=plan.dtype)
-                kernels().qt_chain_run(*plan.head, x.data_ptr(), out.data_ptr())
+                pointers = (ctypes.c_void_p * n)(*(t.data_ptr() for t in inputs))
+                kernels().qt_chain_run(*plan.head, pointers, n, out.data_ptr())
                 return out
             if len(self.plans) < PLANS_KEPT and all(type(t) is Tensor for t in constants):
-                return self.plan(x, constants)
-        return self.run_ops(x, constants)[-1]
+                return self.plan(key, inputs, constants)
+        return self.run_ops(inputs, constants)[-1]
 
-    def run_ops(self, x: Any, constants: tuple[Any, ...]) -> list[Any]:
+    def run_ops(self, inputs: tuple[Any, ...], constants: tuple[Any, ...]) -> list[Any]:
         """Each op of the chain in turn, as the per-op forward runs them: every output."""
         outputs: list[Any] = []
         for target, args in zip(self.targets, self.args, strict=True):
-            outputs.append(target(*_resolve(args, x, constants, outputs)))
+            outputs.append(target(*_resolve(args, inputs, constants, outputs)))
         return outputs
 
-    def plan(self, x: Tensor, constants: tuple[Tensor, ...]) -> Any:
+    def plan(self, key: tuple, inputs: tuple[Tensor, ...], constants: tuple[Tensor, ...]) -> Any:
         """Run the ops (each checks its contract), then make the native plan from what they
         did; an input or step the native call does not cover keeps the per-op path."""
-        key = (x.dtype, x.shape, x.stride())
-        outputs = self.run_ops(x, constants)
+        outputs = self.run_ops(inputs, constants)
         try:
-            self.plans[key] = make_plan(self, x, constants, outputs)
+            self.plans[key] = make_plan(self, inputs, constants, outputs)
         except Unplanned:
             self.plans[key] = None
         return outputs[-1]
@@ -198,11 +222,15 @@ def _channels_last(t: Tensor) -> bool:
     return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
 
 
-def make_plan(chain: ChainCall, x: Tensor, constants: tuple[Tensor, ...],
+def make_plan(chain: ChainCall, inputs: tuple[Tensor, ...], constants: tuple[Tensor, ...],
               outputs: list[Tensor]) -> Plan:  # fmt: skip
-    """The native steps that compute ``outputs`` (what the ops returned on ``x``)."""
-    sizes: list[int] = [0, 0]
-    steps: list[tuple[list[int], tuple[float, float]]] = []
+    """The native steps that compute ``outputs`` (what the ops returned on ``inputs``).
+
+    Buffers: the inputs first (0, 1, ...), then the output, then the workspace's."""
+    n_in = len(inputs)
+    output = n_in
+    sizes: list[int] = [0] * (n_in + 1)
+    steps: list[Step] = []
     keep: list[Any] = []
     last = len(outputs) - 1
 
@@ -211,20 +239,26 @@ def make_plan(chain: ChainCall, x: Tensor, constants: tuple[Tensor, ...],
         return len(sizes) - 1
 
     buffer_of: list[int] = []  # the buffer holding each step's output
+
+    def operand(ref: Any) -> tuple[Tensor, int]:
+        if ref.input >= 0:
+            return inputs[ref.input], ref.input
+        return outputs[ref.step], buffer_of[ref.step]
+
     for s, (name, target, args) in enumerate(zip(chain.names, chain.targets, chain.args,
                                                  strict=True)):  # fmt: skip
-        t_in = x if s == 0 else outputs[s - 1]
-        b_in = 0 if s == 0 else buffer_of[s - 1]
+        first = 1 if name == "binary" else 0
+        t_in, b_in = operand(args[first])
         t_out = outputs[s]
         if target in VIEWS and t_out.data_ptr() == t_in.data_ptr() and t_out.is_contiguous():
             buffer_of.append(b_in)  # a view of the same bytes (never a chain's last step)
             continue
-        b_out = 1 if s == last else scratch(t_out)
-        resolved = _resolve(args, x, constants, outputs)
+        b_out = output if s == last else scratch(t_out)
+        resolved = _resolve(args, inputs, constants, outputs)
         if target in VIEWS:
             if _channels_last(t_in) and t_out.is_contiguous():
                 n, c, h, w = t_in.shape
-                steps.append(([TO_CONTIGUOUS, b_in, b_out, n, c, h * w], (0.0, 0.0)))
+                steps.append(([TO_CONTIGUOUS, b_in, b_out, n, c, h * w], ()))
                 buffer_of.append(b_out)
                 continue
             raise Unplanned(name)
@@ -237,33 +271,34 @@ def make_plan(chain: ChainCall, x: Tensor, constants: tuple[Tensor, ...],
             if _channels_last(t_in) and not t_in.is_contiguous():
                 n, c, h, w = t_in.shape
                 b_mid = scratch(t_in)
-                steps.append(([TO_CONTIGUOUS, b_in, b_mid, n, c, h * w], (0.0, 0.0)))
+                steps.append(([TO_CONTIGUOUS, b_in, b_mid, n, c, h * w], ()))
                 b_in = b_mid
             elif not t_in.is_contiguous():
                 raise Unplanned(name)
             steps.append(([DEQUANTIZE, b_in, b_out, t_in.numel()],
                           (float(resolved[1]), float(resolved[2]))))  # fmt: skip
         elif name == "lookup":
-            dense = t_in.is_contiguous() or _channels_last(t_in)
-            if not dense or t_out.stride() != t_in.stride():
+            if not _dense(t_in) or t_out.stride() != t_in.stride():
                 raise Unplanned(name)
             table = resolved[1]
             keep.append(table)
-            steps.append(([LOOKUP, b_in, b_out, t_in.numel(), table.data_ptr()], (0.0, 0.0)))
+            steps.append(([LOOKUP, b_in, b_out, t_in.numel(), table.data_ptr()], ()))
+        elif name == "binary":
+            steps.append(_binary_step(resolved, t_in, b_in, operand(args[2]), t_out, b_out))
         elif name in ("conv2d", "max_pool2d"):
             if not _channels_last(t_in):
                 if not t_in.is_contiguous() or t_in.dim() != 4:
                     raise Unplanned(name)
                 n, c, h, w = t_in.shape
                 b_mid = scratch(t_in)
-                steps.append(([TO_CHANNELS_LAST, b_in, b_mid, n, c, h * w], (0.0, 0.0)))
+                steps.append(([TO_CHANNELS_LAST, b_in, b_mid, n, c, h * w], ()))
                 b_in = b_mid
             if name == "max_pool2d":
                 _, kernel, stride, padding, dilation, _ = resolved
                 n, c, h, w = t_in.shape
                 fields = [MAX_POOL, b_in, b_out, n, c, h, w, *kernel, *stride, *padding,
                           *dilation, t_out.shape[2], t_out.shape[3]]  # fmt: skip
-                steps.append((fields, (0.0, 0.0)))
+                steps.append((fields, ()))
             else:
                 steps.append(_conv_step(target, t_in, b_in, b_out, keep))
         elif name == "linear":
@@ -280,6 +315,25 @@ def make_plan(chain: ChainCall, x: Tensor, constants: tuple[Tensor, ...],
     return Plan(steps, offsets, at, outputs[-1], constants, tuple(keep))
 
 
+def _dense(t: Tensor) -> bool:
+    return t.is_contiguous() or _channels_last(t)
+
+
+def _binary_step(resolved: tuple[Any, ...], a: Tensor, b_a: int, other: tuple[Tensor, int],
+                 out: Tensor, b_out: int) -> Step:  # fmt: skip
+    """``binary`` of two operands of one shape and one dense layout (a residual add of two
+    conv outputs), read and written in memory order as the op does; anything else (a
+    broadcast, two layouts) is not planned."""
+    b, b_b = other
+    if a.shape != b.shape or a.stride() != b.stride() or out.stride() != a.stride():
+        raise Unplanned("binary")
+    if not _dense(a):
+        raise Unplanned("binary")
+    kind, _, _, sa, za, sb, zb, out_scale, out_zp = resolved
+    fields = [BINARY, b_a, b_out, a.numel(), b_b, BINARY_KINDS[kind]]
+    return fields, (float(sa), float(za), float(sb), float(zb), 1.0 / out_scale, float(out_zp))
+
+
 def _binding(target: Any, name: str) -> Any:
     if not isinstance(target, BoundCall) or not target.binding.bound:
         raise Unplanned(name)
@@ -291,7 +345,7 @@ def _pointer(p: int | None) -> int:
 
 
 def _conv_step(target: Any, t_in: Tensor, b_in: int, b_out: int,
-               keep: list[Any]) -> tuple[list[int], tuple[float, float]]:  # fmt: skip
+               keep: list[Any]) -> Step:  # fmt: skip
     """The kernel call the bound conv2d node made (its kept plan for this shape)."""
     binding = _binding(target, "conv2d")
     plan = binding.plans.get(t_in.shape)
@@ -311,7 +365,7 @@ def _conv_step(target: Any, t_in: Tensor, b_in: int, b_out: int,
 
 
 def _linear_step(target: Any, t_in: Tensor, b_in: int, b_out: int,
-                 keep: list[Any]) -> tuple[list[int], tuple[float, float]]:  # fmt: skip
+                 keep: list[Any]) -> Step:  # fmt: skip
     """The kernel call the bound linear node made (its kept plan for this shape)."""
     binding = _binding(target, "linear")
     plan = binding.plans.get(t_in.shape)
@@ -324,8 +378,9 @@ def _linear_step(target: Any, t_in: Tensor, b_in: int, b_out: int,
     return [LINEAR, b_in, b_out, *ints, int(quantized), int(relu)], (float(inv), float(zp))
 
 
-def chain_of(chain: list[fx.Node]) -> tuple[ChainCall, fx.Node, list[fx.Node]]:
-    """The call for ``chain``, its data input and the constants it reads, in order."""
+def chain_of(chain: list[fx.Node]) -> tuple[ChainCall, list[fx.Node]]:
+    """The call for ``chain`` and the graph values it reads: its inputs, then constants."""
+    inputs: list[fx.Node] = []
     constants: list[fx.Node] = []
     index = {node: s for s, node in enumerate(chain)}
 
@@ -336,7 +391,9 @@ def chain_of(chain: list[fx.Node]) -> tuple[ChainCall, fx.Node, list[fx.Node]]:
             if n not in constants:
                 constants.append(n)
             return Ref(constant=constants.index(n))
-        return Ref()  # the chain's input
+        if n not in inputs:
+            inputs.append(n)
+        return Ref(input=inputs.index(n))
 
     names: list[str] = []
     targets: list[Callable[..., Any]] = []
@@ -345,7 +402,7 @@ def chain_of(chain: list[fx.Node]) -> tuple[ChainCall, fx.Node, list[fx.Node]]:
         names.append(op_name(node) or str(node.target).split(".")[1])
         targets.append(node.target)  # type: ignore[arg-type]
         args.append(tuple(_map(a, ref) for a in node.args))
-    return ChainCall(names, targets, args), chain[0].args[0], constants  # type: ignore[return-value]
+    return ChainCall(names, targets, args, len(inputs)), [*inputs, *constants]
 
 
 def _map(arg: Any, fn: Callable[[fx.Node], Any]) -> Any:
@@ -367,9 +424,9 @@ def run_chains_natively(gm: fx.GraphModule) -> fx.GraphModule:
     out = graph.graph_copy(gm.graph, values)
     graph.output(out)  # type: ignore[arg-type]
     for chain in find_chains(graph):
-        call, x, constants = chain_of(chain)
+        call, reads = chain_of(chain)
         with graph.inserting_before(chain[-1]):
-            fused = graph.call_function(call, (x, *constants))
+            fused = graph.call_function(call, tuple(reads))
         fused.meta = dict(chain[-1].meta)
         chain[-1].replace_all_uses_with(fused)
         for node in reversed(chain):

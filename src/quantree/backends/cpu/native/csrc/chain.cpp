@@ -1,5 +1,5 @@
 // A chain of lowered layers run in one native call: quantize, convolutions, max pooling,
-// table lookups, layout copies, linears, dequantize, each step the very entry point its own
+// table lookups, residual adds, layout copies, linears, dequantize, each step the very entry point its own
 // op calls, with the arguments that op would pass (native/chains.py records them).
 //
 // Why it stays: at batch 1 a small CNN's layers compute less than the interpreter, argument
@@ -16,6 +16,8 @@ extern "C" {
 void qt_quantize(const float* x, int64_t n, float inv, float zp, int8_t* out);
 void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out);
 void qt_lookup(const int8_t* x, int64_t n, const int8_t* table, int8_t* out);
+void qt_binary(int op, const int8_t* a, const int8_t* b, int64_t n, float sa, float za, float sb,
+               float zb, float inv, float zp, int8_t* out);
 void qt_linear(const int8_t* x, int64_t M, int64_t K, int64_t N, int64_t Kp, const int8_t* w,
                const int32_t* off, const float* scale, const float* bias, int8_t* out_q,
                float* out_f, float inv, float zp, int relu);
@@ -38,9 +40,9 @@ void qt_max_pool2d(const int8_t* x, int64_t batch, int64_t C, int64_t H, int64_t
 
 namespace {
 
-// Step kinds (native/chains.py: STEP): each step is QT_CHAIN_WIDTH int64 fields,
-// [kind, input buffer, output buffer, arguments...], and two floats (output scale's inverse
-// or the scale, zero point).
+// Step kinds (native/chains.py): each step is WIDTH int64 fields, [kind, input buffer,
+// output buffer, arguments...], and FLOATS floats (an output scale's inverse or a scale, a
+// zero point; a binary op's six).
 enum Kind : int64_t {
     QUANTIZE = 0,
     DEQUANTIZE = 1,
@@ -51,8 +53,9 @@ enum Kind : int64_t {
     LINEAR = 6,
     MAX_POOL = 7,
     LOOKUP = 8,
+    BINARY = 9,
 };
-constexpr int64_t WIDTH = 32;
+constexpr int64_t WIDTH = 32, FLOATS = 6;
 
 template <typename T>
 T* at(int64_t p) {
@@ -96,24 +99,25 @@ struct Arena {
 
 extern "C" {
 
-// Runs ``n_steps`` steps (``steps``: WIDTH int64 each; ``fsteps``: 2 floats each). Buffer 0
-// is ``input``, 1 is ``output``, buffer b > 1 is the workspace at ``offsets[b]`` (64-byte
-// aligned, ``workspace`` bytes in all). Stops at the first step whose kernel recorded an
-// error (left for the caller to take).
+// Runs ``n_steps`` steps (``steps``: WIDTH int64 each; ``fsteps``: FLOATS floats each).
+// Buffers 0 .. n_inputs - 1 are ``inputs``, n_inputs is ``output``, a later buffer b is the
+// workspace at ``offsets[b]`` (64-byte aligned, ``workspace`` bytes in all). Stops at the
+// first step whose kernel recorded an error (left for the caller to take).
 void qt_chain_run(const int64_t* steps, const float* fsteps, int64_t n_steps,
                   const int64_t* offsets, int64_t n_buffers, int64_t workspace,
-                  const void* input, void* output) try {
+                  void* const* inputs, int64_t n_inputs, void* output) try {
     static thread_local Arena arena;
     uint8_t* base = workspace > 0 ? arena.take(workspace) : nullptr;
     auto buffer = [&](int64_t b) -> uint8_t* {
-        if (b == 0) return static_cast<uint8_t*>(const_cast<void*>(input));
-        if (b == 1) return static_cast<uint8_t*>(output);
         if (b < 0 || b >= n_buffers) throw std::out_of_range("chain buffer");
+        if (b < n_inputs) return static_cast<uint8_t*>(inputs[b]);
+        if (b == n_inputs) return static_cast<uint8_t*>(output);
         return base + offsets[b];
     };
     for (int64_t s = 0; s < n_steps; ++s) {
         const int64_t* i = steps + s * WIDTH;
-        const float f0 = fsteps[2 * s], f1 = fsteps[2 * s + 1];
+        const float* f = fsteps + s * FLOATS;
+        const float f0 = f[0], f1 = f[1];
         uint8_t* in = buffer(i[1]);
         uint8_t* out = buffer(i[2]);
         const int64_t* a = i + 3;
@@ -173,6 +177,11 @@ void qt_chain_run(const int64_t* steps, const float* fsteps, int64_t n_steps,
             case LOOKUP:
                 qt_lookup(reinterpret_cast<const int8_t*>(in), a[0], at<const int8_t>(a[1]),
                           reinterpret_cast<int8_t*>(out));
+                break;
+            case BINARY:  // a[0] n, a[1] the second operand's buffer, a[2] the op
+                qt_binary(static_cast<int>(a[2]), reinterpret_cast<const int8_t*>(in),
+                          reinterpret_cast<const int8_t*>(buffer(a[1])), a[0], f[0], f[1], f[2],
+                          f[3], f[4], f[5], reinterpret_cast<int8_t*>(out));
                 break;
             default:
                 throw std::invalid_argument("chain step kind");
