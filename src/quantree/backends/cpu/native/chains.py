@@ -73,6 +73,9 @@ def chainable(node: fx.Node) -> bool:
     data = data_positions(node)
     if len(node.args) <= max(data) or not all(isinstance(node.args[i], fx.Node) for i in data):
         return False
+    if len(data) == 2 and node.args[0] != "add":
+        return False  # a product is often a broadcast (a squeeze-excitation's scale), which
+        # the native step does not do; a residual add is of two maps of one shape
     found: list[fx.Node] = []
     _map([a for i, a in enumerate(node.args) if i not in data], found.append)
     return all(n.op == "get_attr" for n in found)
@@ -159,6 +162,17 @@ class Plan:
         return True
 
 
+def _top_level_refs(args: tuple[Any, ...]) -> tuple[tuple[int, Ref], ...] | None:
+    nested = any(isinstance(a, list | tuple) and _has_ref(a) for a in args)
+    return None if nested else tuple((i, a) for i, a in enumerate(args) if isinstance(a, Ref))
+
+
+def _has_ref(arg: Any) -> bool:
+    if isinstance(arg, Ref):
+        return True
+    return isinstance(arg, list | tuple) and any(_has_ref(a) for a in arg)
+
+
 def _layout(t: Tensor) -> tuple:
     return t.dtype, t.shape, t.stride()
 
@@ -173,6 +187,8 @@ class ChainCall:
         self.__name__ = "chain_" + "_".join(names)
         self.__module__ = __name__
         self.plans: dict[tuple, Plan | None] = {}
+        self.refs = [_top_level_refs(a) for a in args]
+        """Per step, the positions of the tensors it reads (None: some are inside lists)."""
 
     def __getstate__(self) -> dict:  # a copy plans its own calls
         return {"names": self.names, "targets": self.targets, "args": self.args,
@@ -199,8 +215,17 @@ class ChainCall:
     def run_ops(self, inputs: tuple[Any, ...], constants: tuple[Any, ...]) -> list[Any]:
         """Each op of the chain in turn, as the per-op forward runs them: every output."""
         outputs: list[Any] = []
-        for target, args in zip(self.targets, self.args, strict=True):
-            outputs.append(target(*_resolve(args, inputs, constants, outputs)))
+        for target, args, refs in zip(self.targets, self.args, self.refs, strict=True):
+            if refs is None:  # a tensor inside a list
+                outputs.append(target(*_resolve(args, inputs, constants, outputs)))
+                continue
+            given = list(args)
+            for i, ref in refs:
+                if ref.constant >= 0:
+                    given[i] = constants[ref.constant]
+                else:
+                    given[i] = inputs[ref.input] if ref.input >= 0 else outputs[ref.step]
+            outputs.append(target(*given))
         return outputs
 
     def plan(self, key: tuple, inputs: tuple[Tensor, ...], constants: tuple[Tensor, ...]) -> Any:
