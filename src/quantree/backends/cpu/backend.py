@@ -21,6 +21,7 @@ from quantree.backends.cpu.cells.layer import NativeRecurrentCells
 from quantree.backends.cpu.cells.program import NativeCellLoop, compile_body
 from quantree.backends.cpu.cells.step_loop import native_step_loop
 from quantree.backends.cpu.cells.step_program import native_program_loop
+from quantree.backends.cpu.native.chains import run_chains_natively
 from quantree.backends.cpu.native.direct import call_directly
 from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
@@ -98,7 +99,7 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
     lean.meta = dict(gm.meta)
     if nested is not None:  # the whole model, its nested bodies included: say it once
         warn_float_ops(lean, "the CPU backend", named=set(simulated_ops(gm)))
-    return read_buffers_directly(bind_flat_inputs(call_directly(lean)))
+    return run_chains_natively(read_buffers_directly(bind_flat_inputs(call_directly(lean))))
 
 
 def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:

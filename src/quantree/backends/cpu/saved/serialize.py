@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from quantree.backends.cpu.native.chains import run_chains_natively
 from quantree.backends.cpu.native.direct import call_directly
 from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
@@ -104,7 +105,8 @@ def load(path: str | Path, *, memory_budget: int | None = None) -> torch.nn.Modu
     if not isinstance(module, torch.fx.GraphModule):
         return module
     fold_saved_recipes(module, path, budget, program.example_inputs)
-    return explain_shape_guards(read_buffers_directly(bind_flat_inputs(call_directly(module))))
+    module = read_buffers_directly(bind_flat_inputs(call_directly(module)))
+    return explain_shape_guards(run_chains_natively(module))
 
 
 def fold_saved_recipes(
