@@ -518,7 +518,8 @@ def clamped_spec(producer: object, act: QuantSpec) -> QuantSpec:
     graph, and so the lowered kernels, do not change."""
     if (
         not isinstance(producer, fx.Node)
-        or getattr(producer.target, "overloadpacket", None) not in CLAMPED_PRODUCERS
+        or not {producer.target, getattr(producer.target, "overloadpacket", None)}
+        & set(CLAMPED_PRODUCERS)
         or act.axis is not None
         or not producer.users
     ):
