@@ -91,3 +91,38 @@ def test_default_lowers_to_the_same_kernels_as_min_max():
 
     minmax = qt.Int8Quantizer(activation_observer=qt.ObserverKind.MINMAX)
     assert ops(qt.Int8Quantizer()) == ops(minmax)
+
+
+class ClampedReaders(nn.Module):
+    """A conv read only by ReLU6 (MobileNet's blocks) and a residual add read only by ReLU
+    (ResNet's): each reader keeps [0, 6] or [0, inf) of a range reaching well below 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.c = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = nn.functional.relu6(self.a(x))
+        return self.c(torch.relu(self.b(y) + y))
+
+
+def test_a_point_every_reader_clamps_is_calibrated_on_what_they_keep():
+    """The conv's and the add's grids start at 0 (zero point at int8's lowest code) though
+    both tensors reach below -1 on calibration; the output is >= 30 dB on new inputs."""
+    torch.manual_seed(0)
+    model = ClampedReaders().eval()
+    g = torch.Generator().manual_seed(0)
+    calib = [(torch.randn(2, 3, 16, 16, generator=g),) for _ in range(8)]
+    new = [(torch.randn(2, 3, 16, 16, generator=g),) for _ in range(4)]
+    prepared = qt.prepare(qt.capture(model, calib[0]), qt.Int8Quantizer())
+    clamped = {m.spec.clamped for m in prepared.modules() if isinstance(m, RangeSearchObserver)}
+    assert {(0.0, 6.0), (0.0, float("inf"))} <= clamped
+    qt.calibrate(prepared, calib, progress=False)
+    observers = [m for m in prepared.modules() if isinstance(m, RangeSearchObserver)]
+    for obs in observers:
+        if obs.spec.clamped is not None:
+            assert int(obs.qparams().zero_point) == -128
+    ref = qt.convert(prepared)
+    with torch.no_grad():
+        assert min(float(qt.sqnr(model(*x), ref(*x))) for x in new) >= 30.0
