@@ -1,12 +1,13 @@
 """Accuracy algorithms: what range search (``ObserverKind.SEARCH``) and ``qt.refine`` gain.
 
-For each model, the int8 recipe with min-max ranges (the default) against: SEARCH for
-activations and weights; the default plus ``refine``; SEARCH plus ``refine``. Accuracy is
-the zoo's input-dependent SQNR on held-out inputs (the char-LM: bits/char on validation
-text; the issue's LSTM: the worst output leaf over new inputs), read on the reference graph
-(lowering computes the same integers). Times are CPU seconds, one thread: calibration
-(prepare + calibrate + convert) and refine apart. torchao's X86 recipe is the anchor where
-it runs (not on recurrent models, which it leaves float).
+For each model, the int8 recipe as it comes (``Int8Quantizer()``: range search for int8
+activations, min-max weights), and with min-max ranges (the default before issue 27)
+against: SEARCH for activations and weights; min-max plus ``refine``; SEARCH plus
+``refine``. Accuracy is the zoo's input-dependent SQNR on held-out inputs (the char-LM:
+bits/char on validation text; the issue's LSTM: the worst output leaf over new inputs),
+read on the reference graph (lowering computes the same integers). Times are CPU seconds,
+one thread: calibration (prepare + calibrate + convert) and refine apart. torchao's X86
+recipe is the anchor where it runs (not on recurrent models, which it leaves float).
 
     PYTHONPATH=src python benchmarks/accuracy_algorithms.py [lstm crnn charlm distilbert]
 """
@@ -42,7 +43,8 @@ MINMAX, SEARCH = qt.ObserverKind.MINMAX, qt.ObserverKind.SEARCH
 RULES: tuple[qt.Rule, ...] = ()  # the recipe's own rules, added last
 OPTIONS: dict[str, Any] = {}  # further Int8Quantizer options of a row
 FLOAT_TABLE = (qt.Rule((torch.ops.aten.embedding,), lambda n: qt.Annotation()),)
-VARIANTS = {
+VARIANTS: dict[str, tuple[qt.ObserverKind | None, bool]] = {
+    "default": (None, False),  # what Int8Quantizer() calibrates with (range search)
     "min-max": (MINMAX, False),
     "search": (SEARCH, False),
     "min-max + refine": (MINMAX, True),
@@ -50,11 +52,10 @@ VARIANTS = {
 }
 
 
-def quantized(model: nn.Module, calib: list[tuple], kind: qt.ObserverKind, refine: bool,
+def quantized(model: nn.Module, calib: list[tuple], kind: qt.ObserverKind | None, refine: bool,
               mode: qt.RecurrentMode) -> tuple[Any, float, float]:  # fmt: skip
-    quantizer = qt.Int8Quantizer(
-        activation_observer=kind, weight_observer=kind, recurrent=mode, rules=RULES, **OPTIONS
-    )
+    kinds = {} if kind is None else {"activation_observer": kind, "weight_observer": kind}
+    quantizer = qt.Int8Quantizer(recurrent=mode, rules=RULES, **kinds, **OPTIONS)
     start = time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -74,6 +74,10 @@ class QuantSpec:
     scale up to a power of two (the integer-LSTM convention for cell state). ``group_size``
     (symmetric int8 weights per channel on axis 0 only): 4-bit codes with a scale per group of
     that many input columns, held on the channel's int8 grid (``quantree.core.observing.grouped``).
+    ``clamped`` (per tensor): every op that reads the tensor clamps it to this interval (a
+    ReLU, ReLU6 or hardtanh that is not fused into its producer), so calibration observes the
+    values clamped: a grid spent on values its readers discard is resolution lost on the
+    ones they keep.
     """
 
     dtype: QDtype = QDtype.INT8
@@ -84,10 +88,21 @@ class QuantSpec:
     quant_max: int | None = None
     power_of_two: bool = False
     group_size: int | None = None
+    clamped: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, QDtype):
             raise QuantreeError(f"QuantSpec.dtype must be a QDtype, got {self.dtype!r}")
+        if self.clamped is not None and not (
+            self.axis is None
+            and len(self.clamped) == 2
+            and all(isinstance(b, int | float) for b in self.clamped)
+            and self.clamped[0] <= 0.0 <= self.clamped[1]
+        ):
+            raise QuantreeError(
+                "QuantSpec.clamped must be a (low, high) pair of numbers with low <= 0 <= high, "
+                f"on a per-tensor spec (axis=None), got {self.clamped!r} with axis={self.axis}"
+            )
         check_group_size(self.group_size)
         if self.group_size is not None and not (
             self.dtype is QDtype.INT8 and self.symmetric and self.axis == 0

@@ -167,6 +167,14 @@ def _sole_user_is(node: fx.Node, targets: tuple[object, ...]) -> bool:
     return len(users) == 1 and getattr(users[0].target, "overloadpacket", None) in targets
 
 
+ACTIVATION_OBSERVER = ObserverKind.SEARCH
+"""How int8 activation ranges are calibrated unless the recipe names an observer: each
+point's range is chosen among min-max, a margin, percentile clips and the least-error clip
+by the error each measures on calibration batches it did not see (``RangeSearchObserver``).
+No one rule suits every point: min-max clipped a head on an LSTM's final state (few values
+a batch) on new inputs, and spent a CNN's activation grids on outliers; the search takes
+min-max where it holds. The ranges change, not the graph: the same kernels run."""
+
 CELL_INTERNALS = QDtype.INT16
 """Cells mode's cell state, gates and sums unless the recipe names another type."""
 
@@ -201,13 +209,16 @@ def cell_sums_spec(dtype: QDtype, act: QuantSpec) -> QuantSpec:
 class Int8Quantizer(Quantizer):
     """int8 static quantization of the common ops; anything else stays in float.
 
-    ``activation_observer`` picks how activation ranges are calibrated (by default min-max,
-    and the histogram's error-minimising range where only what weights read is quantized,
-    see ``ActivationPoints``; ``ObserverKind.SEARCH`` chooses each point's range by measured
-    error); ``weight_observer`` likewise for weights (``SEARCH``: each channel's clip by its
-    exact error; min-max by default); ``per_channel``
-    quantizes weights per output channel (else per tensor). ``recurrent`` chooses whole or
-    cells mode for LSTM/GRU/RNN; in cells mode ``split_gates``, ``cell_state_dtype``,
+    ``activation_observer`` picks how activation ranges are calibrated (by default int8
+    points take ``ObserverKind.SEARCH``, each point's range chosen by measured error, see
+    ``ACTIVATION_OBSERVER``; int16 inputs of weighted layers min-max, and 2-d convolutions'
+    int8 inputs the histogram's error-minimising range, where only what weights read is
+    quantized, see ``ActivationPoints``); an int8 point whose readers all clamp it (a ReLU6
+    after a convolution) is calibrated on what they keep (``clamped_spec``);
+    ``weight_observer`` likewise for weights (``SEARCH``: each channel's clip by its exact
+    error; min-max by default); ``per_channel`` quantizes weights per output channel (else
+    per tensor). ``recurrent`` chooses whole or cells mode for LSTM/GRU/RNN; in cells mode
+    ``split_gates``, ``cell_state_dtype``,
     ``gate_dtype`` (sigmoid/tanh outputs), ``cell_sums_dtype`` (projections, gate
     pre-activations; each INT16 by default, the integer-LSTM convention: what whole mode's
     kernel keeps in int32 and float; an int8 cell's rounding, fed back every step, was most
@@ -269,7 +280,7 @@ class Int8Quantizer(Quantizer):
                 f"weighted_inputs_dtype must be QDtype.INT8 or QDtype.INT16, got "
                 f"{weighted_inputs_dtype!r}"
             )
-        act = activation or int8_activation(activation_observer or ObserverKind.MINMAX)
+        act = activation or int8_activation(activation_observer or ACTIVATION_OBSERVER)
         weighted_act = activation or weighted_input_spec(weighted_inputs_dtype, activation_observer)
         if not isinstance(weight_observer, ObserverKind):
             raise QuantreeError(f"weight_observer must be an ObserverKind, got {weight_observer!r}")
@@ -370,7 +381,7 @@ def int8_rules(
     def weighted(node: fx.Node) -> Annotation:
         """linear / conv: the output is left to a following relu it fuses with."""
         fused = _sole_user_is(node, fused_activations)
-        return weighted_annotation(node, act, weight, None if fused else act)
+        return weighted_annotation(node, act, weight, None if fused else clamped_spec(node, act))
 
     def transposed(node: fx.Node) -> Annotation | None:
         """conv_transpose1d/2d (or ``aten.convolution(transposed=True)``): as conv, the
@@ -378,7 +389,7 @@ def int8_rules(
         if node.target is aten.convolution.default and not is_transposed_convolution(node):
             return None
         fused = _sole_user_is(node, fused_activations)
-        return transposed_annotation(node, act, weight, None if fused else act)
+        return transposed_annotation(node, act, weight, None if fused else clamped_spec(node, act))
 
     def relu(node: fx.Node) -> Annotation:
         producer = node.args[0]
@@ -387,18 +398,18 @@ def int8_rules(
             in (aten.linear, aten.conv1d, aten.conv2d, *TRANSPOSED_CONVS, *NORM_OPS)
             or is_transposed_convolution(producer)
         )
-        return Annotation(outputs=act, inputs={} if fused else {(0,): act})
+        return Annotation(outputs=act, inputs={} if fused else {(0,): clamped_spec(producer, act)})
 
     def norm(node: fx.Node) -> Annotation:
         """The input, and the output unless a relu it fuses with follows."""
         fused = _sole_user_is(node, fused_activations)
-        return Annotation(outputs=None if fused else act, inputs={(0,): act})
+        return Annotation(outputs=None if fused else clamped_spec(node, act), inputs={(0,): act})
 
     def binary(node: fx.Node) -> Annotation | None:
         if node.target in BINARY_OPS and _masked_with_infinity(node):
             return Annotation()  # a mask holding -inf added to scores: float, as the softmax
         inputs = {(i,): act for i, a in enumerate(node.args[:2]) if _is_float_node(a)}
-        return Annotation(outputs=act, inputs=inputs) if inputs else None
+        return Annotation(outputs=clamped_spec(node, act), inputs=inputs) if inputs else None
 
     def fixed_output(spec: FixedSpec) -> Callable[[fx.Node], Annotation]:
         return lambda node: Annotation(outputs=spec, inputs={(0,): act})
@@ -407,7 +418,7 @@ def int8_rules(
         """Every float output leaf carries exactly the input's parameters."""
         input_use = Use.of(node, (0,))
         outputs = _shaped_like(node, SharedSpec(input_use))
-        return Annotation(outputs=outputs, inputs={(0,): act})
+        return Annotation(outputs=outputs, inputs={(0,): clamped_spec(node.args[0], act)})
 
     def cat(node: fx.Node) -> Annotation:
         tensors = node.args[0]
@@ -417,7 +428,7 @@ def int8_rules(
 
     def unary(node: fx.Node) -> Annotation:
         """Input and output quantized separately (the op changes the range)."""
-        return Annotation(outputs=act, inputs={(0,): act})
+        return Annotation(outputs=clamped_spec(node, act), inputs={(0,): act})
 
     def softmax(node: fx.Node) -> Annotation:
         """Input and output, except an input masked with an infinite fill (attention masks):
@@ -462,6 +473,62 @@ def int8_rules(
         Rule(CELL_OPS, lambda node: recurrent_cell_annotation(node, act, weight)),
         pad_rule(act),
     )
+
+
+CLAMPS = (aten.relu, aten.relu_, aten.relu6, aten.hardtanh, aten.hardtanh_, aten.clamp)
+"""Ops that keep only an interval of their input."""
+CLAMPED_PRODUCERS = (
+    *(aten.linear, aten.conv1d, aten.conv2d, *TRANSPOSED_CONVS, aten.convolution),
+    *(aten.matmul, aten.bmm, aten.mm, *BINARY_OPS, *UNARY_OPS, *NORM_OPS),
+)
+"""Ops whose output the recipe gives a grid of its own (``act``): where every reader clamps
+it, that grid covers what the readers keep (``clamped_spec``)."""
+
+
+def _bound(arg: object, default: float) -> float | None:
+    if arg is None:
+        return default
+    return float(arg) if isinstance(arg, int | float) else None
+
+
+def _kept_interval(reader: fx.Node) -> tuple[float, float] | None:
+    """The interval ``reader`` clamps its input to, or None when it does not clamp."""
+    packet = getattr(reader.target, "overloadpacket", None)
+    if packet not in CLAMPS:
+        return None
+    if packet in RELU_OPS:
+        return 0.0, math.inf
+    if packet is aten.relu6:
+        return 0.0, 6.0
+    low, high = (-1.0, 1.0) if packet in (aten.hardtanh, aten.hardtanh_) else (-math.inf, math.inf)
+    args = [*reader.args[1:3], None, None][:2]
+    if packet is aten.clamp:
+        args = [reader.kwargs.get("min", args[0]), reader.kwargs.get("max", args[1])]
+    else:
+        args = [reader.kwargs.get("min_val", args[0]), reader.kwargs.get("max_val", args[1])]
+    lo, hi = _bound(args[0], low), _bound(args[1], high)
+    return None if lo is None or hi is None else (lo, hi)
+
+
+def clamped_spec(producer: object, act: QuantSpec) -> QuantSpec:
+    """``act`` for the output of ``producer``, calibrated on what its readers keep when every
+    one of them clamps it (a ReLU6 after a convolution, a ReLU after a residual add): the
+    readers discard the rest, so a grid covering it only coarsens the values they keep. The
+    clamp's input spec asks the same, so the producer's grid and the clamp's are one; the
+    graph, and so the lowered kernels, do not change."""
+    if (
+        not isinstance(producer, fx.Node)
+        or not {producer.target, getattr(producer.target, "overloadpacket", None)}
+        & set(CLAMPED_PRODUCERS)
+        or act.axis is not None
+        or not producer.users
+    ):
+        return act
+    kept = [_kept_interval(reader) for reader in producer.users]
+    if any(k is None for k in kept):
+        return act
+    lows, highs = zip(*(k for k in kept if k is not None), strict=True)
+    return dataclasses.replace(act, clamped=(min(min(lows), 0.0), max(max(highs), 0.0)))
 
 
 def _shaped_like(node: fx.Node, spec: object) -> object:

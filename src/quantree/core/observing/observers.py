@@ -85,6 +85,8 @@ class Observer(nn.Module):
         else:
             with torch.no_grad():
                 x32 = x.float()
+                if self.spec.clamped is not None:  # what every reader keeps
+                    x32 = x32.clamp(*self.spec.clamped)
                 lo, hi = self._reduce(x32)
                 # min and max propagate NaN and keep infinities: checking them checks all
                 finite = (

@@ -128,6 +128,8 @@ class RangeSearchObserver(HistogramObserver):
         if not self.calibrated or self.only_zeros:
             return Observer.qparams(self)
         lo, hi = self.search()
+        if self.spec.clamped is not None:  # a margin past what the readers keep is waste
+            lo, hi = lo.clamp(min=self.spec.clamped[0]), hi.clamp(max=self.spec.clamped[1])
         return qparams_from_range(lo, hi, self.spec)
 
     def search(self) -> Candidate:
