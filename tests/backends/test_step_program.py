@@ -236,6 +236,8 @@ def test_a_tampered_saved_step_program_is_refused_when_the_file_loads(
     save(low, tmp_path / "crafted.pt2", (x,))
     with pytest.raises(BadFile, match=message):
         load(tmp_path / "crafted.pt2")
+
+
 class NormedScan(nn.Module):
     """``ScanLike`` inside an RMS norm written by hand and a projection: a Mamba-like block,
     whose recipe (``ActivationPoints.AUTO``) quantizes what the linears read only."""
