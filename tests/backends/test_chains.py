@@ -122,6 +122,8 @@ def test_weights_changed_after_planning_are_read() -> None:
         weight.copy_(torch.flip(weight, [0]))  # in place: the version moves
         assert torch.equal(low(inputs[1]), per_op(low)(inputs[1]))
         assert torch.equal(low(inputs[1]), per_op(low)(inputs[1]))
+    (chain,) = chain_calls(low)
+    assert all(plan is not None for plan in chain.plans.values())  # planned anew
 
 
 def test_copies_and_saved_models_give_the_same_bits(tmp_path) -> None:
