@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.fx as fx
 from torch import nn
@@ -13,6 +14,7 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu.native.chains import ChainCall, find_chains
+from quantree.backends.cpu.native.checks import NativeArgumentError
 
 
 class Convs(nn.Module):
@@ -122,6 +124,8 @@ def test_weights_changed_after_planning_are_read() -> None:
         weight.copy_(torch.flip(weight, [0]))  # in place: the version moves
         assert torch.equal(low(inputs[1]), per_op(low)(inputs[1]))
         assert torch.equal(low(inputs[1]), per_op(low)(inputs[1]))
+    (chain,) = chain_calls(low)
+    assert all(plan is not None for plan in chain.plans.values())  # planned anew
 
 
 def test_copies_and_saved_models_give_the_same_bits(tmp_path) -> None:
@@ -146,3 +150,14 @@ def test_a_recompiled_module_runs_its_ops_again() -> None:
         low.recompile()
         assert not chain_calls(low)
         assert torch.equal(low(inputs[0]), want)
+
+
+def test_a_constant_replaced_by_a_wrong_one_is_refused_before_any_kernel() -> None:
+    _, low, inputs = lowered()
+    with torch.no_grad():
+        low(inputs[0])
+        low(inputs[0])  # planned and run natively
+        name = next(n for n, _ in low.named_buffers() if "weight" in n)
+        setattr(low, name, torch.zeros(5, dtype=torch.int8))
+        with pytest.raises(NativeArgumentError):
+            low(inputs[0])

@@ -48,6 +48,8 @@ VIEWS = (torch.ops.aten.flatten.using_ints, torch.ops.aten.view.default,
 """Reshapes a chain runs inside it (a copy into contiguous order where torch copies)."""
 PLANS_KEPT = 8
 """Input layouts a chain keeps a native plan for (a model sees few)."""
+UNSEEN: Any = object()
+"""``ChainCall.plans``' answer for a layout not planned yet."""
 
 
 def op_name(node: fx.Node) -> str | None:
@@ -202,13 +204,16 @@ class ChainCall:
         inputs, constants = args[:n], args[n:]
         if all(type(t) is Tensor for t in inputs):
             key = tuple(_layout(t) for t in inputs)
-            plan = self.plans.get(key)
-            if plan is not None and plan.current(constants):
+            plan = self.plans.get(key, UNSEEN)
+            if plan is not None and plan is not UNSEEN and plan.current(constants):
                 out = torch.empty_strided(plan.shape, plan.stride, dtype=plan.dtype)
                 pointers = (ctypes.c_void_p * n)(*(t.data_ptr() for t in inputs))
                 kernels().qt_chain_run(*plan.head, pointers, n, out.data_ptr())
                 return out
-            if len(self.plans) < PLANS_KEPT and all(type(t) is Tensor for t in constants):
+            # an unseen layout while there is room, or a plan whose constants changed: made
+            # anew; a layout found unplannable (None) stays on the ops
+            room = plan is not UNSEEN or len(self.plans) < PLANS_KEPT
+            if plan is not None and room and all(type(t) is Tensor for t in constants):
                 return self.plan(key, inputs, constants)
         return self.run_ops(inputs, constants)[-1]
 
