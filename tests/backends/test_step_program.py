@@ -135,6 +135,22 @@ def test_step_math_in_programs_matches_aten_within_rounding():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # libm vs ATen's exp/log
 
 
+@pytest.mark.parametrize("k", [3, 8, 21])
+def test_a_matrix_times_a_vector_in_a_program_matches_aten_within_rounding(k):
+    """A scan's read-out ``state @ c[..., None]`` (N = 1: dot products with partial sums,
+    a tail past the multiples of 8 included)."""
+
+    class ReadOut(nn.Module):
+        def forward(self, state, c):  # [B, D, K], [B, K]
+            return torch.matmul(state * 1.5, c.unsqueeze(-1))
+
+    ex = (torch.randn(2, 5, k), torch.randn(2, k))
+    gm = torch.export.export(ReadOut(), ex).module()
+    want = gm(*ex)
+    assert fuse_regions(gm, min_ops=1, math=True) == 1
+    torch.testing.assert_close(gm(*ex), want, rtol=1e-5, atol=1e-5)
+
+
 def test_step_math_stays_out_of_programs_unless_asked():
     gm, _ = _float_step()
     fuse_regions(gm, min_ops=1)

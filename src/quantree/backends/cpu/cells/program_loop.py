@@ -4,7 +4,9 @@ time step of a folded loop in one native call (``csrc/program_loop.cpp``).
 Inputs marked ``stepped`` are ``[T, *step shape]`` (step ``t`` reads row ``t``); the others
 are read once, as ``quantree.program``'s. Every output comes back as ``[T, *step shape]``;
 ``feed[o] >= 0`` makes output ``o`` the next step's input ``feed[o]`` (a carried state),
-so the final state is the output's last row.
+so the final state is the output's last row; ``feed[o] <= -2`` carries it into input
+``-feed[o] - 2`` and keeps the last step's value only (``[1, *shape]``: a state no step's
+output collects, so ``T`` copies of it are never written).
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ def _roles(inputs: list[Tensor], stepped: list[int], feed: list[int], n_out: int
     ones the loop runs (a tampered or hand-made call)."""
     if len(stepped) != len(inputs) or any(s not in (0, 1) for s in stepped):
         raise fail("program_loop", f"stepped {list(stepped)}: one 0 or 1 per input")
-    if len(feed) != n_out or any(not -1 <= f < len(inputs) for f in feed):
+    if len(feed) != n_out or any(not -len(inputs) - 2 < f < len(inputs) for f in feed):
         raise fail("program_loop", f"feed {list(feed)}: one input index or -1 per output")
-    fed = [f for f in feed if f >= 0]
+    fed = [_fed(f) for f in feed if _fed(f) >= 0]
     if len(set(fed)) != len(fed) or any(stepped[f] for f in fed):
         raise fail("program_loop", "feed names an input twice, or a per-step one")
     lengths = {int(x.shape[0]) for x, s in zip(inputs, stepped, strict=True) if s and x.dim()}
@@ -56,6 +58,16 @@ def _roles(inputs: list[Tensor], stepped: list[int], feed: list[int], n_out: int
             f"per-step inputs of shapes {shapes}: at least one, all as long (one step or more)",
         )
     return lengths.pop()
+
+
+def _fed(f: int) -> int:
+    """The input an output with ``feed`` value ``f`` is carried into (-1: none)."""
+    return -f - 2 if f <= -2 else f
+
+
+def _steps_kept(f: int, steps: int) -> int:
+    """Rows of an output's buffer: every step's, or the last one's (``feed`` <= -2)."""
+    return 1 if f <= -2 else steps
 
 
 @op(SCHEMA)
@@ -94,13 +106,13 @@ def program_loop(
             ": lower the model again with example inputs of these shapes",
         )
     out_step = _shapes(_resolve(list(out_shapes), list(out_coeffs), size), list(out_ranks))
-    for o, f in enumerate(feed):
+    for o, f in enumerate(map(_fed, feed)):
         if f >= 0 and (out_step[o] != expected[f] or DTYPES[out_dtypes[o]] != inputs[f].dtype):
             raise fail(name, f"output {o} feeds input {f}, of another shape or dtype")
     dense = [x.contiguous() for x in inputs]
     outs = [
-        torch.empty([steps, *shape], dtype=DTYPES[d])
-        for shape, d in zip(out_step, out_dtypes, strict=True)
+        torch.empty([_steps_kept(f, steps), *shape], dtype=DTYPES[d])
+        for shape, d, f in zip(out_step, out_dtypes, feed, strict=True)
     ]
     program_checks.program(
         [x[0] if s else x for x, s in zip(dense, stepped, strict=True)], consts, code, fcode,
@@ -128,6 +140,6 @@ def _(inputs, consts, code, fcode, slots, in_slots, out_slots, in_shapes, in_ran
     size = _size(step_inputs, list(sym))
     out_step = _shapes(_resolve(list(out_shapes), list(out_coeffs), size), list(out_ranks))
     return [
-        torch.empty([steps, *shape], dtype=DTYPES[d])
-        for shape, d in zip(out_step, out_dtypes, strict=True)
+        torch.empty([_steps_kept(f, steps), *shape], dtype=DTYPES[d])
+        for shape, d, f in zip(out_step, out_dtypes, feed, strict=True)
     ]

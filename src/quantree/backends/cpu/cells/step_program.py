@@ -177,6 +177,9 @@ def native_program_loop(loop: StepLoop) -> NativeProgramLoop | None:
             return None
         if ("state", j) in roles:
             feed[results[j]] = roles.index(("state", j))
+    for o, f in enumerate(feed):  # a state no per-step output reads: its last value only
+        if f >= 0 and o not in results[n:]:
+            feed[o] = -f - 2
     return NativeProgramLoop(loop, args, roles, consts, results, feed)
 
 
