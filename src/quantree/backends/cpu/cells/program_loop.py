@@ -11,6 +11,8 @@ output collects, so ``T`` copies of it are never written).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
 
@@ -27,7 +29,8 @@ from quantree.backends.cpu.ops.program import symbol_size as _size
 
 SIGNATURES: dict[str, list[type]] = {
     "qt_program_loop": [
-        *(PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, PTR, I64, I64, I64, PTR, PTR, I64, PTR)
+        *(PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, PTR, I64, I64, I64, PTR, PTR, I64),
+        PTR,
     ],
 }  # fmt: skip
 kernels = native_kernels(SIGNATURES)
@@ -58,6 +61,23 @@ def _roles(inputs: list[Tensor], stepped: list[int], feed: list[int], n_out: int
             f"per-step inputs of shapes {shapes}: at least one, all as long (one step or more)",
         )
     return lengths.pop()
+
+
+def _row_stride(step: Tensor) -> int | None:
+    """Elements from one row of a step's value to the next where its rows (every dimension
+    but the last, merged) are evenly spaced and each row is dense: a ``[T, ...]`` view cut
+    from another dimension of a tensor, read in place instead of copied."""
+    if step.dim() < 2 or step.numel() == 0 or (step.stride(-1) != 1 and step.shape[-1] != 1):
+        return None
+    stride = None
+    for size, st in zip(reversed(step.shape[:-1]), reversed(step.stride()[:-1]), strict=True):
+        if size == 1:
+            continue
+        if stride is not None and st != stride:
+            return None
+        stride = st * size
+    inner = [st for size, st in zip(step.shape[:-1], step.stride()[:-1], strict=True) if size > 1]
+    return inner[-1] if inner else step.shape[-1]
 
 
 def _fed(f: int) -> int:
@@ -109,7 +129,8 @@ def program_loop(
     for o, f in enumerate(map(_fed, feed)):
         if f >= 0 and (out_step[o] != expected[f] or DTYPES[out_dtypes[o]] != inputs[f].dtype):
             raise fail(name, f"output {o} feeds input {f}, of another shape or dtype")
-    dense = [x.contiguous() for x in inputs]
+    dense = [x if s and _row_stride(x[0]) is not None else x.contiguous()
+             for x, s in zip(inputs, stepped, strict=True)]  # fmt: skip
     outs = [
         torch.empty([_steps_kept(f, steps), *shape], dtype=DTYPES[d])
         for shape, d, f in zip(out_step, out_dtypes, feed, strict=True)
@@ -118,12 +139,17 @@ def program_loop(
         [x[0] if s else x for x, s in zip(dense, stepped, strict=True)], consts, code, fcode,
         slots, in_slots, out_slots, out_dtypes, size, [o[0] for o in outs],
     )  # fmt: skip
-    step_bytes = [x[0].numel() * x.element_size() if s else 0 for x, s in zip(dense, stepped,
+    step_bytes = [x.stride(0) * x.element_size() if s else 0 for x, s in zip(dense, stepped,
                   strict=True)]  # fmt: skip
+    row_bytes = [(_row_stride(x[0]) or 0) * x.element_size() if s else 0
+                 for x, s in zip(dense, stepped, strict=True)]  # fmt: skip
     a = NativeArgs(name)  # every address below points into a tensor ``a`` holds
+    a.held.extend(dense)  # a stepped input may be a strided view: its rows read in place
+    addresses = (ctypes.c_void_p * max(len(dense), 1))(*(x.data_ptr() for x in dense))
     kernels().qt_program_loop(
-        a.inputs("inputs", dense), a.input("in_slots", in_slots),
-        a.input("in_step", torch.tensor(step_bytes, dtype=torch.int64)), len(dense),
+        addresses, a.input("in_slots", in_slots),
+        a.input("in_step", torch.tensor(step_bytes, dtype=torch.int64)),
+        a.input("in_ld", torch.tensor(row_bytes, dtype=torch.int64)), len(dense),
         a.outputs("outputs", outs), a.input("out_slots", out_slots),
         a.input("feed", torch.tensor(list(feed), dtype=torch.int64)), len(outs), steps,
         a.input("slots", slots), slots.shape[0], slots.shape[1], size, a.input("code", code),

@@ -86,12 +86,13 @@ class NativeProgramLoop(nn.Module):
 
 
 def _per_step(src: Tensor, spec: Any, steps: int) -> Tensor:
-    """Step ``t``'s slice of ``src`` as row ``t`` of one ``[T, ...]`` tensor."""
+    """Step ``t``'s slice of ``src`` as row ``t`` of one ``[T, ...]`` tensor (a view where
+    the steps run forwards)."""
     size = src.shape[spec.dim]
     first = spec.start if spec.stride > 0 else size - 1 - spec.start
     moved = _to_front(src, spec.dim)
-    if spec.stride > 0:
-        return moved.narrow(0, first, steps).contiguous()
+    if spec.stride > 0:  # a view: program_loop reads evenly spaced rows in place
+        return moved.narrow(0, first, steps)
     return moved.narrow(0, first - steps + 1, steps).flip(0).contiguous()
 
 

@@ -13,9 +13,11 @@ using namespace qt::prog;
 
 namespace {
 
-void copy_in(const Slot& d, const char* src) {
+// src_ld: bytes from one source row to the next (0: dense rows)
+void copy_in(const Slot& d, const char* src, int64_t src_ld = 0) {
+    const int64_t step = src_ld > 0 ? src_ld : d.cols * d.size;
     for (int64_t r = 0; r < d.rows; ++r)
-        std::memcpy(d.base + r * d.ld * d.size, src + r * d.cols * d.size,
+        std::memcpy(d.base + r * d.ld * d.size, src + r * step,
                     static_cast<size_t>(d.cols * d.size));
 }
 
@@ -28,12 +30,13 @@ void copy_out(const Slot& d, char* dst) {
 
 extern "C" {
 
-// inputs[i]: slot in_slots[i]'s rows x cols, dense; step t reads inputs[i] + t * in_step[i]
-// bytes (in_step[i] 0: the same value every step, copied in once). outputs[o]: T dense
+// inputs[i]: slot in_slots[i]'s rows x cols, in_ld[i] bytes apart (0: dense); step t reads
+// inputs[i] + t * in_step[i] bytes (in_step[i] 0: the same value every step, copied in once). outputs[o]: T dense
 // values of slot out_slots[o], step t at t * its bytes. feed[o] >= 0: output o is the next
 // step's input feed[o] (a carried state); feed[o] <= -2: the same for input -feed[o] - 2,
 // and outputs[o] holds the last step's value only. Other arguments as qt_program_run's.
-void qt_program_loop(void** inputs, const int64_t* in_slots, const int64_t* in_step, int64_t n_in,
+void qt_program_loop(void** inputs, const int64_t* in_slots, const int64_t* in_step,
+                     const int64_t* in_ld, int64_t n_in,
                      void** outputs, const int64_t* out_slots, const int64_t* feed,
                      int64_t n_out, int64_t T, const int64_t* slots, int64_t n_slots,
                      int64_t fields, int64_t size, const int64_t* code, const float* fcode,
@@ -54,7 +57,8 @@ void qt_program_loop(void** inputs, const int64_t* in_slots, const int64_t* in_s
     for (int64_t i = 0; i < n_in; ++i) {
         const int64_t k = in_slots[i];
         const Slot& d = s[k];
-        in_place[i] = in_step[i] > 0 && table[NSR * k + 1] == k && !written[k] && d.ld == d.cols;
+        const bool dense = in_ld[i] == 0 || in_ld[i] == d.cols * d.size;
+        in_place[i] = in_step[i] > 0 && table[NSR * k + 1] == k && !written[k] && d.ld == d.cols && dense;
     }
     int64_t scratch = 0;
     for (int64_t n = 0; n < n_code; ++n) {
@@ -81,7 +85,7 @@ void qt_program_loop(void** inputs, const int64_t* in_slots, const int64_t* in_s
                     if (table[NSR * k + 1] == in_slots[i])
                         s[k].base = const_cast<char*>(src) + table[NSR * k + 2];
             } else if (t == 0 || in_step[i] > 0) {
-                copy_in(s[in_slots[i]], src);
+                copy_in(s[in_slots[i]], src, in_ld[i]);
             }
         }
         run_code(code, fcode, n_code, s, consts, u8.data());
