@@ -166,6 +166,32 @@ def test_without_repetition_nothing_folds():
     assert not _loops(short) and _ops(short, "gru_cell") == 5
 
 
+def test_a_loop_writing_its_results_in_place_stays_unrolled():
+    """RecurrentGemma's RG-LRU scan writes each step into a preallocated tensor
+    (``out[:, t] = h``: a ``copy_`` into a view). Folded, nothing would read the loop's
+    results and lowering would drop it; it stays unrolled, computing what the model does."""
+
+    class WritesInPlace(nn.Module):
+        def forward(self, a, x):  # [B, T, D] each
+            h = torch.zeros(x.shape[0], x.shape[2])
+            out = torch.zeros_like(x)
+            for t in range(x.shape[1]):
+                h = a[:, t] * h + x[:, t]
+                out[:, t] = h
+            return out
+
+    torch.manual_seed(0)
+    args = (torch.rand(2, 9, 4), torch.randn(2, 9, 4))
+    model = WritesInPlace().eval()
+    gm = qt.capture(model, args, fold_loops=True)
+    assert not _loops(gm)
+    assert torch.equal(gm(*args), model(*args))
+    data = [(torch.rand(2, 9, 4), torch.randn(2, 9, 4)) for _ in range(3)]
+    lowered = qt.quantize(model, args, data, backend="cpu", progress=False)
+    with torch.no_grad():
+        assert qt.sqnr(model(*args), lowered(*args)) > 10  # dB (zeros, were it dropped: 0)
+
+
 UNARY = (torch.tanh, torch.sigmoid, torch.relu, torch.exp, nn.functional.softplus)
 
 

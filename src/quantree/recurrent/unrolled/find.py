@@ -112,6 +112,8 @@ def find_recurrence(gm: fx.GraphModule, min_steps: int = 3) -> Recurrence | None
 def match(blocks: list[list[fx.Node]]) -> Recurrence | None:
     """The recurrence these blocks form, or None (see the module docstring)."""
     length = len(blocks[0])
+    if any(_mutates(n) for n in blocks[0]):
+        return None
     where = {n: (k, j) for k, block in enumerate(blocks) for j, n in enumerate(block)}
     kinds: list[list[tuple[Any, ...]]] = []
     states: dict[int, fx.Node] = {}
@@ -139,6 +141,14 @@ def match(blocks: list[list[fx.Node]]) -> Recurrence | None:
     if not _per_step_inputs(rec, timed) or not rec.seq_of:
         return None
     return rec if _outputs(rec, where) else None
+
+
+def _mutates(n: fx.Node) -> bool:
+    """Whether ``n`` writes into a tensor (``out[:, t] = h`` is a ``copy_`` into a view of
+    ``out``): a step with a side effect is not a function of its inputs, and a loop whose
+    results are written that way has no output that reads them, so it is left unrolled."""
+    schema = getattr(n.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
 
 
 def _leaf_kind(values: list[Any], where: dict[fx.Node, tuple[int, int]], j: int):

@@ -4,10 +4,14 @@ time step of a folded loop in one native call (``csrc/program_loop.cpp``).
 Inputs marked ``stepped`` are ``[T, *step shape]`` (step ``t`` reads row ``t``); the others
 are read once, as ``quantree.program``'s. Every output comes back as ``[T, *step shape]``;
 ``feed[o] >= 0`` makes output ``o`` the next step's input ``feed[o]`` (a carried state),
-so the final state is the output's last row.
+so the final state is the output's last row; ``feed[o] <= -2`` carries it into input
+``-feed[o] - 2`` and keeps the last step's value only (``[1, *shape]``: a state no step's
+output collects, so ``T`` copies of it are never written).
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 from torch import Tensor
@@ -25,7 +29,8 @@ from quantree.backends.cpu.ops.program import symbol_size as _size
 
 SIGNATURES: dict[str, list[type]] = {
     "qt_program_loop": [
-        *(PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, PTR, I64, I64, I64, PTR, PTR, I64, PTR)
+        *(PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, I64, I64, PTR, I64, I64, I64, PTR, PTR, I64),
+        PTR,
     ],
 }  # fmt: skip
 kernels = native_kernels(SIGNATURES)
@@ -50,6 +55,33 @@ def _roles(inputs: list[Tensor], stepped: list[int], feed: list[int], n_out: int
             f"per-step inputs of shapes {shapes}: at least one, all as long (one step or more)",
         )
     return lengths.pop()
+
+
+def _row_stride(step: Tensor) -> int | None:
+    """Elements from one row of a step's value to the next where its rows (every dimension
+    but the last, merged) are evenly spaced and each row is dense: a ``[T, ...]`` view cut
+    from another dimension of a tensor, read in place instead of copied."""
+    if step.dim() < 2 or step.numel() == 0 or (step.stride(-1) != 1 and step.shape[-1] != 1):
+        return None
+    stride = None
+    for size, st in zip(reversed(step.shape[:-1]), reversed(step.stride()[:-1]), strict=True):
+        if size == 1:
+            continue
+        if stride is not None and st != stride:
+            return None
+        stride = st * size
+    inner = [st for size, st in zip(step.shape[:-1], step.stride()[:-1], strict=True) if size > 1]
+    return inner[-1] if inner else step.shape[-1]
+
+
+def _fed(f: int) -> int:
+    """The input an output with ``feed`` value ``f`` is carried into (-1: none)."""
+    return -f - 2 if f <= -2 else f
+
+
+def _steps_kept(f: int, steps: int) -> int:
+    """Rows of an output's buffer: every step's, or the last one's (``feed`` <= -2)."""
+    return 1 if f <= -2 else steps
 
 
 @op(SCHEMA)
@@ -88,24 +120,30 @@ def program_loop(
             ": lower the model again with example inputs of these shapes",
         )
     out_step = _shapes(_resolve(list(out_shapes), list(out_coeffs), size), list(out_ranks))
-    for o, f in enumerate(feed):
+    for o, f in enumerate(map(_fed, feed)):
         if f >= 0 and (out_step[o] != expected[f] or DTYPES[out_dtypes[o]] != inputs[f].dtype):
             raise fail(name, f"output {o} feeds input {f}, of another shape or dtype")
-    dense = [x.contiguous() for x in inputs]
+    dense = [x if s and _row_stride(x[0]) is not None else x.contiguous()
+             for x, s in zip(inputs, stepped, strict=True)]  # fmt: skip
     outs = [
-        torch.empty([steps, *shape], dtype=DTYPES[d])
-        for shape, d in zip(out_step, out_dtypes, strict=True)
+        torch.empty([_steps_kept(f, steps), *shape], dtype=DTYPES[d])
+        for shape, d, f in zip(out_step, out_dtypes, feed, strict=True)
     ]
     program_checks.program(
         [x[0] if s else x for x, s in zip(dense, stepped, strict=True)], consts, code, fcode,
         slots, in_slots, out_slots, out_dtypes, size, [o[0] for o in outs],
     )  # fmt: skip
-    step_bytes = [x[0].numel() * x.element_size() if s else 0 for x, s in zip(dense, stepped,
+    step_bytes = [x.stride(0) * x.element_size() if s else 0 for x, s in zip(dense, stepped,
                   strict=True)]  # fmt: skip
+    row_bytes = [(_row_stride(x[0]) or 0) * x.element_size() if s else 0
+                 for x, s in zip(dense, stepped, strict=True)]  # fmt: skip
     a = NativeArgs(name)  # every address below points into a tensor ``a`` holds
+    a.held.extend(dense)  # a stepped input may be a strided view: its rows read in place
+    addresses = (ctypes.c_void_p * max(len(dense), 1))(*(x.data_ptr() for x in dense))
     kernels().qt_program_loop(
-        a.inputs("inputs", dense), a.input("in_slots", in_slots),
-        a.input("in_step", torch.tensor(step_bytes, dtype=torch.int64)), len(dense),
+        addresses, a.input("in_slots", in_slots),
+        a.input("in_step", torch.tensor(step_bytes, dtype=torch.int64)),
+        a.input("in_ld", torch.tensor(row_bytes, dtype=torch.int64)), len(dense),
         a.outputs("outputs", outs), a.input("out_slots", out_slots),
         a.input("feed", torch.tensor(list(feed), dtype=torch.int64)), len(outs), steps,
         a.input("slots", slots), slots.shape[0], slots.shape[1], size, a.input("code", code),
@@ -122,6 +160,6 @@ def _(inputs, consts, code, fcode, slots, in_slots, out_slots, in_shapes, in_ran
     size = _size(step_inputs, list(sym))
     out_step = _shapes(_resolve(list(out_shapes), list(out_coeffs), size), list(out_ranks))
     return [
-        torch.empty([steps, *shape], dtype=DTYPES[d])
-        for shape, d in zip(out_step, out_dtypes, strict=True)
+        torch.empty([_steps_kept(f, steps), *shape], dtype=DTYPES[d])
+        for shape, d, f in zip(out_step, out_dtypes, feed, strict=True)
     ]

@@ -86,12 +86,13 @@ class NativeProgramLoop(nn.Module):
 
 
 def _per_step(src: Tensor, spec: Any, steps: int) -> Tensor:
-    """Step ``t``'s slice of ``src`` as row ``t`` of one ``[T, ...]`` tensor."""
+    """Step ``t``'s slice of ``src`` as row ``t`` of one ``[T, ...]`` tensor (a view where
+    the steps run forwards)."""
     size = src.shape[spec.dim]
     first = spec.start if spec.stride > 0 else size - 1 - spec.start
     moved = _to_front(src, spec.dim)
-    if spec.stride > 0:
-        return moved.narrow(0, first, steps).contiguous()
+    if spec.stride > 0:  # a view: program_loop reads evenly spaced rows in place
+        return moved.narrow(0, first, steps)
     return moved.narrow(0, first - steps + 1, steps).flip(0).contiguous()
 
 
@@ -177,6 +178,9 @@ def native_program_loop(loop: StepLoop) -> NativeProgramLoop | None:
             return None
         if ("state", j) in roles:
             feed[results[j]] = roles.index(("state", j))
+    for o, f in enumerate(feed):  # a state no per-step output reads: its last value only
+        if f >= 0 and o not in results[n:]:
+            feed[o] = -f - 2
     return NativeProgramLoop(loop, args, roles, consts, results, feed)
 
 

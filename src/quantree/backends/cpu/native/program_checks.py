@@ -474,15 +474,16 @@ def symbol(inputs: Sequence[Tensor], sym: Sequence[int]) -> None:
 
 def loop_roles(n_in: int, stepped: Sequence[int], feed: Sequence[int], n_out: int) -> None:
     """A folded loop's roles (``quantree.program_loop``): one 0/1 per input, at least one
-    per-step input, and per output the input it feeds next step (not a per-step one, no input
-    twice) or -1. Checked when a file loads and at each call, before the tables."""
+    per-step input, and per output the input it feeds next step (``f >= 0``; ``f <= -2``
+    feeds input ``-f - 2`` and keeps the last step only), never a per-step one nor an input
+    twice, or -1. Checked when a file loads and at each call, before the tables."""
     op = "program_loop"
     if len(stepped) != n_in or any(s not in (0, 1) for s in stepped) or not any(stepped):
         raise fail(op, f"stepped {list(stepped)}: one 0 or 1 per input, at least one 1 "
                    "(per-step inputs)")  # fmt: skip
-    if len(feed) != n_out or any(not -1 <= f < n_in for f in feed):
-        raise fail(op, f"feed {list(feed)}: one input index or -1 per output")
-    fed = [f for f in feed if f >= 0]
+    if len(feed) != n_out or any(not -n_in - 2 < f < n_in for f in feed):
+        raise fail(op, f"feed {list(feed)}: one input index, -1, or -2 - index per output")
+    fed = [f if f >= 0 else -f - 2 for f in feed if f != -1]
     if len(set(fed)) != len(fed) or any(stepped[f] for f in fed):
         raise fail(op, "feed names an input twice, or a per-step one")
 

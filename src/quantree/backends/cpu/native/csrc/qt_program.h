@@ -188,6 +188,22 @@ static inline void float_scalar_row(int64_t kind, const float* a, float* out, in
 // summed in k order in float (ATen's bmm blocks its sums: equal up to rounding).
 static inline void float_matmul(const Slot& a, const Slot& b, const Slot& d, int64_t M) {
     const int64_t K = a.cols, N = b.cols, batch = M > 0 ? a.rows / M : 0;
+    if (N == 1) {  // a matrix times a vector (a scan's read-out): dot products, 8 partial sums
+        for (int64_t t = 0; t < batch; ++t) {
+            const float* w = b.f(t * K);  // dense (checked): K values
+            for (int64_t m = 0; m < M; ++m) {
+                const float* x = a.f(t * M + m);
+                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                int64_t k = 0;
+                for (; k + 8 <= K; k += 8)
+                    for (int l = 0; l < 8; ++l) acc[l] += x[k + l] * w[k + l];
+                float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+                for (; k < K; ++k) sum += x[k] * w[k];
+                d.f(t * M + m)[0] = sum;
+            }
+        }
+        return;
+    }
     for (int64_t t = 0; t < batch; ++t)
         for (int64_t m = 0; m < M; ++m) {
             const float* x = a.f(t * M + m);

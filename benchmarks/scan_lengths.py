@@ -1,0 +1,94 @@
+"""The modern zoo's scan families at 64 and 512 tokens, captured at 64.
+
+    cd benchmarks && PYTHONPATH=../src:. python scan_lengths.py mamba,ligru default,unrolled
+    cd benchmarks && PYTHONPATH=../src:. python scan_lengths.py mamba2,recurrent_gemma,xlstm default
+
+Per family (``modern_zoo``'s builders, its seeds; no ``warm_batch_norm``, so the SQNR can
+differ from the zoo's table for models with batch norm): quantized for the CPU backend with
+``qt.quantize``'s folding default (``default``), ``fold_loops=True`` (``fold``) or
+``False`` (``unrolled``); the input-dependent SQNR on the 8 held-out inputs; then float
+eager and each variant timed interleaved in one process, one thread, at 64 tokens and at
+512 (the held-out input repeated eight times), two runs, thread-CPU and wall ratios. A
+variant whose capture fixed the length to 64 (no folded loop frees it) is quantized again
+at 512 for the 512 rows, and the line says so. The unrolled variant runs at 64 only.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+
+import modern_zoo
+import torch
+import zoo
+from common import interleaved_times, load_note, one_thread
+
+import quantree as qt
+from quantree.backends import CPU
+
+FOLD = {"default": None, "fold": True, "unrolled": False}
+
+
+def longer(args: tuple, length: int) -> tuple:
+    return tuple(
+        torch.cat([a] * (length // a.shape[1]), 1) if a.dim() >= 2 and a.shape[1] == 64 else a
+        for a in args
+    )
+
+
+def run(name: str, variants: list[str]) -> None:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    case = modern_zoo.build(name)
+    model = case.model.eval()
+    calib = [case.sample(gen) for _ in range(16)]
+    held = [case.sample(gen) for _ in range(8)]
+    lows = {}
+    with torch.no_grad():
+        ref = [zoo.flat(model(*h)) for h in held]
+    for v in variants:
+        start = time.time()
+        lows[v] = qt.quantize(model, calib[0], calib, backend=CPU, progress=False,
+                              fold_loops=FOLD[v])  # fmt: skip
+        loops = [type(m).__name__ for m in lows[v].modules() if "Loop" in type(m).__name__]
+        with torch.no_grad():
+            got = [zoo.flat(lows[v](*h)) for h in held]
+        print(f"## {name} {v}: loops {loops}, SQNR {zoo.input_dependent_sqnr(ref, got):.1f} dB, "
+              f"quantized in {time.time() - start:.0f} s", flush=True)  # fmt: skip
+    for length in (64, 512):
+        x = held[0] if length == 64 else longer(held[0], length)
+        timed = {"float": lambda x=x: model(*x)}
+        for v, low in lows.items():
+            if length != 64 and v == "unrolled":
+                continue
+            try:
+                with torch.no_grad():
+                    low(*x)
+            except Exception as err:  # the capture fixed the length
+                print(f"  {name} {v} T{length}: {type(err).__name__}; captured again at "
+                      f"{length}", flush=True)  # fmt: skip
+                again = [longer(c, length) for c in calib]
+                low = qt.quantize(model, again[0], again, backend=CPU, progress=False,
+                                  fold_loops=FOLD[v])  # fmt: skip
+            timed[v] = lambda x=x, low=low: low(*x)
+        with torch.no_grad():
+            for run_ in (1, 2):
+                ms = interleaved_times(timed, 5 if length == 64 else 3, warmup=2)
+                fw, fc = ms["float"]
+                cells = "; ".join(
+                    f"{v} {ms[v][0] / fw:.2f}x wall {ms[v][1] / fc:.2f}x CPU"
+                    for v in lows
+                    if v in ms
+                )
+                print(f"  {name} T{length} run {run_}: float {fw:.2f} ms wall {fc:.2f} CPU; "
+                      f"{cells} ({load_note()})", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    zoo.import_model_libraries()
+    one_thread()
+    warnings.simplefilter("ignore")
+    chosen = sys.argv[2].split(",") if len(sys.argv) > 2 else ["default", "unrolled"]
+    for family in sys.argv[1].split(","):
+        run(family, chosen)
