@@ -39,6 +39,7 @@ from quantree.backends.cpu.rules.cat import lower_cat
 from quantree.backends.cpu.rules.conv_transpose import lower_conv_transpose
 from quantree.backends.cpu.rules.cumsum import lower_cumsum
 from quantree.backends.cpu.rules.embedding import lower_embedding
+from quantree.backends.cpu.rules.global_norm import lower_global_norm
 from quantree.backends.cpu.rules.glu import lower_glu
 from quantree.backends.cpu.rules.linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.rules.masked_fill import lower_masked_fill
@@ -188,6 +189,7 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_avg_pool,
         lower_batch_norm,
         lower_group_norm,
+        lower_global_norm,
         lower_binary,
         lower_matmul,
         lower_pointwise,
