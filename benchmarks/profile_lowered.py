@@ -1,6 +1,7 @@
 """Where a lowered model's time goes: per op, per call, and the Python around the kernels.
 
     python benchmarks/profile_lowered.py --models cnn,resnet18,bert --runs 20
+    python benchmarks/profile_lowered.py --zoo modern --models dprnn,hdemucs --nodes 10
 
 Per model (``peers.py``'s builders, its first held-out input, one thread): the whole forward
 of quantree's CPU-lowered model (process CPU time, median of ``--runs``), then each graph
@@ -9,7 +10,10 @@ summed per op). ``kernels`` is the sum over nodes; ``around`` is forward minus t
 generated forward's Python, argument handling that the timed call does not include, guards.
 The op table names each op's share, its call count and the mean time per call, so a row
 says whether time goes to a few large kernels (their speed matters) or many small calls
-(their fixed cost does).
+(their fixed cost does). ``--zoo modern`` takes the models from ``modern_zoo.py`` (issue 29's
+families, whole mode or ``--mode cells``); ``--nodes N`` lists the N costliest nodes with
+their output shapes, and ``--float`` the ops the lowered graph leaves float
+(``float_report``), by op.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import fx
 
 import quantree as qt
 from quantree.backends import CPU
+from quantree.backends.cpu.passes.float_report import float_ops
 
 
 def op_name(node: fx.Node, gm: fx.GraphModule) -> str:
@@ -54,7 +59,7 @@ class Timed(fx.Interpreter):
 
 
 def profile(
-    gm: fx.GraphModule, args: tuple, runs: int
+    gm: fx.GraphModule, args: tuple, runs: int, nodes: list | None = None
 ) -> tuple[float, list[tuple[str, float, int]]]:
     with torch.inference_mode():
         for _ in range(3):
@@ -70,8 +75,30 @@ def profile(
     per_op: dict[str, list[float]] = collections.defaultdict(list)
     for node, ms in timed.ms.items():
         per_op[op_name(node, gm)].append(statistics.median(ms))
+        if nodes is not None:
+            nodes.append((statistics.median(ms), node))
     ops = [(name, sum(ms), len(ms)) for name, ms in per_op.items()]
     return statistics.median(whole), sorted(ops, key=lambda r: -r[1])
+
+
+def modern_data(name: str) -> tuple[torch.nn.Module, list[tuple], list[tuple]]:
+    """A ``modern_zoo.py`` family as ``zoo.run_model`` builds it: model, calibration, held-out."""
+    import modern_zoo
+    import zoo
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    case = modern_zoo.build(name)
+    case.model.eval()
+    zoo.warm_batch_norm(case.model, case, gen)
+    return case.model, [case.sample(gen) for _ in range(16)], [case.sample(gen) for _ in range(8)]
+
+
+def shape_of(node: fx.Node) -> str:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}"
+    return ""
 
 
 def main() -> None:
@@ -79,19 +106,28 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="cnn,resnet18,bert,lstm_b1,lstm512,deepspeech,crnn")
+    parser.add_argument("--zoo", choices=("peers", "modern"), default="peers")
+    parser.add_argument("--mode", choices=("whole", "cells"), default="whole")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--nodes", type=int, default=0, help="costliest nodes listed")
+    parser.add_argument("--float", action="store_true", help="list the ops left float")
     args = parser.parse_args()
     one_thread()
     warnings.simplefilter("ignore")
+    mode = qt.RecurrentMode.CELLS if args.mode == "cells" else qt.RecurrentMode.WHOLE
     for name in args.models.split(","):
-        model, calib, held = peers.data(name)
-        lowered = qt.quantize(model, calib[0], calib, backend=CPU, progress=False)
+        model, calib, held = (modern_data if args.zoo == "modern" else peers.data)(name)
+        lowered = qt.quantize(
+            model, calib[0], calib, quantizer=qt.Int8Quantizer(recurrent=mode), backend=CPU,
+            progress=False,
+        )  # fmt: skip
         with torch.inference_mode():
             float_ms = statistics.median(
                 [_cpu(lambda m=model, a=held[0]: m(*a)) for _ in range(max(3, args.runs // 2))]
             )
-        whole, ops = profile(lowered, held[0], args.runs)
+        costly: list = []
+        whole, ops = profile(lowered, held[0], args.runs, costly)
         kernels = sum(ms for _, ms, _ in ops)
         calls = sum(n for _, _, n in ops)
         print(f"\n### {name}: forward {whole:.2f} ms ({whole / float_ms:.2f}x float "
@@ -100,6 +136,16 @@ def main() -> None:
         print("| op | ms | share | calls | ms per call |\n|---|---|---|---|---|")
         for op, ms, n in ops[: args.top]:
             print(f"| {op} | {ms:.3f} | {ms / kernels:.0%} | {n} | {ms / n:.3f} |")
+        if args.nodes:
+            print("\n| node | op | output | ms |\n|---|---|---|---|")
+            for ms, node in sorted(costly, key=lambda r: -r[0])[: args.nodes]:
+                print(f"| {node.name} | {op_name(node, lowered)} | {shape_of(node)} | {ms:.3f} |")
+        if args.float:
+            left = collections.Counter(str(n.target) for _, n, _ in float_ops(lowered))
+            print(
+                f"\nleft float ({sum(left.values())}): "
+                + ", ".join(f"{op} {k}" for op, k in left.most_common())
+            )
     print(f"\n{load_note()}; torch {torch.__version__}; one thread, process CPU time")
 
 

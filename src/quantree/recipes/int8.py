@@ -121,6 +121,7 @@ UNARY_OPS = (
     aten.avg_pool1d,
     aten.adaptive_avg_pool1d,
     aten.gelu,
+    aten.glu,  # a * sigmoid(b) of two halves: one int8 pass on the CPU backend
     aten.silu,
     aten.silu_,
     aten.hardswish,

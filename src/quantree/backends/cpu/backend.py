@@ -2,7 +2,7 @@
 
 Rules, tried in order at each node: whole recurrent layers, recurrent cells (one step),
 linear(+relu), conv(+relu), int8 data movement, cat/stack, masked_fill, max pooling,
-int8 add/mul/sub/matmul, pointwise tables, softmax.
+int8 add/mul/sub/matmul, pointwise tables, GLU, softmax.
 Cells-mode cell bodies are lowered with the same rules, then each cell loop runs as one
 native program when its lowered body compiles to one. The remaining quantize/dequantize
 nodes become native ones, and the module keeps only the tensors its graph still reads, so
@@ -40,6 +40,8 @@ from quantree.backends.cpu.rules.cat import lower_cat
 from quantree.backends.cpu.rules.conv_transpose import lower_conv_transpose
 from quantree.backends.cpu.rules.cumsum import lower_cumsum
 from quantree.backends.cpu.rules.embedding import lower_embedding
+from quantree.backends.cpu.rules.global_norm import lower_global_norm
+from quantree.backends.cpu.rules.glu import lower_glu
 from quantree.backends.cpu.rules.linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.rules.masked_fill import lower_masked_fill
 from quantree.backends.cpu.rules.movement.pad import lower_pad
@@ -188,9 +190,11 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_avg_pool,
         lower_batch_norm,
         lower_group_norm,
+        lower_global_norm,
         lower_binary,
         lower_matmul,
         lower_pointwise,
+        lower_glu,
         lower_softmax,
     )
     name = "cpu" if hidden_bits == 8 else f"cpu-h{hidden_bits}"

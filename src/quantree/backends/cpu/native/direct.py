@@ -26,8 +26,11 @@ from quantree.backends.cpu.ops import (
     conv1d,
     conv2d,
     conv16,
+    conv_transpose,
+    conv_transpose16,
     dequantize,
     embedding_rows,
+    glu,
     group_norm,
     linear,
     linear16,
@@ -46,9 +49,9 @@ from quantree.backends.cpu.ops.rnn_packed import PackedRnnRunner
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
-    for fn in (avg_pool2d, binary, cell_loop, conv1d, conv2d, conv16, dequantize,
-               embedding_rows, group_norm, linear, linear16, lookup, matmul, max_pool2d,
-               mean_hw, program, quantize, rnn, rnn_cell, softmax)
+    for fn in (avg_pool2d, binary, cell_loop, conv1d, conv2d, conv16, conv_transpose,
+               conv_transpose16, dequantize, embedding_rows, glu, group_norm, linear, linear16,
+               lookup, matmul, max_pool2d, mean_hw, program, quantize, rnn, rnn_cell, softmax)
 }  # fmt: skip
 """Each ``torch.ops.quantree.<name>``'s CPU implementation, by name (read only)."""
 PER_NODE: dict[str, Callable[[], Callable[..., Any]]] = {

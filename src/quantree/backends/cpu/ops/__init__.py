@@ -32,7 +32,14 @@ from quantree.backends.cpu.ops import rnn_packed as rnn_packed_op
 from quantree.backends.cpu.ops import wide as wide_op
 from quantree.backends.cpu.ops.affine import channel_affine
 from quantree.backends.cpu.ops.conv_transpose import conv_transpose, conv_transpose16
-from quantree.backends.cpu.ops.elementwise import binary, dequantize, lookup, quantize, softmax
+from quantree.backends.cpu.ops.elementwise import (
+    binary,
+    dequantize,
+    glu,
+    lookup,
+    quantize,
+    softmax,
+)
 from quantree.backends.cpu.ops.embedding import embedding_rows
 from quantree.backends.cpu.ops.gemm import conv1d, conv2d, linear, matmul
 from quantree.backends.cpu.ops.group_norm import group_norm
@@ -84,6 +91,7 @@ __all__ = [
     "derived_offset",
     "derived_scale",
     "dequantize",
+    "glu",
     "embedding_rows",
     "group_norm",
     "linear",

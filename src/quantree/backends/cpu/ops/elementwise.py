@@ -1,4 +1,4 @@
-"""Elementwise int8 ops: quantize, dequantize, table lookup, add/mul; softmax over rows."""
+"""Elementwise int8 ops: quantize, dequantize, table lookup, add/mul, GLU; softmax over rows."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ SIGNATURES: dict[str, list[type]] = {
     "qt_lookup": [PTR, I64, PTR, PTR],
     "qt_binary": [INT, PTR, PTR, I64, F32, F32, F32, F32, F32, F32, PTR],
     "qt_softmax": [PTR, I64, I64, PTR, F32, F32, PTR],
+    "qt_glu": [PTR, I64, I64, I64, PTR, F32, F32, F32, F32, PTR],
 }  # fmt: skip
 """The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
 kernels = native_kernels(SIGNATURES)
@@ -195,3 +196,86 @@ def softmax(x: Tensor, exp_table: Tensor, out_scale: float, out_zero_point: int)
 @torch.library.register_fake("quantree::softmax")
 def _(x, exp_table, out_scale, out_zero_point):
     return torch.empty(x.shape, dtype=torch.int8)
+
+
+def memory_order(t: Tensor) -> list[int]:
+    """``t``'s dims from outermost to innermost in memory (a channels-last conv output:
+    channels last); dims of size 1 keep their place."""
+    strides = t.stride()
+    return sorted(range(t.dim()), key=lambda d: (-strides[d] if t.shape[d] != 1 else 0, d))
+
+
+GluLayout = tuple[list[int], int, int, int, list[int]]
+"""(memory order, outer, half, inner, inverse of the order) of a GLU's dense input."""
+_GLU_LAYOUTS: dict[tuple[Any, ...], GluLayout] = {}
+LAYOUTS_KEPT = 64
+
+
+def glu_layout(x: Tensor, dim: int) -> GluLayout:
+    """How GLU runs over dense ``x`` as it lies in memory: ``x.permute(order)`` is contiguous
+    (else the identity order, after a copy), viewed as ``[outer, 2 * half, inner]``; the
+    result is allocated in that order and permuted back, so it keeps ``x``'s layout."""
+    key = (x.shape, x.stride(), dim)
+    found = _GLU_LAYOUTS.get(key)
+    if found is not None:
+        return found
+    order = memory_order(x)
+    if not x.permute(order).is_contiguous():
+        order = list(range(x.dim()))
+    pos = order.index(dim)
+    shape = [int(x.shape[d]) for d in order]
+    outer = 1
+    for size in shape[:pos]:
+        outer *= size
+    inner = 1
+    for size in shape[pos + 1 :]:
+        inner *= size
+    layout = (order, outer, shape[pos] // 2, inner, [order.index(d) for d in range(len(order))])
+    if len(_GLU_LAYOUTS) < LAYOUTS_KEPT:
+        _GLU_LAYOUTS[key] = layout
+    return layout
+
+
+def halved(shape: Sequence[Any], order: list[int], dim: int) -> list[Any]:
+    """``shape`` with ``dim`` halved, in memory ``order``."""
+    return [shape[d] // 2 if d == dim else shape[d] for d in order]
+
+
+@op("glu(Tensor x, int dim, Tensor gate, float scale, int zero_point, float out_scale, "
+    "int out_zero_point) -> Tensor")  # fmt: skip
+def glu(
+    x: Tensor, dim: int, gate: Tensor, scale: float, zero_point: int, out_scale: float,
+    out_zero_point: int,
+) -> Tensor:  # fmt: skip
+    """int8 ``glu(x, dim)``: ``dq(a) * gate[b + 128]`` requantized, ``a``/``b`` the halves of
+    ``x`` along ``dim``, ``gate`` the 256 sigmoids of ``b``'s codes as aten's ``glu`` rounds
+    them; the result keeps ``x``'s layout (channels-last stays channels-last)."""
+    check.dtype_of("glu", "x", x, torch.int8)
+    check.vector("glu", "gate", gate, torch.float32, 256)
+    check.positive("glu", "out_scale", out_scale)
+    check.positive("glu", "scale", scale)
+    if not -x.dim() <= dim < x.dim() or x.shape[dim] % 2:
+        raise check.fail("glu", f"dimension {dim} of x {list(x.shape)} is not one of even size")
+    dim %= x.dim()
+    if not is_dense(x):
+        x = x.contiguous()
+    order, outer, half, inner, back = glu_layout(x, dim)
+    xp = x.permute(order)
+    if not xp.is_contiguous():  # an order from a tie of strides: copied, as the kernel reads
+        xp = xp.contiguous()
+    out = torch.empty(halved(x.shape, order, dim), dtype=torch.int8)
+    kernels().qt_glu(
+        xp.data_ptr(), outer, half, inner, ptr(gate), scale, float(zero_point),
+        1.0 / out_scale, float(out_zero_point), out.data_ptr(),
+    )  # fmt: skip
+    return out.permute(back)
+
+
+@torch.library.register_fake("quantree::glu")
+def _(x, dim, gate, scale, zero_point, out_scale, out_zero_point):
+    dim %= x.dim()
+    if free_unbacked_symbols(x.shape):  # reading strides would guard on the size
+        return x.new_empty(halved(x.shape, list(range(x.dim())), dim))
+    order = memory_order(x) if is_dense(x) else list(range(x.dim()))
+    back = [order.index(d) for d in range(len(order))]
+    return x.new_empty(halved(x.shape, order, dim)).permute(back)
