@@ -148,8 +148,12 @@ def _et(ref: torch.fx.GraphModule, example: tuple) -> tuple[Callable, str]:
     lowered = lower_executorch(ref, example)
     if KERNEL_OP in lowered.buffer:
         kernels.load()
-    method = Runtime.get().load_program(lowered.buffer).load_method("forward")
-    return lambda a: method.execute(list(a))[0], lowered.delegation.render()
+    # the runtime reads the program from these bytes without copying them: the runner keeps
+    # them (and the program) alive, or a later call reads freed memory
+    program = Runtime.get().load_program(lowered.buffer)
+    method = program.load_method("forward")
+    keep = (lowered, program)
+    return lambda a, _keep=keep: method.execute(list(a))[0], lowered.delegation.render()
 
 
 def cell(name: str, runtime: str, model: nn.Module, ref, example, folder: Path):  # type: ignore[no-untyped-def]
