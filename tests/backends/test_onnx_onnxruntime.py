@@ -31,6 +31,9 @@ from support import batches
 BAND_DB = 0.5
 ORT = qt.OnnxTarget.ONNXRUNTIME
 INTEGER_OPS = {"DynamicQuantizeLSTM", "DynamicQuantizeMatMul"}
+SCAN_BATCH = 64
+"""At hidden 32, the batch from which a GRU/RNN step has enough multiply-adds for the int8
+``Scan`` (``ort_recurrence.SCAN_MIN_STEP_MACS``)."""
 
 
 class Layer(nn.Module):
@@ -50,7 +53,9 @@ def _quantized(kind: str, seq: int = 12, batch: int = 3, dynamic: bool = False, 
     model = Layer(kind, **options).eval()
     data = batches((seq, batch, 16), n=6)
     shapes = ({1: torch.export.Dim.AUTO},) if dynamic else None
-    ref = qt.quantize(model, data[0], data[:5], dynamic_shapes=shapes, progress=False)
+    ref = qt.quantize(
+        model, data[0], data[:5], dynamic_shapes=shapes, dynamic_batch=dynamic, progress=False
+    )
     return model, ref, data
 
 
@@ -100,7 +105,8 @@ def _sqnrs(model, ref, path, args) -> tuple[float, float]:
     ids=["lstm_2layers", "lstm_bidirectional", "gru", "gru_bi_2layers", "rnn_relu"],
 )
 def test_recurrent_layers_run_int8_in_onnx_runtime(kind, options, integer_op, count, tmp_path):
-    model, ref, data = _quantized(kind, **options)
+    batch = 3 if kind == "LSTM" else SCAN_BATCH  # a Scan is chosen from this size on
+    model, ref, data = _quantized(kind, batch=batch, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("error", qt.QuantreeWarning)  # nothing left float to name
         path = qt.export_onnx(ref, data[0], tmp_path / "m.onnx", target=ORT)
@@ -161,7 +167,7 @@ def test_cli_format_onnxruntime(tmp_path):
     """``quantree quantize --format onnxruntime``: the same export from the command line."""
     torch.manual_seed(0)
     model = Layer("GRU").eval()
-    data = batches((12, 3, 16), n=4)
+    data = batches((12, SCAN_BATCH, 16), n=4)
     torch.export.save(torch.export.export(model, data[0]), tmp_path / "gru.pt2")
     torch.save(data, tmp_path / "data.pt")
     out = tmp_path / "gru.onnx"
@@ -173,3 +179,21 @@ def test_cli_format_onnxruntime(tmp_path):
     ops = Counter(n.op_type for n in onnx.load(str(out)).graph.node)
     assert ops["Scan"] == 1 and ops["GRU"] == 0
     assert "run in float" not in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["GRU", "RNN"])
+def test_small_layer_stays_float_and_is_named(kind, tmp_path):
+    """Below ``SCAN_MIN_STEP_MACS`` a step (batch 3, hidden 32) the float kernel beats the
+    int8 ``Scan``: the layer keeps float weights (dequantized once, at export), the warning
+    names it with the reason, and it computes the reference graph's float simulation."""
+    model, ref, data = _quantized(kind)
+    with pytest.warns(qt.QuantreeWarning, match=rf"{kind} \S+ \(batch 3, hidden 32: an int8 Scan"):
+        path = qt.export_onnx(ref, data[0], tmp_path / "m.onnx", target=ORT)
+    exported = onnx.load(str(path))
+    ops = Counter(n.op_type for n in exported.graph.node)
+    assert ops[kind] == 1 and not ops.keys() & (INTEGER_OPS | {"Scan"})
+    inits = {i.name: i for i in exported.graph.initializer}
+    (layer,) = [n for n in exported.graph.node if n.op_type == kind]
+    assert all(inits[w].data_type == onnx.TensorProto.FLOAT for w in layer.input[1:3])
+    ref_db, ort_db = _sqnrs(model, ref, path, data[5])
+    assert ort_db >= ref_db - BAND_DB, (ref_db, ort_db)

@@ -45,6 +45,33 @@ def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
     return default
 
 
+SCAN_MIN_STEP_MACS = {"GRU": 3 * 256 * 256, "RNN": 256 * 256}
+"""Fewest multiply-adds per time step (batch x gates x hidden x hidden) for which a layer
+becomes the int8 ``Scan``. Each step of a ``Scan`` runs its body's nodes one by one, a
+fixed cost per step that ONNX Runtime's fused float ``GRU``/``RNN`` kernel does not pay;
+on a small product the int8 arithmetic saves less than that, and the float kernel is the
+faster of the two (the crossover is measured in benchmarks/README.md, issue 25's sections).
+Such a layer stays float, named in the export's warning. The GRU's body has four times the
+RNN's nodes, hence its higher bar."""
+
+
+def scan_is_slower(node: onnx.NodeProto, batch: int | None) -> str | None:
+    """Why the float kernel would beat the int8 ``Scan`` for ``node`` at ``batch`` (None
+    when the ``Scan`` is worth it). A free batch is judged at 1: the latency case, where a
+    small layer's ``Scan`` loses most, against a small gain at the batches where it wins."""
+    hidden = int(_attr(node, "hidden_size", 0))  # type: ignore[call-overload]
+    gates = 3 if node.op_type == "GRU" else 1
+    macs = (batch or 1) * gates * hidden * hidden
+    if macs >= SCAN_MIN_STEP_MACS[node.op_type]:
+        return None
+    at = f"batch {batch}" if batch else "batch free, judged at 1"
+    return (
+        f"{at}, hidden {hidden}: an int8 Scan step costs more in ONNX Runtime than its "
+        f"float {node.op_type} kernel below {SCAN_MIN_STEP_MACS[node.op_type]} multiply-adds "
+        "a step"
+    )
+
+
 def can_scan(node: onnx.NodeProto) -> str | None:
     """Why ``node`` cannot be decomposed (None when it can)."""
     if len(node.input) > 4 and node.input[4]:

@@ -12,7 +12,9 @@ operator:
   given quantree's calibrated int8 weights and scales unchanged; the activations it quantizes
   per step itself (its operator has no input for static activation scales).
 - ``GRU``/``RNN``: ONNX Runtime has no integer operator for them; ``ort_recurrence`` writes
-  them as ``DynamicQuantizeMatMul`` products (int8 weights, stored once) in a ``Scan``.
+  them as ``DynamicQuantizeMatMul`` products (int8 weights, stored once) in a ``Scan``; a
+  layer too small for the ``Scan`` to beat the float kernel (``scan_is_slower``) stays float
+  and is named.
 
 A custom-op library (``com.quantree`` loaded with ``register_custom_ops_library``) would run
 quantree's own kernels, but it must be compiled against ONNX Runtime's C API headers, which
@@ -47,6 +49,7 @@ class Rewriter:
         self.reader = ConstantReader(model)
         self.float_ops: list[str] = []
         self.taken: set[str] = {i.name for i in self.graph.initializer}
+        self._shapes: dict[str, list[int | None]] | None = None
 
     def initializer(self, base: str, value: np.ndarray) -> str:
         name, k = base, 0
@@ -94,8 +97,28 @@ class Rewriter:
         value = self.reader.array(source)
         return "" if value is not None and not value.any() else name
 
+    def batch(self, node: onnx.NodeProto) -> int | None:
+        """The fixed batch size of a recurrent ``node``'s input, None when it is free or
+        unknown (ONNX's shape inference over the standard graph, before any rewrite)."""
+        if self._shapes is None:
+            self._shapes = {}
+            try:
+                inferred = onnx.shape_inference.infer_shapes(self.model).graph
+            except Exception:  # an unknown op or shape: no fixed batch is claimed
+                return None
+            for value in (*inferred.value_info, *inferred.input, *inferred.output):
+                dims = value.type.tensor_type.shape.dim
+                self._shapes[value.name] = [
+                    d.dim_value if d.HasField("dim_value") else None for d in dims
+                ]
+        dims = self._shapes.get(node.input[0])
+        axis = 0 if _attr_int(node, "layout") == 1 else 1  # X: [seq, batch, in] unless layout=1
+        if dims is None or len(dims) != 3:
+            return None
+        return dims[axis]
+
     def run(self) -> list[str]:
-        from quantree.backends.onnx.ort_recurrence import can_scan, scan_recurrence
+        from quantree.backends.onnx.ort_recurrence import can_scan, scan_is_slower, scan_recurrence
 
         nodes = list(self.graph.node)
         rewritten: list[onnx.NodeProto] = []
@@ -105,6 +128,8 @@ class Rewriter:
                 continue
             W, R = self.reader.quantized(node.input[1]), self.reader.quantized(node.input[2])
             why = None if node.op_type == "LSTM" else can_scan(node)
+            if why is None and node.op_type != "LSTM":
+                why = scan_is_slower(node, self.batch(node))
             if not (_symmetric_int8(W) and _symmetric_int8(R)):
                 why = "weights not int8 constants with zero points at zero"
             if self.wide_input(node.input[0]):
@@ -160,6 +185,13 @@ class Rewriter:
             domain=MS_DOMAIN,
             **attributes,
         )
+
+
+def _attr_int(node: onnx.NodeProto, name: str) -> int:
+    for a in node.attribute:
+        if a.name == name:
+            return int(helper.get_attribute_value(a))
+    return 0
 
 
 def drop_dead(graph: onnx.GraphProto) -> None:
