@@ -27,6 +27,7 @@ from quantree.backends.cpu.saved.checks.fake_check import check_on_example
 from quantree.backends.cpu.saved.checks.load_budget import LoadBudget, budget_for
 from quantree.backends.cpu.saved.checks.recipe_bytes import charge_recipes
 from quantree.backends.cpu.saved.checks.table_needs import check_loaded_tables
+from quantree.backends.cpu.saved.checks.vocabulary import program_errors
 from quantree.backends.cpu.saved.compact import drop_provenance, one_name_per_tensor
 from quantree.backends.cpu.saved.deflate import deflate_descriptions
 from quantree.backends.cpu.saved.derived import fold_recipes
@@ -78,7 +79,24 @@ def saved_program(
     as_recipes(program)
     pool_small_tensors(program)
     drop_provenance(program)
+    refuse_unloadable(program)
     return program
+
+
+def refuse_unloadable(program: torch.export.ExportedProgram) -> None:
+    """A ``QuantreeError`` before writing a file that ``load`` would refuse: a saved file may
+    call only quantree's dialect (``checks/vocabulary.py``), and a model whose float part
+    calls another op would otherwise be written, then refused by every ``load``."""
+    refused = list(program_errors(program))
+    if refused:
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        raise QuantreeError(
+            f"cannot save this model: {refused[0]}{more}; load reads only ops a file can be "
+            "trusted to call (quantree.backends.cpu.saved.checks.vocabulary), so the file "
+            "would be refused. Write that part of the model with ops the vocabulary holds "
+            "(docs/deployment.md, 'What a saved model may call') and quantize it again, or "
+            "deploy the reference graph with qt.export_onnx"
+        )
 
 
 def write_program(program: torch.export.ExportedProgram, path: str | Path) -> None:

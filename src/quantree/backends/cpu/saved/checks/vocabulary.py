@@ -8,11 +8,12 @@ of quantree's dialect, decided here from quantree's side, not the file's:
 
 - ``quantree::`` ops (every one is functional) and the ``quantized_decomposed`` q/dq ops;
 - ATen ops that are functional by their schema (no argument written, none aliased for
-  writing) and either in the Core ATen opset or among the composite ops capture keeps and
-  lowering emits (:data:`ATEN_COMPOSITE`); never random ones (``nondeterministic_seeded``,
-  except the recurrent layers, dropout and attention with their dropout off: :data:`SEEDED`),
-  never one taking a string besides the few named in :data:`STRING_ARGUMENTS`, never the storage and
-  stride ops in :data:`ATEN_REFUSED`;
+  writing) and either in the Core ATen opset, pointwise (``torch.Tag.pointwise``: each
+  output element from the same elements of the inputs, sizes by broadcasting), or among the
+  composite ops capture keeps and lowering emits (:data:`ATEN_COMPOSITE`); never random
+  ones (``nondeterministic_seeded``, except the recurrent layers, dropout and attention
+  with their dropout off: :data:`SEEDED`), never one taking a string besides the few named
+  in :data:`STRING_ARGUMENTS`, never the storage and stride ops in :data:`ATEN_REFUSED`;
 - in-place ATen ops whose functional form is accepted, only on a tensor the graph itself
   just made (never an input, a weight, a constant or a view of one: checked on the loaded
   graph by :func:`graph_errors`);
@@ -63,10 +64,17 @@ ATEN_COMPOSITE = _names(
     logical_not logical_and logical_or bitwise_not abs minimum maximum amax amin
     _native_batch_norm_legit_no_training _native_batch_norm_legit empty_like item
     _local_scalar_dense
+    roll im2col unfold glu clamp_min clamp_max logsumexp var_mean remainder fmod cumprod
+    replication_pad1d replication_pad2d replication_pad3d upsample_nearest1d
+    upsample_linear1d upsample_nearest3d upsample_trilinear3d _upsample_nearest_exact1d
+    _upsample_nearest_exact2d adaptive_avg_pool3d logcumsumexp cummax cummin
     """
 )
 """ATen ops quantree's capture keeps or its lowering emits beyond the Core ATen opset
-(composites torch.export preserves: ``linear``, ``conv2d``, ``lstm``, ``layer_norm``...)."""
+(composites torch.export preserves: ``linear``, ``conv2d``, ``lstm``, ``layer_norm``...),
+and outside models' float ops between quantized layers (``roll`` in shifted-window
+attention, ``im2col`` from ``F.unfold``, ``glu``): functional, deterministic, and taking only
+tensors and numbers, with every size checked by ATen and charged on fake tensors at load."""
 ATEN_REFUSED = _names(
     """
     as_strided as_strided_copy as_strided_scatter set resize resize_as empty_strided
@@ -163,7 +171,7 @@ def op_error(op: Any) -> str | None:
     for arg in op._schema.arguments:
         if "str" in str(arg.type) and arg.name not in allowed_strings:
             return f"takes a string ({arg.name})"
-    if torch.Tag.core not in op.tags and packet not in ATEN_COMPOSITE:
+    if not ({torch.Tag.core, torch.Tag.pointwise} & set(op.tags)) and packet not in ATEN_COMPOSITE:
         return "an ATen op outside the Core ATen opset that quantree does not emit"
     return None
 
