@@ -24,10 +24,11 @@ class Shifted(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv, self.fc = nn.Conv1d(4, 8, 3, padding=1), nn.Linear(12, 5)
+        self.prelu = nn.PReLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [2, 4, 16]
         y = F.glu(self.conv(x), 1)
-        y = torch.roll(y, 1, -1) + torch.logaddexp(y, -y)
+        y = torch.roll(y, 1, -1) + torch.logaddexp(y, -y) + self.prelu(y).reshape_as(y)
         cols = F.unfold(y[:, :, None, :], (1, 3))
         z = F.fold(cols, (1, 16), (1, 3))[:, :, 0, :12]
         return self.fc(z)
@@ -57,7 +58,7 @@ def _quantized(model: nn.Module) -> tuple[nn.Module, torch.Tensor]:
 
 
 def test_float_ops_outside_models_keep_save_and_load_bit_equal(tmp_path) -> None:
-    for name in ("roll", "im2col", "glu", "logaddexp"):
+    for name in ("roll", "im2col", "glu", "logaddexp", "prelu", "reshape_as"):
         assert op_error(getattr(torch.ops.aten, name).default) is None, name
     low, x = _quantized(Shifted())
     save(low, tmp_path / "shifted.pt2", (x,))
@@ -85,3 +86,29 @@ def test_a_model_load_would_refuse_is_refused_by_save_and_the_fix_it_names_works
     save(low, tmp_path / "median.pt2", (x,))
     with torch.no_grad():
         assert torch.equal(load(tmp_path / "median.pt2")(x), low(x))
+
+
+class Broadcast(nn.Module):
+    """A constant that is a broadcast view (strides of 0), as a mask ``expand`` folded at
+    lowering is (DistilBERT's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.randn(1, 1, 4, 1).expand(1, 1, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [2, 1, 4, 4]
+        return self.fc(x) * self.mask
+
+
+def test_a_broadcast_constant_is_written_dense_and_loads(tmp_path) -> None:
+    from quantree.backends.cpu.saved.serialize import saved_program, write_program
+
+    torch.manual_seed(0)
+    model, x = Broadcast().eval(), torch.randn(2, 1, 4, 4)
+    program = saved_program(model, (x,), dynamic_batch=False)
+    assert all(0 not in t.stride() for t in program.state_dict.values())
+    write_program(program, tmp_path / "broadcast.pt2")
+    with torch.no_grad():
+        assert torch.equal(load(tmp_path / "broadcast.pt2")(x), model(x))
+    assert model.mask.stride() == (4, 4, 1, 0)  # the user's model is not changed

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_dense
 
 from quantree.backends.cpu.native.chains import run_chains_natively
 from quantree.backends.cpu.native.direct import call_directly
@@ -77,10 +78,22 @@ def saved_program(
     program = export_batch_dynamic(module, tuple(example_args), dynamic_batch)
     restore_aten(program.graph_module)
     as_recipes(program)
+    densify(program)
     pool_small_tensors(program)
     drop_provenance(program)
     refuse_unloadable(program)
     return program
+
+
+def densify(program: torch.export.ExportedProgram) -> None:
+    """Every weight and constant dense (a copy where one is a broadcast view, strides of 0:
+    an ``expand`` folded at lowering). ``load`` reads only dense tensor records, since a file's
+    overlapping strides would make views the file chooses; torch would write the view's
+    strides as they are."""
+    for table in (program.state_dict, program.constants):
+        for name, t in list(table.items()):
+            if isinstance(t, torch.Tensor) and not is_dense(t):
+                table[name] = t.contiguous()
 
 
 def refuse_unloadable(program: torch.export.ExportedProgram) -> None:

@@ -67,7 +67,8 @@ ATEN_COMPOSITE = _names(
     roll im2col unfold glu clamp_min clamp_max logsumexp var_mean remainder fmod cumprod
     replication_pad1d replication_pad2d replication_pad3d upsample_nearest1d
     upsample_linear1d upsample_nearest3d upsample_trilinear3d _upsample_nearest_exact1d
-    _upsample_nearest_exact2d adaptive_avg_pool3d logcumsumexp cummax cummin
+    _upsample_nearest_exact2d adaptive_avg_pool3d logcumsumexp cummax cummin prelu
+    _prelu_kernel reshape_as view_as
     """
 )
 """ATen ops quantree's capture keeps or its lowering emits beyond the Core ATen opset
