@@ -492,7 +492,7 @@ def _bound(arg: object, default: float) -> float | None:
     return float(arg) if isinstance(arg, int | float) else None
 
 
-def _kept_interval(reader: fx.Node) -> tuple[float, float] | None:
+def kept_interval(reader: fx.Node) -> tuple[float, float] | None:
     """The interval ``reader`` clamps its input to, or None when it does not clamp."""
     packet = getattr(reader.target, "overloadpacket", None)
     if packet not in CLAMPS:
@@ -525,7 +525,7 @@ def clamped_spec(producer: object, act: QuantSpec) -> QuantSpec:
         or not producer.users
     ):
         return act
-    kept = [_kept_interval(reader) for reader in producer.users]
+    kept = [kept_interval(reader) for reader in producer.users]
     if any(k is None for k in kept):
         return act
     lows, highs = zip(*(k for k in kept if k is not None), strict=True)
