@@ -35,7 +35,6 @@ from quantree.core.normalizing.normalize import normalize
 from quantree.core.stages import STAGE_KEY
 from quantree.core.values import leaves_with_paths
 from quantree.recurrent.capture import capture
-from quantree.tools.clamped_reads import read_interval
 from quantree.tools.comparison import Comparison, RowKind, TensorRow
 from quantree.tools.matching import (
     OUTPUT,
@@ -53,6 +52,7 @@ from quantree.tools.matching import (
     op_name,
     output_quantization,
     quantized_plan,
+    read_interval,
     recording_nested,
 )
 from quantree.tools.time_steps import (
@@ -190,7 +190,7 @@ class _Session:
             stat = self.stats[(scope, key)]
             r, v = ref.double(), value.detach().double()
             stat.clamped = self.clamps.get((scope, key))
-            if stat.clamped is not None:  # what every reader sees (tools/clamped_reads.py)
+            if stat.clamped is not None:  # what every reader sees (matching.read_interval)
                 r, v = r.clamp(*stat.clamped), v.clamp(*stat.clamped)
             signal = float(r.pow(2).sum())
             noise = float((r - v).pow(2).sum())
