@@ -6,6 +6,8 @@ node's output taken the moment the node ran, so an in-place op later in the grap
 in the float graph; its quantized tensor is the copy at the node compare says it read
 (``TensorRow.read_at``), an int8 kernel's output dequantized with its grid. Signal and noise
 energies are summed over the batches in float64 before the ratio, as compare states it does.
+A row compare says every reader clamps (``TensorRow.clamped``, checked against the float
+graph's readers here) has both tensors clamped to that interval first, as compare states.
 Rows inside nested graphs (a cells-mode body) are not covered: the float models these tests
 pass are user modules, which have none.
 """
@@ -86,6 +88,9 @@ def independent_sqnrs(
             for r in rows:
                 want, got = _pair(r, f_run, q_run, float_nodes, by_name, f_leaves, q_leaves)
                 w, g = want.double(), got.double()
+                if r.clamped is not None:
+                    _assert_all_readers_clamp(float_nodes[r.node], r.clamped)
+                    w, g = w.clamp(*r.clamped), g.clamp(*r.clamped)
                 signal[r.name] += float(w.pow(2).sum())
                 noise[r.name] += float((w - g).pow(2).sum())
     return {
@@ -120,6 +125,17 @@ def _pair(
     if grid is not None and not got.is_floating_point():
         got = (got.float() - grid[1]) * grid[0]
     return want, got
+
+
+_CLAMPS = {"relu": (0.0, math.inf), "relu_": (0.0, math.inf), "relu6": (0.0, 6.0)}
+
+
+def _assert_all_readers_clamp(node: fx.Node, interval: tuple[float, float]) -> None:
+    """The readers this helper knows (relu, relu_, relu6) all keep ``interval`` (an
+    observer's readers stand for it: it is the identity)."""
+    readers = [r for u in node.users for r in (u.users if u.op == "call_module" else [u])]
+    kept = {_CLAMPS.get(getattr(u.target, "_opname", "")) for u in readers}
+    assert kept == {interval}, f"{node.name}: readers {list(node.users)} keep {kept}"
 
 
 def _same_path(key: Any, path: tuple[Any, ...]) -> bool:

@@ -87,7 +87,7 @@ def test_render_and_records() -> None:
     assert len(records) == len(result.rows)
     assert set(records[0]) == {
         "name", "node", "path", "kind", "op", "quantization", "shape", "sqnr_db", "steps_sqnr_db",
-        "layer", "series", "module",
+        "layer", "series", "module", "clamped",
     }  # fmt: skip
     lstm1 = next(r for r in records if r["name"] == "lstm[1]")
     assert lstm1["path"] == [1] and lstm1["node"] == "lstm"

@@ -55,6 +55,10 @@ def test_rows_are_read_before_in_place_writes(block, lowered: bool) -> None:
     assert {"conv2d_1", "add_"} <= set(values), comparison.render()
     assert min(r.sqnr_db for r in values.values()) >= ROW_FLOOR_DB, comparison.render()
     assert_rows_match(comparison, float_graph(model, data[0]), quantized, data[:2])
+    # the sum is read only by the ReLU: compared as the ReLU sees it, and the row says so
+    assert values["add_"].clamped == (0.0, float("inf"))
+    assert "add_ [0, inf]" in comparison.render()
+    assert values["conv2d_1"].clamped is None  # read by the add: the whole tensor
 
 
 def test_the_eager_float_and_the_batches_are_left_as_they_were(block) -> None:

@@ -416,10 +416,24 @@ def int8_rules(
         return lambda node: Annotation(outputs=spec, inputs={(0,): act})
 
     def same_as_input(node: fx.Node) -> Annotation:
-        """Every float output leaf carries exactly the input's parameters."""
+        """Every float output leaf carries exactly the input's parameters; an input that
+        only reshapes a tensor the recipe quantizes (``unsqueeze`` before a 2-d max pool)
+        is read on that tensor's grid, where its values already are."""
         input_use = Use.of(node, (0,))
         outputs = _shaped_like(node, SharedSpec(input_use))
+        source = _reshaped_from(node.args[0])
+        if source is not None and _has_own_grid(source):
+            return Annotation(outputs=outputs, inputs={(0,): SharedSpec(Value(source))})
         return Annotation(outputs=outputs, inputs={(0,): clamped_spec(node.args[0], act)})
+
+    def _has_own_grid(producer: fx.Node) -> bool:
+        """Whether the rules above give ``producer``'s output a grid of its own."""
+        packet = getattr(producer.target, "overloadpacket", None)
+        if packet in (aten.linear, aten.conv1d, aten.conv2d, *NORM_OPS):
+            return not _sole_user_is(producer, fused_activations)
+        if packet in BINARY_OPS and _masked_with_infinity(producer):
+            return False
+        return packet in (*BINARY_OPS, *UNARY_OPS) and _is_float_node(producer.args[0])
 
     def cat(node: fx.Node) -> Annotation:
         tensors = node.args[0]
@@ -492,7 +506,7 @@ def _bound(arg: object, default: float) -> float | None:
     return float(arg) if isinstance(arg, int | float) else None
 
 
-def _kept_interval(reader: fx.Node) -> tuple[float, float] | None:
+def kept_interval(reader: fx.Node) -> tuple[float, float] | None:
     """The interval ``reader`` clamps its input to, or None when it does not clamp."""
     packet = getattr(reader.target, "overloadpacket", None)
     if packet not in CLAMPS:
@@ -525,11 +539,31 @@ def clamped_spec(producer: object, act: QuantSpec) -> QuantSpec:
         or not producer.users
     ):
         return act
-    kept = [_kept_interval(reader) for reader in producer.users]
+    kept = [kept_interval(reader) for reader in producer.users]
     if any(k is None for k in kept):
         return act
     lows, highs = zip(*(k for k in kept if k is not None), strict=True)
     return dataclasses.replace(act, clamped=(min(min(lows), 0.0), max(max(highs), 0.0)))
+
+
+RESHAPES = (
+    *(aten.unsqueeze, aten.squeeze, aten.view, aten.reshape, aten._unsafe_view),
+    *(aten.flatten, aten.unflatten, aten.permute, aten.transpose, aten.contiguous),
+)
+"""Ops that move a tensor's values without changing one: they keep the grid they are on."""
+
+
+def _reshaped_from(arg: object) -> fx.Node | None:
+    """The tensor ``arg`` reshapes, through any chain of ``RESHAPES`` (None when ``arg`` is
+    not a reshape, or the chain starts at a tuple leaf)."""
+    if not isinstance(arg, fx.Node) or getattr(arg.target, "overloadpacket", None) not in RESHAPES:
+        return None
+    while getattr(arg.target, "overloadpacket", None) in RESHAPES:
+        source = arg.args[0]
+        if not isinstance(source, fx.Node) or not is_float_tensor(tensor_meta(source)):
+            return None
+        arg = source
+    return arg
 
 
 def _shaped_like(node: fx.Node, spec: object) -> object:

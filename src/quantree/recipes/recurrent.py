@@ -8,6 +8,7 @@ cell update without being squeezed through int8 on the way.
 from __future__ import annotations
 
 import collections
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from quantree.recipes.weighted import weighted_annotation
 from quantree.recurrent.call import CELL_OPS, RECURRENT_OPS
 from quantree.recurrent.cell_graph import point_names
 from quantree.recurrent.decompose import CellsOptions
+from quantree.recurrent.loop import RecurrentCells
 from quantree.recurrent.state_observer import state_spec
 from quantree.recurrent.whole import recurrent_cell_annotation
 
@@ -159,7 +161,32 @@ def cells_rules(
     ]
     hidden = _hidden_rule(act, state_spec(act), weight, points.get("hidden"))
     rules.append(Rule((Point("hidden"),), hidden, scope))
+    rules.append(
+        Rule((operator.getitem,), _output_sequence(points.get("hidden") or state_spec(act)))
+    )
     return tuple(rules)
+
+
+def _output_sequence(spec: Spec) -> Callable[[fx.Node], Annotation | None]:
+    """A one-direction cell loop's output sequence is its ``hidden`` states stacked, each on the
+    ``hidden`` grid: calibrated as that point is (``state_observer``), the sequence's grid is
+    the one its steps were on, and reading it adds no second rounding. Left to its reader's
+    spec (a range search on a linear's input), it was requantized onto another grid, and a
+    one-layer loop's output no longer matched its hidden state step for step."""
+
+    def annotate(node: fx.Node) -> Annotation | None:
+        loop, index = node.args[0], node.args[1]
+        if not (isinstance(loop, fx.Node) and loop.op == "call_module" and index == 0):
+            return None
+        owner = node.graph.owning_module
+        cells = owner.get_submodule(str(loop.target)) if owner is not None else None
+        if not isinstance(cells, RecurrentCells) or cells.directions != 1:
+            return None  # both directions side by side: two grids, neither the sequence's
+        if all(user.op == "output" for user in node.users):
+            return None  # returned as it is: nothing reads it on a grid
+        return Annotation(outputs=spec, name=node.name)
+
+    return annotate
 
 
 def _cell_op_stays_whole(act: QuantSpec, weight: QuantSpec) -> Callable[[fx.Node], Annotation]:

@@ -52,6 +52,7 @@ from quantree.tools.matching import (
     op_name,
     output_quantization,
     quantized_plan,
+    read_interval,
     recording_nested,
 )
 from quantree.tools.time_steps import (
@@ -99,6 +100,7 @@ class _Stat:
     reverse: bool = False  # per call: a reverse cell loop (its first call is the last step)
     call_signal: list[float] | None = None  # per call of a cell body: one call is one step
     call_noise: list[float] | None = None
+    clamped: tuple[float, float] | None = None  # every reader keeps only this interval
 
     def add_call(self, call: int, signal: float, noise: float) -> None:
         if self.call_signal is None or self.call_noise is None:
@@ -140,6 +142,12 @@ class _Session:
         self.float_plans: dict[str, Plan] = {}
         self.weights: dict[str, dict[Key, torch.Tensor]] = {}
         self.stats: dict[tuple[str, Key], _Stat] = {}
+        self.clamps: dict[tuple[str, Key], tuple[float, float]] = {
+            (scope, (VALUE, n.name, ())): interval
+            for scope, gm in self.graphs.items()
+            for n in gm.graph.nodes
+            if (interval := read_interval(gm, n)) is not None
+        }
         for index, (scope, gm) in enumerate(self.graphs.items()):
             plan, described, weights = float_plan(gm)
             self.float_plans[scope], self.weights[scope] = plan, weights
@@ -180,11 +188,14 @@ class _Session:
                     return
                 self.weights_done.add((scope, key))
             stat = self.stats[(scope, key)]
-            r = ref.double()
+            r, v = ref.double(), value.detach().double()
+            stat.clamped = self.clamps.get((scope, key))
+            if stat.clamped is not None:  # what every reader sees (matching.read_interval)
+                r, v = r.clamp(*stat.clamped), v.clamp(*stat.clamped)
             signal = float(r.pow(2).sum())
-            noise = float((r - value.detach().double()).pow(2).sum())
+            noise = float((r - v).pow(2).sum())
             stat.signal, stat.noise = stat.signal + signal, stat.noise + noise
-            stat.add_steps(ref, value.detach())
+            stat.add_steps(*((r, v) if stat.clamped is not None else (ref, value.detach())))
             stat.add_call(call, signal, noise)
             stat.shape, stat.seen = tuple(ref.shape), True
 
@@ -340,6 +351,7 @@ class _Session:
                     stat.series if steps else "",
                     plans[scope].read_at.get(key) if scope in plans else None,
                     self._module(scope, stat.owner or key[1]) if key[0] != OUTPUT else "",
+                    stat.clamped,
                 )
             )
         rows.sort(key=lambda r: (r.sqnr_db, r.order, r.name))

@@ -48,6 +48,9 @@ class TensorRow:
     module: str = ""
     """The user's module the row belongs to (``layer1.0.conv1``, ``lstm``): a fused kernel's
     row is its conv's, a split or cells-mode recurrent layer's rows are the layer's."""
+    clamped: tuple[float, float] | None = None
+    """The interval every reader of the tensor clamps it to, when each does (a sum read
+    only by a ReLU): both tensors were compared clamped to it, as the readers see them."""
 
     @property
     def sqnr_db(self) -> float:
@@ -69,6 +72,7 @@ class TensorRow:
             "layer": self.layer,
             "series": self.series,
             "module": self.module,
+            "clamped": list(self.clamped) if self.clamped is not None else None,
         }
 
 
@@ -107,9 +111,16 @@ class Comparison:
             lines.append(
                 f"{r.name:<{width}}  {r.op:<{opw}}  {r.quantization:<18}  {shape:<16}  "
                 + (f"{r.sqnr_db:7.1f}" if math.isfinite(r.sqnr_db) else "  exact")
+                + (" *" if r.clamped is not None else "")
             )
         if limit is not None and len(self.rows) > limit:
             lines.append(f"... and {len(self.rows) - limit} more")
+        clamped = [f"{r.name} [{r.clamped[0]:g}, {r.clamped[1]:g}]" for r in rows if r.clamped]
+        if clamped:
+            lines.append(
+                "* every reader clamps it: compared as they see it, both clamped to "
+                + ", ".join(clamped)
+            )
         steps = render_steps((r.name, r.steps) for r in self.rows)
         missing = render_unmatched(self.unmatched)
         return "\n".join([*lines, *([steps] if steps else []), *([missing] if missing else [])])

@@ -24,6 +24,7 @@ from quantree.core.observing.observers import Observer
 from quantree.core.qdq import DEQUANTIZE_OPS, PER_CHANNEL_OPS, QUANTIZE_OPS
 from quantree.core.stages import OBSERVER_KEY, OUTPUT_GRID_KEY, REPLACES_KEY, VALUE_OF_KEY
 from quantree.core.values import Path, arg_at, get_at, is_getitem, leaves_with_paths
+from quantree.recipes.int8 import kept_interval
 from quantree.recurrent.call import RecurrentCall
 from quantree.recurrent.split_layers import SPLITTABLE, layer_name
 
@@ -371,3 +372,29 @@ def recording_nested(
 
 def _bind(sink_for: Callable[[str, int], Sink], name: str) -> Callable[[int], Sink]:
     return lambda call: sink_for(name, call)
+
+
+# Where every op that reads a tensor clamps it (a ReLU after a residual add), the default
+# recipe calibrates its grid on the clamped values (``QuantSpec.clamped``): no op sees the
+# values discarded, so compare measures such a row as the readers see it, both tensors
+# clamped (before, a residual sum read only by a ReLU was by far the worst row).
+def _readers(gm: fx.GraphModule, node: fx.Node) -> Iterator[fx.Node]:
+    """The ops reading ``node``, seen through the observers of a prepared graph (the
+    identity, placed between the tensor and its readers)."""
+    for user in node.users:
+        if user.op == "call_module" and isinstance(gm.get_submodule(str(user.target)), Observer):
+            yield from _readers(gm, user)
+        else:
+            yield user
+
+
+def read_interval(gm: fx.GraphModule, node: fx.Node) -> tuple[float, float] | None:
+    """The smallest interval holding what each reader of ``node`` keeps, when every reader
+    clamps it; None when one reader does not (it sees the whole tensor) or there is none."""
+    kept = [kept_interval(reader) for reader in _readers(gm, node)]
+    if not kept:
+        return None
+    if any(k is None for k in kept):
+        return None
+    lows, highs = zip(*(k for k in kept if k is not None), strict=True)
+    return min(lows), max(highs)
