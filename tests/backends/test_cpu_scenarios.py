@@ -118,7 +118,10 @@ def test_stacked_layers_keep_the_reference_accuracy(factory, seed):
     layers had 16-28 dB when the grid was guessed from the last layer)."""
     torch.manual_seed(seed)
     model, data = factory(seed).eval(), batches((5, 2, 8), n=4)
-    _, ref = run(model, data, qt.Int8Quantizer(split_layers=False))
+    # min-max ranges, as written for (the default's range search gave lstm-proj-bi seed 0
+    # 34.95 dB here, lowered against its own reference)
+    minmax = qt.ObserverKind.MINMAX
+    _, ref = run(model, data, qt.Int8Quantizer(split_layers=False, activation_observer=minmax))
     low = qt.lower(ref, CPU)
     assert [str(n.target) for n in low.graph.nodes].count("quantree.rnn.default") == 1
     with torch.no_grad():

@@ -311,7 +311,8 @@ def test_without_calibration_data_calibrate_then_train() -> None:
     same model as ``prepare_qat(gm, quantizer, data)``, the optimizer made before kept."""
     data = batches((2, 3, 6, 6), n=3)
     gm = qt.capture(_convnet(), data[0])
-    given = qt.prepare_qat(gm, qt.Int8Quantizer(), data)
+    # the no-grad check below is one more calibration call (on data[0]): given sees it too
+    given = qt.prepare_qat(gm, qt.Int8Quantizer(), [*data, data[0]])
     qat = qt.prepare_qat(gm, qt.Int8Quantizer())
     optimizer = torch.optim.SGD(qat.parameters(), lr=1e-3)
     qt.calibrate(qat, data, progress=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import warnings
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
@@ -126,3 +127,12 @@ def test_a_point_every_reader_clamps_is_calibrated_on_what_they_keep():
     ref = qt.convert(prepared)
     with torch.no_grad():
         assert min(float(qt.sqnr(model(*x), ref(*x))) for x in new) >= 30.0
+
+
+def test_clamped_is_a_per_tensor_interval_holding_zero():
+    assert qt.QuantSpec(clamped=(0.0, 6.0)).clamped == (0.0, 6.0)
+    for bad in ((1.0, 6.0), (0.0, -1.0), ("0", 6.0)):
+        with pytest.raises(qt.QuantreeError, match="clamped"):
+            qt.QuantSpec(clamped=bad)  # type: ignore[arg-type]
+    with pytest.raises(qt.QuantreeError, match="axis"):
+        qt.QuantSpec(symmetric=True, axis=0, clamped=(0.0, 6.0))
