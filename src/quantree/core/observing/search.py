@@ -11,6 +11,16 @@ other half, both ways round: the choice is the one that held on batches it did n
 question a range must answer on new inputs. The winner is then computed on all the data.
 With a single batch there is nothing held out, and the choice is scored on the batch itself.
 
+The histograms sit on a grid anchored at 0 whose bin width is a power of two: the finest
+such width for which ``bins`` bins starting at the minimum's bin hold every value (and no
+finer than 2**-24 of the largest magnitude). A value's bin is then exact (a scaling by a
+power of two and a floor) and widening the range merges neighbouring bins in pairs, exactly,
+so the counts are those of all the values on the final grid, whatever the order of the
+batches. That is what makes the merge across processes exact: each rank's counts, moved to
+the grid of all the values, sum to bit for bit one process's (a grid anchored at the minimum
+re-bins approximately whenever a batch widens it, and the result depends on where the
+batches fell, which no merge can replay without the values).
+
 The candidates: min-max; min-max with a **margin**; percentile clips (where the tail holds at
 least one value); the error-minimising clip. The margin is the small-calibration-set rule:
 the extremes of n values fall short of those of 10 n, by about the spacing of the top ten
@@ -46,6 +56,9 @@ PERCENTILE_TAILS = (1e-3, 1e-4, 1e-5)
 RATIOS = tuple(1.0 - i / 40 for i in range(21))
 """Per-channel weight clips tried, as fractions of the channel's range (1.0 is min-max)."""
 
+NO_EXPONENT = -(1 << 20)
+"""The grid exponent before any value (below every real one)."""
+
 MAX_STORED = 1 << 22
 """Values a per-channel search keeps; past it (a per-channel activation) it keeps min-max."""
 
@@ -58,12 +71,14 @@ class RangeSearchObserver(HistogramObserver):
     odd: torch.Tensor
     num_values: torch.Tensor
     num_calls: torch.Tensor
+    exponent: torch.Tensor
 
     def __init__(self, spec: QuantSpec, label: str, bins: int = 2048, grid: int = 64) -> None:
         super().__init__(spec, label, bins, grid)
         self.register_buffer("odd", torch.zeros(bins))
         self.register_buffer("num_values", torch.zeros((), dtype=torch.int64))
         self.register_buffer("num_calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("exponent", torch.tensor(NO_EXPONENT, dtype=torch.int64))
         self._shared_odd: torch.Tensor | None = None
         self._shared_calls = 0
         self._depth = 0
@@ -96,29 +111,78 @@ class RangeSearchObserver(HistogramObserver):
     def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         if self.only_zeros or not bool(self.histogram.any()):
             self.min_val, self.max_val = lo, hi
+            self.exponent.fill_(self._exponent(lo, hi, NO_EXPONENT))
             self.histogram = torch.zeros(self.bins)
             self.odd = torch.zeros(self.bins)
         else:
             new_lo, new_hi = torch.minimum(self.min_val, lo), torch.maximum(self.max_val, hi)
             if bool(new_lo < self.min_val) or bool(new_hi > self.max_val):
+                exponent = self._exponent(new_lo, new_hi, int(self.exponent))
                 if self._shared_histogram is not None and self._shared_odd is not None:
-                    self._shared_histogram = self._rebin(new_lo, new_hi, self._shared_histogram)
-                    self._shared_odd = self._rebin(new_lo, new_hi, self._shared_odd)
-                self.odd = self._rebin(new_lo, new_hi, self.odd)
-                self.histogram = self._rebin(new_lo, new_hi)
+                    self._shared_histogram = self._regrid(self._shared_histogram, exponent, new_lo)
+                    self._shared_odd = self._regrid(self._shared_odd, exponent, new_lo)
+                self.odd = self._regrid(self.odd, exponent, new_lo)
+                self.histogram = self._regrid(self.histogram, exponent, new_lo)
                 self.min_val, self.max_val = new_lo, new_hi
-        counts = torch.histc(x, self.bins, float(self.min_val), float(self.max_val))
+                self.exponent.fill_(exponent)
+        counts = self._count(x)
         self.histogram += counts
         if int(self.num_calls) % 2:
             self.odd += counts
         self.num_values.add_(x.numel())
         self._observed = True
 
+    # -- the grid -------------------------------------------------------------------------
+
+    def _exponent(self, lo: torch.Tensor, hi: torch.Tensor, at_least: int) -> int:
+        """The least power-of-two bin width (its exponent, ``at_least`` or more) whose
+        ``bins`` bins from ``lo``'s hold ``hi``, no finer than 2**-24 of the largest magnitude.
+
+        Both conditions hold for every wider width, so widening step by step from any
+        batch's width ends at the width of all the values: the grid does not depend on order.
+        """
+        low, high = float(lo), float(hi)
+        exponent = max(at_least, math.frexp(max(abs(low), abs(high)))[1] - 24)
+        while math.floor(high * 2.0**-exponent) - math.floor(low * 2.0**-exponent) >= self.bins:
+            exponent += 1
+        return exponent
+
+    def _first(self, exponent: int, lo: torch.Tensor) -> int:
+        """The grid index of the first bin (the one that holds ``lo``)."""
+        return math.floor(float(lo) * 2.0**-exponent)
+
+    def _count(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s counts on the current grid: exact in float64 (x * 2**-e, then a floor)."""
+        exponent = int(self.exponent)
+        index = torch.floor(x.detach().double().flatten() * 2.0**-exponent).long()
+        index -= self._first(exponent, self.min_val)
+        return torch.bincount(index.clamp(0, self.bins - 1), minlength=self.bins).float()
+
+    def _regrid(self, counts: torch.Tensor, exponent: int, lo: torch.Tensor) -> torch.Tensor:
+        """``counts`` (on the current grid) on the grid of width 2**``exponent`` from ``lo``:
+        every bin of a grid is inside one bin of each wider one, so this moves whole counts."""
+        old = int(self.exponent)
+        grid = torch.arange(self.bins, dtype=torch.int64) + self._first(old, self.min_val)
+        index = torch.bitwise_right_shift(grid, min(exponent - old, 62))  # a floor division
+        index -= self._first(exponent, lo)
+        return torch.zeros(self.bins).index_add_(0, index.clamp(0, self.bins - 1), counts)
+
+    def _edges(self) -> torch.Tensor:
+        exponent = int(self.exponent)
+        first = self._first(exponent, self.min_val)
+        grid = torch.arange(first, first + self.bins + 1, dtype=torch.float64)
+        return (grid * 2.0**exponent).float()
+
+    def _centers(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        edges = self._edges()
+        return (edges[:-1] + edges[1:]) / 2
+
     def clear(self) -> None:
         super().clear()
         self.odd = torch.zeros(self.bins)
         self.num_values.zero_()
         self.num_calls.zero_()
+        self.exponent.fill_(NO_EXPONENT)
         self._shared_odd = None
         self._shared_calls = 0
 
@@ -210,16 +274,16 @@ class RangeSearchObserver(HistogramObserver):
         best = int(torch.argmin(self.errors(lo_c, hi_c, counts)))
         return lo_c[best], hi_c[best]
 
-    def _edges(self) -> torch.Tensor:
-        return torch.linspace(float(self.min_val), float(self.max_val), self.bins + 1)
-
     def _extremes(self, counts: torch.Tensor) -> Candidate:
         """The outer edges of the first and last non-empty bins (exact for all the data)."""
         if counts is self.histogram:
             return self.min_val.clone(), self.max_val.clone()
         filled = torch.nonzero(counts > 0).flatten()
         edges = self._edges()
-        return edges[int(filled[0])], edges[int(filled[-1]) + 1]
+        return (
+            torch.maximum(edges[int(filled[0])], self.min_val),
+            torch.minimum(edges[int(filled[-1]) + 1], self.max_val),
+        )
 
     def _quantile(self, counts: torch.Tensor, rank: float) -> torch.Tensor:
         """The value ``rank`` values from the bottom, interpolated inside its bin."""
@@ -247,8 +311,9 @@ class RangeSearchObserver(HistogramObserver):
     def _merge_statistics(
         self, group: Any, table: torch.Tensor, since_shared: bool, numel: int
     ) -> None:
-        """The histograms as ``HistogramObserver`` merges them, each rank's halves swapped
-        where its batches start at an odd position of one process's order (rank order)."""
+        """Each rank's counts moved to the grid of all the values and summed: exactly one
+        process's (see the module's docstring), each rank's halves swapped where its batches
+        start at an odd position of one process's order (rank order)."""
         rank = dist.get_rank(group)
         offset = int(table[:rank, 5].sum())
         own_odd = self.odd
@@ -261,10 +326,13 @@ class RangeSearchObserver(HistogramObserver):
             own_odd = own_all - own_odd
         lo, hi = self._merged_extremes(group, numel)
         real = self.calibrated and not self.only_zeros
+        widest = torch.tensor([int(self.exponent) if real else NO_EXPONENT], dtype=torch.int64)
+        dist.all_reduce(widest, op=dist.ReduceOp.MAX, group=group)
+        exponent = self._exponent(lo, hi, int(widest))
         both = torch.zeros(2, self.bins)
         if real:
-            both[0] = self._rebin(lo, hi, own_all)
-            both[1] = self._rebin(lo, hi, own_odd)
+            both[0] = self._regrid(own_all, exponent, lo)
+            both[1] = self._regrid(own_odd, exponent, lo)
         dist.all_reduce(both, group=group)
         values = torch.tensor([int(self.num_values) if real else 0], dtype=torch.int64)
         if since_shared:
@@ -272,6 +340,7 @@ class RangeSearchObserver(HistogramObserver):
         dist.all_reduce(values, group=group)
         calls = int(table[:, 5].sum())
         self.min_val, self.max_val = lo, hi
+        self.exponent.fill_(exponent)
         self.histogram, self.odd = both[0].clone(), both[1].clone()
         self.num_values.fill_(int(values))
         self.num_calls.fill_(calls)
