@@ -1,4 +1,5 @@
-"""A hand-written global layer norm lowered as one native group norm (``rules/global_norm.py``).
+"""A hand-written global layer norm lowered as one native group norm
+(``rules/composite/global_norm.py``).
 
 Asteroid's gLN (``gamma * (x - m) / sqrt(var + eps) + beta`` over channels and time) stays
 float under ``WEIGHTED_INPUTS``; the CPU backend computes its ten ops as

@@ -1,4 +1,4 @@
-"""int8 ``glu`` between int8 kernels (``rules/glu.py``, ``ops/elementwise.glu``).
+"""int8 ``glu`` between int8 kernels (``rules/composite/glu.py``, ``ops/elementwise.glu``).
 
 The recipe quantizes a GLU's input and output (``recipes/int8.UNARY_OPS``); the CPU backend
 lowers ``dq -> glu -> q`` to one native pass. The op computes exactly the reference's codes
@@ -19,7 +19,7 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu.native.checks import NativeArgumentError
-from quantree.backends.cpu.rules.glu import gate_table
+from quantree.backends.cpu.rules.composite.glu import gate_table
 
 aten = torch.ops.aten
 qd = torch.ops.quantized_decomposed

@@ -37,11 +37,11 @@ from quantree.backends.cpu.passes.rms_norm import recognise_rms_norm
 from quantree.backends.cpu.passes.shared_constants import share_identical
 from quantree.backends.cpu.passes.simulated import simulated_ops, warn_simulated
 from quantree.backends.cpu.rules.cat import lower_cat
+from quantree.backends.cpu.rules.composite.global_norm import lower_global_norm
+from quantree.backends.cpu.rules.composite.glu import lower_glu
 from quantree.backends.cpu.rules.conv_transpose import lower_conv_transpose
 from quantree.backends.cpu.rules.cumsum import lower_cumsum
 from quantree.backends.cpu.rules.embedding import lower_embedding
-from quantree.backends.cpu.rules.global_norm import lower_global_norm
-from quantree.backends.cpu.rules.glu import lower_glu
 from quantree.backends.cpu.rules.linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.rules.masked_fill import lower_masked_fill
 from quantree.backends.cpu.rules.movement.pad import lower_pad

@@ -1,5 +1,9 @@
 """Chains of lowered layers run as one native call (``csrc/chain.cpp``).
 
+Over 400 lines: finding a chain, planning it from its first call and running or falling
+back share one plan record whose invariants (layouts, constants' identities) are checked in
+one place; split, each half would re-derive them.
+
 A small CNN lowered for batch 1 is a straight line of native calls: quantize, a few
 convolutions, a flatten, a linear, dequantize. Each call's arithmetic is a few microseconds;
 the Python around it (the generated forward's line, the bound call's guards, ``contiguous``,
