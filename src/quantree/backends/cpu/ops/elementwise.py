@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -207,7 +208,6 @@ def memory_order(t: Tensor) -> list[int]:
 
 GluLayout = tuple[list[int], int, int, int, list[int]]
 """(memory order, outer, half, inner, inverse of the order) of a GLU's dense input."""
-_GLU_LAYOUTS: dict[tuple[Any, ...], GluLayout] = {}
 LAYOUTS_KEPT = 64
 
 
@@ -215,25 +215,29 @@ def glu_layout(x: Tensor, dim: int) -> GluLayout:
     """How GLU runs over dense ``x`` as it lies in memory: ``x.permute(order)`` is contiguous
     (else the identity order, after a copy), viewed as ``[outer, 2 * half, inner]``; the
     result is allocated in that order and permuted back, so it keeps ``x``'s layout."""
-    key = (x.shape, x.stride(), dim)
-    found = _GLU_LAYOUTS.get(key)
-    if found is not None:
-        return found
-    order = memory_order(x)
-    if not x.permute(order).is_contiguous():
-        order = list(range(x.dim()))
+    return _layout(tuple(x.shape), tuple(x.stride()), dim)
+
+
+@functools.lru_cache(maxsize=LAYOUTS_KEPT)
+def _layout(shape: tuple[int, ...], stride: tuple[int, ...], dim: int) -> GluLayout:
+    """``glu_layout`` of a tensor of this shape and stride (cached per layout: the same
+    few layouts come back on every call)."""
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d] if shape[d] != 1 else 0, d))
+    expected = 1
+    for d in reversed(order):  # is x.permute(order) contiguous?
+        if shape[d] != 1 and stride[d] != expected:
+            order = list(range(len(shape)))
+            break
+        expected *= shape[d]
     pos = order.index(dim)
-    shape = [int(x.shape[d]) for d in order]
+    sizes = [int(shape[d]) for d in order]
     outer = 1
-    for size in shape[:pos]:
+    for size in sizes[:pos]:
         outer *= size
     inner = 1
-    for size in shape[pos + 1 :]:
+    for size in sizes[pos + 1 :]:
         inner *= size
-    layout = (order, outer, shape[pos] // 2, inner, [order.index(d) for d in range(len(order))])
-    if len(_GLU_LAYOUTS) < LAYOUTS_KEPT:
-        _GLU_LAYOUTS[key] = layout
-    return layout
+    return (order, outer, sizes[pos] // 2, inner, [order.index(d) for d in range(len(order))])
 
 
 def halved(shape: Sequence[Any], order: list[int], dim: int) -> list[Any]:
