@@ -67,3 +67,18 @@ def assert_no_weight_dequantized_per_call(lowered: torch.nn.Module) -> None:
 
     costly = [f"{where}.{node.name}" for where, node, constant in float_ops(lowered) if constant]
     assert not costly, f"float ops dequantize an int8 constant per call: {costly}"
+
+
+class IssueLSTM(torch.nn.Module):
+    """Issue 27's LSTM(50, 50) with random initial states and three linear consumers (out,
+    h, c): ranges calibration saw few values of (a batch's final states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(50, 50, batch_first=True)
+        self.out = torch.nn.Linear(50, 10)
+        self.h, self.c = torch.nn.Linear(50, 10), torch.nn.Linear(50, 10)
+
+    def forward(self, x, h, c):
+        y, (hn, cn) = self.rnn(x, (h, c))
+        return self.out(y), self.h(hn), self.c(cn)

@@ -20,16 +20,7 @@ from torch.utils._pytree import tree_leaves
 import quantree as qt
 from quantree.core.observing.search import RangeSearchObserver
 
-
-class IssueLSTM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rnn = nn.LSTM(50, 50, batch_first=True)
-        self.out, self.h, self.c = nn.Linear(50, 10), nn.Linear(50, 10), nn.Linear(50, 10)
-
-    def forward(self, x, h, c):
-        y, (hn, cn) = self.rnn(x, (h, c))
-        return self.out(y), self.h(hn), self.c(cn)
+from support import IssueLSTM
 
 
 def _data(seed: int, n: int) -> list[tuple[torch.Tensor, ...]]:

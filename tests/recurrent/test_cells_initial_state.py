@@ -6,23 +6,11 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch import nn
 
 import quantree as qt
 from quantree.core.graphs import nested_graphs
 
-
-class IssueLSTM(nn.Module):
-    """Issue 27's LSTM(50, 50) with random initial states and three linear consumers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rnn = nn.LSTM(50, 50, batch_first=True)
-        self.out, self.h, self.c = nn.Linear(50, 10), nn.Linear(50, 10), nn.Linear(50, 10)
-
-    def forward(self, x, h, c):
-        y, (hn, cn) = self.rnn(x, (h, c))
-        return self.out(y), self.h(hn), self.c(cn)
+from support import IssueLSTM
 
 
 def _issue_lstm():
