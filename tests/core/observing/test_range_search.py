@@ -15,10 +15,11 @@ import torch
 from hypothesis import given, settings
 
 import quantree as qt
+from quantree.core.observing.channel_search import ChannelSearchObserver
 from quantree.core.observing.kinds import make_observer
 from quantree.core.observing.observers import per_call
 from quantree.core.observing.qparams import fake_quantize
-from quantree.core.observing.search import ChannelSearchObserver, RangeSearchObserver
+from quantree.core.observing.search import RangeSearchObserver
 
 SEARCH = qt.ObserverKind.SEARCH
 

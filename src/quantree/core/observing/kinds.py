@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from quantree.core.observing.channel_search import ChannelSearchObserver
 from quantree.core.observing.observers import (
     HistogramObserver,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
     Observer,
 )
-from quantree.core.observing.search import ChannelSearchObserver, RangeSearchObserver
+from quantree.core.observing.search import RangeSearchObserver
 from quantree.core.specs import ObserverKind, QuantSpec
 
 PER_TENSOR: dict[ObserverKind, type[Observer]] = {

@@ -29,9 +29,7 @@ is not pinned at 0 widens by the distance from its extreme to its tenth-most-ext
 Where calibration saw few values that distance is large and the held-out score favours it;
 with many it is small and a clip usually wins. ``choice`` says which rule each point took.
 
-Weights (per channel): a constant is seen whole, so the search is exact: per channel, the
-clip of its range among ``RATIOS`` whose quantize-dequantize error is least, min-max
-included.
+Weights (per channel): ``channel_search.ChannelSearchObserver``.
 """
 
 from __future__ import annotations
@@ -42,9 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from quantree.core.errors import QuantreeError
 from quantree.core.observing.observers import HistogramObserver, Observer, clip_candidates
-from quantree.core.observing.qparams import fake_quantize, qparams_from_range
+from quantree.core.observing.qparams import qparams_from_range
 from quantree.core.specs import QParams, QuantSpec
 
 TAIL = 10
@@ -53,14 +50,8 @@ TAIL = 10
 PERCENTILE_TAILS = (1e-3, 1e-4, 1e-5)
 """Fractions of the values a percentile candidate clips on each side."""
 
-RATIOS = tuple(1.0 - i / 40 for i in range(21))
-"""Per-channel weight clips tried, as fractions of the channel's range (1.0 is min-max)."""
-
 NO_EXPONENT = -(1 << 20)
 """The grid exponent before any value (below every real one)."""
-
-MAX_STORED = 1 << 22
-"""Values a per-channel search keeps; past it (a per-channel activation) it keeps min-max."""
 
 Candidate = tuple[torch.Tensor, torch.Tensor]
 
@@ -350,68 +341,3 @@ class RangeSearchObserver(HistogramObserver):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}{f', {self.choice}' if self.choice else ''}"
-
-
-class ChannelSearchObserver(Observer):
-    """Per-channel range search on the values themselves (weights: seen whole at prepare)."""
-
-    values: torch.Tensor
-
-    def __init__(self, spec: QuantSpec, label: str) -> None:
-        if spec.axis is None:
-            raise QuantreeError("ChannelSearchObserver is per-channel; give the spec an axis")
-        super().__init__(spec, label)
-        self.register_buffer("values", torch.empty(0))
-        self.choice = ""
-
-    def observe(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        super().observe(x, lo, hi)
-        axis = self.spec.axis
-        assert axis is not None
-        rows = x.transpose(0, axis).reshape(x.shape[axis], -1)
-        if not int(self.num_batches):
-            self.values = rows.clone()
-        elif self.values.numel():
-            self.values = torch.cat((self.values, rows), dim=1)
-        if self.values.numel() > MAX_STORED:
-            self.values = torch.empty(0)  # too much to keep (an activation): min-max
-
-    def clear(self) -> None:
-        super().clear()
-        self.values = torch.empty(0)
-
-    def qparams(self) -> QParams:
-        if not self.calibrated or self.only_zeros or not self.values.numel():
-            self.choice = "minmax"
-            return super().qparams()
-        best_err = torch.full((self.values.shape[0],), math.inf)
-        best_ratio = torch.ones(self.values.shape[0])
-        for ratio in RATIOS:
-            p = qparams_from_range(self.min_val * ratio, self.max_val * ratio, self.spec)
-            err = ((fake_quantize(self.values, _on_axis0(p)) - self.values) ** 2).sum(dim=1)
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_ratio = torch.where(better, torch.tensor(ratio), best_ratio)
-        clipped = int((best_ratio < 1).sum())
-        self.choice = f"mse clip on {clipped} of {best_ratio.numel()} channels"
-        return qparams_from_range(self.min_val * best_ratio, self.max_val * best_ratio, self.spec)
-
-    def _merge_statistics(
-        self, group: Any, table: torch.Tensor, since_shared: bool, numel: int
-    ) -> None:
-        """Weights are observed alike on every rank: rank 0's values stand for all."""
-        if int(table[1:, 3].sum()):
-            raise QuantreeError(
-                f"the per-channel range search of {self.label} saw values on several processes; "
-                "it merges only constants (weights): give per-channel activations "
-                "ObserverKind.MINMAX"
-            )
-        self.min_val, self.max_val = self._merged_extremes(group, numel)
-
-    def merge_signature(self) -> str:
-        return f"ChannelSearch {super().merge_signature()}"
-
-
-def _on_axis0(p: QParams) -> QParams:
-    """``p`` for values laid out channel first (rows), as the search keeps them."""
-    return QParams(p.scale, p.zero_point, p.dtype, p.quant_min, p.quant_max, 0, p.group_size)
