@@ -100,7 +100,11 @@ def test_batch_norm_folded_at_prepare_and_trained() -> None:
     model = _convnet()
     data = batches((2, 3, 6, 6), n=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    qat = qt.prepare_qat(qt.capture(model, data[0]), qt.Int8Quantizer(), data)
+    qat = qt.prepare_qat(
+        qt.capture(model, data[0]),
+        qt.Int8Quantizer(activation_observer=qt.ObserverKind.MINMAX),
+        data,
+    )
     targets = {str(n.target) for n in qat.graph.nodes if n.op == "call_function"}
     assert not any("batch_norm" in t for t in targets)
     with torch.no_grad():
@@ -312,8 +316,10 @@ def test_without_calibration_data_calibrate_then_train() -> None:
     data = batches((2, 3, 6, 6), n=3)
     gm = qt.capture(_convnet(), data[0])
     # the no-grad check below is one more calibration call (on data[0]): given sees it too
-    given = qt.prepare_qat(gm, qt.Int8Quantizer(), [*data, data[0]])
-    qat = qt.prepare_qat(gm, qt.Int8Quantizer())
+    given = qt.prepare_qat(
+        gm, qt.Int8Quantizer(activation_observer=qt.ObserverKind.MINMAX), [*data, data[0]]
+    )
+    qat = qt.prepare_qat(gm, qt.Int8Quantizer(activation_observer=qt.ObserverKind.MINMAX))
     optimizer = torch.optim.SGD(qat.parameters(), lr=1e-3)
     qt.calibrate(qat, data, progress=False)
     with torch.no_grad():
