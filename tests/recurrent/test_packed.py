@@ -204,3 +204,32 @@ def test_lowered_model_padded_to_the_longest_length_saves_and_loads(
     x = calibration[0][0]
     for lengths in (calibration[0][1], torch.tensor([STEPS, 1, 3, 3, 6])):
         assert torch.equal(loaded(x, lengths), lowered(x, lengths))
+
+
+class SortedPacked(nn.Module):
+    """Lengths given sorted (``enforce_sorted=True``, the default) and padded back to the
+    input's length: the outside model ``gru_packed`` (benchmarks/outside_models.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(8, 12, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(pack_padded_sequence(x, lengths, batch_first=True))
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        return self.head(out)
+
+
+def test_sorted_lengths_padded_to_the_input_length_capture_and_run_at_other_lengths() -> None:
+    """Captured with a free length (what the shape guard's error tells a user to do):
+    ``pad_packed_sequence``'s ``total_length`` check reads the (unbacked) number of steps,
+    which the capture-time pack op bounds by the (symbolic) length."""
+    torch.manual_seed(0)
+    model = SortedPacked().eval()
+    g = torch.Generator().manual_seed(1)
+    calib = [(torch.randn(4, 30, 8, generator=g), torch.tensor([30, 24, 17, 9])) for _ in range(4)]
+    free = {"x": {1: torch.export.Dim.AUTO}, "lengths": None}
+    q = qt.quantize(model, calib[0], calib, backend=CPU, dynamic_shapes=free)
+    held = [(torch.randn(4, 21, 8, generator=g), torch.tensor([21, 20, 9, 4])) for _ in range(3)]
+    assert _sqnr(model, q, held) >= SQNR_DB

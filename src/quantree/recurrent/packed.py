@@ -51,6 +51,10 @@ def _(x: Tensor, lengths: Tensor, batch_first: bool) -> tuple[Tensor, Tensor]:
     bound = steps * batch if isinstance(steps * batch, int) else None
     rows = ctx.new_dynamic_size(max=bound) if bound is not None else ctx.new_dynamic_size()
     count = ctx.new_dynamic_size(max=steps) if isinstance(steps, int) else ctx.new_dynamic_size()
+    if not isinstance(steps, int):  # a free length: the bounds as facts about the symbols, so
+        # pad_packed_sequence's `total_length < batch_sizes.size(0)` check can be decided
+        torch._check(count <= steps)
+        torch._check(rows <= steps * batch)
     return x.new_empty((rows, *x.shape[2:])), lengths.new_empty((count,), dtype=torch.int64)
 
 
