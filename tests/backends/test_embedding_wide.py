@@ -65,3 +65,27 @@ def test_table_per_row_at_the_dtype_asked(tmp_path, dtype, torch_dtype, floor_db
 def test_embedding_dtype_is_checked() -> None:
     with pytest.raises(qt.QuantreeError, match="embedding_dtype"):
         qt.Int8Quantizer(embedding_dtype=qt.QDtype.INT32)
+
+
+def test_an_int16_table_exports_to_onnx_at_the_opset_it_needs(tmp_path) -> None:
+    """The int16 table is stored quantized, so only its dequantize is 16-bit: the export
+    raises the opset to 21 for it (an older opset's DequantizeLinear refuses int16 and ONNX
+    Runtime does not load the file), and ONNX Runtime computes the reference graph's rows."""
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime")
+    pytest.importorskip("onnxscript", reason="ONNX export needs onnxscript")
+    import onnx
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    model, data = Lookup().eval(), _ids()
+    quantizer = qt.Int8Quantizer(embedding_dtype=qt.QDtype.INT16)
+    ref = qt.quantize(
+        model, data[0], data, quantizer=quantizer, progress=False, backend="reference"
+    )
+    path = qt.export_onnx(ref, data[0], tmp_path / "lookup.onnx")
+    opsets = {o.domain: o.version for o in onnx.load(str(path)).opset_import}
+    assert opsets[""] >= 21
+    session = ort.InferenceSession(str(path))
+    (ids,) = data[1]
+    (got,) = session.run(None, {session.get_inputs()[0].name: ids.numpy()})
+    torch.testing.assert_close(torch.from_numpy(got), ref(ids), rtol=0, atol=1e-6)
