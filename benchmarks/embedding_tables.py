@@ -1,12 +1,13 @@
-"""int8 against int16 embedding tables: accuracy, saved size and latency of the lowered model.
+"""int8, int16 and float embedding tables: accuracy, saved size and latency, lowered.
 
-For the zoo's BERT and GPT-2 and the accuracy script's DistilBERT: the default recipe
-(int8 per-row tables), ``Int8Quantizer(embedding_dtype=INT16)`` and float tables, each quantized and
-lowered on the CPU backend; input-dependent SQNR on held-out inputs (zoo's data), the saved
-``.pt2`` (``saved_size``), and thread-CPU/wall milliseconds of one call, float and both
-variants interleaved in the same rounds (one thread, medians).
+For the zoo's BERT and GPT-2, the accuracy script's DistilBERT and ``outside_distilbert``
+(outside_models.py's): the default recipe (int8 per-row tables),
+``Int8Quantizer(embedding_dtype=INT16)`` and float tables, each quantized and lowered on the
+CPU backend; input-dependent SQNR on held-out inputs (zoo's data), the saved ``.pt2``
+(``saved_size``), and thread-CPU/wall milliseconds of one call, float and the variants
+interleaved in the same rounds (one thread, medians).
 
-    PYTHONPATH=src python benchmarks/embedding_tables.py [--runs 20] [--models bert,gpt2,distilbert]
+    PYTHONPATH=src python benchmarks/embedding_tables.py [--runs 20] [--models bert,gpt2,...]
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def case_of(name: str) -> Case:
     if name == "distilbert":
         model, sample = distilbert()
         return Case(model, sample)
+    if name == "outside_distilbert":  # outside_models.py's: vocabulary 30522, table-dominated
+        import outside_models
+
+        return outside_models.build("distilbert")
     return build(name)
 
 
