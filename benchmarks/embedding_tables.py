@@ -1,12 +1,13 @@
-"""int8 against int16 embedding tables: accuracy, saved size and latency of the lowered model.
+"""int8, int16 and float embedding tables: accuracy, saved size and latency, lowered.
 
-For the zoo's BERT and GPT-2 and the accuracy script's DistilBERT: the default recipe
-(int8 per-row tables) and ``Int8Quantizer(embedding_dtype=INT16)``, each quantized and
-lowered on the CPU backend; input-dependent SQNR on held-out inputs (zoo's data), the saved
-``.pt2`` (``saved_size``), and thread-CPU/wall milliseconds of one call, float and both
-variants interleaved in the same rounds (one thread, medians).
+For the zoo's BERT and GPT-2, the accuracy script's DistilBERT and ``outside_distilbert``
+(outside_models.py's): the default recipe (int8 per-row tables),
+``Int8Quantizer(embedding_dtype=INT16)`` and float tables, each quantized and lowered on the
+CPU backend; input-dependent SQNR on held-out inputs (zoo's data), the saved ``.pt2``
+(``saved_size``), and thread-CPU/wall milliseconds of one call, float and the variants
+interleaved in the same rounds (one thread, medians).
 
-    PYTHONPATH=src python benchmarks/embedding_tables.py [--runs 20] [--models bert,gpt2,distilbert]
+    PYTHONPATH=src python benchmarks/embedding_tables.py [--runs 20] [--models bert,gpt2,...]
 """
 
 from __future__ import annotations
@@ -24,13 +25,25 @@ from zoo import Case, build, input_dependent_sqnr, outputs
 import quantree as qt
 from quantree.backends import CPU
 
-VARIANTS = {"int8 table": qt.QDtype.INT8, "int16 table": qt.QDtype.INT16}
+FLOAT_TABLE = (qt.Rule((torch.ops.aten.embedding,), lambda n: qt.Annotation()),)
+"""docs/quantizers.md's rule keeping the tables float (what torchao's X86InductorQuantizer
+does: it reads the table float and quantizes only the embedding's output for a linear)."""
+
+VARIANTS = {
+    "int8 table": lambda: qt.Int8Quantizer(),
+    "int16 table": lambda: qt.Int8Quantizer(embedding_dtype=qt.QDtype.INT16),
+    "float table": lambda: qt.Int8Quantizer(rules=FLOAT_TABLE),
+}
 
 
 def case_of(name: str) -> Case:
     if name == "distilbert":
         model, sample = distilbert()
         return Case(model, sample)
+    if name == "outside_distilbert":  # outside_models.py's: vocabulary 30522, table-dominated
+        import outside_models
+
+        return outside_models.build("distilbert")
     return build(name)
 
 
@@ -56,9 +69,9 @@ def main() -> None:
         x = held[0]
         timed = {"float": lambda f=case.model, x=x: f(*x)}
         rows = {}
-        for label, dtype in VARIANTS.items():
+        for label, make in VARIANTS.items():
             lowered = qt.quantize(
-                case.model, calib[0], calib, quantizer=qt.Int8Quantizer(embedding_dtype=dtype),
+                case.model, calib[0], calib, quantizer=make(),
                 backend=CPU, progress=False,
             )  # fmt: skip
             with torch.no_grad():

@@ -105,3 +105,39 @@ def test_exponents_stay_float_back_to_where_they_were_made() -> None:
     found = {n.target.__name__.split(".")[0] for n in exponents(gm.graph)}
     assert {"sub", "max", "cumsum", "log_sigmoid"} <= found
     assert not found & {"exp", "matmul", "relu", "linear"}
+
+
+class PaddedAttention(nn.Module):
+    """A key padding mask filled with -inf, read by ``nn.MultiheadAttention`` (one fused
+    attention call), then a linear: the mask is the only non-finite value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [1, T, 16]
+        pad = torch.zeros(1, T, dtype=torch.bool)
+        pad[:, T - 3 :] = True
+        mask = torch.zeros(1, T).masked_fill(pad, -float("inf"))
+        y, _ = self.attn(x, x, x, key_padding_mask=mask, need_weights=False)
+        return self.out(y)
+
+
+def test_a_masked_attention_ends_the_masks_infinities() -> None:
+    """The attention's softmax ends the mask's -inf: what it returns and everything after it
+    is finite, so the linear after it is quantized (its input and weight); a query, key or
+    value holding an infinity would still make the attention's output one."""
+    gm = torch.export.export(PaddedAttention().eval(), _data(1)[0]).module()
+    found = carrying_infinities(gm.graph)
+    attention = [n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert attention and not set(attention) & found
+    assert any("masked_fill" in str(n.target) for n in found)
+    model = PaddedAttention().eval()
+    calib = _data(8)
+    ref = qt.quantize(model, calib[0], calib, backend=qt.REFERENCE, progress=False)
+    out_linear = [n for n in ref.graph.nodes if "linear" in str(n.target)][-1]
+    assert all(is_quantize(a.args[0]) or "dequantize" in str(a.target)
+               for a in out_linear.all_input_nodes[:2])  # fmt: skip
+    x = _data(9)[-1]
+    assert _sqnr(model(*x), ref(*x)) > 30

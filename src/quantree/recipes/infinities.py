@@ -44,6 +44,15 @@ FINITE_AGAIN = (
 exponent is never +inf: its maximum was subtracted), softmax's masked logits, saturating
 activations; the ``is*`` tests give booleans."""
 
+MASKED_ATTENTION = (
+    *(aten.scaled_dot_product_attention, aten._scaled_dot_product_attention_math),
+    aten._scaled_dot_product_flash_attention_for_cpu,
+)
+"""Attention ops whose mask may hold -inf by design: the softmax inside ends it, so the
+output is finite when the query, key and value (their first three arguments) are; a mask
+alone carrying an infinity does not make it one (an attention mask filled with -inf, a
+key padding mask, reach ``nn.MultiheadAttention``'s fused call this way)."""
+
 SOURCES = (
     *(aten.masked_fill, aten.masked_fill_, aten.full, aten.full_like, aten.new_full),
     *(aten.fill, aten.fill_, aten.where, aten.scalar_tensor, aten.clamp, aten.clamp_min),
@@ -96,6 +105,8 @@ def carrying_infinities(graph: fx.Graph) -> set[fx.Node]:
         reads = any(n in found for n in node.all_input_nodes)
         if packet in FINITE_AGAIN:
             continue
+        if packet in MASKED_ATTENTION:
+            reads = any(n in found for n in node.args[:3] if isinstance(n, fx.Node))
         if reads or _writes_non_finite(node):
             found.add(node)
     return found

@@ -29,7 +29,7 @@ from quantree.backends.onnx.int4_weights import has_int4_weights, int4_initializ
 from quantree.backends.onnx.target import OnnxTarget, finish_export
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import copy_graph_module, nested_graphs
-from quantree.core.qdq import QUANTIZE_OPS, QUANTIZE_PER_TENSOR
+from quantree.core.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, QUANTIZE_PER_TENSOR
 from quantree.core.stages import CONVERTED, STAGE_KEY, stage_of
 
 INT16_OPSET = 21
@@ -145,10 +145,12 @@ def _first(error: BaseException) -> str:
 
 
 def _needs_int16(gm: fx.GraphModule) -> bool:
+    """Whether a quantize or dequantize works on 16 bits: an int16 embedding table is stored
+    already quantized, so only its dequantize says so."""
     graphs = [gm, *nested_graphs(gm).values()]
     return any(
         node.op == "call_function"
-        and node.target in QUANTIZE_OPS
+        and node.target in (*QUANTIZE_OPS, *DEQUANTIZE_OPS)
         and node.args[-1] in (torch.int16, torch.uint16)
         for g in graphs
         for node in g.graph.nodes

@@ -5,7 +5,7 @@
     ref = refine(prepared, convert(prepared), data, Refine(seconds=60))
 
 Between convert and lower: convert rounds each weight to its nearest grid point on its own;
-``refine`` re-chooses the integers of each linear and 2-d convolution layer, and of each
+``refine`` re-chooses the integers of each linear and 1-d or 2-d convolution layer, and of each
 whole-mode recurrent layer's ``W_ih`` and ``W_hh`` (``recurrent.py``), against that float
 layer's output on the inputs the quantized graph gives it (``rounding.py``), then
 moves its int32 bias by the mean output shift left over (empirical bias correction). The
@@ -50,7 +50,8 @@ DEQUANTIZE = {
     _ops.quantized_decomposed.dequantize_per_channel.default,
     _ops.quantized_decomposed.dequantize_per_tensor.default,
 }
-LAYERS = {_ops.aten.linear.default, _ops.aten.conv2d.default}
+LAYERS = {_ops.aten.linear.default, _ops.aten.conv2d.default, _ops.aten.conv1d.default}
+CONVOLUTIONS = {_ops.aten.conv2d.default, _ops.aten.conv1d.default}
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def _layers(
             reason = "weight not an integer constant of its own"
         elif not (isinstance(source, fx.Node) and source.op == "get_attr"):
             reason = "no float weight in the prepared model"
-        elif node.target == _ops.aten.conv2d.default and (len(node.args) > 6 and node.args[6] != 1):
+        elif node.target in CONVOLUTIONS and (len(node.args) > 6 and node.args[6] != 1):
             reason = "grouped convolution"
         elif (
             isinstance(weight, fx.Node)
@@ -190,16 +191,17 @@ def _layers(
             continue
         assert isinstance(weight, fx.Node) and isinstance(source, fx.Node)
         conv = None
-        if node.target == _ops.aten.conv2d.default:
+        if node.target in CONVOLUTIONS:
             shape = node.args[1].meta["val"].shape if "val" in node.args[1].meta else None
             w = _attr(prepared, str(source.target))
             kernel = list(shape[2:] if shape is not None else w.shape[2:])
             args = list(node.args) + [None] * (7 - len(node.args))
+            one = len(kernel) == 1  # a 1-d convolution: the 2-d one of height 1
             conv = (
-                kernel,
-                list(args[3] or [1, 1]),
-                list(args[4] or [0, 0]),
-                list(args[5] or [1, 1]),
+                [1, *kernel] if one else kernel,
+                [1, *(args[3] or [1])] if one else list(args[3] or [1, 1]),
+                [0, *(args[4] or [0])] if one else list(args[4] or [0, 0]),
+                [1, *(args[5] or [1])] if one else list(args[5] or [1, 1]),
             )
         layers.append(
             _Layer(

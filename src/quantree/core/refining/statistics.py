@@ -24,7 +24,7 @@ class InputMoments(nn.Module):
 
     def __init__(self, conv: tuple[list[int], list[int], list[int], list[int]] | None) -> None:
         super().__init__()
-        self.conv = conv  # kernel, stride, padding, dilation of a 2-d convolution, else None
+        self.conv = conv  # kernel, stride, padding, dilation as 2-d (a 1-d one: height 1)
         self.gram: torch.Tensor | None = None
         self.total: torch.Tensor | None = None
         self.rows = 0
@@ -35,8 +35,9 @@ class InputMoments(nn.Module):
                 rows = x.reshape(-1, x.shape[-1]).double()
             else:
                 kernel, stride, padding, dilation = self.conv
+                image = x.float().unsqueeze(2) if x.dim() == 3 else x.float()  # 1-d: height 1
                 patches = F.unfold(
-                    x.float(), tuple(kernel), tuple(dilation), tuple(padding), tuple(stride)
+                    image, tuple(kernel), tuple(dilation), tuple(padding), tuple(stride)
                 )
                 rows = patches.transpose(1, 2).reshape(-1, patches.shape[1]).double()
             self.add(rows)
