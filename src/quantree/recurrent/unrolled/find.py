@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
+from itertools import pairwise
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,7 +196,7 @@ def _step_writes(rec: Recurrence) -> bool:
         chain = [*views, target, j]
         for block in rec.blocks:
             if block[j].users or any(
-                list(block[a].users) != [block[b]] for a, b in zip(chain, chain[1:], strict=False)
+                list(block[a].users) != [block[b]] for a, b in pairwise(chain)
             ):
                 return False
         if not _fresh_and_written_whole(rec, where, buffer, chain[0], target, kinds[1][1]):
