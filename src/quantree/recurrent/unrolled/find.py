@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from itertools import pairwise
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch

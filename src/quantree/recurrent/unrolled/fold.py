@@ -4,8 +4,8 @@ Each run that ``find.find_recurrence`` finds becomes one ``StepLoop`` call: its 
 first step's nodes (copied with their metadata), the run's other steps are erased, and what
 read the run (the last step's values, the ``stack``/``cat`` of every step's, a buffer the
 steps wrote slice by slice) reads the loop's outputs. The loop computes the same ops on the
-same tensors in the same order, so the folded graph equals the unrolled one exactly. Repeated until no run is left (one loop per
-layer of a stacked model).
+same tensors in the same order, so the folded graph equals the unrolled one exactly. Repeated
+until no run is left (one loop per layer of a stacked model).
 """
 
 from __future__ import annotations
