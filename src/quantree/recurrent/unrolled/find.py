@@ -14,13 +14,8 @@ reads, the same way in every step:
   (the per-step input; the only place where an argument may change with the step ``k``);
 - an equal constant.
 
-A step may also write its result into its own slice of a buffer (``out[:, t] = h``, which
-export records as a ``copy_`` into ``select(out, 1, t)``): when the buffer is a fresh tensor
-that the run writes whole, slice by slice in step order, and nothing reads before the run
-ends, the buffer after the run is the ``stack``/``cat`` of the written values, so the write
-is a collected output like a ``stack``'s (``Recurrence.writes``). Any other write (another
-step's slice, a slice read in the step, a buffer read or aliased before the run, overlapping
-or partial writes) rejects the run.
+A step may also write its result into its own slice of a fresh buffer (``out[:, t] = h``):
+``writes`` proves when that write is a collected output and rejects the run otherwise.
 
 Anything else (a step reading two steps back, an intermediate step value read outside the
 run other than by the ``stack``/``cat`` collecting it) rejects the run, so a graph with no
@@ -32,61 +27,19 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from quantree.recurrent.unrolled.recurrence import Recurrence, SeqInput
+from quantree.recurrent.unrolled.writes import mutates, step_writes
+
 aten = torch.ops.aten
 COLLECTORS = (aten.stack.default, aten.cat.default)
 MAX_PERIODS = 8
 """Candidate step lengths tried per search (the most frequent gaps between equal ops)."""
-
-
-@dataclass(frozen=True)
-class SeqInput:
-    """A per-step input: ``src.select(dim, a + k b)`` (``width`` 0) or
-    ``src.narrow(dim, a + k b, width)``."""
-
-    src: fx.Node
-    dim: int
-    start: int
-    stride: int
-    width: int
-
-
-@dataclass(frozen=True)
-class StepWrite:
-    """Step node ``value`` written into ``buffer``'s slice ``target`` (a step node cut at the
-    step's own index, ``where`` as a per-step input would be): after the run, ``buffer``
-    holds every step's value joined along ``where.dim``."""
-
-    buffer: fx.Node
-    target: int
-    value: int
-    where: SeqInput
-    views: tuple[int, ...] = ()  # whole-tensor slices between ``buffer`` and ``target``
-
-
-@dataclass
-class Recurrence:
-    """A run of ``steps`` copies of a step of ``length`` nodes starting at ``blocks[0][0]``."""
-
-    blocks: list[list[fx.Node]]
-    kinds: list[list[tuple[Any, ...]]]  # per step node j, per flattened argument leaf
-    states: dict[int, fx.Node] = field(default_factory=dict)  # carried j -> initial node
-    seq_of: dict[int, SeqInput] = field(default_factory=dict)  # step node j -> its input
-    hoisted: set[int] = field(default_factory=set)  # invariant j computed once, before
-    collected: dict[fx.Node, tuple[int, bool]] = field(default_factory=dict)  # -> j, reversed
-    last: list[int] = field(default_factory=list)  # j read after the run (last step's)
-    writes: dict[int, StepWrite] = field(default_factory=dict)  # copy_ j -> what it writes
-
-    @property
-    def steps(self) -> int:
-        return len(self.blocks)
 
 
 def signature(n: fx.Node) -> tuple[Any, ...]:
@@ -135,7 +88,7 @@ def find_recurrence(gm: fx.GraphModule, min_steps: int = 3) -> Recurrence | None
 def match(blocks: list[list[fx.Node]]) -> Recurrence | None:
     """The recurrence these blocks form, or None (see the module docstring)."""
     length = len(blocks[0])
-    if any(_mutates(n) and n.target != aten.copy_.default for n in blocks[0]):
+    if any(mutates(n) and n.target != aten.copy_.default for n in blocks[0]):
         return None
     where = {n: (k, j) for k, block in enumerate(blocks) for j, n in enumerate(block)}
     kinds: list[list[tuple[Any, ...]]] = []
@@ -161,126 +114,9 @@ def match(blocks: list[list[fx.Node]]) -> Recurrence | None:
             leaf_kinds.append(kind)
         kinds.append(leaf_kinds)
     rec = Recurrence(blocks, kinds, states)
-    if not _per_step_inputs(rec, timed) or not _step_writes(rec) or not rec.seq_of:
+    if not _per_step_inputs(rec, timed) or not step_writes(rec) or not rec.seq_of:
         return None
     return rec if _outputs(rec, where) else None
-
-
-def _mutates(n: fx.Node) -> bool:
-    """Whether ``n`` writes into a tensor: a step with a side effect is not a function of its
-    inputs, so only the writes ``_step_writes`` proves to be collected outputs fold."""
-    schema = getattr(n.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
-
-
-def _step_writes(rec: Recurrence) -> bool:
-    """Turn each ``copy_`` of the step into a ``StepWrite``; False when one is not provably a
-    collected output (see the module docstring), so the run stays unrolled."""
-    first = rec.blocks[0]
-    buffers: set[fx.Node] = set()
-    for j, node in enumerate(first):
-        if not _mutates(node):
-            continue
-        kinds = rec.kinds[j]
-        if len(node.args) != 2 or node.kwargs or kinds[0][0] != "internal":
-            return False
-        if kinds[1][0] != "internal" or kinds[1][1] in rec.hoisted:
-            return False
-        target = kinds[0][1]
-        where = rec.seq_of.get(target)
-        found = None if where is None else _buffer(rec, target)
-        if where is None or found is None or found[0] in buffers:
-            return False
-        buffer, views = found
-        # the copy's result, the written slice and the views to it are read by nothing else
-        chain = [*views, target, j]
-        for block in rec.blocks:
-            if block[j].users or any(
-                list(block[a].users) != [block[b]] for a, b in pairwise(chain)
-            ):
-                return False
-        if not _fresh_and_written_whole(rec, where, buffer, chain[0], target, kinds[1][1]):
-            return False
-        buffers.add(buffer)
-        rec.writes[j] = StepWrite(buffer, target, kinds[1][1], where, tuple(views))
-    for write in rec.writes.values():
-        del rec.seq_of[write.target]
-        rec.hoisted.difference_update(write.views)  # erased with the steps: the write's path
-    return True
-
-
-def _buffer(rec: Recurrence, target: int) -> tuple[fx.Node, list[int]] | None:
-    """The tensor outside the run that step node ``target`` cuts, through whole-tensor
-    ``slice``s in the step (``out[:, t]`` is ``select(slice(out, 0, 0, max), 1, t)``); None
-    when anything else stands between them."""
-    views: list[int] = []
-    j = target
-    while True:
-        kind = rec.kinds[j][0]
-        if kind[0] == "invariant":
-            return kind[1], views[::-1]
-        if kind[0] != "internal" or kind[1] not in rec.hoisted:
-            return None
-        j = kind[1]
-        node = rec.blocks[0][j]
-        val = node.meta.get("val")
-        src = node.args[0] if node.args else None
-        if (
-            node.target != aten.slice.Tensor
-            or node.kwargs
-            or not isinstance(src, fx.Node)
-            or not isinstance(val, torch.Tensor)
-            or src.meta.get("val") is None
-            or val.shape != src.meta["val"].shape
-            or (len(node.args) > 2 and node.args[2] not in (0, None))
-            or (len(node.args) > 4 and node.args[4] != 1)
-        ):
-            return None
-        views.append(j)
-
-
-def _fresh_and_written_whole(
-    rec: Recurrence, where: SeqInput, buffer: fx.Node, j: int, target: int, value: int
-) -> bool:
-    """Whether the buffer is a new tensor (no alias of another), read by nothing before the
-    run ends but each step's path to its slice (step node ``j``), and written whole once
-    (step ``k`` its own slice, no two steps the same), with values of the slice's shape and
-    dtype (no cast or broadcast) at step node ``value``."""
-    schema = getattr(buffer.target, "_schema", None)
-    if buffer.op != "call_function" or schema is None or schema.is_mutable:
-        return False
-    if len(schema.returns) != 1 or schema.returns[0].alias_info is not None:
-        return False
-    paths = {block[j] for block in rec.blocks}
-    order = {n: i for i, n in enumerate(buffer.graph.nodes)}
-    end = order[rec.blocks[-1][-1]]
-    if any(u not in paths and order[u] < end for u in buffer.users):
-        return False
-    want = rec.blocks[0][target].meta.get("val")
-    got = rec.blocks[0][value].meta.get("val")
-    if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
-        return False
-    if want.shape != got.shape or want.dtype != got.dtype or want.device != got.device:
-        return False
-    return covers(where, rec.steps)
-
-
-def covers(seq: SeqInput, steps: int) -> bool:
-    """Whether ``steps`` steps read (or write) all of the source's time dimension, in order,
-    each its own slice."""
-    size = seq.src.meta["val"].shape[seq.dim]
-    if not isinstance(size, int):
-        return False
-    width = max(seq.width, 1)
-    if seq.width and seq.width != abs(seq.stride):
-        return False
-    first = seq.start if seq.stride > 0 else size - width - seq.start
-    return first == 0 and captured_steps(seq) == steps
-
-
-def captured_steps(seq: SeqInput) -> int | None:
-    size = seq.src.meta["val"].shape[seq.dim]
-    return None if not isinstance(size, int) else (size - max(seq.width, 1)) // abs(seq.stride) + 1
 
 
 def _leaf_kind(values: list[Any], where: dict[fx.Node, tuple[int, int]], j: int):

@@ -22,14 +22,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from quantree.core.graphs import fetch_attr, unique_attr
 from quantree.core.points import POINT_KEY
 from quantree.recurrent.unrolled.cells import write_out_cells
-from quantree.recurrent.unrolled.find import (
-    Recurrence,
-    SeqInput,
-    captured_steps,
-    covers,
-    find_recurrence,
-)
+from quantree.recurrent.unrolled.find import find_recurrence
+from quantree.recurrent.unrolled.recurrence import Recurrence, SeqInput
 from quantree.recurrent.unrolled.step_loop import StepInput, StepLoop, StepOutput
+from quantree.recurrent.unrolled.writes import captured_steps, covers
 
 CELL_STEP_KEY = "quantree_cell_step"
 """``StepBody.meta`` key: True where the step's work is recurrent cell ops (``GRUCell``,
