@@ -166,30 +166,79 @@ def test_without_repetition_nothing_folds():
     assert not _loops(short) and _ops(short, "gru_cell") == 5
 
 
-def test_a_loop_writing_its_results_in_place_stays_unrolled():
-    """RecurrentGemma's RG-LRU scan writes each step into a preallocated tensor
-    (``out[:, t] = h``: a ``copy_`` into a view). Folded, nothing would read the loop's
-    results and lowering would drop it; it stays unrolled, computing what the model does."""
+class WritesInPlace(nn.Module):
+    """RecurrentGemma's RG-LRU scan: each step writes its state into its own slice of a
+    preallocated tensor (``out[:, t] = h``, a ``copy_`` into a view), read after the loop.
+    ``how`` picks a variant: ``select`` (the model's), ``reversed`` (``out[:, T-1-t]``),
+    ``narrow`` (``out[:, t:t+1] = h[:, None]``), or ones that must stay unrolled:
+    ``fixed`` (every step writes slice 0), ``shifted`` (slice ``t + 1`` of a longer buffer),
+    ``overlap`` (``out[:, t:t+2]``), ``read`` (the step reads its slice before writing it),
+    ``alias`` (the buffer is a view of another tensor the model returns too)."""
 
-    class WritesInPlace(nn.Module):
-        def forward(self, a, x):  # [B, T, D] each
-            h = torch.zeros(x.shape[0], x.shape[2])
-            out = torch.zeros_like(x)
-            for t in range(x.shape[1]):
-                h = a[:, t] * h + x[:, t]
+    def __init__(self, how: str = "select") -> None:
+        super().__init__()
+        self.how = how
+        self.gate = nn.Linear(4, 4)
+        self.inp = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):  # [B, T, 4]
+        a, u = torch.sigmoid(self.gate(x)), self.inp(x)
+        steps, how = x.shape[1], self.how
+        h = torch.zeros(x.shape[0], 4)
+        base = torch.zeros(x.shape[0], steps * 4)
+        out = torch.zeros(x.shape[0], steps + (how in ("shifted", "overlap")), 4)
+        if how == "alias":
+            out = base.view(x.shape[0], steps, 4)
+        elif how == "read":
+            out = u.clone()
+        for t in range(steps):
+            h = a[:, t] * h + (out[:, t] if how == "read" else u[:, t])
+            if how in ("select", "read", "alias"):
                 out[:, t] = h
-            return out
+            elif how == "reversed":
+                out[:, steps - 1 - t] = h
+            elif how == "narrow":
+                out[:, t : t + 1] = h[:, None]
+            elif how == "fixed":
+                out[:, 0] = h
+            elif how == "shifted":
+                out[:, t + 1] = h
+            elif how == "overlap":
+                out[:, t : t + 2] = h[:, None]
+        return (out, base) if how == "alias" else out
 
+
+@pytest.mark.parametrize("how", ["select", "reversed", "narrow"])
+def test_a_step_writing_its_own_slice_of_a_buffer_folds_into_the_loop_output(how):
+    """The buffer after the loop is every step's value joined along the written dimension:
+    the loop's collected output replaces it, with no write left, at any length (the same
+    ops on the same tensors: exact)."""
     torch.manual_seed(0)
-    args = (torch.rand(2, 9, 4), torch.randn(2, 9, 4))
-    model = WritesInPlace().eval()
-    gm = qt.capture(model, args, fold_loops=True)
-    assert not _loops(gm)
-    assert torch.equal(gm(*args), model(*args))
-    data = [(torch.rand(2, 9, 4), torch.randn(2, 9, 4)) for _ in range(3)]
-    lowered = qt.quantize(model, args, data, backend="cpu", progress=False)
-    with torch.no_grad():
-        assert qt.sqnr(model(*args), lowered(*args)) > 10  # dB (zeros, were it dropped: 0)
+    model = WritesInPlace(how).eval()
+    x = torch.randn(2, 9, 4)
+    unrolled = qt.capture(model, (x,), fold_loops=False)
+    folded = qt.capture(model, (x,), fold_loops=True)
+    assert _ops(unrolled, "copy_") == 9
+    (loop,) = _loops(folded)
+    assert loop.free and _ops(folded, "copy_") == 0 and _ops(loop.body, "copy_") == 0
+    buffers = [n for n in folded.graph.nodes if n.target == torch.ops.aten.zeros.default]
+    assert [len(n.args[0]) for n in buffers] == [2, 2]  # h and base: the [B, T, 4] one is gone
+    assert torch.equal(folded(x), unrolled(x))
+    for length in (1, 17, 40):  # captured at 9
+        y = torch.randn(3, length, 4)
+        assert torch.equal(folded(y), model(y))
+
+
+@pytest.mark.parametrize("how", ["fixed", "shifted", "overlap", "read", "alias"])
+def test_a_write_not_provably_the_loop_output_stays_unrolled(how):
+    torch.manual_seed(0)
+    model = WritesInPlace(how).eval()
+    x = torch.randn(2, 9, 4)
+    gm = qt.capture(model, (x,), fold_loops=True)
+    assert not _loops(gm) and _ops(gm, "copy_") == 9
+    got, want = gm(x), model(x)
+    got, want = (got, want) if how == "alias" else ((got,), (want,))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))  # as unrolled
 
 
 UNARY = (torch.tanh, torch.sigmoid, torch.relu, torch.exp, nn.functional.softplus)

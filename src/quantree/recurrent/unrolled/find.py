@@ -14,6 +14,9 @@ reads, the same way in every step:
   (the per-step input; the only place where an argument may change with the step ``k``);
 - an equal constant.
 
+A step may also write its result into its own slice of a fresh buffer (``out[:, t] = h``):
+``writes`` proves when that write is a collected output and rejects the run otherwise.
+
 Anything else (a step reading two steps back, an intermediate step value read outside the
 run other than by the ``stack``/``cat`` collecting it) rejects the run, so a graph with no
 repetition, or a repetition that is not a recurrence, is left alone. Nothing here knows a
@@ -24,46 +27,19 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from quantree.recurrent.unrolled.recurrence import Recurrence, SeqInput
+from quantree.recurrent.unrolled.writes import mutates, step_writes
+
 aten = torch.ops.aten
 COLLECTORS = (aten.stack.default, aten.cat.default)
 MAX_PERIODS = 8
 """Candidate step lengths tried per search (the most frequent gaps between equal ops)."""
-
-
-@dataclass(frozen=True)
-class SeqInput:
-    """A per-step input: ``src.select(dim, a + k b)`` (``width`` 0) or
-    ``src.narrow(dim, a + k b, width)``."""
-
-    src: fx.Node
-    dim: int
-    start: int
-    stride: int
-    width: int
-
-
-@dataclass
-class Recurrence:
-    """A run of ``steps`` copies of a step of ``length`` nodes starting at ``blocks[0][0]``."""
-
-    blocks: list[list[fx.Node]]
-    kinds: list[list[tuple[Any, ...]]]  # per step node j, per flattened argument leaf
-    states: dict[int, fx.Node] = field(default_factory=dict)  # carried j -> initial node
-    seq_of: dict[int, SeqInput] = field(default_factory=dict)  # step node j -> its input
-    hoisted: set[int] = field(default_factory=set)  # invariant j computed once, before
-    collected: dict[fx.Node, tuple[int, bool]] = field(default_factory=dict)  # -> j, reversed
-    last: list[int] = field(default_factory=list)  # j read after the run (last step's)
-
-    @property
-    def steps(self) -> int:
-        return len(self.blocks)
 
 
 def signature(n: fx.Node) -> tuple[Any, ...]:
@@ -112,7 +88,7 @@ def find_recurrence(gm: fx.GraphModule, min_steps: int = 3) -> Recurrence | None
 def match(blocks: list[list[fx.Node]]) -> Recurrence | None:
     """The recurrence these blocks form, or None (see the module docstring)."""
     length = len(blocks[0])
-    if any(_mutates(n) for n in blocks[0]):
+    if any(mutates(n) and n.target != aten.copy_.default for n in blocks[0]):
         return None
     where = {n: (k, j) for k, block in enumerate(blocks) for j, n in enumerate(block)}
     kinds: list[list[tuple[Any, ...]]] = []
@@ -138,17 +114,9 @@ def match(blocks: list[list[fx.Node]]) -> Recurrence | None:
             leaf_kinds.append(kind)
         kinds.append(leaf_kinds)
     rec = Recurrence(blocks, kinds, states)
-    if not _per_step_inputs(rec, timed) or not rec.seq_of:
+    if not _per_step_inputs(rec, timed) or not step_writes(rec) or not rec.seq_of:
         return None
     return rec if _outputs(rec, where) else None
-
-
-def _mutates(n: fx.Node) -> bool:
-    """Whether ``n`` writes into a tensor (``out[:, t] = h`` is a ``copy_`` into a view of
-    ``out``): a step with a side effect is not a function of its inputs, and a loop whose
-    results are written that way has no output that reads them, so it is left unrolled."""
-    schema = getattr(n.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
 
 
 def _leaf_kind(values: list[Any], where: dict[fx.Node, tuple[int, int]], j: int):

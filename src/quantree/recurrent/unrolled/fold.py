@@ -2,10 +2,10 @@
 
 Each run that ``find.find_recurrence`` finds becomes one ``StepLoop`` call: its body is the
 first step's nodes (copied with their metadata), the run's other steps are erased, and what
-read the run (the last step's values, the ``stack``/``cat`` of every step's) reads the
-loop's outputs. The loop computes the same ops on the same tensors in the same order, so the
-folded graph equals the unrolled one exactly. Repeated until no run is left (one loop per
-layer of a stacked model).
+read the run (the last step's values, the ``stack``/``cat`` of every step's, a buffer the
+steps wrote slice by slice) reads the loop's outputs. The loop computes the same ops on the
+same tensors in the same order, so the folded graph equals the unrolled one exactly. Repeated
+until no run is left (one loop per layer of a stacked model).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from quantree.core.graphs import fetch_attr, unique_attr
 from quantree.core.points import POINT_KEY
 from quantree.recurrent.unrolled.cells import write_out_cells
-from quantree.recurrent.unrolled.find import Recurrence, SeqInput, find_recurrence
+from quantree.recurrent.unrolled.find import find_recurrence
+from quantree.recurrent.unrolled.recurrence import Recurrence, SeqInput
 from quantree.recurrent.unrolled.step_loop import StepInput, StepLoop, StepOutput
+from quantree.recurrent.unrolled.writes import captured_steps, covers
 
 CELL_STEP_KEY = "quantree_cell_step"
 """``StepBody.meta`` key: True where the step's work is recurrent cell ops (``GRUCell``,
@@ -54,9 +56,11 @@ def fold_loops(
 def fold(gm: fx.GraphModule, rec: Recurrence) -> str:
     """Replace ``rec``'s run in ``gm`` by a ``StepLoop`` call; the loop's module name."""
     body, sources, invariants, outputs = _body(gm, rec)
+    buffers = {write.buffer for write in rec.writes.values()}
+    run = {n for block in rec.blocks for n in block}
     inputs = tuple(_step_input(s) for s in sources)
-    free = all(_covers(s, rec.steps) for s in sources)
-    counts = {_captured_steps(s) for s in sources}
+    free = all(covers(s, rec.steps) for s in sources)
+    counts = {captured_steps(s) for s in sources}
     loop = StepLoop(body, len(rec.states), inputs, tuple(o for o, _ in outputs), rec.steps,
                     free and len(counts) == 1)  # fmt: skip
     name = unique_attr(gm, "step_loop")
@@ -79,6 +83,8 @@ def fold(gm: fx.GraphModule, rec: Recurrence) -> str:
         values.append(leaf.meta["val"])
         if target in rec.collected:
             target.replace_all_uses_with(leaf)
+        if target in buffers:  # read after the run only (find's proof): the joined writes
+            target.replace_all_uses_with(leaf, delete_user_cb=lambda user: user not in run)
     call.meta["val"] = tuple(values)
     for j in rec.states:
         rec.blocks[-1][j].replace_all_uses_with(leaves[list(rec.states).index(j)])
@@ -96,6 +102,9 @@ def fold(gm: fx.GraphModule, rec: Recurrence) -> str:
     for node in read:  # the weights only the steps read now live in the body
         if node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)
+    for buffer in buffers:  # a fresh tensor the loop's output replaced
+        if not buffer.users:
+            gm.graph.erase_node(buffer)
     return name
 
 
@@ -137,8 +146,11 @@ def _body(gm: fx.GraphModule, rec: Recurrence):
             outer[node] = new
         return outer[node]
 
+    written = set(rec.writes)
+    for write in rec.writes.values():
+        written.update((write.target, *write.views))
     for j, node in enumerate(first):
-        if j in env:
+        if j in env or j in written:  # a write is an output (below), its slice no input
             continue
         if j in rec.hoisted:  # computed before the loop, read as an invariant if at all
             continue
@@ -167,6 +179,11 @@ def _body(gm: fx.GraphModule, rec: Recurrence):
         assert isinstance(dim, int)
         outputs.append((StepOutput(join, dim, reverse), collector))
         out_nodes.append(env[j])
+    for write in rec.writes.values():
+        w = write.where
+        join = "stack" if w.width == 0 else "cat"
+        outputs.append((StepOutput(join, w.dim, w.stride < 0), write.buffer))
+        out_nodes.append(env[write.value])
     for j in rec.last:
         if j not in rec.states:
             outputs.append((StepOutput("last", 0, False), rec.blocks[-1][j]))
@@ -183,20 +200,3 @@ def _step_input(seq: SeqInput) -> StepInput:
         return StepInput(seq.dim, seq.start, seq.stride, seq.width)
     size = seq.src.meta["val"].shape[seq.dim]
     return StepInput(seq.dim, int(size) - max(seq.width, 1) - seq.start, seq.stride, seq.width)
-
-
-def _captured_steps(seq: SeqInput) -> int | None:
-    size = seq.src.meta["val"].shape[seq.dim]
-    return None if not isinstance(size, int) else (size - max(seq.width, 1)) // abs(seq.stride) + 1
-
-
-def _covers(seq: SeqInput, steps: int) -> bool:
-    """Whether the captured steps read all of the source's time dimension, in order."""
-    size = seq.src.meta["val"].shape[seq.dim]
-    if not isinstance(size, int):
-        return False
-    width = max(seq.width, 1)
-    if seq.width and seq.width != abs(seq.stride):
-        return False
-    first = seq.start if seq.stride > 0 else size - width - seq.start
-    return first == 0 and _captured_steps(seq) == steps

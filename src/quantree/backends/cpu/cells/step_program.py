@@ -129,7 +129,7 @@ def native_program_loop(loop: StepLoop) -> NativeProgramLoop | None:
         return None
     body = copy_graph_module(loop.body)
     _simplify(body)
-    drop_identity_casts(body)
+    drop_identity_casts(body, inputs=True)
     fuse_regions(body, min_ops=1, math=True)
     program = [n for n in body.graph.nodes if n.op == "call_function"
                and n.target == torch.ops.quantree.program.default]  # fmt: skip
