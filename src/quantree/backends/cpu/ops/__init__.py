@@ -30,8 +30,8 @@ from quantree.backends.cpu.ops import rnn as rnn_op
 from quantree.backends.cpu.ops import rnn_cell as rnn_cell_op
 from quantree.backends.cpu.ops import rnn_packed as rnn_packed_op
 from quantree.backends.cpu.ops import wide as wide_op
-from quantree.backends.cpu.ops.composite import attention as attention_op
 from quantree.backends.cpu.ops.affine import channel_affine
+from quantree.backends.cpu.ops.composite import attention as attention_op
 from quantree.backends.cpu.ops.composite.attention import attention
 from quantree.backends.cpu.ops.conv_transpose import conv_transpose, conv_transpose16
 from quantree.backends.cpu.ops.elementwise import (

@@ -1,8 +1,8 @@
 // AVX-512 path of qt_attention (attention.cpp): per (batch, head), k is transposed once into
-// a [D][Sk rounded up to 16] panel; then blocks of up to four query rows take their scores
-// from it (four rows by four vectors of keys: sixteen accumulators, one broadcast of q per
-// row and four loads per step of d), their softmax in place, and their outputs as the sum of
-// v's rows weighted by p (four rows by up to four vectors of v's columns). A compiler does not
+// a [D][Sk rounded up to 16] panel; then blocks of up to six query rows take their scores
+// from it (six rows by four vectors of keys: 24 accumulators, one broadcast of q per row and
+// four loads per step of d), their softmax in place, and their outputs as the sum of v's
+// rows weighted by p (six rows by up to four vectors of v's columns). A compiler does not
 // find this blocking from the plain loops, so it is written with intrinsics.
 #include <immintrin.h>
 
@@ -77,7 +77,8 @@ inline void weighted(const float* p, int64_t Skp, const float* v, int64_t vs, in
     _Pragma("GCC unroll 16")
     for (int r = 0; r < R; ++r)
         _Pragma("GCC unroll 16")
-        for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(o + r * os + d0 + 16 * c, mk[c], acc[r][c]);
+        for (int c = 0; c < NV; ++c)
+            _mm512_mask_storeu_ps(o + r * os + d0 + 16 * c, mk[c], acc[r][c]);
 }
 
 template <int R>
@@ -133,7 +134,8 @@ bool softmax_row(float* s, int64_t Sk, int64_t Skp, const float* m, float scale)
         sum = _mm512_add_ps(sum, e);
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    for (int64_t j = 0; j < Skp; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+    for (int64_t j = 0; j < Skp; j += 16)
+        _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
     return true;
 }
 

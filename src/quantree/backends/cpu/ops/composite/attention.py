@@ -50,19 +50,22 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Non
         if t.numel() >= LIMIT:
             raise fail(name, f"{what} of shape {tuple(t.shape)} has 2**31 elements or more")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise fail(name, f"q, k, v of shapes {tuple(q.shape)}, {tuple(k.shape)}, "
-                   f"{tuple(v.shape)}: the kernel reads [batch, heads, rows, features]")  # fmt: skip
+        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        raise fail(name, f"q, k, v of shapes {shapes}: the kernel reads [batch, heads, rows, "
+                   "features]")  # fmt: skip
     b, h, sq, d = q.shape
     sk = k.shape[2]
     if tuple(k.shape) != (b, h, sk, d) or tuple(v.shape[:3]) != (b, h, sk):
-        raise fail(name, f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
-                   "share batch and heads, k's features are not q's, or v's rows not k's")  # fmt: skip
-    if mask is not None:
-        if mask.dim() > 4 or any(
-            m not in (1, full) for m, full in zip(mask.shape[::-1], (sk, sq, h, b), strict=False)
-        ):
-            raise fail(name, f"mask of shape {tuple(mask.shape)} does not broadcast to the "
-                       f"scores' {(b, h, sq, sk)}")  # fmt: skip
+        shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        raise fail(name, f"{shapes} do not share batch and heads, k's features are not q's, "
+                   "or v's rows not k's")  # fmt: skip
+    scores = (b, h, sq, sk)
+    if mask is not None and (
+        mask.dim() > 4
+        or any(m not in (1, n) for m, n in zip(mask.shape[::-1], scores[::-1], strict=False))
+    ):
+        raise fail(name, f"mask of shape {tuple(mask.shape)} does not broadcast to the "
+                   f"scores' {scores}")  # fmt: skip
 
 
 def last_dense(t: Tensor) -> Tensor:
@@ -70,10 +73,7 @@ def last_dense(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-@op(
-    "attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool heads_last) "
-    "-> Tensor"
-)
+@op("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool heads_last) -> Tensor")
 def attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, heads_last: bool
 ) -> Tensor:
