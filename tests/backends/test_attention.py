@@ -19,6 +19,7 @@ import quantree as qt
 from quantree.backends import CPU, cpu_backend, load, save
 from quantree.backends.cpu.native.checks import NativeArgumentError
 from quantree.backends.cpu.native.loader import ISA_NAMES, isa_cap, library
+from quantree.tools.inspection import NATIVE_FLOAT, op_statuses
 
 from support import calls
 
@@ -146,6 +147,8 @@ def test_the_block_becomes_one_call_and_follows_the_reference(divide, batch) -> 
     left = [aten.matmul.default, aten.softmax.int, aten.mul.Tensor, aten.div.Tensor]
     assert not any(calls(fused, op) for op in left)
     assert not calls(unfused, ATTENTION) and calls(unfused, aten.softmax.int)
+    statuses = [s.status for s in op_statuses(fused) if s.op == "quantree.attention.default"]
+    assert statuses == [NATIVE_FLOAT]  # float, as the reference says, and reported so
     for args in data:
         want, got = unfused(*args), fused(*args)
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
