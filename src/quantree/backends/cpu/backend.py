@@ -36,6 +36,7 @@ from quantree.backends.cpu.passes.packed_qkv import split_packed_qkv
 from quantree.backends.cpu.passes.regions import fuse_regions
 from quantree.backends.cpu.passes.rms_norm import recognise_rms_norm
 from quantree.backends.cpu.passes.shared_constants import share_identical
+from quantree.backends.cpu.passes.sibling_linears import merge_sibling_linears
 from quantree.backends.cpu.passes.simulated import simulated_ops, warn_simulated
 from quantree.backends.cpu.rules.cat import lower_cat
 from quantree.backends.cpu.rules.composite.global_norm import lower_global_norm
@@ -94,6 +95,7 @@ def finish(
         drop_identity_casts(gm)  # float32 .to(float32) and its check: no region cut there
         drop_eval_dropout(gm)  # eval-mode dropout returns its input: no call, no cut
         if attention:
+            merge_sibling_linears(gm)  # q, k, v projections of one input: one linear16
             fuse_attention(gm)  # float softmax(q k^T * c + mask) v: one native call
         recognise_rms_norm(gm)  # LLaMA/T5's five-op RMSNorm: one op, one program instruction
         fuse_regions(gm)  # runs of small ops, one native call each (cell bodies have theirs)
