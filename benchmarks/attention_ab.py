@@ -1,13 +1,16 @@
-"""Float attention blocks as one native call (``passes/attention.py``) against the ATen ops.
+"""Float attention blocks as one native call (``passes/attention.py``) and the q/k/v
+projections as one linear (``passes/sibling_linears.py``), against the lowering without them.
 
     python benchmarks/attention_ab.py --models bert,gpt2,vit_tiny,transformer_encoder --runs 10
 
 Per model (``peers.py``'s builders and data): one reference graph lowered twice, with the CPU
-backend ("after": each float attention block one ``quantree.attention`` call) and with
-``cpu_backend(attention=False)`` ("before": the same graph but for those blocks), timed with
+backend ("after": each float attention block one ``quantree.attention`` call, int16-input
+linears of one input one call) and with ``cpu_backend(attention=False)`` ("before": the same
+graph but for those), timed with
 float eager in one process (``chains_ab.balanced_medians``: float first, the two after it in
 alternating order), one thread, medians of process CPU time, ``--rounds`` rounds. The
-columns say how many blocks were fused, each side's SQNR against float, and the largest
+columns say how many blocks were fused and linear16 calls before -> after, each side's SQNR
+against float, and the largest
 difference between the two sides' outputs on the held-out inputs.
 """
 
@@ -35,15 +38,19 @@ def main() -> None:
     args = parser.parse_args()
     one_thread()
     warnings.simplefilter("ignore")
-    print("| model | blocks fused | float ms | before: CPU ratio | after: CPU ratio "
+    print("| model | blocks fused | linear16 calls | float ms | before: CPU ratio | after: CPU ratio "
           "| after / before | SQNR before / after | max diff |\n"
-          "|---|---|---|---|---|---|---|---|")  # fmt: skip
+          "|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for name in args.models.split(","):
         model, calib, held = peers.data(name)
         ref = qt.quantize(model, calib[0], calib, backend=None, progress=False)
         before = qt.lower(ref, cpu_backend(attention=False))
         after = qt.lower(ref, cpu_backend())
         fused = sum(1 for n in after.graph.nodes if str(n.target) == "quantree.attention.default")
+        linears = [
+            sum(1 for n in m.graph.nodes if str(n.target) == "quantree.linear16.default")
+            for m in (before, after)
+        ]
         with torch.no_grad():
             want = [peers.flat(model(*a)) for a in held]
             got_b = [peers.flat(before(*a)) for a in held]
@@ -53,7 +60,7 @@ def main() -> None:
         for _ in range(args.rounds):
             ms = balanced_medians(model, before, after, held[0], args.runs)
             b, a = ms["before"] / ms["float"], ms["after"] / ms["float"]
-            print(f"| {name} | {fused} | {ms['float']:.2f} | {b:.3f}x | {a:.3f}x | {a / b:.3f} "
+            print(f"| {name} | {fused} | {linears[0]} -> {linears[1]} | {ms['float']:.2f} | {b:.3f}x | {a:.3f}x | {a / b:.3f} "
                   f"| {quality} | {diff:.1e} |", flush=True)  # fmt: skip
     print(f"\n{load_note()}; torch {torch.__version__}; one thread, process CPU time")
 
