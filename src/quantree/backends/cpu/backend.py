@@ -175,7 +175,8 @@ def cpu_backend(hidden_bits: int = 8, attention: bool = True) -> Backend:
     dearer at large batch, and single-layer recurrences then follow the reference much more
     closely (figures: benchmarks/README.md, "Figures moved from docstrings").
     ``attention=False`` leaves float attention blocks as ATen calls instead of one
-    ``quantree.attention`` each (``passes/attention.py``): the comparison's other side.
+    ``quantree.attention`` each (``passes/attention.py``), and their q/k/v projections as
+    separate linears (``passes/sibling_linears.py``): the comparison's other side.
     """
     rules: tuple[LoweringRule, ...] = (
         recurrent_rule(hidden_bits),
