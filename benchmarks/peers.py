@@ -181,6 +181,16 @@ def peer_quantree(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
     return lambda args: lowered(*args)
 
 
+def peer_quantree_unfused(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
+    """quantree with float attention blocks left as ATen calls (``cpu_backend(attention=
+    False)``): the comparison's other side in the same run."""
+    from quantree.backends import cpu_backend
+
+    backend = cpu_backend(attention=False)
+    lowered = qt.quantize(model, calib[0], calib, backend=backend, progress=False)
+    return lambda args: lowered(*args)
+
+
 def peer_quantree_h16(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
     """quantree with recurrent layers feeding h back at int16 (``cpu_backend(hidden_bits=16)``)."""
     from quantree.backends import cpu_backend
@@ -260,6 +270,7 @@ def peer_torchao(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
 
 PEER_BUILDERS: dict[str, Callable[[nn.Module, list[tuple], Path], Call]] = {
     "quantree": peer_quantree,
+    "quantree_unfused": peer_quantree_unfused,
     "quantree_h16": peer_quantree_h16,
     "quantree_s16": peer_quantree_s16,
     "et": peer_et,

@@ -72,7 +72,10 @@ NATIVE_FLOAT = "float, native program"  # a backend program or kernel computing 
 FLOAT = "float"
 INT8_STATUSES = (INT8_KERNEL, INT16_KERNEL, INT8_MOVE, INT8_CONSTANT, SIMULATED)
 _INT16_INPUT_OPS = ("quantree.linear16.default", "quantree.conv16.default")
-_FLOAT_KERNEL_OPS = {"quantree.group_norm.default": "group_norm"}  # float in, float out
+_FLOAT_KERNEL_OPS = {  # float in, float out
+    "quantree.group_norm.default": "group_norm",
+    "quantree.attention.default": "attention",
+}
 
 # Ops that only move, select or reshape elements: on int8 values they are exact, so one
 # reading and writing int8 (or between a dequantize and a quantize with the same parameters)

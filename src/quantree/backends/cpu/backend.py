@@ -26,6 +26,7 @@ from quantree.backends.cpu.native.direct import call_directly
 from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
 from quantree.backends.cpu.native.loader import library
+from quantree.backends.cpu.passes.attention import fuse_attention
 from quantree.backends.cpu.passes.casts import drop_identity_casts
 from quantree.backends.cpu.passes.dequantized_constants import fold_dequantized_constants
 from quantree.backends.cpu.passes.dropout import drop_eval_dropout
@@ -35,6 +36,7 @@ from quantree.backends.cpu.passes.packed_qkv import split_packed_qkv
 from quantree.backends.cpu.passes.regions import fuse_regions
 from quantree.backends.cpu.passes.rms_norm import recognise_rms_norm
 from quantree.backends.cpu.passes.shared_constants import share_identical
+from quantree.backends.cpu.passes.sibling_linears import merge_sibling_linears
 from quantree.backends.cpu.passes.simulated import simulated_ops, warn_simulated
 from quantree.backends.cpu.rules.cat import lower_cat
 from quantree.backends.cpu.rules.composite.global_norm import lower_global_norm
@@ -73,7 +75,9 @@ from quantree.recurrent.loop import CellLoop, RecurrentCells
 from quantree.recurrent.unrolled.step_loop import StepLoop
 
 
-def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
+def finish(
+    gm: fx.GraphModule, nested: Backend | None = None, attention: bool = True
+) -> fx.GraphModule:
     """Lower nested graphs, native q/dq for what is left, identical constants stored once,
     keep only the tensors read; name what still computes in float (``float_report``).
 
@@ -90,6 +94,9 @@ def finish(gm: fx.GraphModule, nested: Backend | None = None) -> fx.GraphModule:
         split_packed_qkv(gm)  # nn.MultiheadAttention's q/k/v split: column slices
         drop_identity_casts(gm)  # float32 .to(float32) and its check: no region cut there
         drop_eval_dropout(gm)  # eval-mode dropout returns its input: no call, no cut
+        if attention:
+            merge_sibling_linears(gm)  # q, k, v projections of one input: one linear16
+            fuse_attention(gm)  # float softmax(q k^T * c + mask) v: one native call
         recognise_rms_norm(gm)  # LLaMA/T5's five-op RMSNorm: one op, one program instruction
         fuse_regions(gm)  # runs of small ops, one native call each (cell bodies have theirs)
         # after fusion: an op a program now runs is named once, by the float-op warning
@@ -160,13 +167,16 @@ def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
         )
 
 
-def cpu_backend(hidden_bits: int = 8) -> Backend:
+def cpu_backend(hidden_bits: int = 8, attention: bool = True) -> Backend:
     """The native CPU backend; ``hidden_bits`` is how recurrent layers feed h back.
 
     8 (``CPU``): int8 like every other activation, the fastest. 16: int16 split into two
     byte planes, one fused VNNI pass; free at batch 1 (the step is memory bound), a little
     dearer at large batch, and single-layer recurrences then follow the reference much more
     closely (figures: benchmarks/README.md, "Figures moved from docstrings").
+    ``attention=False`` leaves float attention blocks as ATen calls instead of one
+    ``quantree.attention`` each (``passes/attention.py``), and their q/k/v projections as
+    separate linears (``passes/sibling_linears.py``): the comparison's other side.
     """
     rules: tuple[LoweringRule, ...] = (
         recurrent_rule(hidden_bits),
@@ -198,8 +208,10 @@ def cpu_backend(hidden_bits: int = 8) -> Backend:
         lower_softmax,
     )
     name = "cpu" if hidden_bits == 8 else f"cpu-h{hidden_bits}"
+    name += "" if attention else "-unfused-attention"
     body = Backend(f"{name}-body", rules, prepare_module=finish)
-    return Backend(name, rules, prepare_module=functools.partial(finish, nested=body))
+    fin = functools.partial(finish, nested=body, attention=attention)
+    return Backend(name, rules, prepare_module=fin)
 
 
 CPU = cpu_backend()

@@ -21,6 +21,7 @@ from torch._ops import OpOverload
 from quantree.backends.cpu.cells.program import cell_loop
 from quantree.backends.cpu.native.bound_calls import BINDINGS, Binding
 from quantree.backends.cpu.ops import (
+    attention,
     avg_pool2d,
     binary,
     conv1d,
@@ -49,7 +50,7 @@ from quantree.backends.cpu.ops.rnn_packed import PackedRnnRunner
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
-    for fn in (avg_pool2d, binary, cell_loop, conv1d, conv2d, conv16, conv_transpose,
+    for fn in (attention, avg_pool2d, binary, cell_loop, conv1d, conv2d, conv16, conv_transpose,
                conv_transpose16, dequantize, embedding_rows, glu, group_norm, linear, linear16,
                lookup, matmul, max_pool2d, mean_hw, program, quantize, rnn, rnn_cell, softmax)
 }  # fmt: skip

@@ -31,6 +31,8 @@ from quantree.backends.cpu.ops import rnn_cell as rnn_cell_op
 from quantree.backends.cpu.ops import rnn_packed as rnn_packed_op
 from quantree.backends.cpu.ops import wide as wide_op
 from quantree.backends.cpu.ops.affine import channel_affine
+from quantree.backends.cpu.ops.composite import attention as attention_op
+from quantree.backends.cpu.ops.composite.attention import attention
 from quantree.backends.cpu.ops.conv_transpose import conv_transpose, conv_transpose16
 from quantree.backends.cpu.ops.elementwise import (
     binary,
@@ -54,6 +56,7 @@ from quantree.backends.cpu.saved.derived_ops import derived_bias, derived_offset
 
 OPS = (
     affine_op,
+    attention_op,
     cell_loop,
     conv1d_op,
     conv_transpose_op,
@@ -79,6 +82,7 @@ __all__ = [
     "OPS",
     "PER_LAYER",
     "RNN_KINDS",
+    "attention",
     "avg_pool2d",
     "binary",
     "channel_affine",

@@ -308,6 +308,16 @@ inline void gemm_tall_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, i
         gemm_u8s8(M, N, Kp, A, lda, B, ep, A_lo, prepared);
 }
 
+// softmax(q k^T * scale + mask) v of every (batch, head) (attention.cpp): element strides
+// of the batch, head and row dimensions (the last dimension's is 1); mask may be null.
+struct AttentionArgs {
+    const float *q, *k, *v, *mask;
+    float* out;
+    int64_t B, H, Sq, Sk, D, Dv;
+    int64_t qs[3], ks[3], vs[3], ms[3], os[3];
+    float scale;
+};
+
 }  // namespace qt
 
 #define QT_CATCH                                                        \
