@@ -23,6 +23,7 @@ from quantree.core.graphs import fetch_attr, unique_attr
 from quantree.core.points import POINT_KEY
 from quantree.recurrent.unrolled.cells import write_out_cells
 from quantree.recurrent.unrolled.find import Recurrence, SeqInput, find_recurrence
+from quantree.recurrent.unrolled.sink import sink_producers
 from quantree.recurrent.unrolled.step_loop import StepInput, StepLoop, StepOutput
 
 CELL_STEP_KEY = "quantree_cell_step"
@@ -45,6 +46,8 @@ def fold_loops(
         if not made and before_first_fold is not None:
             before_first_fold()
         made.append(fold(gm, rec))
+        if not is_cell_step(gm.get_submodule(made[-1])):  # a cell program reads its input whole
+            sink_producers(gm, made[-1])
     if made:
         gm.graph.lint()
         gm.recompile()
