@@ -202,9 +202,9 @@ def _step_val(src: fx.Node, plan: _Plan) -> Tensor | None:
 def _apply(gm: fx.GraphModule, call: fx.Node, loop: StepLoop, plan: _Plan) -> None:
     """Rewrite ``loop``'s body and ``call``'s arguments for ``plan``; erase the producer."""
     n, m = loop.n_states, len(loop.inputs)
-    args = list(call.args)
+    args: list[Any] = list(call.args)
     states, invariants = args[:n], args[n + m :]
-    sources = [(a, s) for a, s in zip(args[n : n + m], loop.inputs, strict=True)]
+    sources: list[tuple[fx.Node, StepInput]] = list(zip(args[n : n + m], loop.inputs, strict=True))
     del sources[plan.index]
     step_leaves: list[tuple[str, Any]] = []  # (src | inv | const | attr, position or value)
     for how in plan.leaves:
