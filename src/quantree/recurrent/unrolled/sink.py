@@ -1,21 +1,22 @@
 """Sink elementwise producers of a folded loop's per-step inputs into its step.
 
 A selective scan written in PyTorch computes its per-step inputs whole before the loop
-(``exp(A[:, None] * dt[..., None])``, ``dt[..., None] * B[:, None] * x[..., None]``: a
-``[B, D, T, N]`` tensor each) and the loop reads one ``[B, D, N]`` slice of them a step.
-Computed whole, those tensors are written and read once more than the loop needs, which
-costs more than the folded loop itself at a few hundred steps. Step ``t``'s slice of an
-elementwise op is the op of its operands' slices (``select(f(a, b), d, t) = f(a_t, b_t)``,
-an operand broadcast along ``d`` read whole), so the op moves into the step, which then
-reads the smaller operands; repeated while the new per-step inputs are themselves such ops.
+(``exp(A[:, None] * dt[..., None])``, ``dt[..., None] * B[:, None] * x[..., None]``: a ``[B,
+D, T, N]`` tensor each) and the loop reads one ``[B, D, N]`` slice of them a step. Computed
+whole, those tensors are written and read once more than the loop needs, which costs more
+than the folded loop itself at a few hundred steps. Step ``t``'s slice of an elementwise op
+is the op of its operands' slices (``select(f(a, b), d, t) = f(a_t, b_t)``, an operand
+broadcast along ``d`` read whole), so the op moves into the step, which then reads the
+smaller operands; repeated while the new per-step inputs are themselves such ops.
 
 A producer moves only where nothing else reads it (its other readers would still need the
-whole tensor), where it is elementwise along the step dimension (an op tagged
-``pointwise`` that draws no random numbers, a dtype cast, an ``unsqueeze`` of another
-dimension) and where the step's op gives the slice's shape and dtype exactly (a 0-d slice
-would promote types differently). The step computes the same ops on the same elements, so
-the loop's results are those of the ops computed whole (exactly for arithmetic; to the last
-bit of a vectorised ``exp`` and the like).
+whole tensor), where it is elementwise along the step dimension (an op tagged ``pointwise``
+that draws no random numbers, a dtype cast, an ``unsqueeze`` or a ``slice`` of another
+dimension; a slice of the whole step dimension is its input) and where the step's op gives
+the slice's shape and dtype exactly (a 0-d slice would promote types differently). The step
+computes the same ops on the same elements, so the loop's results are those of the ops
+computed whole (exactly for arithmetic; to the last bit of a vectorised ``exp`` and the
+like).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ aten = torch.ops.aten
 CASTS = (aten.to.dtype, aten._to_copy.default)
 CAST_KWARGS = {"dtype"}
 """The only keyword a cast may carry to move into the step (not a device or layout)."""
+VIEWS = (aten.unsqueeze.default, aten.slice.Tensor)
+"""Views along one dimension (argument 1) that move into the step when it is not the step's."""
 ASSERTS = (aten._assert_tensor_metadata.default,)
 """Export's dtype checks on a tensor: they read it, compute nothing, and go where it goes."""
 
@@ -63,27 +66,58 @@ def sink_producers(gm: fx.GraphModule, name: str) -> int:
     assert isinstance(loop, StepLoop)
     call = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == name)
     moved = 0
-    while True:
-        n, m = loop.n_states, len(loop.inputs)
-        sources = list(call.args[n : n + m])
-        plan = None
-        for i, src in enumerate(sources):
-            assert isinstance(src, fx.Node)
-            plan = _plan(call, i, src, loop.inputs[i])
-            if plan is not None:
-                break
-        if plan is None:
-            return moved
-        _apply(gm, call, loop, plan)
+    while _sink_one(gm, call, loop):
         moved += 1
+    return moved
+
+
+def _sink_one(gm: fx.GraphModule, call: fx.Node, loop: StepLoop) -> bool:
+    """Move one producer of ``loop``'s per-step inputs into its step (False: none moves)."""
+    n, m = loop.n_states, len(loop.inputs)
+    for i, src in enumerate(call.args[n : n + m]):
+        assert isinstance(src, fx.Node)
+        if _whole_slice(call, src):  # ``decay[:, :, t]``'s ``[:]``: read its input
+            call.args = (*call.args[: n + i], src.args[0], *call.args[n + i + 1 :])
+            _erase(gm, src)
+            return True
+        plan = _plan(call, i, src, loop.inputs[i])
+        if plan is not None:
+            _apply(gm, call, loop, plan)
+            return True
+    return False
+
+
+def _only_the_loop_reads(call: fx.Node, src: fx.Node) -> bool:
+    """Whether ``call`` reads ``src`` once, as a per-step input, and nothing else does."""
+    if any(u is not call and u.target not in ASSERTS for u in src.users):
+        return False
+    return sum(a is src for a in call.args) == 1
+
+
+def _whole_slice(call: fx.Node, src: fx.Node) -> bool:
+    """Whether ``src`` is a slice of a whole dimension (the same tensor) only ``call`` reads."""
+    if src.target != aten.slice.Tensor or src.kwargs or not isinstance(src.args[0], fx.Node):
+        return False
+    a: Any = src.args
+    start, step = (a[2] if len(a) > 2 else 0), (a[4] if len(a) > 4 else 1)
+    out, whole = src.meta.get("val"), a[0].meta.get("val")
+    if start not in (0, None) or step != 1 or not isinstance(out, Tensor):
+        return False
+    return (
+        isinstance(whole, Tensor)
+        and list(out.shape) == list(whole.shape)
+        and _only_the_loop_reads(call, src)
+    )
+
+
+def _erase(gm: fx.GraphModule, node: fx.Node) -> None:
+    for user in list(node.users):
+        gm.graph.erase_node(user)  # the asserts left: the loop no longer reads it
+    gm.graph.erase_node(node)
 
 
 def _plan(call: fx.Node, index: int, src: fx.Node, spec: StepInput) -> _Plan | None:
-    if src.op != "call_function" or not _elementwise(src):
-        return None
-    if any(u is not call and u.target not in ASSERTS for u in src.users):
-        return None
-    if sum(a is src for a in call.args) != 1:  # read once, as this per-step input
+    if src.op != "call_function" or not _elementwise(src) or not _only_the_loop_reads(call, src):
         return None
     out = src.meta.get("val")
     if not isinstance(out, Tensor) or out.dim() == 0:
@@ -95,7 +129,7 @@ def _plan(call: fx.Node, index: int, src: fx.Node, spec: StepInput) -> _Plan | N
         return None
     leaves, _ = tree_flatten((src.args, src.kwargs))
     plan = _Plan(index, src, [], spec)
-    if src.target == aten.unsqueeze.default:
+    if src.target in VIEWS:  # a view along another dimension: the slice's view
         k = src.args[1]
         assert isinstance(k, int)
         k %= r
@@ -103,7 +137,9 @@ def _plan(call: fx.Node, index: int, src: fx.Node, spec: StepInput) -> _Plan | N
             return None
         a = src.args[0]
         assert isinstance(a, fx.Node)
-        plan.leaves = [("src", a, _moved(spec, d if d < k else d - 1)), ("const", k)]
+        below = src.target == aten.unsqueeze.default and k < d  # the step's dimension moved
+        plan.leaves = [("src", a, _moved(spec, d - 1 if below else d))]
+        plan.leaves += [("const", x) for x in leaves[1:]]
         plan.args_fix[1] = k - 1 if spec.width == 0 and k > d else k
     else:
         for leaf in leaves:
@@ -133,8 +169,10 @@ def _plan(call: fx.Node, index: int, src: fx.Node, spec: StepInput) -> _Plan | N
 
 def _elementwise(n: fx.Node) -> bool:
     target = n.target
-    if target == aten.unsqueeze.default:
-        return len(n.args) == 2 and not n.kwargs and isinstance(n.args[1], int)
+    if target in VIEWS:
+        a = n.args
+        return not n.kwargs and isinstance(a[1], int) and all(type(x) in (int, type(None))
+                                                              for x in a[1:])  # fmt: skip
     if target in CASTS:
         return set(n.kwargs) <= CAST_KWARGS
     tags = getattr(target, "tags", ())
@@ -230,9 +268,7 @@ def _apply(gm: fx.GraphModule, call: fx.Node, loop: StepLoop, plan: _Plan) -> No
     loop.body = _body(gm, loop, plan, sources, invariants, step_leaves)
     loop.inputs = tuple(s for _, s in sources)
     call.args = (*states, *(a for a, _ in sources), *invariants)
-    for user in list(plan.node.users):
-        gm.graph.erase_node(user)  # the asserts left: the loop no longer reads it
-    gm.graph.erase_node(plan.node)
+    _erase(gm, plan.node)
     for how in plan.leaves:  # a weight only the producer read now lives in the step
         if how[0] == "inv" and how[1].op == "get_attr" and not how[1].users:
             gm.graph.erase_node(how[1])

@@ -527,9 +527,7 @@ def _column(shape: Shape, out: Shape) -> bool:
     if dtype != out[1] or not src or not dims or src[-1] != 1 or dims[-1] == 1:
         return False
     lead = (1,) * (len(dims) - len(src)) + tuple(src[:-1])
-    return len(lead) == len(dims) - 1 and all(
-        x == y for x, y in zip(lead, dims[:-1], strict=True)
-    )
+    return len(lead) == len(dims) - 1 and all(x == y for x, y in zip(lead, dims[:-1], strict=True))
 
 
 def _regions(
