@@ -514,20 +514,10 @@ def _broadcasts(shape: Shape | None, out: Shape) -> bool:
     columns (one value per row: ``FLOAT_BINARY``'s column flag)."""
     if shape is None or shape == out:
         return shape is not None
-    if _column(shape, out):
+    if region_math.column(shape, out):
         return True
     dims = row_map(shape[0], out[0], None)
     return shape[1] == out[1] and dims is not None and copies(dims) <= MAX_COPIES
-
-
-def _column(shape: Shape, out: Shape) -> bool:
-    """``shape`` is a float32 column of ``out``'s rows: ``[..., M, 1]`` read as one value per
-    row of ``[..., M, N]`` (an outer product's ``a[..., None] * b[..., None, :]``)."""
-    (src, dtype), dims = shape, out[0]
-    if dtype != out[1] or not src or not dims or src[-1] != 1 or dims[-1] == 1:
-        return False
-    lead = (1,) * (len(dims) - len(src)) + tuple(src[:-1])
-    return len(lead) == len(dims) - 1 and all(x == y for x, y in zip(lead, dims[:-1], strict=True))
 
 
 def _regions(
@@ -645,7 +635,7 @@ def _replace(
         ):
             sources, flag = [], 0
             for i, x in enumerate(a):
-                if shapes[x] == shapes[n] or _column(shapes[x], shapes[n]):
+                if shapes[x] == shapes[n] or region_math.column(shapes[x], shapes[n]):
                     flag = flag or (2 - i if shapes[x] != shapes[n] else 0)
                     sources.append(slot[x])
                     continue
