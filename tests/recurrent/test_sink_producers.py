@@ -49,8 +49,8 @@ class OuterScan(nn.Module):
         return y
 
 
-def _folded(model: nn.Module, x: torch.Tensor) -> torch.fx.GraphModule:
-    return qt.capture(model, (x,), fold_loops=True)
+def _folded(model: nn.Module, x: torch.Tensor, dynamic_batch: bool = False) -> torch.fx.GraphModule:
+    return qt.capture(model, (x,), fold_loops=True, dynamic_batch=dynamic_batch)
 
 
 def _step_targets(gm: torch.fx.GraphModule) -> list:
@@ -118,4 +118,19 @@ def test_a_producer_with_another_reader_or_not_elementwise_along_the_steps_stays
     assert aten.cumsum.default not in _step_targets(gm)
     with torch.no_grad():
         want, got = summed(y), gm(y)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_an_outer_product_over_a_batch_left_to_vary_stays_outside():
+    """Programs broadcast over fixed sizes only: with a dynamic batch, the products that
+    broadcast ``dt`` against ``A`` and ``x`` stay outside (the step would run in Python), the
+    ``exp`` after one still moves in."""
+    torch.manual_seed(0)
+    model = OuterScan().eval()
+    gm = _folded(model, torch.randn(2, 9, 5), dynamic_batch=True)
+    assert len(_whole(gm)) == 2  # the two outer products, made whole
+    assert aten.exp.default in _step_targets(gm)
+    y = torch.randn(3, 17, 5)
+    with torch.no_grad():
+        want, got = model(y), gm(y)
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()

@@ -164,7 +164,26 @@ def _plan(call: fx.Node, index: int, src: fx.Node, spec: StepInput) -> _Plan | N
         return None
     if list(plan.val.shape) != list(want.shape):
         return None
+    if src.target not in VIEWS and _outer(src, plan) and not _static(plan.val):
+        return None
     return plan
+
+
+def _outer(src: fx.Node, plan: _Plan) -> bool:
+    """Whether an operand of the op broadcasts to the result (an outer product)."""
+    out = src.meta["val"]
+    return any(
+        isinstance(v := how[1].meta.get("val"), Tensor) and list(v.shape) != list(out.shape)
+        for how in plan.leaves
+        if how[0] != "const"
+    )
+
+
+def _static(val: Tensor) -> bool:
+    """Whether every size of the step's value is fixed. A broadcast over a size left to vary
+    (a dynamic batch) is one that programs do not run, and the loop would run in Python,
+    slower than computing the op whole before it: such an op stays outside."""
+    return all(isinstance(d, int) for d in val.shape)
 
 
 def _elementwise(n: fx.Node) -> bool:
