@@ -190,6 +190,16 @@ def test_a_column_operand_in_a_program_gives_the_same_bits_as_aten():
     assert [t for t in ops if "aten" in t] == ["aten.unsqueeze.default"]  # the input's view
     for a, b in zip(gm(*ex), want, strict=True):
         assert torch.equal(a, b)
+    call = next(n for n in gm.graph.nodes if n.target == torch.ops.quantree.program.default)
+    code = getattr(gm, str(call.args[2].target))  # type: ignore[union-attr]
+    rows = [i for i, c in enumerate(code.tolist()) if c[0] == 7 and c[5] in (1, 2)]
+    assert rows  # FLOAT_BINARY with a column operand
+    for flag, message in ((3, "operand flag"), (-1, "operand flag")):
+        tampered = code.clone()
+        tampered[rows[0], 5] = flag
+        setattr(gm, str(call.args[2].target), tampered)  # type: ignore[union-attr]
+        with pytest.raises(qt.QuantreeError, match=message):
+            gm(*ex)
 
 
 def test_step_math_stays_out_of_programs_unless_asked():
