@@ -192,6 +192,41 @@ def test_a_matrix_times_a_vector_in_a_program_matches_aten_within_rounding(k):
     torch.testing.assert_close(gm(*ex), want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_column_operand_in_a_program_gives_the_same_bits_as_aten():
+    """A selective scan's step once its producers moved in (``recurrent/unrolled/sink.py``):
+    outer products ``dt[..., None] * b[:, None]`` and ``x * dt[..., None]``, a column of one
+    value per row on either side of add / mul / sub / div / maximum: one program, every op
+    inside, each element one float op as ATen's (the same bits)."""
+
+    class Outer(nn.Module):
+        def forward(self, dt, b, x):  # [B, D], [B, N], [B, D, N]
+            col = dt[..., None]
+            outer = col * b[:, None]
+            return (
+                outer + x, x - col, col - x, x / (col + 2), (col + 3) / (x * x + 1),
+                torch.maximum(col, x), torch.minimum(x, col), col * x + outer,
+            )  # fmt: skip
+
+    ex = (torch.randn(2, 6), torch.randn(2, 5), torch.randn(2, 6, 5))
+    gm = torch.export.export(Outer(), ex).module()
+    want = gm(*ex)
+    assert fuse_regions(gm, min_ops=1, math=True) == 1
+    ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert [t for t in ops if "aten" in t] == ["aten.unsqueeze.default"]  # the input's view
+    for a, b in zip(gm(*ex), want, strict=True):
+        assert torch.equal(a, b)
+    call = next(n for n in gm.graph.nodes if n.target == torch.ops.quantree.program.default)
+    code = getattr(gm, str(call.args[2].target))  # type: ignore[union-attr]
+    rows = [i for i, c in enumerate(code.tolist()) if c[0] == 7 and c[5] in (1, 2)]
+    assert rows  # FLOAT_BINARY with a column operand
+    for flag, message in ((3, "operand flag"), (-1, "operand flag")):
+        tampered = code.clone()
+        tampered[rows[0], 5] = flag
+        setattr(gm, str(call.args[2].target), tampered)  # type: ignore[union-attr]
+        with pytest.raises(qt.QuantreeError, match=message):
+            gm(*ex)
+
+
 def test_step_math_stays_out_of_programs_unless_asked():
     gm, _ = _float_step()
     fuse_regions(gm, min_ops=1)

@@ -24,6 +24,7 @@ from quantree.core.points import POINT_KEY
 from quantree.recurrent.unrolled.cells import write_out_cells
 from quantree.recurrent.unrolled.find import find_recurrence
 from quantree.recurrent.unrolled.recurrence import Recurrence, SeqInput
+from quantree.recurrent.unrolled.sink import sink_producers
 from quantree.recurrent.unrolled.step_loop import StepInput, StepLoop, StepOutput
 from quantree.recurrent.unrolled.writes import captured_steps, covers
 
@@ -47,6 +48,8 @@ def fold_loops(
         if not made and before_first_fold is not None:
             before_first_fold()
         made.append(fold(gm, rec))
+        if not is_cell_step(gm.get_submodule(made[-1])):  # a cell program reads its input whole
+            sink_producers(gm, made[-1])
     if made:
         gm.graph.lint()
         gm.recompile()

@@ -77,6 +77,16 @@ def infer(n: fx.Node, shapes: dict[fx.Node, Shape]) -> None:
     shapes[n] = ((*sa[:-1], sb[-1]), torch.int8 if float(a[6]) > 0 else torch.float32)
 
 
+def column(shape: Shape, out: Shape) -> bool:
+    """``shape`` is a float32 column of ``out``'s rows: ``[..., M, 1]`` read as one value per
+    row of ``[..., M, N]`` (an outer product's ``a[..., None] * b[..., None, :]``)."""
+    (src, dtype), dims = shape, out[0]
+    if dtype != out[1] or not src or not dims or src[-1] != 1 or dims[-1] == 1:
+        return False
+    lead = (1,) * (len(dims) - len(src)) + tuple(src[:-1])
+    return len(lead) == len(dims) - 1 and all(x == y for x, y in zip(lead, dims[:-1], strict=True))
+
+
 def covered(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool | None:
     """Whether the program runs ``n`` (None: not an op of this module's)."""
     a: Any = n.args
@@ -92,7 +102,9 @@ def covered(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool | None:
             return False
         return floats and not n.kwargs and shapes.get(a[0]) == out
     if n.target in BINARY_KINDS and len(a) == 2 and all(isinstance(x, fx.Node) for x in a):
-        return floats and not n.kwargs and all(shapes.get(x) == out for x in a)
+        equal = [shapes.get(x) == out for x in a]
+        cols = [out is not None and x in shapes and column(shapes[x], out) for x in a]
+        return floats and not n.kwargs and all(e or c for e, c in zip(equal, cols, strict=True))
     if n.target in MATMULS:
         same = all(shapes.get(x, ((), None))[1] == torch.float32 for x in a[:2])
         return floats and same and _matmul_dims(n, shapes) is not None
@@ -128,8 +140,10 @@ def emit(
         p.emit([FLOAT_SCALAR, dst, slot[a[0]], scalar[0]], [scalar[1]])
     elif n.target in UNARY_KINDS:
         p.emit([FLOAT_UNARY, dst, slot[a[0]], UNARY_KINDS[n.target]], [])  # type: ignore[index]
-    elif n.target in BINARY_KINDS:
-        p.emit([FLOAT_BINARY, dst, slot[a[0]], slot[a[1]], BINARY_KINDS[n.target]], [])  # type: ignore[index]
+    elif n.target in BINARY_KINDS:  # flag 1 (2): b (a) is a column, one value per row
+        flag = 1 if shapes[a[1]] != shapes[n] else 2 if shapes[a[0]] != shapes[n] else 0
+        kind = BINARY_KINDS[n.target]  # type: ignore[index]
+        p.emit([FLOAT_BINARY, dst, slot[a[0]], slot[a[1]], kind, flag], [])
     else:
         dims = _matmul_dims(n, shapes)
         assert dims is not None

@@ -510,9 +510,12 @@ def _moved_rows(n: fx.Node, shapes: dict[fx.Node, Shape]) -> list[tuple[int, int
 
 
 def _broadcasts(shape: Shape | None, out: Shape) -> bool:
-    """``shape`` is ``out``'s, or a float32 one that broadcasts to it along rows."""
+    """``shape`` is ``out``'s, or a float32 one that broadcasts to it along rows, or along
+    columns (one value per row: ``FLOAT_BINARY``'s column flag)."""
     if shape is None or shape == out:
         return shape is not None
+    if region_math.column(shape, out):
+        return True
     dims = row_map(shape[0], out[0], None)
     return shape[1] == out[1] and dims is not None and copies(dims) <= MAX_COPIES
 
@@ -630,9 +633,10 @@ def _replace(
             and all(isinstance(x, fx.Node) for x in a)
             and any(shapes[x] != shapes[n] for x in a)
         ):
-            sources = []
-            for x in a:
-                if shapes[x] == shapes[n]:
+            sources, flag = [], 0
+            for i, x in enumerate(a):
+                if shapes[x] == shapes[n] or region_math.column(shapes[x], shapes[n]):
+                    flag = flag or (2 - i if shapes[x] != shapes[n] else 0)
                     sources.append(slot[x])
                     continue
                 dims = row_map(shapes[x][0], shapes[n][0], None)
@@ -641,7 +645,7 @@ def _replace(
                 sources.append(gather(p, slot[x], dims))
             dst = value_slot(n)
             assert dst is not None
-            p.emit([FLOAT_BINARY, dst, *sources, FLOAT_BINARY_KINDS[n.target]], [])
+            p.emit([FLOAT_BINARY, dst, *sources, FLOAT_BINARY_KINDS[n.target], flag], [])
             slot[n] = dst
         elif n.target == aten.slice.Tensor:
             shape = shapes[a[0]][0]
