@@ -166,10 +166,10 @@ class _Unpack:
         for pad in self.pads:
             self._rewrite_pad(pad)
         self._drop_size_reads()
-        with self.graph.inserting_after(self.pack):
-            padded = self._call(aten.transpose.int, self.x, 0, 1) if self.batch_first else self.x
-        with self.graph.inserting_after(padded):
+        with self.graph.inserting_after(self.pack):  # after both the input and the lengths
             lens = self._call(aten.to.dtype, self.lengths, torch.int32)
+        with self.graph.inserting_after(lens):
+            padded = self._call(aten.transpose.int, self.x, 0, 1) if self.batch_first else self.x
         for item in _getitems(self.pack, 0):
             item.replace_all_uses_with(padded)
             self.graph.erase_node(item)
