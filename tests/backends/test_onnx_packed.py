@@ -165,7 +165,7 @@ def test_packed_layers_run_in_onnx_runtime_as_the_reference_does(case, target, t
 @pytest.mark.filterwarnings(WARN)
 @pytest.mark.parametrize("target", list(qt.OnnxTarget), ids=lambda t: t.value)
 def test_padding_value_fills_positions_past_each_length(target, tmp_path):
-    model, ref, example, held_out = _quantized("lstm-bi2-bf-unsorted", padding_value=-1.5)
+    _, ref, example, held_out = _quantized("lstm-bi2-bf-unsorted", padding_value=-1.5)
     path = qt.export_onnx(ref, example, tmp_path / "padded.onnx", target=target)
     assert any(n.op_type == "Where" for n in onnx.load(str(path)).graph.node)
     for args in held_out:
@@ -239,3 +239,23 @@ def test_padding_to_the_longest_length_is_refused_with_the_fix(tmp_path):
     ref = qt.quantize(PaddedToLongest().eval(), data[0], data, progress=False, backend="reference")
     with pytest.raises(qt.QuantreeError, match=r"node pad .*longest length.*total_length=x"):
         qt.export_onnx(ref, data[0], tmp_path / "longest.onnx")
+
+
+@pytest.mark.filterwarnings(WARN)
+@pytest.mark.parametrize("case", ["lstm-bi2-bf-unsorted", "gru-bi2-tf-unsorted"])
+def test_rewritten_graph_computes_the_reference_exactly_in_pytorch(case):
+    """The rewrite before ONNX: the padded layers with ``sequence_lens`` (run by the custom
+    ops' PyTorch implementations, PyTorch's packed layer) give the reference's bits; no
+    packing op is left for the exporter."""
+    from quantree.backends.onnx.recurrent import rewrite_recurrent
+    from quantree.core.graphs import copy_graph_module
+
+    _, ref, _, held_out = _quantized(case)
+    gm = copy_graph_module(ref)
+    assert rewrite_recurrent(gm) == 2  # one per layer
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.aten._pack_padded_sequence.default not in targets
+    assert torch.ops.aten._pad_packed_sequence.default not in targets
+    for args in held_out:
+        for g, w in zip(tree_leaves(gm(*args)), tree_leaves(ref(*args)), strict=True):
+            assert torch.equal(g, w)

@@ -97,9 +97,7 @@ def lstm(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dirs = W.shape[0]
     params = _torch_params(W, R, B, LSTM_FROM_ONNX, hidden_size)
-    out, h, c = _run(
-        torch.ops.aten.lstm, X, [initial_h, initial_c], params, dirs, sequence_lens
-    )
+    out, h, c = _run(torch.ops.aten.lstm, X, [initial_h, initial_c], params, dirs, sequence_lens)
     return _onnx_outputs(out, dirs, hidden_size), h.clone(), c.clone()
 
 

@@ -37,7 +37,12 @@ aten = torch.ops.aten
 PACK = aten._pack_padded_sequence.default
 PAD = aten._pad_packed_sequence.default
 _ELEMENTWISE = (QUANTIZE_PER_TENSOR, DEQUANTIZE_PER_TENSOR)
-_NEW = (aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default, aten.new_full.default)
+_NEW = (
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+)
 """Read only their first argument's dtype and device (nn.RNNBase's zero initial state), which
 the padded batch shares with the packed rows."""
 

@@ -160,15 +160,17 @@ class _Layer:
         initial = [
             self._call(aten.slice.Tensor, s, 0, layer * dirs, (layer + 1) * dirs) for s in states
         ]
+        rest: list[Any] = [hidden]
         if self.kind == "lstm":
-            op, rest = torch.ops.quantree_onnx.lstm.default, [hidden]
+            op = torch.ops.quantree_onnx.lstm.default
             n_out = 3
         elif self.kind == "gru":
-            op, rest = torch.ops.quantree_onnx.gru.default, [hidden]
+            op = torch.ops.quantree_onnx.gru.default
             n_out = 2
         else:
             activation = "Relu" if self.kind == "rnn_relu" else "Tanh"
-            op, rest = torch.ops.quantree_onnx.rnn.default, [hidden, activation]
+            op = torch.ops.quantree_onnx.rnn.default
+            rest.append(activation)
             n_out = 2
         if self.sequence_lens is not None:
             rest.append(self.sequence_lens)
