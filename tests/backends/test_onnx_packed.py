@@ -9,7 +9,7 @@ these small random-weight layers that costs it 0.1-1.1 dB against the reference 
 with every sequence at full length (no packing involved) and up to 1.6 dB on these 15
 sequences, above ``test_onnx_onnxruntime``'s 0.5 dB, hence its band of 2 dB here (each
 sequence's final state there is within 2% of the float layer run on that sequence alone, as
-the QDQ export's is); its GRU/RNN stay float.
+the QDQ export's is); its GRU/RNN ``Scan`` gets the same band.
 Positions past a sequence's length must hold exactly the reference's padding; the final
 states are compared like the output.
 """
@@ -178,11 +178,46 @@ def test_padding_value_fills_positions_past_each_length(target, tmp_path):
         assert torch.equal(_past_length(got, args[1], True), padding)
 
 
-@pytest.mark.filterwarnings(WARN)
-def test_gru_with_sequence_lens_stays_float_in_onnxruntime_target_and_is_named(tmp_path):
-    _, ref, example, _ = _quantized("gru-2-bf-sorted")
-    with pytest.warns(qt.QuantreeWarning, match=r"GRU .*sequence_lens given"):
-        qt.export_onnx(ref, example, tmp_path / "gru.onnx", target=qt.OnnxTarget.ONNXRUNTIME)
+@pytest.mark.parametrize("kind", ["GRU", "RNN"])
+def test_gru_and_rnn_with_lengths_run_the_int8_scan_in_onnxruntime_target(kind, tmp_path):
+    """At a batch where the int8 ``Scan`` beats the float kernel (``ort_recurrence``), a
+    packed GRU/RNN runs it with a per-step mask of the sequences still running: no float
+    layer left (nothing named in a warning), the padding exact, the band as for the LSTM."""
+    torch.manual_seed(0)
+    model = Packed(getattr(nn, kind)(FEATURES, 32, 2, bidirectional=True), False).eval()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(STEPS, 64, FEATURES, generator=g), _lengths(g, 64)) for _ in range(8)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)
+        ref = qt.quantize(model, data[0], data[:6], progress=False, backend="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qt.QuantreeWarning)  # nothing left float
+        path = qt.export_onnx(
+            ref, data[0], tmp_path / "scan.onnx", target=qt.OnnxTarget.ONNXRUNTIME
+        )
+    ops = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert "Scan" in ops and "DynamicQuantizeMatMul" in ops and kind not in ops
+    floats, refs, onnxs = [], [], []
+    for args in data[6:]:
+        with torch.no_grad():
+            want, expected = tree_leaves(ref(*args)), tree_leaves(model(*args))
+        got = run_onnx(path, args)
+        padding = _past_length(want[0], args[1], False)
+        assert padding.numel() > 0 and torch.equal(_past_length(got[0], args[1], False), padding)
+        floats.append(expected)
+        refs.append(want)
+        onnxs.append(got)
+    for i in range(len(floats[0])):
+        f = torch.cat([leaves[i].flatten() for leaves in floats])
+        ref_db = float(qt.sqnr(f, torch.cat([leaves[i].flatten() for leaves in refs])))
+        onnx_db = float(qt.sqnr(f, torch.cat([leaves[i].flatten() for leaves in onnxs])))
+        assert onnx_db >= ref_db - BAND_DB[qt.OnnxTarget.ONNXRUNTIME], (i, ref_db, onnx_db)
+
+
+def _lengths(generator: torch.Generator, batch: int) -> torch.Tensor:
+    lengths = torch.randint(1, STEPS + 1, (batch,), generator=generator)
+    lengths[0] = STEPS
+    return lengths
 
 
 class SortedPacked(nn.Module):
