@@ -258,22 +258,51 @@ def test_free_length_exports_and_runs_at_other_lengths(tmp_path):
 
 
 class PaddedToLongest(nn.Module):
-    def __init__(self) -> None:
+    """Tacotron2's encoder and attention: padded to the longest length (``total_length``
+    left out), then added to a broadcast query and passed through tanh."""
+
+    def __init__(self, total_length: int | None = None) -> None:
         super().__init__()
-        self.rnn = nn.LSTM(FEATURES, HIDDEN, batch_first=True)
+        self.rnn = nn.LSTM(FEATURES, HIDDEN, batch_first=True, bidirectional=True)
+        self.query = nn.Linear(FEATURES, 2 * HIDDEN)
+        self.total_length = total_length
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor):
         packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
-        return pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0]
+        out, _ = pad_packed_sequence(
+            self.rnn(packed)[0], batch_first=True, total_length=self.total_length
+        )
+        return torch.tanh(out + self.query(x[:, :1]))
 
 
 @pytest.mark.filterwarnings(WARN)
-def test_padding_to_the_longest_length_is_refused_with_the_fix(tmp_path):
+@pytest.mark.parametrize("target", list(qt.OnnxTarget), ids=lambda t: t.value)
+def test_padding_to_the_longest_length_runs_at_every_longest_length(target, tmp_path):
+    """The ONNX layer's output (the input's length) is sliced to the lengths' largest value:
+    the ONNX model's output has the reference's shape for each batch, within one LSB."""
+    torch.manual_seed(0)
+    data = _batches(torch.Generator().manual_seed(1), True, False, 4)
+    ref = qt.quantize(PaddedToLongest().eval(), data[0], data, progress=False, backend="reference")
+    path = qt.export_onnx(ref, data[0], tmp_path / "longest.onnx", target=target)
+    step = _output_lsb(ref)[0]
+    x = data[1][0]
+    for lengths in (data[1][1], torch.tensor([3, 2, 4, 1, 2]), torch.tensor([1, 1, 1, 1, 1])):
+        with torch.no_grad():
+            want = ref(x, lengths)
+        (got,) = run_onnx(path, (x, lengths))
+        assert got.shape == want.shape == (BATCH, int(lengths.max()), 2 * HIDDEN)
+        if target is qt.OnnxTarget.QDQ:
+            assert float((got - want).abs().max()) <= step * 1.001 + 1e-6
+
+
+@pytest.mark.filterwarnings(WARN)
+def test_padding_to_another_length_is_refused_with_the_fix(tmp_path):
     torch.manual_seed(0)
     data = _batches(torch.Generator().manual_seed(1), True, False, 3)
-    ref = qt.quantize(PaddedToLongest().eval(), data[0], data, progress=False, backend="reference")
-    with pytest.raises(qt.QuantreeError, match=r"node pad .*longest length.*total_length=x"):
-        qt.export_onnx(ref, data[0], tmp_path / "longest.onnx")
+    model = PaddedToLongest(total_length=STEPS + 2).eval()
+    ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
+    with pytest.raises(qt.QuantreeError, match=r"node pad .*pads to 9 steps.*total_length=x"):
+        qt.export_onnx(ref, data[0], tmp_path / "other.onnx")
 
 
 @pytest.mark.filterwarnings(WARN)

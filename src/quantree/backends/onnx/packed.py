@@ -10,14 +10,14 @@ last step, and ``Y`` is zero past its length. So the pack becomes its padded inp
 (seq-first, in the sorted order the pack was given) with the lengths as int32
 ``sequence_lens``; each packed layer becomes the padded layer given them
 (``recurrent._Layer``); the pad becomes the layer's padded output (a ``Where`` for a non-zero
-``padding_value``, transposed back for ``batch_first``). Sorting and unsorting around them
+``padding_value``, sliced to the longest length when ``total_length`` is left out, transposed
+back for ``batch_first``). Sorting and unsorting around them
 (``index_select`` by the sorted indices, final states permuted by ``nn.RNNBase``) are
 ordinary ops and stay as they are.
 
 Refused with the fix: a packed value read by anything else than a per-tensor
 quantize/dequantize, a layer or the pad (the rows' layout has no padded equivalent), and a pad
-to another length than the packed input's (``total_length`` left out pads to the longest
-length, known only from the lengths' values).
+to a ``total_length`` other than the padded input's.
 """
 
 from __future__ import annotations
@@ -127,19 +127,31 @@ class _Unpack:
         val = self.x.meta.get("val")
         return None if val is None else val.shape[1 if self.batch_first else 0]
 
+    def _to_longest(self, pad: fx.Node) -> bool:
+        """Whether ``pad`` pads to the longest length (``total_length`` left out: the number
+        of packed steps, read from the batch sizes)."""
+        total = pad.args[4] if len(pad.args) > 4 else None
+        return (
+            isinstance(total, fx.Node)
+            and total.target is aten.sym_size.int
+            and total.args[0] in self.sizes
+        )
+
     def _check_pads(self) -> None:
         steps = self._steps()
         for pad in self.pads:
+            if self._to_longest(pad):
+                continue
             total = pad.args[4] if len(pad.args) > 4 else None
             if isinstance(total, fx.Node):
                 total = total.meta.get("val")
             if steps is None or total is None or not statically_known_true(total == steps):
                 raise self._refuse(
                     pad,
-                    f"pads to {total} steps, not to the packed input's {steps} (without "
-                    "total_length, pad_packed_sequence pads to the longest length, a size "
-                    "known only from the lengths' values); pass total_length=x.shape[1] "
-                    "(batch_first) or x.shape[0]",
+                    f"pads to {total} steps, neither the padded input's {steps} nor the "
+                    "longest length (ONNX's layers give the input's length, sliced to the "
+                    "longest when total_length is left out); pass total_length=x.shape[1] "
+                    "(batch_first) or x.shape[0], or leave it out",
                 )
 
     def _drop_size_reads(self) -> None:
@@ -188,6 +200,9 @@ class _Unpack:
             self.graph.erase_node(self.pack)
         return len(self.layers)
 
+    def _steps_of(self, data: fx.Node) -> fx.Node:
+        return self._call(aten.sym_size.int, data, 0)
+
     def _rewrite_pad(self, pad: fx.Node) -> None:
         """``(padded, lengths)``: the layer's seq-first output, ``padding_value`` where it is
         past a length (ONNX gives zeros there), transposed back for ``batch_first``."""
@@ -195,6 +210,12 @@ class _Unpack:
         assert isinstance(data, fx.Node)
         with self.graph.inserting_before(pad):
             out = data
+            if self._to_longest(pad):  # the longest length: the lengths' largest value
+                longest = self._call(aten.max.default, self.lengths)
+                n = self._call(aten._local_scalar_dense.default, longest)
+                self._call(torch._check, self._call(operator.ge, n, 1))
+                self._call(torch._check, self._call(operator.le, n, self._steps_of(data)))
+                out = self._call(aten.slice.Tensor, out, 0, 0, n)
             if float(padding_value) != 0.0:  # type: ignore[arg-type]
                 steps = self._call(aten.sym_size.int, data, 0)
                 t = self._call(aten.arange.default, steps, dtype=torch.int64)
