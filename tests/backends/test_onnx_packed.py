@@ -323,3 +323,21 @@ def test_rewritten_graph_computes_the_reference_exactly_in_pytorch(case):
     for args in held_out:
         for g, w in zip(tree_leaves(gm(*args)), tree_leaves(ref(*args)), strict=True):
             assert torch.equal(g, w)
+
+
+class ReadsRows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(FEATURES, HIDDEN)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor):
+        out = self.rnn(pack_padded_sequence(x, lengths, enforce_sorted=False))[0]
+        return torch.relu(out.data)
+
+
+@pytest.mark.filterwarnings(WARN)
+def test_packed_rows_read_by_another_op_are_refused_with_the_fix(tmp_path):
+    data = _batches(torch.Generator().manual_seed(1), False, False, 3)
+    ref = qt.quantize(ReadsRows().eval(), data[0], data, progress=False, backend="reference")
+    with pytest.raises(qt.QuantreeError, match=r"node relu .*reads the packed sequence.*Pad the"):
+        qt.export_onnx(ref, data[0], tmp_path / "rows.onnx")

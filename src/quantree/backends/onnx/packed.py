@@ -93,9 +93,9 @@ class _Unpack:
         return QuantreeError(
             f"node {node.name} ({node.target}) {why}; the ONNX export writes a packed sequence "
             f"(from {self.pack.name}) as its padded batch with sequence_lens, which holds for "
-            "pack_padded_sequence -> LSTM/GRU/RNN -> pad_packed_sequence(..., "
-            "total_length=<the padded input's length>) and nothing else between them. Pad the "
-            "batch before the other op to export it"
+            "pack_padded_sequence -> LSTM/GRU/RNN -> pad_packed_sequence (to the padded "
+            "input's length or the longest) and nothing else between them. Pad the batch "
+            "(pad_packed_sequence) before the other op to export it"
         )
 
     def _trace(self) -> None:
