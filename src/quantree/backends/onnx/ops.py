@@ -11,6 +11,11 @@ in PyTorch's order and call PyTorch's own layer, so they compute exactly what ON
 - RNN: one gate, activation ``Tanh`` or ``Relu``
 
 Outputs: ``Y [seq, dirs, batch, H]``, ``Y_h [dirs, batch, H]`` (and ``Y_c`` for LSTM).
+
+``sequence_lens`` (int32 ``[batch]``, optional, ONNX's input of that name): each sequence runs
+its own number of steps, as PyTorch's packed sequences do (``packed``): ``Y`` is zero past a
+sequence's length, ``Y_h``/``Y_c`` are its state after its last step, and the reverse
+direction starts at that step. The eager implementations run PyTorch's packed layer for it.
 """
 
 from __future__ import annotations
@@ -53,6 +58,32 @@ def _onnx_outputs(out: torch.Tensor, dirs: int, hidden: int) -> torch.Tensor:
     return out.reshape(seq, batch, dirs, hidden).permute(0, 2, 1, 3).contiguous()
 
 
+def _run(
+    layer: Any,
+    X: torch.Tensor,
+    hx: Any,
+    params: list[torch.Tensor],
+    dirs: int,
+    sequence_lens: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """PyTorch's layer (``.input`` overload) on the padded ``X``, or, given ``sequence_lens``,
+    its packed form (``.data``) on ``X`` packed by them and padded back with zeros."""
+    if sequence_lens is None:
+        return layer.input(X, hx, params, True, 1, 0.0, False, dirs == 2, False)
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+    packed = pack_padded_sequence(X, sequence_lens.long(), enforce_sorted=False)
+    order, back = packed.sorted_indices, packed.unsorted_indices
+    assert order is not None and back is not None
+    states = [h.index_select(1, order) for h in hx] if isinstance(hx, list) else hx[:, order]
+    out, *finals = layer.data(
+        packed.data, packed.batch_sizes, states, params, True, 1, 0.0, False, dirs == 2
+    )
+    result = PackedSequence(out, packed.batch_sizes, order, back)
+    padded, _ = pad_packed_sequence(result, total_length=X.shape[0])
+    return (padded, *(f.index_select(1, back) for f in finals))
+
+
 @torch.library.custom_op("quantree_onnx::lstm", mutates_args=())
 def lstm(
     X: torch.Tensor,
@@ -62,17 +93,16 @@ def lstm(
     initial_h: torch.Tensor,
     initial_c: torch.Tensor,
     hidden_size: int,
+    sequence_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dirs = W.shape[0]
     params = _torch_params(W, R, B, LSTM_FROM_ONNX, hidden_size)
-    out, h, c = torch.ops.aten.lstm.input(
-        X, [initial_h, initial_c], params, True, 1, 0.0, False, dirs == 2, False
-    )
+    out, h, c = _run(torch.ops.aten.lstm, X, [initial_h, initial_c], params, dirs, sequence_lens)
     return _onnx_outputs(out, dirs, hidden_size), h.clone(), c.clone()
 
 
 @lstm.register_fake
-def _(X, W, R, B, initial_h, initial_c, hidden_size):
+def _(X, W, R, B, initial_h, initial_c, hidden_size, sequence_lens=None):
     dirs, batch = W.shape[0], X.shape[1]
     y = X.new_empty((X.shape[0], dirs, batch, hidden_size))
     return y, X.new_empty((dirs, batch, hidden_size)), X.new_empty((dirs, batch, hidden_size))
@@ -86,15 +116,16 @@ def gru(
     B: torch.Tensor,
     initial_h: torch.Tensor,
     hidden_size: int,
+    sequence_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dirs = W.shape[0]
     params = _torch_params(W, R, B, GRU_FROM_ONNX, hidden_size)
-    out, h = torch.ops.aten.gru.input(X, initial_h, params, True, 1, 0.0, False, dirs == 2, False)
+    out, h = _run(torch.ops.aten.gru, X, initial_h, params, dirs, sequence_lens)
     return _onnx_outputs(out, dirs, hidden_size), h.clone()
 
 
 @gru.register_fake
-def _(X, W, R, B, initial_h, hidden_size):
+def _(X, W, R, B, initial_h, hidden_size, sequence_lens=None):
     dirs, batch = W.shape[0], X.shape[1]
     return (
         X.new_empty((X.shape[0], dirs, batch, hidden_size)),
@@ -111,16 +142,17 @@ def rnn(
     initial_h: torch.Tensor,
     hidden_size: int,
     activation: str,
+    sequence_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dirs = W.shape[0]
     params = _torch_params(W, R, B, RNN_ORDER, hidden_size)
-    layer = torch.ops.aten.rnn_relu.input if activation == "Relu" else torch.ops.aten.rnn_tanh.input
-    out, h = layer(X, initial_h, params, True, 1, 0.0, False, dirs == 2, False)
+    layer = torch.ops.aten.rnn_relu if activation == "Relu" else torch.ops.aten.rnn_tanh
+    out, h = _run(layer, X, initial_h, params, dirs, sequence_lens)
     return _onnx_outputs(out, dirs, hidden_size), h.clone()
 
 
 @rnn.register_fake
-def _(X, W, R, B, initial_h, hidden_size, activation):
+def _(X, W, R, B, initial_h, hidden_size, activation, sequence_lens=None):
     dirs, batch = W.shape[0], X.shape[1]
     return (
         X.new_empty((X.shape[0], dirs, batch, hidden_size)),
@@ -132,7 +164,7 @@ def _direction(W) -> str:  # type: ignore[no-untyped-def]
     return "bidirectional" if W.shape[0] == 2 else "forward"
 
 
-def onnx_lstm(X, W, R, B, initial_h, initial_c, hidden_size: int):  # type: ignore[no-untyped-def]
+def onnx_lstm(X, W, R, B, initial_h, initial_c, hidden_size: int, sequence_lens=None):  # type: ignore[no-untyped-def]
     """The ONNX translation of ``quantree_onnx::lstm`` (onnxscript, traced)."""
     from onnxscript import opset18 as op
 
@@ -141,6 +173,7 @@ def onnx_lstm(X, W, R, B, initial_h, initial_c, hidden_size: int):  # type: igno
         W,
         R,
         B,
+        sequence_lens=sequence_lens,
         initial_h=initial_h,
         initial_c=initial_c,
         direction=_direction(W),
@@ -148,7 +181,7 @@ def onnx_lstm(X, W, R, B, initial_h, initial_c, hidden_size: int):  # type: igno
     )
 
 
-def onnx_gru(X, W, R, B, initial_h, hidden_size: int):  # type: ignore[no-untyped-def]
+def onnx_gru(X, W, R, B, initial_h, hidden_size: int, sequence_lens=None):  # type: ignore[no-untyped-def]
     from onnxscript import opset18 as op
 
     return op.GRU(
@@ -156,6 +189,7 @@ def onnx_gru(X, W, R, B, initial_h, hidden_size: int):  # type: ignore[no-untype
         W,
         R,
         B,
+        sequence_lens=sequence_lens,
         initial_h=initial_h,
         direction=_direction(W),
         hidden_size=hidden_size,
@@ -163,7 +197,7 @@ def onnx_gru(X, W, R, B, initial_h, hidden_size: int):  # type: ignore[no-untype
     )
 
 
-def onnx_rnn(X, W, R, B, initial_h, hidden_size: int, activation: str):  # type: ignore[no-untyped-def]
+def onnx_rnn(X, W, R, B, initial_h, hidden_size: int, activation: str, sequence_lens=None):  # type: ignore[no-untyped-def]
     from onnxscript import opset18 as op
 
     dirs = W.shape[0]
@@ -172,6 +206,7 @@ def onnx_rnn(X, W, R, B, initial_h, hidden_size: int, activation: str):  # type:
         W,
         R,
         B,
+        sequence_lens=sequence_lens,
         initial_h=initial_h,
         direction=_direction(W),
         hidden_size=hidden_size,

@@ -9,7 +9,12 @@ direction, the decomposition is:
 - a ``Scan`` over time whose body multiplies the hidden state by int8 ``R^T`` with the same
   operator and applies the gates (ONNX's GRU with ``linear_before_reset=1``, which is
   PyTorch's formulation: ``n = tanh(x_n + r * (h R_n^T + Rb_n))``);
-- a reverse direction scans backwards (``scan_input_directions``/``scan_output_directions``).
+- a reverse direction scans backwards (``scan_input_directions``/``scan_output_directions``);
+- given ``sequence_lens`` (a packed sequence, ``packed``), one more scanned input says which
+  sequences are still running at each step: past its length a sequence keeps its state and
+  outputs zeros. Forwards its final state is then the one after its last step; backwards it
+  keeps its initial state until its last step and runs from there: both PyTorch's packed
+  layer (and ONNX's ``sequence_lens``).
 
 Outputs keep the layer's shapes: ``Y [seq, dirs, batch, H]``, ``Y_h [dirs, batch, H]``.
 """
@@ -74,8 +79,6 @@ def scan_is_slower(node: onnx.NodeProto, batch: int | None) -> str | None:
 
 def can_scan(node: onnx.NodeProto) -> str | None:
     """Why ``node`` cannot be decomposed (None when it can)."""
-    if len(node.input) > 4 and node.input[4]:
-        return "sequence_lens given"
     if len(node.input) <= 5 or not node.input[5]:
         return "no initial_h"
     if node.op_type == "GRU" and _attr(node, "linear_before_reset", 0) != 1:
@@ -111,6 +114,8 @@ def scan_recurrence(
     ys, hs = [], []
     act = b"Relu" if node.op_type == "RNN" and _relu(node) else b"Tanh"
     reverse_dir = _attr(node, "direction", b"forward") == b"reverse"
+    lens = node.input[4] if len(node.input) > 4 else ""
+    running = _running(rw, name, x, lens, nodes) if lens else None
     for d in range(dirs):
         p = f"{name}_d{d}"
         # the input projection, split by rows into what the step adds before the sigmoid
@@ -154,17 +159,18 @@ def scan_recurrence(
         h0_index = rw.initializer(f"{p}_h0_index", np.array(d, np.int64))
         h0, y, hT = f"{p}_h0", f"{p}_y", f"{p}_hT"
         nodes.append(helper.make_node("Gather", [node.input[5], h0_index], [h0], axis=0))
-        body = _body(p, gates, hidden, act, rt, r_scale, r_zp, rb, col)
+        body = _body(p, gates, hidden, act, rt, r_scale, r_zp, rb, col, running is not None)
         backwards = int(reverse_dir or d == 1)
+        scanned = [*xps, running] if running else xps
         nodes.append(
             helper.make_node(
                 "Scan",
-                [h0, *xps],
+                [h0, *scanned],
                 [hT, y],
                 name=f"{p}_scan",
                 body=body,
-                num_scan_inputs=len(xps),
-                scan_input_directions=[backwards] * len(xps),
+                num_scan_inputs=len(scanned),
+                scan_input_directions=[backwards] * len(scanned),
                 scan_output_directions=[backwards],
             )
         )
@@ -185,6 +191,26 @@ def scan_recurrence(
     return nodes
 
 
+def _running(rw: Rewriter, name: str, x: str, lens: str, nodes: list[onnx.NodeProto]) -> str:
+    """``[seq, batch, 1]`` bool: whether step ``t`` is within each sequence's length."""
+    p = f"{name}_running"
+    zero = rw.initializer(f"{p}_zero", np.array(0, np.int64))
+    one = rw.initializer(f"{p}_one", np.array(1, np.int64))
+    first = rw.initializer(f"{p}_first", np.array([0], np.int64))
+    axes_t = rw.initializer(f"{p}_axes_t", np.array([1, 2], np.int64))
+    axes_b = rw.initializer(f"{p}_axes_b", np.array([0, 2], np.int64))
+    nodes += [
+        helper.make_node("Shape", [x], [f"{p}_shape"], start=0, end=1),
+        helper.make_node("Squeeze", [f"{p}_shape", first], [f"{p}_steps"]),
+        helper.make_node("Range", [zero, f"{p}_steps", one], [f"{p}_t"]),
+        helper.make_node("Unsqueeze", [f"{p}_t", axes_t], [f"{p}_t3"]),
+        helper.make_node("Cast", [lens], [f"{p}_lens64"], to=TensorProto.INT64),
+        helper.make_node("Unsqueeze", [f"{p}_lens64", axes_b], [f"{p}_lens3"]),
+        helper.make_node("Less", [f"{p}_t3", f"{p}_lens3"], [p]),
+    ]
+    return p
+
+
 def _relu(node: onnx.NodeProto) -> bool:
     acts = _attr(node, "activations", [b"Tanh"])
     return isinstance(acts, list) and bytes(acts[0]) == b"Relu"
@@ -200,11 +226,15 @@ def _body(
     r_zp: str,
     rb: str,
     col: str | None = None,
+    masked: bool = False,
 ) -> onnx.GraphProto:
     """One time step: ``(h, x_t...) -> (h', h')``; the weights are read from the outer graph.
+    ``masked``: a last scanned input ``[batch, 1]`` says which rows still run; the others
+    keep ``h`` and output zeros.
 
     Few nodes: each costs about as much as the step's arithmetic at small sizes."""
-    h, h_next, rp = f"{p}_h", f"{p}_hn", f"{p}_rp"
+    h, rp = f"{p}_h", f"{p}_rp"
+    h_next = f"{p}_hc" if masked else f"{p}_hn"
     product = f"{p}_rp_unscaled" if col else rp
     nodes = [
         helper.make_node(
@@ -237,15 +267,29 @@ def _body(
             helper.make_node("Mul", [f"{p}_z", f"{p}_h_n"], [f"{p}_zh"]),
             helper.make_node("Add", [f"{p}_n", f"{p}_zh"], [h_next]),
         ]
-    nodes.append(helper.make_node("Identity", [h_next], [f"{p}_yt"]))
-    widths = [2 * hidden, hidden] if gates == 3 else [gates * hidden]
+    scanned = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, [None, w])
+        for n, w in zip(xs, widths_of(gates, hidden), strict=True)
+    ]
+    if masked:
+        m, zero = f"{p}_m", f"{p}_yzero"
+        scanned.append(helper.make_tensor_value_info(m, TensorProto.BOOL, [None, 1]))
+        nodes += [
+            helper.make_node("Constant", [], [zero], value_float=0.0),
+            helper.make_node("Where", [m, h_next, h], [f"{p}_hn"]),
+            helper.make_node("Where", [m, h_next, zero], [f"{p}_yt"]),
+        ]
+        h_next = f"{p}_hn"
+    else:
+        nodes.append(helper.make_node("Identity", [h_next], [f"{p}_yt"]))
     state = helper.make_tensor_value_info(h, TensorProto.FLOAT, [None, hidden])
     outs = [
         helper.make_tensor_value_info(v, TensorProto.FLOAT, [None, hidden])
         for v in (h_next, f"{p}_yt")
     ]
-    scanned = [
-        helper.make_tensor_value_info(n, TensorProto.FLOAT, [None, w])
-        for n, w in zip(xs, widths, strict=True)
-    ]
     return helper.make_graph(nodes, f"{p}_step", [state, *scanned], outs)
+
+
+def widths_of(gates: int, hidden: int) -> list[int]:
+    """The widths of a step's scanned projections: ``z|r`` and ``n`` for a GRU."""
+    return [2 * hidden, hidden] if gates == 3 else [gates * hidden]

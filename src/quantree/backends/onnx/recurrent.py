@@ -8,7 +8,8 @@ order and layout (``[dirs, G*H, in]``, per-channel along axis 1), and becomes on
 operator (``quantree_onnx`` custom ops, see ``ops``). The quantize/dequantize pairs that the
 reference graph puts on the input, the initial states and every output leaf stay where they
 are: the initial state is read through a ``Slice`` per layer, and the outputs are assembled from
-the layers' ``Y``/``Y_h``/``Y_c`` before those pairs.
+the layers' ``Y``/``Y_h``/``Y_c`` before those pairs. A layer on a packed sequence becomes the
+same operator on the padded batch with ``sequence_lens`` (``packed``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from quantree.backends.onnx import ops
+from quantree.backends.onnx.packed import unpack_sequences
 from quantree.core.errors import QuantreeError
 from quantree.core.graphs import fetch_attr, register_constant
 from quantree.core.qdq import DEQUANTIZE_PER_CHANNEL, DEQUANTIZE_PER_TENSOR, is_dequantize
@@ -39,10 +41,11 @@ _TO_ONNX = {
 
 def rewrite_recurrent(gm: fx.GraphModule) -> int:
     """Replace every whole-mode recurrent call of ``gm`` in place; the number replaced."""
-    count = 0
-    for node in list(gm.graph.nodes):
-        if _packed_cells(gm, node):  # cells mode's loop over a packed sequence, the same case
+    for node in gm.graph.nodes:
+        if _packed_cells(gm, node):
             _refuse_packed(node, f"cells-mode {node.target}")
+    count = unpack_sequences(gm, lambda node, lens: _Layer(gm, node, lens).rewrite())
+    for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         if node.target in PACKED_OPS:
@@ -70,15 +73,21 @@ def _packed_cells(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 def _refuse_packed(node: fx.Node, what: object) -> None:
     raise QuantreeError(
-        f"node {node.name} ({what}) runs on a packed sequence, which has no ONNX "
-        "form: ONNX's LSTM/GRU/RNN take padded batches with sequence_lens. Pad the batch "
-        "(pad_packed_sequence before the layer) to export it"
+        f"node {node.name} ({what}) runs on a packed sequence the ONNX export cannot write: "
+        "it writes whole-mode layers on a sequence packed inside the model "
+        "(pack_padded_sequence -> LSTM/GRU/RNN -> pad_packed_sequence) as ONNX layers with "
+        "sequence_lens; cells mode's loop over packed rows has no such form. Quantize with "
+        "qt.Int8Quantizer(recurrent=qt.RecurrentMode.WHOLE), or pad the batch "
+        "(pad_packed_sequence before the layer), to export it"
     )
 
 
 class _Layer:
-    def __init__(self, gm: fx.GraphModule, node: fx.Node) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, node: fx.Node, sequence_lens: fx.Node | None = None
+    ) -> None:
         self.gm = gm
+        self.sequence_lens = sequence_lens  # a packed call: its input is already padded
         self.graph = gm.graph
         self.node = node
         self.call = RecurrentCall.parse(node)
@@ -151,18 +160,21 @@ class _Layer:
         initial = [
             self._call(aten.slice.Tensor, s, 0, layer * dirs, (layer + 1) * dirs) for s in states
         ]
+        rest: list[Any] = [hidden]
         if self.kind == "lstm":
-            out = self._call(torch.ops.quantree_onnx.lstm.default, x, W, R, B, *initial, hidden)
+            op = torch.ops.quantree_onnx.lstm.default
             n_out = 3
         elif self.kind == "gru":
-            out = self._call(torch.ops.quantree_onnx.gru.default, x, W, R, B, *initial, hidden)
+            op = torch.ops.quantree_onnx.gru.default
             n_out = 2
         else:
             activation = "Relu" if self.kind == "rnn_relu" else "Tanh"
-            out = self._call(
-                torch.ops.quantree_onnx.rnn.default, x, W, R, B, *initial, hidden, activation
-            )
+            op = torch.ops.quantree_onnx.rnn.default
+            rest.append(activation)
             n_out = 2
+        if self.sequence_lens is not None:
+            rest.append(self.sequence_lens)
+        out = self._call(op, x, W, R, B, *initial, *rest)
         items = [self._call(operator.getitem, out, i) for i in range(n_out)]
         return items[0], items[1:]
 
