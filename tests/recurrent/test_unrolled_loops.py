@@ -211,8 +211,9 @@ class WritesInPlace(nn.Module):
 @pytest.mark.parametrize("how", ["select", "reversed", "narrow"])
 def test_a_step_writing_its_own_slice_of_a_buffer_folds_into_the_loop_output(how):
     """The buffer after the loop is every step's value joined along the written dimension:
-    the loop's collected output replaces it, with no write left, at any length (the same
-    ops on the same tensors: exact)."""
+    the loop's collected output replaces it, with no write left, at any length. Equal up to
+    float rounding: the sigmoid that only the loop reads moves into the step (``sink``), where
+    ATen computes it on one step's slice (a vector tail can round the last bit differently)."""
     torch.manual_seed(0)
     model = WritesInPlace(how).eval()
     x = torch.randn(2, 9, 4)
@@ -223,10 +224,10 @@ def test_a_step_writing_its_own_slice_of_a_buffer_folds_into_the_loop_output(how
     assert loop.free and _ops(folded, "copy_") == 0 and _ops(loop.body, "copy_") == 0
     buffers = [n for n in folded.graph.nodes if n.target == torch.ops.aten.zeros.default]
     assert [len(n.args[0]) for n in buffers] == [2, 2]  # h and base: the [B, T, 4] one is gone
-    assert torch.equal(folded(x), unrolled(x))
+    torch.testing.assert_close(folded(x), unrolled(x), rtol=1e-6, atol=1e-7)
     for length in (1, 17, 40):  # captured at 9
         y = torch.randn(3, length, 4)
-        assert torch.equal(folded(y), model(y))
+        torch.testing.assert_close(folded(y), model(y), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("how", ["fixed", "shifted", "overlap", "read", "alias"])
