@@ -6,8 +6,6 @@
 #include <immintrin.h>
 
 #include <cstring>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "qt_kernels.h"
 #include "qt_vmath.h"
@@ -255,27 +253,6 @@ struct TileConfig {
     uint8_t rows[16];
 };
 
-static bool amx_permitted() {
-    unsigned a, b, c, d;
-    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8
-    // Linux hands out the 8 KiB tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA)
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-}
-
-static int amx_usable = -1;  // -1: not asked yet; else whether the CPU and OS offer AMX
-static int amx_mode = -1;    // -1: not decided yet (on if usable); 0: off; 1: on
-
-static bool amx_offered() {
-    if (amx_usable < 0) amx_usable = amx_permitted() ? 1 : 0;
-    return amx_usable == 1;
-}
-
-static bool amx_on() {
-    if (amx_mode < 0) amx_mode = amx_offered() ? 1 : 0;
-    return amx_mode == 1;
-}
-
 // TR row tiles x TC column tiles of C (at most 2 x 2: 4 accumulators, 2 A and 2 B tiles fill
 // the 8 tile registers). A rows at a (stride lda) for the kfull whole 64-byte k tiles, then
 // the k tail from at (stride 64, zero padded); B blocks from b (tail from bt, zero padded).
@@ -332,6 +309,51 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_config() {
 }
 
 __attribute__((target("amx-tile"))) static void amx_release() { _tile_release(); }
+
+// store_block for rows r0 .. r0 + m - 1 of one block of 16 columns, the accumulators at c
+// (and the low plane's at lo) with a row stride of 32: the column constants loaded once for
+// the block rather than once a row. The same operations in the same order: the same bits.
+static void store_rows(const Epilogue& ep, int64_t r0, int64_t m, int64_t n0, int64_t N,
+                       const int32_t* c, const int32_t* lo) {
+    const int64_t rem = N - n0;
+    const __mmask16 k = rem >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                  : static_cast<__mmask16>((1u << rem) - 1u);
+    const __m512i off = _mm512_maskz_loadu_epi32(k, ep.off + n0);
+    const __m512 zp = _mm512_set1_ps(ep.zero_point), qmin = _mm512_set1_ps(ep.qmin),
+                 qmax = _mm512_set1_ps(ep.qmax), two8 = _mm512_set1_ps(256.0f);
+    auto value = [&](int64_t i) {
+        __m512i acc = _mm512_load_si512(c + i * 32);
+        if (ep.row_off) acc = _mm512_add_epi32(acc, _mm512_set1_epi32(ep.row_off[r0 + i]));
+        __m512 v = _mm512_cvtepi32_ps(_mm512_add_epi32(acc, off));
+        if (lo) v = _mm512_fmadd_ps(v, two8, _mm512_cvtepi32_ps(_mm512_load_si512(lo + i * 32)));
+        return v;
+    };
+    auto store_q = [&](int64_t i, __m512 q) {
+        q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_add_ps(q, zp);
+        q = _mm512_min_ps(_mm512_max_ps(q, qmin), qmax);
+        _mm512_mask_cvtsepi32_storeu_epi8(ep.out_q + (r0 + i) * ep.ldc + n0, k,
+                                          _mm512_cvtps_epi32(q));
+    };
+    if (ep.mult) {
+        const __m512 mu = _mm512_maskz_loadu_ps(k, ep.mult + n0), ad = _mm512_maskz_loadu_ps(k, ep.add + n0);
+        for (int64_t i = 0; i < m; ++i) store_q(i, _mm512_add_ps(_mm512_mul_ps(value(i), mu), ad));
+        return;
+    }
+    const __m512 sc = _mm512_maskz_loadu_ps(k, ep.scale + n0);
+    const __m512 bi = ep.bias ? _mm512_maskz_loadu_ps(k, ep.bias + n0) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < m; ++i) {
+        __m512 y = _mm512_mul_ps(value(i), sc);
+        if (ep.bias) y = _mm512_add_ps(y, bi);
+        if (ep.out_f) {
+            float* dst = ep.out_f + (r0 + i) * ep.ldc + n0;
+            if (ep.accumulate) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(k, dst));
+            _mm512_mask_storeu_ps(dst, k, y);
+        } else {
+            store_q(i, _mm512_mul_ps(y, _mm512_set1_ps(ep.inv_scale)));
+        }
+    }
+}
 
 // C = epilogue(A . B) for M >= 16 rows. Rows go in panels of 32 (a panel's A stays in L1/L2
 // while every column block passes); with a second plane A_lo, panels of 16 rows whose second
@@ -398,31 +420,39 @@ static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
             else if (tr == 2) amx_block<2, 1>(a, a1, stride, at, b, kq, btn, kfull, c);
             else if (tc == 2) amx_block<1, 2>(a, a1, stride, at, b, kq, btn, kfull, c);
             else amx_block<1, 1>(a, a1, stride, at, b, kq, btn, kfull, c);
-            for (int64_t i = 0; i < m; ++i)
-                for (int j = 0; j < tc; ++j) {
-                    const __m512i hi = _mm512_load_si512(c + i * 32 + j * 16);
-                    if (dual) {
-                        const __m512i lo = _mm512_load_si512(c + (16 + i) * 32 + j * 16);
-                        store_block(ep, r0 + i, (nb + j) * 16, N, hi, &lo);
-                    } else {
-                        store_block(ep, r0 + i, (nb + j) * 16, N, hi, nullptr);
-                    }
-                }
+            for (int j = 0; j < tc; ++j)
+                store_rows(ep, r0, m, (nb + j) * 16, N, c + j * 16, dual ? c + 512 + j * 16 : nullptr);
         }
     }
     amx_release();
     std::free(scratch);
 }
 
+// The AVX-512 VNNI path's GEMM where the CPU and the OS offer AMX (qt_select_isa sets it in
+// its place, qt_amx switches): products of 16 rows and more on the tiles, from the size
+// where they pay, the rest on the vector micro-kernels. AMX costs a few microseconds a call
+// whatever the size (tile set-up, scratch, the unit waking up): on Sapphire Rapids it pays
+// from about 2 M multiply-adds (benchmarks/README.md, branches `cnnspeed` and `h-amx26`).
+void gemm_avx512amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+                    const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
+    if (M >= 16 && M * ((N + 15) / 16 * 16) * Kp >= (int64_t{1} << 21))
+        gemm_amx(M, N, Kp, A, lda, B, ep, A_lo);
+    else
+        gemm_avx512vnni(M, N, Kp, A, lda, B, ep, A_lo);
+}
+
+// The same with every product of 16 rows and more on the tiles whatever its size: what the
+// checks run (qt_amx(2)), so that small odd shapes reach the tiles' tails too.
+void gemm_avx512amx_all(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+                        const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
+    if (M >= 16)
+        gemm_amx(M, N, Kp, A, lda, B, ep, A_lo);
+    else
+        gemm_avx512vnni(M, N, Kp, A, lda, B, ep, A_lo);
+}
+
 void gemm_avx512vnni(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
-    // AMX costs a few microseconds a call whatever the size (tile set-up, scratch, the unit
-    // waking up): measured on Sapphire Rapids, it pays from about 2 M multiply-adds
-    // (benchmarks/README.md, branch `cnnspeed`); smaller products stay on the vector path.
-    if (M >= 16 && M * ((N + 15) / 16 * 16) * Kp >= (int64_t{1} << 21) && amx_on()) {
-        gemm_amx(M, N, Kp, A, lda, B, ep, A_lo);
-        return;
-    }
     const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
     const bool dual = A_lo != nullptr;
     const int mr_max = dual ? 2 : 4;
@@ -599,12 +629,3 @@ void activation_avx512(int kind, const float* a, float* out, int64_t n) {
 // The AVX-VNNI GEMM, EVEX-encoded: what the AVX-VNNI path runs on an AVX-512 VNNI CPU.
 #define QT_VNNI256_NAME gemm_vnni256_evex
 #include "gemm_vnni256.h"
-
-// AMX on (1) or off (0) for the GEMMs above, or only asked (-1): returns whether it is on.
-// Off runs the AVX-512 VNNI micro-kernels (same bits): benchmarks time one against the
-// other in one process; on is refused where the CPU or the OS does not offer AMX.
-extern "C" int qt_amx(int on) {
-    using namespace qt;
-    if (on >= 0) amx_mode = on && amx_offered() ? 1 : 0;
-    return amx_on() ? 1 : 0;
-}
