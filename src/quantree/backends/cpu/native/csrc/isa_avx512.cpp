@@ -244,7 +244,10 @@ static void gemv_rows(int64_t M, int64_t N, int64_t kq, const uint8_t* A, int64_
 // packed weight layout ([blocks of 16 columns][Kp/4][16][4]) is already AMX's B-tile layout:
 // 16 consecutive k-quads of one block are one 16 x 64-byte tile, read in place. One
 // `tdpbusd` does 16 x 16 x 64 u8 x s8 products (int32 sums that wrap as vpdpbusd's do), so
-// the results are the VNNI path's bits; the epilogue is store_block, row by row.
+// the results are the VNNI path's bits; the epilogue is store_block's arithmetic (store_rows).
+// The one AMX GEMM: a second one (isa_amx.cpp, column blocks outermost, float epilogue
+// only) was as fast or slower at every shape from 2 M multiply-adds and went (branch
+// `h-amx26` in benchmarks/README.md).
 
 struct TileConfig {
     uint8_t palette, start_row;
@@ -360,6 +363,8 @@ static void store_rows(const Epilogue& ep, int64_t r0, int64_t m, int64_t n0, in
 // row tile is that plane (store_block combines the two as the VNNI path does). A panel with
 // fewer rows, and every panel's k tail (Kp % 64 bytes), are copied zero padded, and so are
 // the B blocks' k tails (the tile would read the next block's, or past the weight's end).
+// A last panel of 17-31 rows runs as 16 rows read in place, then the rest; a rest of fewer
+// than 8 rows goes to the vector kernels (a padded tile of 16 costs more than they do).
 static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                      const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
     const int64_t kq = Kp / 4, kfull = Kp / 64, tail = Kp - kfull * 64;
@@ -380,9 +385,11 @@ static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
         for (int64_t j = 0; j < nblocks; ++j)
             std::memcpy(bt + j * 1024, B + (j * kq + kfull * 16) * 64, static_cast<size_t>(tail * 16));
     }
+    const int64_t left = M % 16, M_tiles = left && left < 8 ? M - left : M;
     amx_config();
-    for (int64_t r0 = 0; r0 < M; r0 += step) {
-        const int64_t m = M - r0 < step ? M - r0 : step;
+    for (int64_t r0 = 0, m = 0; r0 < M_tiles; r0 += m) {
+        m = M_tiles - r0 < step ? M_tiles - r0 : step;
+        if (!dual && m > 16 && m < 32) m = 16;  // whole rows in place; the rest next
         const int tr = dual || m > 16 ? 2 : 1;
         // the panel's two row tiles: rows r0.. and r0 + 16.. (or the low plane's rows r0..)
         const uint8_t* a = A + r0 * lda;
@@ -426,6 +433,14 @@ static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
     }
     amx_release();
     std::free(scratch);
+    if (M_tiles < M) {
+        Epilogue rest = ep;
+        if (ep.out_f) rest.out_f = ep.out_f + M_tiles * ep.ldc;
+        if (ep.out_q) rest.out_q = ep.out_q + M_tiles * ep.ldc;
+        if (ep.row_off) rest.row_off = ep.row_off + M_tiles;
+        gemm_avx512vnni(M - M_tiles, N, Kp, A + M_tiles * lda, lda, B, rest,
+                        dual ? A_lo + M_tiles * lda : nullptr);
+    }
 }
 
 // The AVX-512 VNNI path's GEMM where the CPU and the OS offer AMX (qt_select_isa sets it in
