@@ -445,12 +445,13 @@ static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
 
 // The AVX-512 VNNI path's GEMM where the CPU and the OS offer AMX (qt_select_isa sets it in
 // its place, qt_amx switches): products of 16 rows and more on the tiles, from the size
-// where they pay, the rest on the vector micro-kernels. AMX costs a few microseconds a call
-// whatever the size (tile set-up, scratch, the unit waking up): on Sapphire Rapids it pays
-// from about 2 M multiply-adds (benchmarks/README.md, branches `cnnspeed` and `h-amx26`).
+// where they pay, the rest on the vector micro-kernels. AMX costs about a microsecond a call
+// whatever the size (tile set-up, scratch): measured on Sapphire Rapids it pays from about
+// 1 M multiply-adds, and not at all below 64 bytes of k, where every row of every panel is a
+// zero-padded copy of its k tail (benchmarks/README.md, branches `cnnspeed` and `h-amx26`).
 void gemm_avx512amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                     const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
-    if (M >= 16 && M * ((N + 15) / 16 * 16) * Kp >= (int64_t{1} << 21))
+    if (M >= 16 && Kp >= 64 && M * ((N + 15) / 16 * 16) * Kp >= (int64_t{1} << 20))
         gemm_amx(M, N, Kp, A, lda, B, ep, A_lo);
     else
         gemm_avx512vnni(M, N, Kp, A, lda, B, ep, A_lo);
