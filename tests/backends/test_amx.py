@@ -2,7 +2,8 @@
 
 ``qt_amx`` switches the tiles in-process; where the CPU or the OS does not offer them, it
 stays off and these tests skip. By default (``qt_amx(1)``) the tiles run for products of
-2 M multiply-adds or more (``gemm_avx512amx``), so the first shapes here are above that;
+1 M multiply-adds or more with 64 bytes of k or more (``gemm_avx512amx``), so the first
+shapes here are above that;
 ``qt_amx(2)`` puts every product of 16 rows and more on them, which the small odd shapes
 use. Together they cover the row panel's tails (fewer than 16 or 32 rows), the k tail (Kp
 not a multiple of 64), odd column blocks, a padded last block, every epilogue the lowered
@@ -57,7 +58,7 @@ def test_conv_on_tiles_equals_vector_path(amx, cin, cout, kernel, stride, size):
 @pytest.mark.parametrize("rows, depth, width", [(47, 1000, 70), (33, 2000, 40), (100, 700, 100)])
 @pytest.mark.parametrize("wide", [False, True])
 def test_linear_on_tiles_equals_vector_path(amx, rows, depth, width, wide):
-    assert rows * (width + 15) // 16 * 16 * depth >= 1 << 21  # the tiles' threshold
+    assert rows * (width + 15) // 16 * 16 * depth >= 1 << 20 and depth >= 64  # the tiles'
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(depth, width), nn.ReLU(), nn.Linear(width, 8)).eval()
     calib = [(torch.randn(rows, depth),) for _ in range(2)]
