@@ -5,7 +5,7 @@
 Each shape (``peers.py``'s LSTM rows) quantized twice with ``Int8Quantizer``:
 ``recurrent_sequence_dtype`` INT8 (main before branch ``lstmb1``) and INT16 (the default
 since), both lowered to the CPU backend; each timed with the AMX GEMM (input projection,
-steps of 16 rows and more) on and off (``qt_set_amx``), interleaved with float
+steps of 16 rows and more) on and off (``qt_amx``), interleaved with float
 ``nn.LSTM``. Thread-CPU-time ratios to float (medians), SQNR against float on 4 held-out
 inputs.
 """
@@ -30,7 +30,7 @@ def sqnr(want: torch.Tensor, got: torch.Tensor) -> float:
 
 
 def with_amx(on: bool, call, x):  # type: ignore[no-untyped-def]
-    library().qt_set_amx(int(on))
+    library().qt_amx(int(on))
     return call(*x)
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="lstm_b1,lstm512,lstm_b32")
     args = parser.parse_args()
     one_thread()
-    amx = bool(library().qt_set_amx(-1))
+    amx = bool(library().qt_amx(-1))
     print(f"AMX available: {amx}")
     print("| shape | float ms | sequences | SQNR dB | AMX off | AMX on |")
     print("|---|---|---|---|---|---|")
@@ -63,7 +63,7 @@ def main() -> None:
                 variants[f"{dtype.value} amx{int(on)}"] = functools.partial(with_amx, on, low, x)
         with torch.no_grad():
             times = interleaved_times(variants, args.runs)
-        library().qt_set_amx(1)
+        library().qt_amx(1)
         base = times["float"][1]
         for dtype in ("int8", "int16"):
             cells = [

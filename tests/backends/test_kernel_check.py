@@ -23,6 +23,11 @@ AVX, AVX2 and FMA but not AVX-512 or AVX-VNNI (it drops them from every model, w
 warning), so those paths are checked natively only, and their choice from cpuid by
 ``test_isa_dispatch.py``.
 
+On a CPU with AMX (and an OS that grants it), "path 8" is the AVX-512 VNNI path with every
+product of 16 rows and more on the tiles (``qt_amx(2)``: the odd small shapes reach the tiles'
+row, column and k tails); its bytes must equal the vector path's for every kernel, the
+float-gate ones included (same gate code, exact integer sums).
+
 Every vector path (x86 and aarch64) computes sigmoid and tanh with its own polynomial, not
 libm's, so the recurrent kernels with float gates (LSTM, GRU, tanh RNN, a cell program with a
 float tanh) are reported there as "inexact" and not compared bit for bit; everything else
@@ -83,6 +88,8 @@ FLOAT_GATES = {
     "rnn_lstm", "rnn_gru", "rnn_tanh", "cell_loop_tanh", "rnn_stack_lstm", "rnn_packed_lstm",
 }  # fmt: skip
 PORTABLE = 0  # qt::Isa
+AVX512 = 3  # qt::AVX512VNNI: its vector kernels alone (qt_amx(0))
+AMX = 8  # the AVX-512 VNNI path with every product of 16 rows and more on AMX tiles (qt_amx(2))
 
 
 def check_path(
@@ -152,6 +159,11 @@ def test_native_paths_equal_portable(baseline_check):
     assert found, out.stdout
     for path, kernels in found.items():
         check_path(path, kernels, out.stdout)
+    if AMX in found:  # the tiles' integer sums are exact: the vector path's bytes, every kernel
+        got = digests(out.stdout)
+        on_tiles = {k.split()[2]: v for k, v in got.items() if k.startswith(f"path {AMX} ")}
+        vector = {k.split()[2]: v for k, v in got.items() if k.startswith(f"path {AVX512} ")}
+        assert on_tiles and on_tiles == vector, out.stdout
 
 
 @pytest.mark.skipif(

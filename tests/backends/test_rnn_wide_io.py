@@ -90,22 +90,24 @@ def test_int16_output_read_by_a_linear():
 
 def test_amx_gives_the_vnni_bits():
     lib = library()
-    if not lib.qt_set_amx(-1):
+    if lib.qt_amx(-1) != 1:
         pytest.skip("no AMX on this CPU (or the AVX-512 VNNI path is not selected)")
     torch.manual_seed(2)
-    # K and H multiples of 64 and a batch over 16: the input projection and every step on AMX
-    model = Seq(nn.LSTM(64, 64, 2)).eval()
-    data = batches((20, 17, 64), n=3)
+    # a batch over 16: the input projection and every step of 16 rows and more on the tiles
+    # (qt_amx(2): whatever their size), K and H not multiples of 64 (the tiles' k tails)
+    model = Seq(nn.LSTM(40, 72, 2)).eval()
+    data = batches((20, 17, 40), n=3)
     _, low = lowered(model, data, qt.QDtype.INT16)
     _, low8 = lowered(model, data, qt.QDtype.INT8)
     try:
         with torch.no_grad():
             x = data[1][0]
+            assert lib.qt_amx(2) == 2
             on = (low(x), low8(x))
-            assert lib.qt_set_amx(0) == 0
+            assert lib.qt_amx(0) == 0
             off = (low(x), low8(x))
     finally:
-        lib.qt_set_amx(1)
+        lib.qt_amx(1)
     for a, b in zip(on, off, strict=True):
         assert torch.equal(a, b)
 

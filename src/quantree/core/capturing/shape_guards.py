@@ -90,16 +90,19 @@ class PassedShapes(torch.nn.Module):
 
     def __call__(self, *args: Any) -> Any:
         tensor = torch.Tensor
-        if all(type(a) is tensor for a in args):
+        if len(args) == 1 and type(args[0]) is tensor:  # one input: no generator
+            key: tuple[torch.Size, ...] = (args[0].shape,)
+        elif all(type(a) is tensor for a in args):
             key = tuple(a.shape for a in args)
-            if key in self.passed:
-                return None
-            result = super().__call__(*args)
-            if len(self.passed) >= self._MAX_REMEMBERED:
-                self.passed.clear()
-            self.passed.add(key)
-            return result
-        return super().__call__(*args)
+        else:
+            return super().__call__(*args)
+        if key in self.passed:
+            return None
+        result = super().__call__(*args)
+        if len(self.passed) >= self._MAX_REMEMBERED:
+            self.passed.clear()
+        self.passed.add(key)
+        return result
 
 
 _SIZE_ONLY = {"torch", "_assert", "size", "math", "isnan", "inf", "max", "min"}

@@ -1,4 +1,4 @@
-"""fast_attributes: a graph module reads its buffers without ``Module.__getattr__``.
+"""fast_attributes: a graph module reads its buffers, submodules without ``Module.__getattr__``.
 
 The generated ``forward`` starts with ``w = self.w`` for every tensor the graph reads. A
 buffer is not in the instance's ``__dict__``, so each read falls through to
@@ -18,13 +18,14 @@ from typing import Any
 import torch.fx as fx
 
 
-def _buffer(name: str) -> property:
-    """The buffer ``name``; once it is no buffer, what ``Module`` would find (a plain
-    attribute set later lives in the instance's ``__dict__``, written by the setter)."""
+def _buffer(name: str, table: str = "_buffers") -> property:
+    """The buffer ``name`` (or the submodule, with ``table="_modules"``); once it is none,
+    what ``Module`` would find (a plain attribute set later lives in the instance's
+    ``__dict__``, written by the setter)."""
 
     def read(self: Any) -> Any:
         try:
-            return self._buffers[name]
+            return getattr(self, table)[name]
         except KeyError:
             if name in self.__dict__:
                 return self.__dict__[name]
@@ -50,4 +51,11 @@ def read_buffers_directly(gm: fx.GraphModule) -> fx.GraphModule:
         plain = isinstance(name, str) and "." not in name and name in gm._buffers
         if plain and name not in cls.__dict__ and not hasattr(fx.GraphModule, name):
             setattr(cls, name, _buffer(name))
+    # top-level submodules the forward calls (the shape guard ``_guards_fn``, on every call):
+    # Module.__setattr__ keeps a module assigned later in ``_modules``, which this reads
+    for node in gm.graph.find_nodes(op="call_module"):
+        name = node.target
+        plain = isinstance(name, str) and "." not in name and name in gm._modules
+        if plain and name not in cls.__dict__ and not hasattr(fx.GraphModule, name):
+            setattr(cls, name, _buffer(name, "_modules"))
     return gm

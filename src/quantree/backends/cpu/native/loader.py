@@ -134,7 +134,8 @@ def library() -> ctypes.CDLL:
     lib.qt_select_isa.argtypes = [INT]
     lib.qt_select_isa.restype = INT
     lib.qt_current_isa.restype = INT
-    # AMX tiles for the AVX-512 VNNI path's GEMMs: -1 asks, 0 / 1 switch (same bits either way)
+    # AMX tiles for the AVX-512 VNNI path's GEMMs: -1 asks; 0 off, 1 where they pay, 2 for
+    # every product of 16 rows and more (checks); the same bits in every mode
     lib.qt_amx.argtypes = [INT]
     lib.qt_amx.restype = INT
     lib.qt_cpu_features.restype = INT

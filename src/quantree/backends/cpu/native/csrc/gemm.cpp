@@ -90,7 +90,7 @@ Kernels kernels{gemm_portable, cell_portable, activation_portable};
 }  // namespace qt
 
 static int active_isa = qt::PORTABLE;
-static bool amx_wanted = true;
+static int amx_mode = 1;  // qt_amx: 0 off, 1 from the size where the tiles pay, 2 always
 
 // Whether this CPU has AMX int8 and the OS lets this process use its tile data (Linux asks
 // for it once per process: arch_prctl ARCH_REQ_XCOMP_PERM). Asked once.
@@ -110,10 +110,14 @@ static bool amx_usable() {
 #endif
 }
 
+// On the AVX-512 VNNI path of a CPU and OS that offer AMX, the GEMM is the one that puts
+// products of many rows on the tiles (isa_avx512.cpp); every other kernel stays.
 static void apply_amx() {
 #if defined(__x86_64__)
-    qt::kernels.gemm_tall =
-        amx_wanted && active_isa == qt::AVX512VNNI && amx_usable() ? qt::gemm_amx : nullptr;
+    if (active_isa != qt::AVX512VNNI) return;
+    qt::kernels.gemm = amx_mode == 0 || !amx_usable() ? qt::gemm_avx512vnni
+                       : amx_mode == 2              ? qt::gemm_avx512amx_all
+                                                    : qt::gemm_avx512amx;
 #endif
 }
 
@@ -248,12 +252,19 @@ int qt_select_isa(int cap) {
     return isa;
 }
 
-// AMX for the GEMMs of many rows (on the AVX-512 VNNI path, where the CPU has it): on with
-// 1, off with 0 (to compare), only asked with -1. Returns whether it is now on.
-int qt_set_amx(int on) {
-    if (on >= 0) amx_wanted = on != 0;
+// AMX tiles for the AVX-512 VNNI path's GEMMs, where the CPU and the OS offer them: 1 (the
+// default) for products from the size where they pay, 2 for every product of 16 rows and
+// more (the checks: small odd shapes reach the tiles' tails), 0 off (benchmarks compare);
+// -1 only asks. The same bits in every mode. Returns the mode in effect (0 where the CPU,
+// the OS or the current path gives no AMX).
+int qt_amx(int mode) {
+    if (mode >= 0) amx_mode = mode > 2 ? 2 : mode;
     apply_amx();
-    return qt::kernels.gemm_tall != nullptr;
+#if defined(__x86_64__)
+    return active_isa == qt::AVX512VNNI && amx_usable() ? amx_mode : 0;
+#else
+    return 0;
+#endif
 }
 
 }  // extern "C"

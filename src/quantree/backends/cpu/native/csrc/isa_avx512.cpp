@@ -6,8 +6,6 @@
 #include <immintrin.h>
 
 #include <cstring>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "qt_kernels.h"
 #include "qt_vmath.h"
@@ -246,7 +244,10 @@ static void gemv_rows(int64_t M, int64_t N, int64_t kq, const uint8_t* A, int64_
 // packed weight layout ([blocks of 16 columns][Kp/4][16][4]) is already AMX's B-tile layout:
 // 16 consecutive k-quads of one block are one 16 x 64-byte tile, read in place. One
 // `tdpbusd` does 16 x 16 x 64 u8 x s8 products (int32 sums that wrap as vpdpbusd's do), so
-// the results are the VNNI path's bits; the epilogue is store_block, row by row.
+// the results are the VNNI path's bits; the epilogue is store_block's arithmetic (store_rows).
+// The one AMX GEMM: a second one (isa_amx.cpp, column blocks outermost, float epilogue
+// only) was as fast or slower at every shape from 2 M multiply-adds and went (branch
+// `h-amx26` in benchmarks/README.md).
 
 struct TileConfig {
     uint8_t palette, start_row;
@@ -254,27 +255,6 @@ struct TileConfig {
     uint16_t colsb[16];
     uint8_t rows[16];
 };
-
-static bool amx_permitted() {
-    unsigned a, b, c, d;
-    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8
-    // Linux hands out the 8 KiB tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA)
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-}
-
-static int amx_usable = -1;  // -1: not asked yet; else whether the CPU and OS offer AMX
-static int amx_mode = -1;    // -1: not decided yet (on if usable); 0: off; 1: on
-
-static bool amx_offered() {
-    if (amx_usable < 0) amx_usable = amx_permitted() ? 1 : 0;
-    return amx_usable == 1;
-}
-
-static bool amx_on() {
-    if (amx_mode < 0) amx_mode = amx_offered() ? 1 : 0;
-    return amx_mode == 1;
-}
 
 // TR row tiles x TC column tiles of C (at most 2 x 2: 4 accumulators, 2 A and 2 B tiles fill
 // the 8 tile registers). A rows at a (stride lda) for the kfull whole 64-byte k tiles, then
@@ -333,11 +313,79 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_config() {
 
 __attribute__((target("amx-tile"))) static void amx_release() { _tile_release(); }
 
+// store_block for rows r0 .. r0 + m - 1 of one block of 16 columns, the accumulators at c
+// (and the low plane's at lo) with a row stride of 32: the column constants loaded once for
+// the block rather than once a row. The same operations in the same order: the same bits.
+static void store_rows(const Epilogue& ep, int64_t r0, int64_t m, int64_t n0, int64_t N,
+                       const int32_t* c, const int32_t* lo) {
+    const int64_t rem = N - n0;
+    const __mmask16 k = rem >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                  : static_cast<__mmask16>((1u << rem) - 1u);
+    const __m512i off = _mm512_maskz_loadu_epi32(k, ep.off + n0);
+    const __m512 zp = _mm512_set1_ps(ep.zero_point), qmin = _mm512_set1_ps(ep.qmin),
+                 qmax = _mm512_set1_ps(ep.qmax), two8 = _mm512_set1_ps(256.0f);
+    auto value = [&](int64_t i) {
+        __m512i acc = _mm512_load_si512(c + i * 32);
+        if (ep.row_off) acc = _mm512_add_epi32(acc, _mm512_set1_epi32(ep.row_off[r0 + i]));
+        __m512 v = _mm512_cvtepi32_ps(_mm512_add_epi32(acc, off));
+        if (lo) v = _mm512_fmadd_ps(v, two8, _mm512_cvtepi32_ps(_mm512_load_si512(lo + i * 32)));
+        return v;
+    };
+    auto store_q = [&](int64_t i, __m512 q) {
+        q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_add_ps(q, zp);
+        q = _mm512_min_ps(_mm512_max_ps(q, qmin), qmax);
+        _mm512_mask_cvtsepi32_storeu_epi8(ep.out_q + (r0 + i) * ep.ldc + n0, k,
+                                          _mm512_cvtps_epi32(q));
+    };
+    if (ep.mult) {
+        const __m512 mu = _mm512_maskz_loadu_ps(k, ep.mult + n0), ad = _mm512_maskz_loadu_ps(k, ep.add + n0);
+        for (int64_t i = 0; i < m; ++i) store_q(i, _mm512_add_ps(_mm512_mul_ps(value(i), mu), ad));
+        return;
+    }
+    const __m512 sc = _mm512_maskz_loadu_ps(k, ep.scale + n0);
+    const __m512 bi = ep.bias ? _mm512_maskz_loadu_ps(k, ep.bias + n0) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < m; ++i) {
+        __m512 y = _mm512_mul_ps(value(i), sc);
+        if (ep.bias) y = _mm512_add_ps(y, bi);
+        if (ep.out_f) {
+            float* dst = ep.out_f + (r0 + i) * ep.ldc + n0;
+            if (ep.accumulate) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(k, dst));
+            _mm512_mask_storeu_ps(dst, k, y);
+        } else {
+            store_q(i, _mm512_mul_ps(y, _mm512_set1_ps(ep.inv_scale)));
+        }
+    }
+}
+
+// The AMX GEMM's scratch, one per thread, kept between calls: allocating and freeing it on
+// every call was an eighth of a small product's time (glibc consolidating the freed chunk).
+struct AmxScratch {
+    uint8_t* data = nullptr;
+    size_t size = 0;
+    uint8_t* take(size_t n) {
+        if (n > size) {
+            std::free(data);
+            data = nullptr;
+            size = 0;
+            const size_t rounded = (n + 4095) / 4096 * 4096;
+            data = static_cast<uint8_t*>(std::aligned_alloc(64, rounded));
+            if (!data) throw std::bad_alloc();
+            size = rounded;
+        }
+        return data;
+    }
+    ~AmxScratch() { std::free(data); }
+};
+static thread_local AmxScratch amx_scratch;
+
 // C = epilogue(A . B) for M >= 16 rows. Rows go in panels of 32 (a panel's A stays in L1/L2
 // while every column block passes); with a second plane A_lo, panels of 16 rows whose second
 // row tile is that plane (store_block combines the two as the VNNI path does). A panel with
 // fewer rows, and every panel's k tail (Kp % 64 bytes), are copied zero padded, and so are
 // the B blocks' k tails (the tile would read the next block's, or past the weight's end).
+// A last panel of 17-31 rows runs as 16 rows read in place, then the rest; a rest of fewer
+// than 8 rows goes to the vector kernels (a padded tile of 16 costs more than they do).
 static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                      const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
     const int64_t kq = Kp / 4, kfull = Kp / 64, tail = Kp - kfull * 64;
@@ -346,9 +394,7 @@ static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
     const int64_t step = dual ? 16 : 32;
     // scratch: B tails (nblocks x 1 KiB), A tails (2 KiB), a short panel (32 x K64), C (4 KiB)
     const int64_t bt_bytes = tail ? nblocks * 1024 : 0, short_bytes = 32 * K64;
-    uint8_t* scratch = static_cast<uint8_t*>(
-        std::aligned_alloc(64, static_cast<size_t>(bt_bytes + 2048 + short_bytes + 4096)));
-    if (!scratch) throw std::bad_alloc();
+    uint8_t* scratch = amx_scratch.take(static_cast<size_t>(bt_bytes + 2048 + short_bytes + 4096));
     int8_t* bt = reinterpret_cast<int8_t*>(scratch);
     uint8_t* atail = scratch + bt_bytes;
     uint8_t* panel_copy = atail + 2048;
@@ -358,9 +404,11 @@ static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
         for (int64_t j = 0; j < nblocks; ++j)
             std::memcpy(bt + j * 1024, B + (j * kq + kfull * 16) * 64, static_cast<size_t>(tail * 16));
     }
+    const int64_t left = M % 16, M_tiles = left && left < 8 ? M - left : M;
     amx_config();
-    for (int64_t r0 = 0; r0 < M; r0 += step) {
-        const int64_t m = M - r0 < step ? M - r0 : step;
+    for (int64_t r0 = 0, m = 0; r0 < M_tiles; r0 += m) {
+        m = M_tiles - r0 < step ? M_tiles - r0 : step;
+        if (!dual && m > 16 && m < 32) m = 16;  // whole rows in place; the rest next
         const int tr = dual || m > 16 ? 2 : 1;
         // the panel's two row tiles: rows r0.. and r0 + 16.. (or the low plane's rows r0..)
         const uint8_t* a = A + r0 * lda;
@@ -398,31 +446,47 @@ static void gemm_amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
             else if (tr == 2) amx_block<2, 1>(a, a1, stride, at, b, kq, btn, kfull, c);
             else if (tc == 2) amx_block<1, 2>(a, a1, stride, at, b, kq, btn, kfull, c);
             else amx_block<1, 1>(a, a1, stride, at, b, kq, btn, kfull, c);
-            for (int64_t i = 0; i < m; ++i)
-                for (int j = 0; j < tc; ++j) {
-                    const __m512i hi = _mm512_load_si512(c + i * 32 + j * 16);
-                    if (dual) {
-                        const __m512i lo = _mm512_load_si512(c + (16 + i) * 32 + j * 16);
-                        store_block(ep, r0 + i, (nb + j) * 16, N, hi, &lo);
-                    } else {
-                        store_block(ep, r0 + i, (nb + j) * 16, N, hi, nullptr);
-                    }
-                }
+            for (int j = 0; j < tc; ++j)
+                store_rows(ep, r0, m, (nb + j) * 16, N, c + j * 16, dual ? c + 512 + j * 16 : nullptr);
         }
     }
     amx_release();
-    std::free(scratch);
+    if (M_tiles < M) {
+        Epilogue rest = ep;
+        if (ep.out_f) rest.out_f = ep.out_f + M_tiles * ep.ldc;
+        if (ep.out_q) rest.out_q = ep.out_q + M_tiles * ep.ldc;
+        if (ep.row_off) rest.row_off = ep.row_off + M_tiles;
+        gemm_avx512vnni(M - M_tiles, N, Kp, A + M_tiles * lda, lda, B, rest,
+                        dual ? A_lo + M_tiles * lda : nullptr);
+    }
+}
+
+// The AVX-512 VNNI path's GEMM where the CPU and the OS offer AMX (qt_select_isa sets it in
+// its place, qt_amx switches): products of 16 rows and more on the tiles, from the size
+// where they pay, the rest on the vector micro-kernels. AMX costs about a microsecond a call
+// whatever the size (tile set-up, scratch): measured on Sapphire Rapids it pays from about
+// 1 M multiply-adds, and not at all below 64 bytes of k, where every row of every panel is a
+// zero-padded copy of its k tail (benchmarks/README.md, branches `cnnspeed` and `h-amx26`).
+void gemm_avx512amx(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+                    const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
+    if (M >= 16 && Kp >= 64 && M * ((N + 15) / 16 * 16) * Kp >= (int64_t{1} << 20))
+        gemm_amx(M, N, Kp, A, lda, B, ep, A_lo);
+    else
+        gemm_avx512vnni(M, N, Kp, A, lda, B, ep, A_lo);
+}
+
+// The same with every product of 16 rows and more on the tiles whatever its size: what the
+// checks run (qt_amx(2)), so that small odd shapes reach the tiles' tails too.
+void gemm_avx512amx_all(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
+                        const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
+    if (M >= 16)
+        gemm_amx(M, N, Kp, A, lda, B, ep, A_lo);
+    else
+        gemm_avx512vnni(M, N, Kp, A, lda, B, ep, A_lo);
 }
 
 void gemm_avx512vnni(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                const int8_t* B, const Epilogue& ep, const uint8_t* A_lo) {
-    // AMX costs a few microseconds a call whatever the size (tile set-up, scratch, the unit
-    // waking up): measured on Sapphire Rapids, it pays from about 2 M multiply-adds
-    // (benchmarks/README.md, branch `cnnspeed`); smaller products stay on the vector path.
-    if (M >= 16 && M * ((N + 15) / 16 * 16) * Kp >= (int64_t{1} << 21) && amx_on()) {
-        gemm_amx(M, N, Kp, A, lda, B, ep, A_lo);
-        return;
-    }
     const int64_t nblocks = (N + 15) / 16, kq = Kp / 4;
     const bool dual = A_lo != nullptr;
     const int mr_max = dual ? 2 : 4;
@@ -599,12 +663,3 @@ void activation_avx512(int kind, const float* a, float* out, int64_t n) {
 // The AVX-VNNI GEMM, EVEX-encoded: what the AVX-VNNI path runs on an AVX-512 VNNI CPU.
 #define QT_VNNI256_NAME gemm_vnni256_evex
 #include "gemm_vnni256.h"
-
-// AMX on (1) or off (0) for the GEMMs above, or only asked (-1): returns whether it is on.
-// Off runs the AVX-512 VNNI micro-kernels (same bits): benchmarks time one against the
-// other in one process; on is refused where the CPU or the OS does not offer AMX.
-extern "C" int qt_amx(int on) {
-    using namespace qt;
-    if (on >= 0) amx_mode = on && amx_offered() ? 1 : 0;
-    return amx_on() ? 1 : 0;
-}

@@ -197,11 +197,6 @@ void planes16_portable(const float*, int64_t, int64_t, float, uint8_t*, uint8_t*
 using Round16Fn = void (*)(float* y, int64_t n, float inv, float scale);
 void round16_portable(float*, int64_t, float, float);
 
-// A GEMM for many rows (AMX tiles), given the path's GEMM for what it does not cover.
-using TallGemmFn = void (*)(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
-                            const int8_t* B, const Epilogue& ep, const uint8_t* A_lo,
-                            GemmFn fallback);
-
 struct Kernels {
     GemmFn gemm;
     CellFn cell;
@@ -212,7 +207,6 @@ struct Kernels {
     NarrowPrepareFn narrow_prepare = narrow_prepare_portable;
     NarrowFn narrow = narrow_portable;
     RowsEpilogueFn rows_epilogue = rows_epilogue_portable;
-    TallGemmFn gemm_tall = nullptr;  // set where the CPU and the OS give AMX (qt_set_amx)
     Planes16Fn planes16 = planes16_portable;
     Round16Fn round16 = round16_portable;
 };
@@ -253,8 +247,10 @@ void cell_portable(const RnnStep&, const float*, const float*, float*, float*, u
                    int8_t*, float*, float*);
 void activation_portable(int, const float*, float*, int64_t);
 #if defined(__x86_64__)
-void gemm_amx(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
-              const Epilogue&, const uint8_t*, GemmFn);
+void gemm_avx512amx(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+                    const Epilogue&, const uint8_t*);
+void gemm_avx512amx_all(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+                        const Epilogue&, const uint8_t*);
 void gemm_avx512vnni(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
                      const Epilogue&, const uint8_t*);
 void gemm_vnni256_evex(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
@@ -295,17 +291,6 @@ inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_
         kernels.gemm_prepared(M, N, Kp, A, lda, B, ep, A_lo, p);
     else
         kernels.gemm(M, N, Kp, A, lda, B, ep, A_lo);
-}
-
-// gemm_u8s8 for products of many rows (16 and more: a recurrent layer's input projection,
-// its step at a batch of 16 and more): on AMX where the path has it (the same bits).
-inline void gemm_tall_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
-                           const int8_t* B, const Epilogue& ep, const uint8_t* A_lo = nullptr,
-                           const PreparedB* prepared = nullptr) {
-    if (M >= 16 && N > 0 && kernels.gemm_tall)
-        kernels.gemm_tall(M, N, Kp, A, lda, B, ep, A_lo, kernels.gemm);
-    else
-        gemm_u8s8(M, N, Kp, A, lda, B, ep, A_lo, prepared);
 }
 
 // softmax(q k^T * scale + mask) v of every (batch, head) (attention.cpp): element strides

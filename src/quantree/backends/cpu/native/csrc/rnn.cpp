@@ -230,8 +230,8 @@ void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
             qt::to_u8(x + r0 * K, m, K, K, xu.get(), kp_ih);
         const qt::Epilogue ex{off_ih.data(), sc_ih.data(), b_ih, gx.get(), nullptr, N,
                               0, 0, 0, 0};
-        qt::gemm_tall_u8s8(m, N, kp_ih, xu.get(), kp_ih, w_ih, ex,
-                           x16 || xf ? xlo.get() : nullptr, &pw_ih);
+        qt::gemm_u8s8(m, N, kp_ih, xu.get(), kp_ih, w_ih, ex,
+                      x16 || xf ? xlo.get() : nullptr, &pw_ih);
         for (int64_t i = 0; i < n; ++i) {
             const int64_t local = reverse ? n - 1 - i : i, t = t0 + local;
             const int64_t rows = rows_at(t), r = row0(t), g = r - r0;
@@ -241,8 +241,8 @@ void layer(int kind, int64_t T, int64_t B, int64_t K, int64_t H, int reverse,
             const int64_t cont = std::min(ran, rows);
             const qt::Epilogue eh{off_hh.data(), sc_hh.data(), b_hh, gh.get(), nullptr,
                                   N, 0, 0, 0, 0};
-            qt::gemm_tall_u8s8(cont, N, kp_hh, hu8.data(), kp_hh, w_hh, eh,
-                               wide ? hu8.data() + B * kp_hh : nullptr, &pw_hh);
+            qt::gemm_u8s8(cont, N, kp_hh, hu8.data(), kp_hh, w_hh, eh,
+                          wide ? hu8.data() + B * kp_hh : nullptr, &pw_hh);
             const qt::Epilogue e0{off0.data(), sc0.data(), b_hh, gh.get() + cont * N, nullptr,
                                   N, 0, 0, 0, 0};
             qt::gemm_u8s8(rows - cont, N, kp_hh, hu8.data() + cont * kp_hh, kp_hh, w_hh, e0,

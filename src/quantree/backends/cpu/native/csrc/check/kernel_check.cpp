@@ -33,6 +33,7 @@
 
 extern "C" {
 int qt_select_isa(int cap);
+int qt_amx(int mode);
 int qt_current_isa();
 int qt_cpu_features();
 void qt_linear(const int8_t*, int64_t, int64_t, int64_t, int64_t, const int8_t*, const int32_t*,
@@ -693,6 +694,7 @@ uint64_t digest(uint64_t h, const std::vector<uint8_t>& bytes) {
     return h;
 }
 constexpr uint64_t FNV = 0xcbf29ce484222325ull;
+constexpr int AMX = 8;  // the label of the AVX-512 VNNI path with AMX tiles (qt_amx(2))
 
 }  // namespace
 
@@ -741,31 +743,35 @@ int main(int argc, char** argv) {
         std::printf("reference %s digest %016llx\n", k.name, static_cast<unsigned long long>(h));
     }
     int failures = 0;
-    for (int isa = 0; isa < 8; ++isa) {
+    // path 8 (AMX) is the AVX-512 VNNI path with every product of 16 rows and more on the
+    // AMX tiles (qt_amx(2)); path 3 is that path's vector kernels alone (qt_amx(0))
+    for (int path = 0; path < 9; ++path) {
+        const int isa = path == AMX ? qt::AVX512VNNI : path;
         if (qt_select_isa(isa) != isa) continue;
+        if (isa == qt::AVX512VNNI && qt_amx(path == AMX ? 2 : 0) != (path == AMX ? 2 : 0)) continue;
         if (isa == 0 && qt::kernels.gemm == qt::gemm_reference) continue;
         int bad = 0;
         for (size_t i = 0; i < all.size(); ++i) {
             if (run(all[i]) != ref[i]) {
                 if (bad < 5)
-                    std::printf("path %d mismatch: M %lld N %lld K %lld kind %d dual %d\n", isa,
+                    std::printf("path %d mismatch: M %lld N %lld K %lld kind %d dual %d\n", path,
                                 static_cast<long long>(all[i].M), static_cast<long long>(all[i].N),
                                 static_cast<long long>(all[i].K), all[i].kind, all[i].dual);
                 ++bad;
             }
         }
-        std::printf("path %d gemm cases %d mismatches %d\n", isa, cases, bad);
+        std::printf("path %d gemm cases %d mismatches %d\n", path, cases, bad);
         failures += bad;
         int bad_prepared = 0;  // the same products through weights prepared for the path
         for (size_t i = 0; i < all.size(); ++i) bad_prepared += run(all[i], false, true) != ref[i];
-        std::printf("path %d gemm_prepared cases %d mismatches %d\n", isa, cases, bad_prepared);
+        std::printf("path %d gemm_prepared cases %d mismatches %d\n", path, cases, bad_prepared);
         failures += bad_prepared;
         // every vector path has its own (polynomial) gate math: within tolerance, not equal
         const bool own_gates = isa != qt::PORTABLE;
         if (own_gates) {
             int beyond = 0;
             for (int i = 0; i < cases; ++i) beyond += !gate_case(static_cast<int>(rnd() % 5));
-            std::printf("path %d gate_math cases %d mismatches %d\n", isa, cases, beyond);
+            std::printf("path %d gate_math cases %d mismatches %d\n", path, cases, beyond);
             failures += beyond;
         }
         for (size_t k = 0; k < others.size(); ++k) {
@@ -778,11 +784,12 @@ int main(int argc, char** argv) {
             }
             const int n = static_cast<int>(others[k].cases.size());
             const bool inexact = others[k].float_gates && own_gates;
-            std::printf("path %d %s cases %d %s %d digest %016llx\n", isa, others[k].name, n,
+            std::printf("path %d %s cases %d %s %d digest %016llx\n", path, others[k].name, n,
                         inexact ? "inexact" : "mismatches", differ,
                         static_cast<unsigned long long>(h));
             if (!inexact) failures += differ;
         }
     }
+    qt_amx(1);
     return failures == 0 ? 0 : 1;
 }
