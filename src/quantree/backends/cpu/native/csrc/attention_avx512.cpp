@@ -8,8 +8,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
-#include <vector>
+#include <new>
 
 #include "qt_kernels.h"
 #include "qt_vmath.h"
@@ -155,14 +156,30 @@ void block(const AttentionArgs& a, const float* q, const float* kt, int64_t Skp,
                 o[r * a.os[2] + d] = std::numeric_limits<float>::quiet_NaN();
 }
 
+// Scratch grown by malloc, not a std::vector: a vector's member functions are inline (weak)
+// symbols that other, baseline-ISA objects define too, and the linker may keep this file's
+// AVX-512 copy for them (test_kernel_check's "no shared inline function" rule).
+struct Scratch {
+    float* data = nullptr;
+    size_t size = 0;
+    ~Scratch() { std::free(data); }
+    float* at_least(size_t n) {
+        if (n > size) {
+            float* grown = static_cast<float*>(std::realloc(data, n * sizeof(float)));
+            if (grown == nullptr) throw std::bad_alloc();
+            data = grown;
+            size = n;
+        }
+        return data;
+    }
+};
+
 }  // namespace
 
 void attention_avx512(const AttentionArgs& a) {
     const int64_t Skp = (a.Sk + 15) / 16 * 16;
-    thread_local std::vector<float> work;
-    const size_t need = static_cast<size_t>(a.D * Skp + 6 * Skp + 16);
-    if (work.size() < need) work.resize(need);
-    float* kt = work.data();
+    thread_local Scratch work;
+    float* kt = work.at_least(static_cast<size_t>(a.D * Skp + 6 * Skp + 16));
     float* s = kt + a.D * Skp;
     for (int64_t b = 0; b < a.B; ++b)
         for (int64_t h = 0; h < a.H; ++h) {
