@@ -470,12 +470,12 @@ class OuterScan(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Parameter(-torch.rand(4, 3) * 0.5)
+        self.a = nn.Parameter(torch.rand(4, 3) * 0.9)
         self.proj = nn.Linear(5, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, 5]
         dt = torch.sigmoid(self.proj(x)).transpose(1, 2)  # [B, 4, T]
-        decay = 1 + self.a[None, :, None, :] * dt[..., None]  # [B, 4, T, 3]
+        decay = self.a[None, :, None, :] * dt[..., None]  # [B, 4, T, 3], in (0, 0.9)
         drive = dt[..., None] * x[:, None, :, :3]  # [B, 4, T, 3]
         state = torch.zeros(x.shape[0], 4, 3)
         ys = []
@@ -500,7 +500,8 @@ def test_an_int8_step_with_moved_outer_products_stays_folded_and_one_program(mon
     assert [type(m) for m in loops] == [NativeProgramLoop]
     code = loops[0].code.tolist()
     assert any(c[0] == 3 and c[5] in (2, 3) for c in code)  # BINARY with a column operand
-    assert not any(c[0] == 7 for c in code)  # no float binary: the step is int8
+    assert {c[0] for c in code} <= {0, 1, 3, 5, 13}  # quantize, dequantize, binary, copy,
+    # int8 matmul: every op of the step int8
     with monkeypatch.context() as m:
         m.setattr(step_program, "fuse_regions", lambda *a, **k: 0)
         python = qt.quantize(
