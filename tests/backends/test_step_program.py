@@ -495,7 +495,8 @@ def test_an_int8_step_with_moved_outer_products_stays_folded_and_one_program(mon
     x = torch.randn(2, 9, 5)
     data = [(torch.randn(2, 9, 5),) for _ in range(3)]
     free_time = {"x": {1: torch.export.Dim.AUTO}}  # the batch fixed: the products move in
-    default = qt.quantize(model, (x,), data, backend="cpu", progress=False, dynamic_shapes=free_time)
+    kw = dict(backend="cpu", progress=False, dynamic_shapes=free_time)
+    default = qt.quantize(model, (x,), data, **kw)
     loops = [m for m in default.modules() if isinstance(m, (StepLoop, NativeProgramLoop))]
     assert [type(m) for m in loops] == [NativeProgramLoop]
     code = loops[0].code.tolist()
