@@ -246,16 +246,20 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
             b = slot(n, 3, c)
             expect(n, "kind out of range", 0 <= c[4] <= KINDS[kind])
             one = kind == BINARY and c[5] == 1  # b is one value, read for every element
-            column = kind == FLOAT_BINARY and c[5] in (1, 2)  # b (1) or a (2): one per row
-            flag_ok = c[5] in (0, 1, 2) and (c[5] == 0 or one or column)
+            # one value per row: b (FLOAT_BINARY 1, BINARY 2) or a (FLOAT_BINARY 2, BINARY 3)
+            b_col = c[5] == (1 if kind == FLOAT_BINARY else 2)
+            a_col = c[5] == (2 if kind == FLOAT_BINARY else 3)
+            column = b_col or a_col
+            flag_ok = c[5] in (0, 1, 2, 3) and (c[5] == 0 or one or column)
             expect(n, "operand flag out of range", flag_ok)
             if one:
                 expect(n, "b is not one int8 value", b.dtype == 1 and min(b.rows0, b.cols) >= 1)
             elif column:
-                col = b if c[5] == 1 else a
-                sources = [a if c[5] == 1 else b]
-                ok = col.dtype == 0 and col.cols >= 1 and covers(col, dst)
-                expect(n, "the column operand is not a float value per row of the result", ok)
+                col = b if b_col else a
+                sources = [a if b_col else b]
+                dtype = 0 if kind == FLOAT_BINARY else 1
+                ok = col.dtype == dtype and col.cols >= 1 and covers(col, dst)
+                expect(n, "the column operand is not a value per row of the result", ok)
             else:
                 sources.append(b)
         for src in sources:

@@ -43,6 +43,8 @@ import torch.fx as fx
 
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.program)
 from quantree.backends.cpu.cells.program import (
+    BINARY,
+    BINARY_KINDS,
     FLOAT_BINARY,
     FLOAT_BINARY_KINDS,
     FLOAT_UNARY,
@@ -222,6 +224,11 @@ def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
             if source not in shapes:
                 continue
             shape = shapes[source][0]
+            if binary and a[2] in shapes and _numel(shapes[a[2]][0]) != 1:
+                both = _broadcast_dims(shape, shapes[a[2]][0])  # an outer product's operands
+                if both is None:
+                    continue
+                shape = both
             if n.target == quantree_ops.quantize.default:
                 shapes[n] = (shape, torch.int8)
             elif n.target == quantree_ops.dequantize.default:
@@ -235,6 +242,22 @@ def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
                 shapes[n] = (shape, torch.int8)
         region_math.infer(n, shapes)
     return shapes
+
+
+def _broadcast_dims(sa: tuple[Dim, ...], sb: tuple[Dim, ...]) -> tuple[Dim, ...] | None:
+    """What broadcasting ``sa`` against ``sb`` makes (None: sizes that do not broadcast, or
+    symbolic sizes not known equal)."""
+    width = max(len(sa), len(sb))
+    sa, sb = (1,) * (width - len(sa)) + tuple(sa), (1,) * (width - len(sb)) + tuple(sb)
+    out: list[Dim] = []
+    for x, y in zip(sa, sb, strict=True):
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            return None
+    return tuple(out)
 
 
 def _cat_shape(parts: list[Shape | None], dim: int) -> Shape | None:
@@ -486,6 +509,8 @@ def _covered(
                 scalar_first = one[0] and a[0] not in ("add", "mul")
                 ok = shapes[big] == (shapes[n][0], torch.int8) and not scalar_first
                 return ok and all(shapes[x][1] == torch.int8 for x in a[1:3])
+            if _int8_broadcast(n, shapes):
+                return a[0] in BINARY_KINDS
             return shapes.get(a[1]) == shapes.get(a[2]) == (shapes[n][0], torch.int8)
         if n.target == quantree_ops.linear16.default:
             return len(a) == 9 and shapes.get(a[0], ((), None))[1] == torch.float32
@@ -518,6 +543,20 @@ def _broadcasts(shape: Shape | None, out: Shape) -> bool:
         return True
     dims = row_map(shape[0], out[0], None)
     return shape[1] == out[1] and dims is not None and copies(dims) <= MAX_COPIES
+
+
+def _int8_broadcast(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
+    """An int8 binary whose operands broadcast to its result along rows or as a column (an
+    outer product moved into a folded step), neither of them one element (``BINARY``'s
+    flag 1, ``cells/program.emit``)."""
+    a: Any = n.args
+    out = (shapes[n][0], torch.int8)
+    ins = [shapes.get(x) for x in a[1:3]]
+    return (
+        shapes[n][1] == torch.int8
+        and any(s != out for s in ins)
+        and all(s is not None and _numel(s[0]) != 1 and _broadcasts(s, out) for s in ins)
+    )
 
 
 def _regions(
@@ -646,6 +685,24 @@ def _replace(
             dst = value_slot(n)
             assert dst is not None
             p.emit([FLOAT_BINARY, dst, *sources, FLOAT_BINARY_KINDS[n.target], flag], [])
+            slot[n] = dst
+        elif n.target == quantree_ops.binary.default and _int8_broadcast(n, shapes):
+            sources, flag = [], 0
+            for i, x in enumerate(a[1:3]):
+                dims = row_map(shapes[x][0], shapes[n][0], None)
+                if region_math.column(shapes[x], shapes[n]):
+                    flag, source = 3 - i, slot[x]  # BINARY's flag: a (3) or b (2) a column
+                elif shapes[x] == shapes[n]:
+                    source = slot[x]
+                elif dims is not None:
+                    source = gather(p, slot[x], dims)
+                else:
+                    return False
+                sources.append(source)
+            dst = value_slot(n)
+            assert dst is not None
+            ints = [BINARY, dst, *sources, BINARY_KINDS[a[0]], flag]
+            p.emit(ints, [float(g) for g in a[3:7]] + [1.0 / a[7], float(a[8])])
             slot[n] = dst
         elif n.target == aten.slice.Tensor:
             shape = shapes[a[0]][0]

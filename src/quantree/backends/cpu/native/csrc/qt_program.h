@@ -336,8 +336,24 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
                           lo, prepared);
             break;
         }
-        case BINARY: {  // c[5] 1: b is one value (a [1] operand), read for every element
+        case BINARY: {  // c[5] 1: b is one value (a [1] operand), read for every element;
+                        // 2 (3): b (a) is a column, one value per row (an outer product)
             const Slot& b = s[c[3]];
+            if (c[5] == 2 || c[5] == 3) {  // the one-value path's arithmetic, a value per row
+                const bool bc = c[5] == 2;
+                const Slot& full = bc ? a : b;
+                const Slot& col = bc ? b : a;
+                int8_t row[64];
+                for (int64_t r = 0; r < dst.rows; ++r) {
+                    std::memset(row, col.q(r)[0], sizeof(row));
+                    for (int64_t j = 0; j < dst.cols; j += 64) {
+                        const int64_t n = dst.cols - j < 64 ? dst.cols - j : 64;
+                        if (bc) binary_row(c[4], full.q(r) + j, row, dst.q(r) + j, n, f);
+                        else binary_row(c[4], row, full.q(r) + j, dst.q(r) + j, n, f);
+                    }
+                }
+                break;
+            }
             if (c[5] == 1) {
                 int8_t row[64];
                 std::memset(row, b.q(0)[0], sizeof(row));
