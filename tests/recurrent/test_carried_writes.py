@@ -82,3 +82,22 @@ def test_a_buffer_of_received_states_not_provably_closed_stays_unrolled(how):
     assert _copies(gm) == 20 - (how == "partial")
     for a, b in zip(gm(x), model(x), strict=True):
         assert torch.equal(a, b)  # as unrolled
+
+
+def test_a_step_length_is_tried_when_shorter_gaps_are_more_frequent(monkeypatch):
+    """The step's length is a gap between equal ops only for its ops that occur once per step
+    (here ``tanh`` and ``clamp``: 2 x (T - 1) times), fewer than the gaps between its many
+    ``slice``/``select``/``mul`` when the run is short (xLSTM's 4 chunks at 64 tokens): it is
+    still tried, as the gap covering the most nodes. Two candidates of each kind here, so
+    that the most frequent gaps alone miss it."""
+    from quantree.recurrent.unrolled import find
+    from quantree.recurrent.unrolled.fold import fold_loops
+
+    monkeypatch.setattr(find, "MAX_PERIODS", 2)
+    torch.manual_seed(0)
+    model = WritesCarried().eval()
+    x = torch.randn(2, 4, 4)
+    gm = qt.capture(model, (x,), fold_loops=False)
+    assert len(fold_loops(gm, min_steps=3)) == 1 and _copies(gm) == 0
+    for a, b in zip(gm(x), model(x), strict=True):
+        assert torch.equal(a, b)
