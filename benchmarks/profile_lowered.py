@@ -13,7 +13,10 @@ says whether time goes to a few large kernels (their speed matters) or many smal
 (their fixed cost does). ``--zoo modern`` takes the models from ``modern_zoo.py`` (issue 29's
 families, whole mode or ``--mode cells``); ``--nodes N`` lists the N costliest nodes with
 their output shapes, and ``--float`` the ops the lowered graph leaves float
-(``float_report``), by op.
+(``float_report``), by op. ``--fold`` quantizes with ``fold_loops=True`` (a loop whose step
+stays in Python is kept folded), ``--length N`` repeats the inputs' time dimension to ``N``
+(captured there), and ``--inside`` then times the ops of each folded ``StepLoop``'s step the
+same way (summed over its steps; an interpreter per step, so only the shares mean much).
 """
 
 from __future__ import annotations
@@ -112,15 +115,22 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--nodes", type=int, default=0, help="costliest nodes listed")
     parser.add_argument("--float", action="store_true", help="list the ops left float")
+    parser.add_argument("--fold", action="store_true", help="fold_loops=True")
+    parser.add_argument("--length", type=int, default=0, help="time steps (zoo's if 0)")
+    parser.add_argument("--inside", action="store_true", help="time the folded steps' ops")
     args = parser.parse_args()
     one_thread()
     warnings.simplefilter("ignore")
     mode = qt.RecurrentMode.CELLS if args.mode == "cells" else qt.RecurrentMode.WHOLE
     for name in args.models.split(","):
         model, calib, held = (modern_data if args.zoo == "modern" else peers.data)(name)
+        if args.length:
+            from scan_lengths import longer
+
+            calib, held = ([longer(a, args.length) for a in c] for c in (calib, held))
         lowered = qt.quantize(
             model, calib[0], calib, quantizer=qt.Int8Quantizer(recurrent=mode), backend=CPU,
-            progress=False,
+            progress=False, fold_loops=True if args.fold else None,
         )  # fmt: skip
         with torch.inference_mode():
             float_ms = statistics.median(
@@ -146,7 +156,43 @@ def main() -> None:
                 f"\nleft float ({sum(left.values())}): "
                 + ", ".join(f"{op} {k}" for op, k in left.most_common())
             )
+        if args.inside:
+            inside(lowered, held[0], args.runs, args.top)
     print(f"\n{load_note()}; torch {torch.__version__}; one thread, process CPU time")
+
+
+class _TimedBody(torch.nn.Module):
+    def __init__(self, timed: Timed) -> None:
+        super().__init__()
+        self.timed = timed
+
+    def forward(self, *args: Any) -> Any:
+        return self.timed.run(*args)
+
+
+def inside(lowered: fx.GraphModule, args: tuple, runs: int, top: int) -> None:
+    """Each folded Python ``StepLoop``'s step, op by op, summed over its steps and calls."""
+    from quantree.recurrent.unrolled.step_loop import StepLoop
+
+    for name, loop in lowered.named_modules():
+        if not isinstance(loop, StepLoop):
+            continue
+        body, timed = loop.body, Timed(loop.body)
+        loop.body = _TimedBody(timed)  # type: ignore[assignment]
+        try:
+            with torch.inference_mode():
+                for _ in range(runs):
+                    lowered(*args)
+        finally:
+            loop.body = body
+        per_op: dict[str, list[float]] = collections.defaultdict(list)
+        for node, ms in timed.ms.items():
+            per_op[op_name(node, body)].append(sum(ms) / runs)
+        total = sum(sum(v) for v in per_op.values())
+        print(f"\n{name}: {len(timed.ms)} step ops, {total:.3f} ms a forward in its steps\n")
+        print("| op | ms a forward | share | ops in the step |\n|---|---|---|---|")
+        for op, ms in sorted(per_op.items(), key=lambda r: -sum(r[1]))[:top]:
+            print(f"| {op} | {sum(ms):.3f} | {sum(ms) / total:.0%} | {len(ms)} |")
 
 
 def _cpu(fn: Any) -> float:

@@ -6,7 +6,9 @@
 Per family (``modern_zoo``'s builders, its seeds; no ``warm_batch_norm``, so the SQNR can
 differ from the zoo's table for models with batch norm): quantized for the CPU backend with
 ``qt.quantize``'s folding default (``default``), ``fold_loops=True`` (``fold``) or
-``False`` (``unrolled``); the input-dependent SQNR on the 8 held-out inputs; then float
+``False`` (``unrolled``), or ``fold4``: ``fold_loops=True`` with the automatic fold's minimum
+run lowered from ``AUTO_MIN_STEPS`` to 4 steps (a measurement: xLSTM's 4 chunks at 64
+tokens); the input-dependent SQNR on the 8 held-out inputs; then float
 eager and each variant timed interleaved in one process, one thread, at 64 tokens and at
 512 (the held-out input repeated eight times), two runs, thread-CPU and wall ratios. A
 variant whose capture fixed the length to 64 (no folded loop frees it) is quantized again
@@ -15,6 +17,7 @@ at 512 for the 512 rows, and the line says so. The unrolled variant runs at 64 o
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import warnings
@@ -27,7 +30,23 @@ from common import interleaved_times, load_note, one_thread
 import quantree as qt
 from quantree.backends import CPU
 
-FOLD = {"default": None, "fold": True, "unrolled": False}
+FOLD = {"default": None, "fold": True, "unrolled": False, "fold4": True}
+MIN_STEPS = {"fold4": 4}
+
+
+def quantize(model, args, calib, variant: str):
+    """``qt.quantize`` for the variant (``MIN_STEPS``: the fold's minimum run, patched for the
+    call only)."""
+    import quantree.recurrent.capture as capture
+
+    folding = capture.fold_and_free
+    if variant in MIN_STEPS:
+        capture.fold_and_free = functools.partial(folding, min_steps=MIN_STEPS[variant])
+    try:
+        return qt.quantize(model, args, calib, backend=CPU, progress=False,
+                           fold_loops=FOLD[variant])  # fmt: skip
+    finally:
+        capture.fold_and_free = folding
 
 
 def longer(args: tuple, length: int) -> tuple:
@@ -49,8 +68,7 @@ def run(name: str, variants: list[str]) -> None:
         ref = [zoo.flat(model(*h)) for h in held]
     for v in variants:
         start = time.time()
-        lows[v] = qt.quantize(model, calib[0], calib, backend=CPU, progress=False,
-                              fold_loops=FOLD[v])  # fmt: skip
+        lows[v] = quantize(model, calib[0], calib, v)
         loops = [type(m).__name__ for m in lows[v].modules() if "Loop" in type(m).__name__]
         with torch.no_grad():
             got = [zoo.flat(lows[v](*h)) for h in held]
@@ -69,8 +87,7 @@ def run(name: str, variants: list[str]) -> None:
                 print(f"  {name} {v} T{length}: {type(err).__name__}; captured again at "
                       f"{length}", flush=True)  # fmt: skip
                 again = [longer(c, length) for c in calib]
-                low = qt.quantize(model, again[0], again, backend=CPU, progress=False,
-                                  fold_loops=FOLD[v])  # fmt: skip
+                low = quantize(model, again[0], again, v)
             timed[v] = lambda x=x, low=low: low(*x)
         with torch.no_grad():
             for run_ in (1, 2):

@@ -39,7 +39,8 @@ from quantree.recurrent.unrolled.writes import mutates, step_writes
 aten = torch.ops.aten
 COLLECTORS = (aten.stack.default, aten.cat.default)
 MAX_PERIODS = 8
-"""Candidate step lengths tried per search (the most frequent gaps between equal ops)."""
+"""Candidate step lengths tried per search: this many of the most frequent gaps between
+equal ops, and as many of those covering the most nodes."""
 
 
 def signature(n: fx.Node) -> tuple[Any, ...]:
@@ -60,7 +61,13 @@ def find_recurrence(gm: fx.GraphModule, min_steps: int = 3) -> Recurrence | None
             gaps[i - last_at[s]] += 1
         last_at[s] = i
     runs: list[tuple[int, int, int]] = []  # (coverage, start, period) of candidate runs
-    for period, _ in gaps.most_common(MAX_PERIODS):
+    # the most frequent gaps, and those covering the most nodes (count x gap): a long step
+    # whose ops all recur within it (xLSTM's chunk: several adds, exps, slices per step) has
+    # its own period as a gap only for its few unique ops, and few steps (4 chunks) make
+    # that count smaller than the short gaps between the step's repeated ops
+    frequent = [g for g, _ in gaps.most_common(MAX_PERIODS)]
+    covering = sorted(gaps, key=lambda g: -gaps[g] * g)[:MAX_PERIODS]
+    for period in dict.fromkeys(frequent + covering):
         i = 0
         while i + period < len(seq):
             if sigs[i] != sigs[i + period]:

@@ -23,7 +23,7 @@ from quantree.core.graphs import fetch_attr, unique_attr
 from quantree.core.points import POINT_KEY
 from quantree.recurrent.unrolled.cells import write_out_cells
 from quantree.recurrent.unrolled.find import find_recurrence
-from quantree.recurrent.unrolled.recurrence import Recurrence, SeqInput
+from quantree.recurrent.unrolled.recurrence import Recurrence, SeqInput, StepWrite
 from quantree.recurrent.unrolled.sink import sink_producers
 from quantree.recurrent.unrolled.step_loop import StepInput, StepLoop, StepOutput
 from quantree.recurrent.unrolled.writes import captured_steps, covers
@@ -81,13 +81,21 @@ def fold(gm: fx.GraphModule, rec: Recurrence) -> str:
     for j, leaf in zip(rec.states, leaves, strict=False):
         leaf.meta = _leaf_meta(rec.blocks[-1][j])
         values.append(leaf.meta["val"])
+    closed = {w.buffer: w for w in rec.writes.values() if w.initial is not None}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    after = max(leaves, key=order.__getitem__)
     for (_, target), leaf in zip(outputs, leaves[len(rec.states) :], strict=True):
         leaf.meta = _leaf_meta(target)
+        if target in closed:  # the steps' states; the buffer is the initial one, then these
+            after = joined = _prepend(gm, closed[target], leaf, after)
+            leaf.meta["val"] = _narrow_val(target.meta["val"], closed[target])
+            keep = run | set(closed[target].closing)  # erased below
+            target.replace_all_uses_with(joined, delete_user_cb=lambda u, keep=keep: u not in keep)
+        elif target in buffers:  # read after the run only (find's proof): the joined writes
+            target.replace_all_uses_with(leaf, delete_user_cb=lambda user: user not in run)
         values.append(leaf.meta["val"])
         if target in rec.collected:
             target.replace_all_uses_with(leaf)
-        if target in buffers:  # read after the run only (find's proof): the joined writes
-            target.replace_all_uses_with(leaf, delete_user_cb=lambda user: user not in run)
     call.meta["val"] = tuple(values)
     for j in rec.states:
         rec.blocks[-1][j].replace_all_uses_with(leaves[list(rec.states).index(j)])
@@ -105,10 +113,34 @@ def fold(gm: fx.GraphModule, rec: Recurrence) -> str:
     for node in read:  # the weights only the steps read now live in the body
         if node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)
+    for write in closed.values():  # the write after the run: its slot is the loop's last
+        for node in reversed(write.closing):
+            gm.graph.erase_node(node)
     for buffer in buffers:  # a fresh tensor the loop's output replaced
         if not buffer.users:
             gm.graph.erase_node(buffer)
     return name
+
+
+def _prepend(gm: fx.GraphModule, write: StepWrite, leaf: fx.Node, after: fx.Node) -> fx.Node:
+    """``cat([initial, leaf])`` along the written dimension (the initial state unsqueezed
+    where the steps ``select`` their slot), inserted after ``after``."""
+    assert write.initial is not None
+    dim, first = write.where.dim, write.initial
+    with gm.graph.inserting_after(after):
+        if write.where.width == 0:
+            first = gm.graph.call_function(torch.ops.aten.unsqueeze.default, (first, dim))
+            first.meta = {"val": write.initial.meta["val"].unsqueeze(dim)}
+    with gm.graph.inserting_after(first if first is not write.initial else after):
+        joined = gm.graph.call_function(torch.ops.aten.cat.default, ([first, leaf], dim))
+    joined.meta = _leaf_meta(write.buffer)
+    return joined
+
+
+def _narrow_val(val: Any, write: StepWrite) -> Any:
+    """The buffer's metadata value without its first slot: what the loop collects."""
+    width = max(write.where.width, 1)
+    return val.narrow(write.where.dim, width, val.shape[write.where.dim] - width)
 
 
 def _leaf_meta(node: fx.Node) -> dict[str, Any]:

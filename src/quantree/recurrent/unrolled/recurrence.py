@@ -25,13 +25,18 @@ class SeqInput:
 class StepWrite:
     """Step node ``value`` written into ``buffer``'s slice ``target`` (a step node cut at the
     step's own index, ``where`` as a per-step input would be): after the run, ``buffer``
-    holds every step's value joined along ``where.dim``."""
+    holds every step's value joined along ``where.dim``. Where each step writes the state it
+    received (``initial`` is the state before the run), ``value`` is the state it passes on,
+    and ``closing`` (nodes after the run) writes the last one into the buffer's last slot:
+    the buffer is then ``initial`` followed by every step's ``value``."""
 
     buffer: fx.Node
     target: int
     value: int
     where: SeqInput
     views: tuple[int, ...] = ()  # whole-tensor slices between ``buffer`` and ``target``
+    initial: fx.Node | None = None
+    closing: tuple[fx.Node, ...] = ()  # the write after the run: its views, then the copy_
 
 
 @dataclass

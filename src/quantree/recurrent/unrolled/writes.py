@@ -10,6 +10,14 @@ before the run ends, not even the step writing it. Then the buffer after the run
 ``stack``'s. Anything else (another step's slice, a slice read in the step, a buffer read or
 aliased before the run, overlapping or partial writes, a cast or broadcast in the write)
 rejects the run, which stays unrolled and computes what the model does.
+
+xLSTM's chunkwise mLSTM keeps the state *entering* each chunk: step ``k`` writes the state it
+received into slot ``k`` of a buffer one slot longer than the run, and the last slot is
+written after the loop with the final state. That buffer is the initial state followed by the
+state each step passes on, which the loop collects like any per-step value. It folds only
+when the steps write slots ``0 .. T-1`` in order, one write right after the run puts the last
+step's state into slot ``T`` through the same kind of view, and nothing reads the buffer
+before that write; any other slot, value or read keeps the run unrolled.
 """
 
 from __future__ import annotations
@@ -42,8 +50,10 @@ def step_writes(rec: Recurrence) -> bool:
         kinds = rec.kinds[j]
         if len(node.args) != 2 or node.kwargs or kinds[0][0] != "internal":
             return False
-        if kinds[1][0] != "internal" or kinds[1][1] in rec.hoisted:
+        carried = kinds[1][0] == "carried"  # the state the step received (see above)
+        if not carried and (kinds[1][0] != "internal" or kinds[1][1] in rec.hoisted):
             return False
+        value = kinds[1][1]
         target = kinds[0][1]
         where = rec.seq_of.get(target)
         found = None if where is None else _buffer(rec, target)
@@ -57,10 +67,17 @@ def step_writes(rec: Recurrence) -> bool:
                 list(block[a].users) != [block[b]] for a, b in pairwise(chain)
             ):
                 return False
-        if not _fresh_and_written_whole(rec, where, buffer, chain[0], target, kinds[1][1]):
+        closing: tuple[fx.Node, ...] = ()
+        if carried:
+            found_closing = _closing_write(rec, where, buffer, chain, value)
+            if found_closing is None:
+                return False
+            closing = found_closing
+        if not _fresh_and_written_whole(rec, where, buffer, chain[0], target, value, closing):
             return False
         buffers.add(buffer)
-        rec.writes[j] = StepWrite(buffer, target, kinds[1][1], where, tuple(views))
+        initial = rec.states[value] if carried else None
+        rec.writes[j] = StepWrite(buffer, target, value, where, tuple(views), initial, closing)
     for write in rec.writes.values():
         del rec.seq_of[write.target]
         rec.hoisted.difference_update(write.views)  # erased with the steps: the write's path
@@ -98,20 +115,27 @@ def _buffer(rec: Recurrence, target: int) -> tuple[fx.Node, list[int]] | None:
 
 
 def _fresh_and_written_whole(
-    rec: Recurrence, where: SeqInput, buffer: fx.Node, j: int, target: int, value: int
+    rec: Recurrence,
+    where: SeqInput,
+    buffer: fx.Node,
+    j: int,
+    target: int,
+    value: int,
+    closing: tuple[fx.Node, ...] = (),
 ) -> bool:
     """Whether the buffer is a new tensor (no alias of another), read by nothing before the
-    run ends but each step's path to its slice (step node ``j``), and written whole once
-    (step ``k`` its own slice, no two steps the same), with values of the slice's shape and
-    dtype (no cast or broadcast) at step node ``value``."""
+    run ends (or before the ``closing`` write) but each step's path to its slice (step node
+    ``j``), and written whole once (step ``k`` its own slice, no two steps the same; with a
+    closing write, steps ``0 .. T-1`` and it slot ``T``), with values of the slice's shape
+    and dtype (no cast or broadcast) at step node ``value``."""
     schema = getattr(buffer.target, "_schema", None)
     if buffer.op != "call_function" or schema is None or schema.is_mutable:
         return False
     if len(schema.returns) != 1 or schema.returns[0].alias_info is not None:
         return False
-    paths = {block[j] for block in rec.blocks}
+    paths = {block[j] for block in rec.blocks} | set(closing[:1])
     order = {n: i for i, n in enumerate(buffer.graph.nodes)}
-    end = order[rec.blocks[-1][-1]]
+    end = order[closing[-1] if closing else rec.blocks[-1][-1]]
     if any(u not in paths and order[u] < end for u in buffer.users):
         return False
     want = rec.blocks[0][target].meta.get("val")
@@ -120,7 +144,67 @@ def _fresh_and_written_whole(
         return False
     if want.shape != got.shape or want.dtype != got.dtype or want.device != got.device:
         return False
+    if closing:  # slots 0 .. T-1 by the steps, slot T (the last) by the closing write
+        return where.stride > 0 and covers(where, rec.steps + 1)
     return covers(where, rec.steps)
+
+
+def _closing_write(
+    rec: Recurrence, where: SeqInput, buffer: fx.Node, chain: list[int], value: int
+) -> tuple[fx.Node, ...] | None:
+    """The write right after the run of the last step's state ``value`` into the buffer's
+    last slot (``buf[:, -1] = h``, ``buf[..., -d:, :] = C``), through whole-tensor slices
+    like the steps' own (``chain``: their views, the slot and the ``copy_``): its nodes, the
+    ``copy_`` last; None when the first use of the buffer after the run is anything else."""
+    run_end = rec.blocks[-1][-1]
+    order = {n: i for i, n in enumerate(buffer.graph.nodes)}
+    after = sorted((u for u in buffer.users if order[u] > order[run_end]), key=order.__getitem__)
+    if not after:
+        return None
+    size = buffer.meta.get("val")
+    size = None if not isinstance(size, torch.Tensor) else size.shape[where.dim]
+    if not isinstance(size, int):
+        return None
+    slot = rec.steps * where.stride  # the first index of slot T
+    nodes: list[fx.Node] = []
+    node = after[0]
+    source = buffer
+    for j in chain:
+        step_node = rec.blocks[0][j]
+        if node.target != step_node.target or node.kwargs or node.args[0] is not source:
+            return None
+        nodes.append(node)
+        if j == chain[-1]:  # the copy_: of the last step's state, read by nothing
+            if node.users or node.args[1] is not rec.blocks[-1][value]:
+                return None
+            break
+        if j != chain[-2] and node.args[1:] != step_node.args[1:]:  # a whole-tensor slice
+            return None
+        if j == chain[-2] and not _is_slot(node, where, slot, size):
+            return None
+        if len(node.users) != 1:
+            return None
+        source, node = node, next(iter(node.users))
+    return tuple(nodes)
+
+
+def _is_slot(node: fx.Node, where: SeqInput, slot: int, size: int) -> bool:
+    """Whether ``node`` cuts index ``slot`` (``select``) or ``slot .. slot + width`` (``slice``)
+    of dimension ``where.dim``, counting negative indices from the end as ATen does."""
+    args = node.args
+    if len(args) < 3 or args[1] != where.dim or not isinstance(args[2], int):
+        return False
+    start = args[2] + size if args[2] < 0 else args[2]
+    if node.target == aten.select.int and where.width == 0:
+        return len(args) == 3 and start == slot
+    if node.target != aten.slice.Tensor or where.width == 0 or len(args) > 5:
+        return False
+    end = args[3] if len(args) > 3 else None
+    end = size if end is None else end
+    if not isinstance(end, int) or (len(args) > 4 and args[4] != 1):
+        return False
+    end = end + size if end < 0 else min(end, size)
+    return start == slot and end == slot + where.width == size
 
 
 def covers(seq: SeqInput, steps: int) -> bool:
