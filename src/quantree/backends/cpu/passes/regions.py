@@ -542,13 +542,15 @@ def _broadcasts(shape: Shape | None, out: Shape) -> bool:
 
 
 def _trim(region: list[fx.Node]) -> None:
-    """Drops the region's trailing views, slices and transposes: only readers outside it use
-    them (the last node of a run has no reader inside), and there they are views or strided
-    reads, where inside they are row copies and then output copies (the heads of BERT's
-    joined q/k/v linear, which the attention call reads through their strides). A leading
+    """Drops the region's trailing views, slices, unbinds and transposes: only readers
+    outside it use them (the last node of a run has no reader inside), and there they are
+    views or strided reads, where inside they are row copies and then output copies (the
+    heads of BERT's joined q/k/v linear, which the attention call reads through their
+    strides; ViT's q, k, v unbound from one permuted tensor). A leading
     transpose likewise: outside, a view of what the call before wrote in that order (the
     attention's heads-innermost output), the program's input then dense."""
-    while region and (region[-1].target in SAME_SLOT or region[-1].target == aten.slice.Tensor):
+    moves = SAME_SLOT | VIEWS | {aten.slice.Tensor}
+    while region and region[-1].target in moves:
         region.pop()
     while region and region[0].target in PERMUTES:  # the same at its head: an input's view
         region.pop(0)
