@@ -90,8 +90,10 @@ def main() -> None:
     args = parser.parse_args()
     one_thread()
     warnings.simplefilter("ignore")
-    print("| model | calls before | calls after | float ms | before | after | after / before "
-          "| SQNR to float before / after | max diff |")
+    print(
+        "| model | calls before | calls after | float ms | before | after | after / before "
+        "| SQNR to float before / after | max diff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         run(name, args.rounds)

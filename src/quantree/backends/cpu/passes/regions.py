@@ -94,12 +94,13 @@ PERMUTES = {aten.permute.default, aten.transpose.int}
 FLOAT_MAX_ELEMENTS = 12288
 """On paths without vector rows for them (all but AVX-512: ``csrc/program_avx512.cpp``,
 ``float_limit``), layer norm (summing in double) and gelu (libm's erf/tanh, element by
-element) are scalar loops in a program: they win on the small tensors programs are for (an Emformer's 24 x 512,
-a recurrent step's few hundred values) and lose to ATen's vectorized kernels on a
-transformer's activations (GPT-2's 128 x 512 gelus and 128 x 128 layer norms in programs
-made the model slower than float; benchmarks/README.md, "Figures moved from docstrings"). Larger
-ones stay ATen's (add/mul/relu loops vectorize, sigmoid/tanh are the vector kernels'). A
-dynamic size counts at batch 1."""
+element) are scalar loops in a program: they win on the small tensors programs are for (an
+Emformer's 24 x 512, a recurrent step's few hundred values) and lose to ATen's vectorized
+kernels on a transformer's activations (GPT-2's 128 x 512 gelus and 128 x 128 layer norms
+in programs made the model slower than float; benchmarks/README.md, "Figures moved from
+docstrings"). Larger ones stay ATen's there (add/mul/relu loops vectorize, sigmoid/tanh are
+the vector kernels'). A dynamic size counts at batch 1. Also the size above which a program
+marks a layer norm or gelu for the vector rows (``_vector``)."""
 FLOAT_OPS = {aten.layer_norm.default, aten.gelu.default}
 
 
@@ -110,6 +111,7 @@ def float_limit() -> float:
     linears around them in one call). A lowered model saved here and loaded on another path
     still runs them, through the scalar loops: slower, the same values up to rounding."""
     return math.inf if cpu_isa() == "avx512vnni" else float(FLOAT_MAX_ELEMENTS)
+
 
 GELU_KINDS = {"none": 3, "tanh": 4}
 """FLOAT_UNARY kinds of ``aten.gelu`` by its ``approximate`` argument (csrc/qt_program.h)."""
