@@ -184,7 +184,8 @@ def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS, math: bool = False)
     fused = 0
     regions = _regions(gm, shapes, math)
     for region in regions:
-        _trim(region)
+        if not math:
+            _trim(region)
         if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes, math):
             fused += 1
     if fused or regions:  # a region refused late may have left constants behind
@@ -548,14 +549,11 @@ def _trim(region: list[fx.Node]) -> None:
     outside it use them (the last node of a run has no reader inside), and there they are
     views or strided reads, where inside they are row copies and then output copies (the
     heads of BERT's joined q/k/v linear, which the attention call reads through their
-    strides; ViT's q, k, v unbound from one permuted tensor). A leading
-    transpose likewise: outside, a view of what the call before wrote in that order (the
-    attention's heads-innermost output), the program's input then dense."""
+    strides; ViT's q, k, v unbound from one permuted tensor). Not in a folded step's program
+    (``math``), which must be the whole step."""
     moves = SAME_SLOT | VIEWS | {aten.slice.Tensor}
     while region and region[-1].target in moves:
         region.pop()
-    while region and region[0].target in PERMUTES:  # the same at its head: an input's view
-        region.pop(0)
 
 
 def _regions(
