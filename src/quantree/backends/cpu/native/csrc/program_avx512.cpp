@@ -7,7 +7,7 @@
 // Semantics are the portable loops': the layer norm's biased variance by two passes (the mean,
 // then the squared deviations), summed in float over 16 lanes (ATen's vectorized float sums
 // differ from either by rounding only); the gelu is x / 2 (1 + erf(x / sqrt 2)) with erf a
-// rational-free polynomial form of about 1 ulp, and the tanh gelu through qt_vmath.h's tanh
+// rational approximation within 4e-7 (below), and the tanh gelu through qt_vmath.h's tanh
 // (absolute error near 1e-7, what the recurrent kernels use).
 #include <immintrin.h>
 
@@ -24,33 +24,29 @@ inline __mmask16 lanes(int64_t n) {  // the first min(n, 16) lanes
     return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
-// erf(x), float, after N. Juffa's erff (two polynomials split at |x| = 0.927734375, about
-// 1 ulp each): written with intrinsics because the compiler does not vectorize libm's erff.
-inline __m512 verf(__m512 a) {
-    const __m512 t = _mm512_abs_ps(a), s = _mm512_mul_ps(a, a);
-    // |x| above the split: 1 - exp(p(t)), its sign copied from x
-    __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(-1.72853470e-5f), t, _mm512_set1_ps(3.83197126e-4f));
-    const __m512 u =
-        _mm512_fmadd_ps(_mm512_set1_ps(-3.88396438e-3f), t, _mm512_set1_ps(2.42546219e-2f));
-    r = _mm512_fmadd_ps(r, s, u);
-    r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-1.06777877e-1f));
-    r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-6.34846687e-1f));
-    r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-1.28717512e-1f));
-    r = _mm512_fmadd_ps(r, t, _mm512_sub_ps(_mm512_setzero_ps(), t));
-    __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f), vexp(r));
-    const __m512 sign = _mm512_and_ps(a, _mm512_set1_ps(-0.0f));
-    big = _mm512_or_ps(_mm512_abs_ps(big), sign);
-    // |x| up to the split: x + x q(x^2)
-    __m512 q = _mm512_set1_ps(-5.96761703e-4f);
-    q = _mm512_fmadd_ps(q, s, _mm512_set1_ps(4.99119423e-3f));
-    q = _mm512_fmadd_ps(q, s, _mm512_set1_ps(-2.67681349e-2f));
-    q = _mm512_fmadd_ps(q, s, _mm512_set1_ps(1.12819925e-1f));
-    q = _mm512_fmadd_ps(q, s, _mm512_set1_ps(-3.76125336e-1f));
-    q = _mm512_fmadd_ps(q, s, _mm512_set1_ps(1.28379166e-1f));
-    const __m512 small = _mm512_fmadd_ps(q, a, a);
-    const __mmask16 is_big = _mm512_cmp_ps_mask(t, _mm512_set1_ps(0.927734375f), _CMP_GT_OQ);
-    // NaN stays NaN: the small branch carries it (t > split is false for NaN)
-    return _mm512_mask_blend_ps(is_big, small, big);
+// erf(x), float: the rational approximation Eigen and XLA use for float erf, x clamped to
+// [-4, 4] (erf is 1 - 1.5e-8 there), an odd polynomial of degree 13 over an even one of
+// degree 8; within 4e-7 of erf everywhere (checked against double erf over [-12, 12]).
+// Written with intrinsics because the compiler does not vectorize libm's erff; about half
+// the operations of an exp-based erff (measured: 16 against 32 us for 65536 gelus).
+// A NaN x leaves erf at 1 (the clamp), and the gelu NaN through its factor x.
+inline __m512 verf(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(4.0f)), _mm512_set1_ps(-4.0f));
+    const __m512 x2 = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(-2.72614225801306e-10f);
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(2.77068142495902e-08f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-2.10102402082508e-06f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-5.69250639462346e-05f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-7.34990630326855e-04f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-2.95459980854025e-03f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-1.60960333262415e-02f));
+    p = _mm512_mul_ps(p, x);
+    __m512 q = _mm512_set1_ps(-1.45660718464996e-05f);
+    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(-2.13374055278905e-04f));
+    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(-1.68282697438203e-03f));
+    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(-7.37332916720468e-03f));
+    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(-1.42647390514189e-02f));
+    return _mm512_div_ps(p, q);
 }
 
 inline __m512 vgelu(__m512 x) {
