@@ -9,7 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <vector>
+#include <cstdlib>
+#include <new>
 
 #include "qt_kernels.h"
 #include "qt_vmath.h"
@@ -155,14 +156,34 @@ void block(const AttentionArgs& a, const float* q, const float* kt, int64_t Skp,
                 o[r * a.os[2] + d] = std::numeric_limits<float>::quiet_NaN();
 }
 
+// A grown-only float buffer of internal linkage: a std::vector<float> here would emit weak
+// (COMDAT) copies of its members compiled for AVX-512, which the linker may pick for the
+// portable objects that use the same members (test_kernel_check.py refuses any shared).
+struct Work {
+    float* data = nullptr;
+    size_t size = 0;
+    Work() = default;
+    Work(const Work&) = delete;
+    Work& operator=(const Work&) = delete;
+    ~Work() { std::free(data); }
+    float* get(size_t need) {
+        if (size < need) {
+            float* grown = static_cast<float*>(std::malloc(need * sizeof(float)));
+            if (!grown) throw std::bad_alloc();  // caught at the entry point (QT_CATCH)
+            std::free(data);
+            data = grown;
+            size = need;
+        }
+        return data;
+    }
+};
+
 }  // namespace
 
 void attention_avx512(const AttentionArgs& a) {
     const int64_t Skp = (a.Sk + 15) / 16 * 16;
-    thread_local std::vector<float> work;
-    const size_t need = static_cast<size_t>(a.D * Skp + 6 * Skp + 16);
-    if (work.size() < need) work.resize(need);
-    float* kt = work.data();
+    thread_local Work work;
+    float* kt = work.get(static_cast<size_t>(a.D * Skp + 6 * Skp + 16));
     float* s = kt + a.D * Skp;
     for (int64_t b = 0; b < a.B; ++b)
         for (int64_t h = 0; h < a.H; ++h) {
