@@ -191,6 +191,20 @@ def peer_quantree_unfused(model: nn.Module, calib: list[tuple], folder: Path) ->
     return lambda args: lowered(*args)
 
 
+def peer_quantree_aten_norms(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
+    """quantree with large layer norms and gelus left to ATen (the region pass's limit of the
+    paths without vector rows, as before branch h-bertln): the comparison's other side."""
+    import quantree.backends.cpu.passes.regions as regions
+
+    limit = regions.float_limit
+    regions.float_limit = lambda: float(regions.FLOAT_MAX_ELEMENTS)  # type: ignore[assignment]
+    try:
+        lowered = qt.quantize(model, calib[0], calib, backend=CPU, progress=False)
+    finally:
+        regions.float_limit = limit  # type: ignore[assignment]
+    return lambda args: lowered(*args)
+
+
 def peer_quantree_h16(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
     """quantree with recurrent layers feeding h back at int16 (``cpu_backend(hidden_bits=16)``)."""
     from quantree.backends import cpu_backend
@@ -278,6 +292,7 @@ def peer_torchao(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
 PEER_BUILDERS: dict[str, Callable[[nn.Module, list[tuple], Path], Call]] = {
     "quantree": peer_quantree,
     "quantree_unfused": peer_quantree_unfused,
+    "quantree_aten_norms": peer_quantree_aten_norms,
     "quantree_h16": peer_quantree_h16,
     "quantree_s16": peer_quantree_s16,
     "et": peer_et,

@@ -281,9 +281,11 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
             const(n, c[3], I8, 256)
         elif kind in (FLOAT_UNARY, FLOAT_SCALAR):
             expect(n, "kind out of range", 0 <= c[3] <= KINDS[kind])
+            expect(n, "vector flag out of range", kind == FLOAT_SCALAR or c[4] in (0, 1))
         elif kind == NORM:
             const(n, c[3], F32, dst.cols, optional=True)
             const(n, c[4], F32, dst.cols, optional=True)
+            expect(n, "vector flag out of range", c[5] in (0, 1))
         elif kind == RMS_NORM:
             const(n, c[3], F32, dst.cols, optional=True)
     return need, scratch0, scratch1

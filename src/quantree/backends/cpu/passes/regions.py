@@ -34,6 +34,7 @@ Regions with other shapes (two symbols, a symbolic last dimension) are left as t
 from __future__ import annotations
 
 import collections
+import math
 import operator
 from typing import Any
 
@@ -54,6 +55,7 @@ from quantree.backends.cpu.cells.program import (
     Program,
     emit,
 )
+from quantree.backends.cpu.native.loader import cpu_isa
 from quantree.backends.cpu.passes import region_math
 from quantree.backends.cpu.passes.region_layout import MAX_COPIES, copies, gather, reshape, row_map
 from quantree.backends.cpu.saved.derived import Recipe, remember
@@ -92,14 +94,27 @@ RESHAPES = {
 """Of ``SAME_SLOT``, those that may also change the last dimension (``passes/region_layout.py``)."""
 PERMUTES = {aten.permute.default, aten.transpose.int}
 FLOAT_MAX_ELEMENTS = 12288
-"""Layer norm (summing in double) and gelu (libm's erf/tanh, element by element) are scalar
-loops in a program: they win on the small tensors programs are for (an Emformer's 24 x 512,
-a recurrent step's few hundred values) and lose to ATen's vectorized kernels on a
-transformer's activations (GPT-2's 128 x 512 gelus and 128 x 128 layer norms in programs
-made the model slower than float; benchmarks/README.md, "Figures moved from docstrings"). Larger
-ones stay ATen's (add/mul/relu loops vectorize, sigmoid/tanh are the vector kernels'). A
-dynamic size counts at batch 1."""
+"""On paths without vector rows for them (all but AVX-512: ``csrc/program_avx512.cpp``,
+``float_limit``), layer norm (summing in double) and gelu (libm's erf/tanh, element by
+element) are scalar loops in a program: they win on the small tensors programs are for (an
+Emformer's 24 x 512, a recurrent step's few hundred values) and lose to ATen's vectorized
+kernels on a transformer's activations (GPT-2's 128 x 512 gelus and 128 x 128 layer norms
+in programs made the model slower than float; benchmarks/README.md, "Figures moved from
+docstrings"). Larger ones stay ATen's there (add/mul/relu loops vectorize, sigmoid/tanh are
+the vector kernels'). A dynamic size counts at batch 1. Also the size above which a program
+marks a layer norm or gelu for the vector rows (``_vector``)."""
 FLOAT_OPS = {aten.layer_norm.default, aten.gelu.default}
+
+
+def float_limit() -> float:
+    """The most values a program's layer norm or gelu takes on this machine's kernel path.
+    The AVX-512 path runs them as vector rows, as fast as ATen's kernels, so programs take
+    them at any size there (a BERT layer's residual add, layer norm and gelu then join the
+    linears around them in one call). A lowered model saved here and loaded on another path
+    still runs them, through the scalar loops: slower, the same values up to rounding."""
+    return math.inf if cpu_isa() == "avx512vnni" else float(FLOAT_MAX_ELEMENTS)
+
+
 GELU_KINDS = {"none": 3, "tanh": 4}
 """FLOAT_UNARY kinds of ``aten.gelu`` by its ``approximate`` argument (csrc/qt_program.h)."""
 MORE_UNARY = {aten.silu.default: 5, aten.neg.default: 6}
@@ -171,6 +186,8 @@ def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS, math: bool = False)
     fused = 0
     regions = _regions(gm, shapes, math)
     for region in regions:
+        if not math:
+            _trim(region)
         if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes, math):
             fused += 1
     if fused or regions:  # a region refused late may have left constants behind
@@ -364,6 +381,13 @@ def _bounds(size: int, start: object, end: object) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
+def _vector(n: fx.Node, shapes: dict[fx.Node, Shape]) -> int:
+    """1 if the layer norm or gelu ``n`` is one only the AVX-512 path's vector rows take (more
+    values than the scalar loops win on): the instruction's flag for those rows. Smaller
+    ones keep the scalar loops, the same bits on every path as before."""
+    return int(_float_size(shapes[n]) > FLOAT_MAX_ELEMENTS)
+
+
 def _float_size(shape: Shape) -> int:
     """Elements of a float op's output, a symbolic size taken as 1."""
     numel = _numel(shape[0])
@@ -451,7 +475,7 @@ def _covered(
     if n.target == aten.cat.default:
         parts = _cat_parts(n, shapes)
         return bool(parts and _axis(shapes[n][0], _cat_dim(n)) is not None)
-    if n.target in FLOAT_OPS and _float_size(shapes[n]) > FLOAT_MAX_ELEMENTS:
+    if n.target in FLOAT_OPS and _float_size(shapes[n]) > float_limit():
         return False
     if n.target == aten.gelu.default:
         return (
@@ -557,6 +581,18 @@ def _int8_broadcast(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
         and any(s != out for s in ins)
         and all(s is not None and _numel(s[0]) != 1 and _broadcasts(s, out) for s in ins)
     )
+
+
+def _trim(region: list[fx.Node]) -> None:
+    """Drops the region's trailing views, slices, unbinds and transposes: only readers
+    outside it use them (the last node of a run has no reader inside), and there they are
+    views or strided reads, where inside they are row copies and then output copies (the
+    heads of BERT's joined q/k/v linear, which the attention call reads through their
+    strides; ViT's q, k, v unbound from one permuted tensor). Not in a folded step's program
+    (``math``), which must be the whole step."""
+    moves = SAME_SLOT | VIEWS | {aten.slice.Tensor}
+    while region and region[-1].target in moves:
+        region.pop()
 
 
 def _regions(
@@ -731,7 +767,7 @@ def _replace(
             assert dst is not None
             kind = _gelu_kind(n)
             assert kind is not None
-            p.emit([FLOAT_UNARY, dst, slot[a[0]], kind], [])
+            p.emit([FLOAT_UNARY, dst, slot[a[0]], kind, _vector(n, shapes)], [])
             slot[n] = dst
         elif n.target == aten.stack.default:
             dst = value_slot(n)
@@ -759,7 +795,7 @@ def _replace(
             weight = const_index(a[2] if len(a) > 2 else None)
             bias = const_index(a[3] if len(a) > 3 else None)
             eps = float(a[4]) if len(a) > 4 else 1e-5
-            p.emit([LAYER_NORM, dst, slot[a[0]], weight, bias], [eps])
+            p.emit([LAYER_NORM, dst, slot[a[0]], weight, bias, _vector(n, shapes)], [eps])
             slot[n] = dst
         elif math and (done := region_math.emit(p, n, slot, value_slot, shapes)) is not None:
             if not done:

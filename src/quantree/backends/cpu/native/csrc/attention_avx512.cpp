@@ -156,19 +156,23 @@ void block(const AttentionArgs& a, const float* q, const float* kt, int64_t Skp,
                 o[r * a.os[2] + d] = std::numeric_limits<float>::quiet_NaN();
 }
 
-// Scratch grown by malloc, not a std::vector: a vector's member functions are inline (weak)
-// symbols that other, baseline-ISA objects define too, and the linker may keep this file's
-// AVX-512 copy for them (test_kernel_check's "no shared inline function" rule).
-struct Scratch {
+// A grown-only float buffer of internal linkage: a std::vector<float> here would emit weak
+// (COMDAT) copies of its members compiled for AVX-512, which the linker may pick for the
+// portable objects that use the same members (test_kernel_check.py refuses any shared).
+struct Work {
     float* data = nullptr;
     size_t size = 0;
-    ~Scratch() { std::free(data); }
-    float* at_least(size_t n) {
-        if (n > size) {
-            float* grown = static_cast<float*>(std::realloc(data, n * sizeof(float)));
-            if (grown == nullptr) throw std::bad_alloc();
+    Work() = default;
+    Work(const Work&) = delete;
+    Work& operator=(const Work&) = delete;
+    ~Work() { std::free(data); }
+    float* get(size_t need) {
+        if (size < need) {
+            float* grown = static_cast<float*>(std::malloc(need * sizeof(float)));
+            if (!grown) throw std::bad_alloc();  // caught at the entry point (QT_CATCH)
+            std::free(data);
             data = grown;
-            size = n;
+            size = need;
         }
         return data;
     }
@@ -178,8 +182,8 @@ struct Scratch {
 
 void attention_avx512(const AttentionArgs& a) {
     const int64_t Skp = (a.Sk + 15) / 16 * 16;
-    thread_local Scratch work;
-    float* kt = work.at_least(static_cast<size_t>(a.D * Skp + 6 * Skp + 16));
+    thread_local Work work;
+    float* kt = work.get(static_cast<size_t>(a.D * Skp + 6 * Skp + 16));
     float* s = kt + a.D * Skp;
     for (int64_t b = 0; b < a.B; ++b)
         for (int64_t h = 0; h < a.H; ++h) {

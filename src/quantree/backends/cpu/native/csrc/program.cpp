@@ -38,9 +38,15 @@ void qt_program_run(void** inputs, const int64_t* in_slots, int64_t n_in, void**
         if (uses == 1 && !outside[k] && own(k, outputs[i]))
             outside[k] = static_cast<char*>(outputs[i]);
     }
-    std::vector<char> ws;
+    // One workspace and one scratch per thread, kept between calls and never cleared: every
+    // value is written by the instruction that makes it before any reads it, and a fresh
+    // buffer per call cost more than the layer norms and adds of a transformer layer (a
+    // megabyte's page faults and zeroing; benchmarks/README.md, branch h-bertln).
+    thread_local std::vector<char> ws;
+    thread_local std::vector<uint8_t> u8;
     const std::vector<Slot> s = lay_out(
-        ws, table.data(), n_slots, NSR, [](const int64_t* d) { return d[5]; }, &outside);
+        ws, table.data(), n_slots, NSR, [](const int64_t* d) { return d[5]; }, &outside,
+        false);
     int64_t scratch = 0;
     for (int64_t n = 0; n < n_code; ++n) {
         const int64_t* c = code + NI * n;
@@ -49,7 +55,7 @@ void qt_program_run(void** inputs, const int64_t* in_slots, int64_t n_in, void**
             scratch = need > scratch ? need : scratch;
         }
     }
-    std::vector<uint8_t> u8(static_cast<size_t>(scratch));
+    if (u8.size() < static_cast<size_t>(scratch)) u8.resize(static_cast<size_t>(scratch));
     for (int64_t i = 0; i < n_in; ++i) {
         const Slot& d = s[in_slots[i]];
         const char* src = static_cast<const char*>(inputs[i]);

@@ -5,9 +5,11 @@
 // Values are 2-d [rows, cols] slices (row stride ld) of one workspace; a chunk's pieces, an
 // unbind's items and a stack's parts are views of their source. Instructions are fixed-size
 // records of int64 and float fields. Every instruction but the sigmoid/tanh of FLOAT_UNARY
-// (which goes through the selected path's activation, as the recurrent kernels do) and
-// LOOKUP (the path's table lookup, exact on every path) is plain C++ with no ISA dispatch,
-// so it gives the same bits on every path.
+// (which goes through the selected path's activation, as the recurrent kernels do), LOOKUP
+// (the path's table lookup, exact on every path), and on the AVX-512 path a LAYER_NORM or
+// gelu marked "vector" (program_avx512.cpp: vector rows, equal to these loops up to float
+// rounding; the region pass marks only those too large for the scalar loops, which it takes
+// on that path alone, so every program made before keeps its bits) is plain C++ with no ISA dispatch, so it gives the same bits on every path.
 #pragma once
 #include <cmath>
 #include <cstring>
@@ -15,11 +17,20 @@
 
 #include "qt_kernels.h"
 
+extern "C" int qt_current_isa();
 extern "C" void qt_matmul(const int8_t* a, const int8_t* bmat, int64_t batch, int64_t M,
                           int64_t K, int64_t N, float za, float zb, float scale, int8_t* out_q,
                           float* out_f, float inv, float zp);
 
 namespace qt::prog {
+
+#if defined(__x86_64__)
+// program_avx512.cpp: the AVX-512 path's layer norm and erf / tanh gelu rows
+void layer_norm_rows_avx512(const float* a, int64_t lda, float* out, int64_t ldo, int64_t rows,
+                            int64_t n, const float* w, const float* b, float eps);
+void gelu_rows_avx512(int64_t kind, const float* a, int64_t lda, float* out, int64_t ldo,
+                      int64_t rows, int64_t n);
+#endif
 
 // Fields per resolved slot: dtype (0 f32, 1 i8), owner, byte offset, cols, ld, rows. A slot
 // table of 8 fields (a dynamic program's) adds the rows' and the byte offset's coefficients
@@ -77,10 +88,13 @@ struct Slot {
 // ``rows(d)`` a slot's row count (the batch of a cell loop, the record's own for a region).
 // ``outside[i]`` (if given and not null): owner slot i lives in that caller's buffer (a
 // region program's dense input or output), so it takes no workspace and its views point there.
+// ``clear``: the workspace starts zeroed (a cell loop's state starts at zero); without it
+// ``ws`` is only grown, its old bytes kept (a region program writes every value before it
+// reads it, and its caller reuses one buffer per thread).
 template <class Rows>
 inline std::vector<Slot> lay_out(std::vector<char>& ws, const int64_t* slots, int64_t n_slots,
                                  int fields, Rows rows,
-                                 const std::vector<char*>* outside = nullptr) {
+                                 const std::vector<char*>* outside = nullptr, bool clear = true) {
     std::vector<int64_t> start(static_cast<size_t>(n_slots));
     int64_t bytes = 0;
     for (int64_t i = 0; i < n_slots; ++i) {
@@ -94,7 +108,11 @@ inline std::vector<Slot> lay_out(std::vector<char>& ws, const int64_t* slots, in
             start[i] = start[d[1]] + d[2];
         }
     }
-    ws.assign(static_cast<size_t>(bytes) + 64, 0);
+    if (clear) {
+        ws.assign(static_cast<size_t>(bytes) + 64, 0);
+    } else if (ws.size() < static_cast<size_t>(bytes) + 64) {
+        ws.resize(static_cast<size_t>(bytes) + 64);
+    }
     std::vector<Slot> s(static_cast<size_t>(n_slots));
     for (int64_t i = 0; i < n_slots; ++i) {
         const int64_t* d = slots + fields * i;
@@ -396,12 +414,25 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
                 float_binary_row(c[4], a.f(r), b.f(r), dst.f(r), dst.cols);
             break;
         }
-        case FLOAT_UNARY:
+        case FLOAT_UNARY:  // c[4] 1: a gelu the path may run as vector rows
+#if defined(__x86_64__)
+            if ((c[3] == 3 || c[3] == 4) && c[4] && qt_current_isa() == qt::AVX512VNNI) {
+                gelu_rows_avx512(c[3], a.f(0), a.ld, dst.f(0), dst.ld, dst.rows, dst.cols);
+                break;
+            }
+#endif
             for (int64_t r = 0; r < dst.rows; ++r) float_unary_row(c[3], a.f(r), dst.f(r), dst.cols);
             break;
-        case LAYER_NORM: {  // c[3], c[4]: weight / bias constants or -1; f[0]: eps
+        case LAYER_NORM: {  // c[3], c[4]: weight / bias constants or -1; f[0]: eps; c[5]: vector
             const float* w = c[3] >= 0 ? static_cast<const float*>(consts[c[3]]) : nullptr;
             const float* b = c[4] >= 0 ? static_cast<const float*>(consts[c[4]]) : nullptr;
+#if defined(__x86_64__)
+            if (c[5] && qt_current_isa() == qt::AVX512VNNI) {
+                layer_norm_rows_avx512(a.f(0), a.ld, dst.f(0), dst.ld, dst.rows, dst.cols, w, b,
+                                       f[0]);
+                break;
+            }
+#endif
             for (int64_t r = 0; r < dst.rows; ++r) layer_norm_row(a.f(r), dst.f(r), dst.cols, w, b, f[0]);
             break;
         }
