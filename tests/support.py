@@ -82,3 +82,22 @@ class IssueLSTM(torch.nn.Module):
     def forward(self, x, h, c):
         y, (hn, cn) = self.rnn(x, (h, c))
         return self.out(y), self.h(hn), self.c(cn)
+
+
+class SortedPacked(torch.nn.Module):
+    """The outside model ``gru_packed`` (benchmarks/outside_models.py): a 2-layer bidirectional
+    GRU over lengths given sorted (``enforce_sorted=True``, the default), padded back to the
+    input's length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = torch.nn.GRU(8, 12, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = torch.nn.Linear(24, 5)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+        out, _ = self.gru(packed)
+        out, _ = torch.nn.utils.rnn.pad_packed_sequence(
+            out, batch_first=True, total_length=x.shape[1]
+        )
+        return self.head(out)

@@ -34,6 +34,8 @@ import quantree as qt
 from quantree.backends.onnx import run_onnx
 from quantree.core.qdq import DEQUANTIZE_PER_TENSOR
 
+from support import SortedPacked
+
 BAND_DB = {qt.OnnxTarget.QDQ: 1.0, qt.OnnxTarget.ONNXRUNTIME: 2.0}
 STEPS, BATCH, FEATURES, HIDDEN = 7, 5, 6, 12
 WARN = "ignore::quantree.QuantreeWarning"
@@ -218,20 +220,6 @@ def _lengths(generator: torch.Generator, batch: int) -> torch.Tensor:
     lengths = torch.randint(1, STEPS + 1, (batch,), generator=generator)
     lengths[0] = STEPS
     return lengths
-
-
-class SortedPacked(nn.Module):
-    """The outside model ``gru_packed``: sorted lengths, padded back to the input's length."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gru = nn.GRU(8, 12, num_layers=2, bidirectional=True, batch_first=True)
-        self.head = nn.Linear(24, 5)
-
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        out, _ = self.gru(pack_padded_sequence(x, lengths, batch_first=True))
-        out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
-        return self.head(out)
 
 
 @pytest.mark.filterwarnings(WARN)

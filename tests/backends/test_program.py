@@ -18,7 +18,7 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu import backend as cpu_backend
-from quantree.backends.cpu.native.loader import ISA_NAMES, cpu_isa, isa_cap, library
+from quantree.backends.cpu.native.loader import cpu_isa
 from quantree.core.graphs import fetch_attr
 from quantree.tools.inspection import NATIVE_FLOAT, op_statuses
 from quantree.tools.metrics import sqnr
@@ -151,22 +151,6 @@ def test_dynamic_program_after_save_load_runs_other_sizes(tmp_path) -> None:
             (x,) = _data(1, seed=8, steps=steps)[0]
             assert torch.equal(loaded(x), low(x))
             assert sqnr(unfused(x), low(x)) > 60.0
-
-
-@pytest.fixture
-def select():
-    lib = library()
-    available = [n for i, n in enumerate(ISA_NAMES) if lib.qt_select_isa(i) == i]
-    lib.qt_select_isa(isa_cap())
-
-    def choose(name: str) -> bool:
-        if name not in available:
-            return False
-        assert ISA_NAMES[lib.qt_select_isa(ISA_NAMES.index(name))] == name
-        return True
-
-    yield choose
-    lib.qt_select_isa(isa_cap())
 
 
 @pytest.mark.parametrize("gates", [True, False], ids=["sigmoid-tanh", "norms-only"])

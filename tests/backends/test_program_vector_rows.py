@@ -20,7 +20,7 @@ from torch import nn
 import quantree as qt
 import quantree.backends.cpu.passes.regions as regions
 from quantree.backends import CPU, cpu_backend
-from quantree.backends.cpu.native.loader import ISA_NAMES, cpu_isa, isa_cap, library
+from quantree.backends.cpu.native.loader import cpu_isa
 from quantree.tools.metrics import sqnr
 
 from support import calls
@@ -60,22 +60,6 @@ def _floats(width: int, rows: int = 0) -> tuple[torch.fx.GraphModule, nn.Module,
     ref = qt.quantize(model, data[0], data, progress=False, backend="reference",
                       dynamic_batch=False)  # fmt: skip
     return qt.lower(ref, CPU), model, data
-
-
-@pytest.fixture
-def select():
-    lib = library()
-    available = [n for i, n in enumerate(ISA_NAMES) if lib.qt_select_isa(i) == i]
-    lib.qt_select_isa(isa_cap())
-
-    def choose(name: str) -> bool:
-        if name not in available:
-            return False
-        assert ISA_NAMES[lib.qt_select_isa(ISA_NAMES.index(name))] == name
-        return True
-
-    yield choose
-    lib.qt_select_isa(isa_cap())
 
 
 @pytest.mark.skipif(not VECTOR, reason="only the AVX-512 path takes large layer norms")

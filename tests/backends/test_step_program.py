@@ -192,6 +192,16 @@ def test_a_matrix_times_a_vector_in_a_program_matches_aten_within_rounding(k):
     torch.testing.assert_close(gm(*ex), want, rtol=1e-5, atol=1e-5)
 
 
+def _refuses_operand_flags(gm, call, code, row: int, flags, ex) -> None:
+    """The program's checker refuses each of ``flags`` as instruction ``row``'s operand flag."""
+    for flag in flags:
+        tampered = code.clone()
+        tampered[row, 5] = flag
+        setattr(gm, str(call.args[2].target), tampered)
+        with pytest.raises(qt.QuantreeError, match="operand flag"):
+            gm(*ex)
+
+
 def test_a_column_operand_in_a_program_gives_the_same_bits_as_aten():
     """A selective scan's step once its producers moved in (``recurrent/unrolled/sink.py``):
     outer products ``dt[..., None] * b[:, None]`` and ``x * dt[..., None]``, a column of one
@@ -219,12 +229,7 @@ def test_a_column_operand_in_a_program_gives_the_same_bits_as_aten():
     code = getattr(gm, str(call.args[2].target))  # type: ignore[union-attr]
     rows = [i for i, c in enumerate(code.tolist()) if c[0] == 7 and c[5] in (1, 2)]
     assert rows  # FLOAT_BINARY with a column operand
-    for flag, message in ((3, "operand flag"), (-1, "operand flag")):
-        tampered = code.clone()
-        tampered[rows[0], 5] = flag
-        setattr(gm, str(call.args[2].target), tampered)  # type: ignore[union-attr]
-        with pytest.raises(qt.QuantreeError, match=message):
-            gm(*ex)
+    _refuses_operand_flags(gm, call, code, rows[0], (3, -1), ex)
 
 
 class Int8Outer(nn.Module):
@@ -286,12 +291,7 @@ def test_an_int8_binary_with_a_column_operand_gives_the_bits_of_the_broadcasting
         assert torch.equal(g, lone) and torch.equal(g, w)
         assert (g - fq(r, s, z)).abs().max() <= s * 1.0001  # rounding v * (1 / s) vs v / s
     rows = [i for i, c in enumerate(code.tolist()) if c[0] == 3 and c[5] == 3]
-    for flag, message in ((4, "operand flag"), (-1, "operand flag")):
-        tampered = code.clone()
-        tampered[rows[0], 5] = flag
-        setattr(gm, str(call.args[2].target), tampered)  # type: ignore[union-attr]
-        with pytest.raises(qt.QuantreeError, match=message):
-            gm(*ex)
+    _refuses_operand_flags(gm, call, code, rows[0], (4, -1), ex)
     tampered = code.clone()  # a column slot that is not int8: refused, not read as bytes
     tampered[rows[0], 2] = next(c[2] for c in code.tolist() if c[0] == 0)  # a float slot
     setattr(gm, str(call.args[2].target), tampered)  # type: ignore[union-attr]

@@ -21,6 +21,8 @@ from torch.utils._pytree import tree_leaves
 import quantree as qt
 from quantree.backends import CPU
 
+from support import SortedPacked
+
 SQNR_DB = 25.0
 BATCH, STEPS, FEATURES, HIDDEN = 5, 7, 6, 12
 
@@ -204,21 +206,6 @@ def test_lowered_model_padded_to_the_longest_length_saves_and_loads(
     x = calibration[0][0]
     for lengths in (calibration[0][1], torch.tensor([STEPS, 1, 3, 3, 6])):
         assert torch.equal(loaded(x, lengths), lowered(x, lengths))
-
-
-class SortedPacked(nn.Module):
-    """Lengths given sorted (``enforce_sorted=True``, the default) and padded back to the
-    input's length: the outside model ``gru_packed`` (benchmarks/outside_models.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gru = nn.GRU(8, 12, num_layers=2, bidirectional=True, batch_first=True)
-        self.head = nn.Linear(24, 5)
-
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        out, _ = self.gru(pack_padded_sequence(x, lengths, batch_first=True))
-        out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
-        return self.head(out)
 
 
 def test_sorted_lengths_padded_to_the_input_length_capture_and_run_at_other_lengths() -> None:
