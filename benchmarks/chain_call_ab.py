@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
-from chains_ab import balanced_medians
+from chains_ab import report_rows
 from common import load_note, one_thread  # benchmarks/ is on the path
 
 import quantree as qt
 from quantree.backends import CPU
-from quantree.backends.cpu.native.chains import find_chains, run_chains_natively
+from quantree.backends.cpu.native.chains import run_chains_natively
 from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,19 +83,7 @@ def main() -> None:
         before = with_guard_class(before, old_guards.PassedShapes)
         after = run_chains_natively(read_buffers_directly(fx.GraphModule(lowered, lowered.graph)))
         after = with_guard_class(after, type(lowered._modules.get("_guards_fn")))
-        chains = find_chains(after.graph)
-        with torch.no_grad():
-            equal = all(
-                torch.equal(peers.flat(after(*a)), peers.flat(before(*a)))
-                for a in held
-                for _ in (0, 1)
-            )
-        for _ in range(args.rounds):
-            ms = balanced_medians(model, before, after, held[0], args.runs)
-            b, a = ms["before"] / ms["float"], ms["after"] / ms["float"]
-            print(f"| {name} | {len(chains)} ({sum(len(c) for c in chains)}) | "
-                  f"{ms['float']:.2f} | {b:.3f}x | {a:.3f}x | {a / b:.3f} | {equal} |",
-                  flush=True)  # fmt: skip
+        report_rows(name, model, before, after, held, args.rounds, args.runs)
     print(f"\n{load_note()}; torch {torch.__version__}; one thread, process CPU time")
 
 

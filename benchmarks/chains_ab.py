@@ -49,6 +49,24 @@ def balanced_medians(model: torch.nn.Module, before: torch.nn.Module, after: tor
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def report_rows(name, model, before, after, held, rounds: int, runs: int) -> None:
+    """One table row per round: ``before`` and ``after`` (the same graph, chains run natively
+    in ``after``) timed interleaved with float, and whether their outputs are bit-equal."""
+    import peers  # as main() does: it imports every model library
+
+    chains = find_chains(after.graph)
+    with torch.no_grad():
+        equal = all(
+            torch.equal(peers.flat(after(*a)), peers.flat(before(*a))) for a in held for _ in (0, 1)
+        )
+    for _ in range(rounds):
+        ms = balanced_medians(model, before, after, held[0], runs)
+        b, a = ms["before"] / ms["float"], ms["after"] / ms["float"]
+        print(f"| {name} | {len(chains)} ({sum(len(c) for c in chains)}) | "
+              f"{ms['float']:.2f} | {b:.3f}x | {a:.3f}x | {a / b:.3f} | {equal} |",
+              flush=True)  # fmt: skip
+
+
 def main() -> None:
     import peers
 
@@ -69,19 +87,7 @@ def main() -> None:
         # transformers, an A/A difference that would bias the comparison)
         before = read_buffers_directly(fx.GraphModule(lowered, lowered.graph))
         after = run_chains_natively(read_buffers_directly(fx.GraphModule(lowered, lowered.graph)))
-        chains = find_chains(after.graph)
-        with torch.no_grad():
-            equal = all(
-                torch.equal(peers.flat(after(*a)), peers.flat(before(*a)))
-                for a in held
-                for _ in (0, 1)
-            )
-        for _ in range(args.rounds):
-            ms = balanced_medians(model, before, after, held[0], args.runs)
-            b, a = ms["before"] / ms["float"], ms["after"] / ms["float"]
-            print(f"| {name} | {len(chains)} ({sum(len(c) for c in chains)}) | "
-                  f"{ms['float']:.2f} | {b:.3f}x | {a:.3f}x | {a / b:.3f} | {equal} |",
-                  flush=True)  # fmt: skip
+        report_rows(name, model, before, after, held, args.rounds, args.runs)
     print(f"\n{load_note()}; torch {torch.__version__}; one thread, process CPU time")
 
 
