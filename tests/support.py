@@ -101,3 +101,14 @@ class SortedPacked(torch.nn.Module):
             out, batch_first=True, total_length=x.shape[1]
         )
         return self.head(out)
+
+
+def selective_scan(decay: torch.Tensor, drive: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The toy selective scans' loop over time (Mamba-1's sequential path in miniature):
+    ``decay``, ``drive`` ``[B, 4, T, 3]``, read out by ``x[:, t, 2:5]``; ``[B, 4, T]``."""
+    state = torch.zeros(x.shape[0], 4, 3)
+    ys = []
+    for t in range(x.shape[1]):
+        state = decay[:, :, t] * state + drive[:, :, t]
+        ys.append(torch.matmul(state, x[:, t, 2:5, None])[:, :, 0])
+    return torch.stack(ys, -1)

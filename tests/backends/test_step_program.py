@@ -16,6 +16,8 @@ from quantree.backends.cpu.cells.step_program import NativeProgramLoop
 from quantree.backends.cpu.passes.regions import fuse_regions
 from quantree.recurrent.unrolled.step_loop import StepLoop
 
+from support import selective_scan
+
 
 class LightGRULike(nn.Module):
     def __init__(self) -> None:
@@ -82,12 +84,7 @@ class TimeThirdScan(ScanLike):
         dt = nn.functional.softplus(self.proj(x))  # [B, T, 4]
         decay = torch.exp(-torch.exp(self.a_log)[None, None] * dt[..., None]).transpose(1, 2)
         drive = (dt[..., None] * x[..., :3, None].transpose(-1, -2)).transpose(1, 2)
-        state = torch.zeros(x.shape[0], 4, 3)
-        ys = []
-        for t in range(x.shape[1]):
-            state = decay[:, :, t] * state + drive[:, :, t]
-            ys.append(torch.matmul(state, x[:, t, 2:5, None])[:, :, 0])
-        return torch.stack(ys, -1)
+        return selective_scan(decay, drive, x)
 
 
 class RGLRULike(nn.Module):
@@ -502,12 +499,7 @@ class OuterScan(nn.Module):
         dt = torch.sigmoid(self.proj(x)).transpose(1, 2)  # [B, 4, T]
         decay = self.a[None, :, None, :] * dt[..., None]  # [B, 4, T, 3], in (0, 0.9)
         drive = dt[..., None] * x[:, None, :, :3]  # [B, 4, T, 3]
-        state = torch.zeros(x.shape[0], 4, 3)
-        ys = []
-        for t in range(x.shape[1]):
-            state = decay[:, :, t] * state + drive[:, :, t]
-            ys.append(torch.matmul(state, x[:, t, 2:5, None])[:, :, 0])
-        return torch.stack(ys, -1)
+        return selective_scan(decay, drive, x)
 
 
 def test_an_int8_step_with_moved_outer_products_stays_folded_and_one_program(monkeypatch):

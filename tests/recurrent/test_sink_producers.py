@@ -12,6 +12,8 @@ import quantree as qt
 from quantree.recurrent.unrolled import fold
 from quantree.recurrent.unrolled.step_loop import StepLoop
 
+from support import selective_scan
+
 aten = torch.ops.aten
 
 
@@ -38,12 +40,7 @@ class OuterScan(nn.Module):
         if not self.exact:
             decay = torch.exp(decay)
         drive = dt[..., None] * x[:, None, :, :3]  # [B, 4, T, 3]
-        state = torch.zeros(x.shape[0], 4, 3)
-        ys = []
-        for t in range(x.shape[1]):
-            state = decay[:, :, t] * state + drive[:, :, t]
-            ys.append(torch.matmul(state, x[:, t, 2:5, None])[:, :, 0])
-        y = torch.stack(ys, -1)
+        y = selective_scan(decay, drive, x)
         if self.variant == "shared":  # drive has another reader: it stays outside
             return y, drive.sum(-1)
         return y
