@@ -100,8 +100,8 @@ def _hand_written_norm(node: fx.Node) -> bool:
 
 def transformer_like(graph: fx.Graph) -> bool:
     """Whether ``graph`` normalises features (layer/group norm, a batch norm of ``[N, C]``
-    features, or an RMS norm or variance written by hand) or computes attention (SDPA, or a softmax a matmul reads): the graphs
-    whose residual streams carry outliers.
+    features, or an RMS norm or variance written by hand) or computes attention (SDPA, or a
+    softmax a matmul reads): the graphs whose residual streams carry outliers.
 
     The hand-written norms bring in the modern recurrences (Mamba, Griffin's RG-LRU, xLSTM,
     a dual-path RNN's global layer norm): there every op quantized rounded each step of an
