@@ -239,8 +239,7 @@ def test_auto_treats_a_batch_norm_of_feature_vectors_as_a_norm() -> None:
     step_q = [n for n in loop.body.graph.nodes if n.target in Q]
     assert [n.args[0].op for n in step_q] == ["placeholder"]  # the state, for ``u`` only
     default = qt.quantize(model, data[0], data, backend="cpu", progress=False)
-    assert [type(m) for m in default.modules() if "Loop" in type(m).__name__] == [
-        NativeProgramLoop
-    ]
+    loops = [type(m) for m in default.modules() if "Loop" in type(m).__name__]
+    assert loops == [NativeProgramLoop]
     image = qt.capture(ImageBatchNorm().eval(), batches((2, 3, 8, 8), n=1)[0])
     assert not transformer_like(image.graph)
