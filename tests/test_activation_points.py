@@ -183,3 +183,63 @@ def test_a_mean_that_no_root_reads_is_not_a_norm() -> None:
 
     gm = qt.capture(ConvRelu().eval(), batches((2, 3, 12, 12), n=1)[0])
     assert not transformer_like(gm.graph)
+
+
+class BatchNormedLiGRU(nn.Module):
+    """SpeechBrain's ``LiGRU`` layer in small: the input projection batch-normalised over
+    ``[batch * time, features]``, then a light GRU step with an eval-mode ``[1]`` drop mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.u = nn.Linear(5, 16, bias=False), nn.Linear(8, 16, bias=False)
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch, time, 5]
+        w = self.w(x)
+        w = self.norm(w.reshape(-1, 16)).reshape(w.shape)
+        h, mask, ys = torch.zeros(x.shape[0], 8), torch.ones(1), []
+        for t in range(x.shape[1]):
+            a, z = (w[:, t] + self.u(h)).chunk(2, dim=-1)
+            z = torch.sigmoid(z)
+            h = z * h + (1 - z) * (torch.relu(a) * mask)
+            ys.append(h)
+        return torch.stack(ys, 1)
+
+
+class ImageBatchNorm(nn.Module):
+    """A batch norm no convolution precedes (a pre-activation block): an image's, 4-d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.conv = nn.BatchNorm2d(3), nn.Conv2d(3, 8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.relu(self.norm(x)))
+
+
+def test_auto_treats_a_batch_norm_of_feature_vectors_as_a_norm() -> None:
+    """A batch norm of ``[N, C]`` features (SpeechBrain's LiGRU) makes AUTO quantize only
+    what the linears read, unrolled or in the folded step: the gates' sums, products,
+    sigmoid and relu stay float, and the folded step is still one native program; an
+    image's batch norm leaves a CNN every op int8."""
+    from quantree.backends.cpu.cells.step_program import NativeProgramLoop
+    from quantree.recipes.activation_points import transformer_like
+    from quantree.recurrent.unrolled.step_loop import StepLoop
+
+    torch.manual_seed(0)
+    model = BatchNormedLiGRU().eval()
+    data = batches((2, 9, 5), n=4)
+    _, ref = run(model, data)
+    assert all(_quantized_inputs(ref, aten.linear.default))
+    for op in (aten.add.Tensor, aten.mul.Tensor, aten.sigmoid.default, aten.relu.default):
+        assert not any(_quantized_inputs(ref, op)), op
+    prepared = qt.prepare(qt.capture(model, data[0], fold_loops=True), qt.Int8Quantizer())
+    qt.calibrate(prepared, data, progress=False)
+    (loop,) = [m for m in qt.convert(prepared).modules() if isinstance(m, StepLoop)]
+    step_q = [n for n in loop.body.graph.nodes if n.target in Q]
+    assert [n.args[0].op for n in step_q] == ["placeholder"]  # the state, for ``u`` only
+    default = qt.quantize(model, data[0], data, backend="cpu", progress=False)
+    loops = [type(m) for m in default.modules() if "Loop" in type(m).__name__]
+    assert loops == [NativeProgramLoop]
+    image = qt.capture(ImageBatchNorm().eval(), batches((2, 3, 8, 8), n=1)[0])
+    assert not transformer_like(image.graph)

@@ -226,7 +226,30 @@ def test_a_column_operand_in_a_program_gives_the_same_bits_as_aten():
     code = getattr(gm, str(call.args[2].target))  # type: ignore[union-attr]
     rows = [i for i, c in enumerate(code.tolist()) if c[0] == 7 and c[5] in (1, 2)]
     assert rows  # FLOAT_BINARY with a column operand
-    _refuses_operand_flags(gm, call, code, rows[0], (3, -1), ex)
+    _refuses_operand_flags(gm, call, code, rows[0], (5, -1), ex)
+
+
+def test_a_one_element_float_operand_in_a_program_gives_the_same_bits_as_aten():
+    """SpeechBrain's eval-mode drop mask in a float step: a ``[1]`` operand on either side
+    of mul / add / sub, read as one value for every element (``FLOAT_BINARY``'s flags 3
+    and 4): one program, the same bits as ATen's broadcasting ops."""
+
+    class OneValue(nn.Module):
+        def forward(self, x, m):  # [B, 6], [1]
+            return x * m, m - torch.relu(x), x + m
+
+    ex = (torch.randn(3, 6), torch.tensor([0.75]))
+    gm = torch.export.export(OneValue(), ex).module()
+    want = gm(*ex)
+    assert fuse_regions(gm, min_ops=1, math=True) == 1
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and "aten" in str(n.target)]
+    for a, b in zip(gm(*ex), want, strict=True):
+        assert torch.equal(a, b)
+    call = next(n for n in gm.graph.nodes if n.target == torch.ops.quantree.program.default)
+    code = getattr(gm, str(call.args[2].target))  # type: ignore[union-attr]
+    rows = [i for i, c in enumerate(code.tolist()) if c[0] == 7 and c[5] in (3, 4)]
+    assert len(rows) == 3
+    _refuses_operand_flags(gm, call, code, rows[0], (5, -1), ex)
 
 
 class Int8Outer(nn.Module):

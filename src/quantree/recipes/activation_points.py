@@ -39,8 +39,8 @@ class ActivationPoints(enum.Enum):
     """EVERY_OP: inputs and outputs of every op the recipe knows. WEIGHTED_INPUTS: only the
     inputs of linear/conv and of matrix products with a constant operand (with their weights
     and biases), embeddings and recurrent layers; a product of two activations stays float.
-    AUTO: WEIGHTED_INPUTS in a graph with layer norm, group norm or attention, EVERY_OP
-    elsewhere."""
+    AUTO: WEIGHTED_INPUTS in a graph with layer norm, group norm, a batch norm of feature
+    vectors or attention, EVERY_OP elsewhere."""
 
     EVERY_OP = "every_op"
     WEIGHTED_INPUTS = "weighted_inputs"
@@ -48,6 +48,7 @@ class ActivationPoints(enum.Enum):
 
 
 _NORMS = (aten.layer_norm, aten.native_layer_norm, aten.group_norm, aten.native_group_norm)
+_BATCH_NORMS = (aten.batch_norm, aten._native_batch_norm_legit_no_training)
 _ATTENTION = (aten.scaled_dot_product_attention,)
 _SOFTMAX = (aten.softmax, aten._softmax)
 _MATMULS = (aten.matmul, aten.bmm, aten.mm, aten.baddbmm)
@@ -98,9 +99,9 @@ def _hand_written_norm(node: fx.Node) -> bool:
 
 
 def transformer_like(graph: fx.Graph) -> bool:
-    """Whether ``graph`` normalises features (layer/group norm, or an RMS norm or variance
-    written by hand) or computes attention (SDPA, or a softmax a matmul reads): the graphs
-    whose residual streams carry outliers.
+    """Whether ``graph`` normalises features (layer/group norm, a batch norm of ``[N, C]``
+    features, or an RMS norm or variance written by hand) or computes attention (SDPA, or a
+    softmax a matmul reads): the graphs whose residual streams carry outliers.
 
     The hand-written norms bring in the modern recurrences (Mamba, Griffin's RG-LRU, xLSTM,
     a dual-path RNN's global layer norm): there every op quantized rounded each step of an
@@ -126,9 +127,24 @@ def _normalises(graph: fx.Graph) -> bool:
             or packet in _ATTENTION
             or (packet in _SOFTMAX and any(_packet(u) in _MATMULS for u in node.users))
             or _hand_written_norm(node)
+            or _feature_batch_norm(node)
         ):
             return True
     return False
+
+
+def _feature_batch_norm(node: fx.Node) -> bool:
+    """An eval-mode batch norm of ``[N, C]`` feature vectors (SpeechBrain's LiGRU normalises
+    its input projection so, tokens flattened into the batch): there it plays a layer norm's
+    part before a recurrence, whose gates and state lost most of the model's accuracy when
+    each step's ops were rounded to int8 (benchmarks/README.md, "Light-GRU's int8 step").
+    An image's batch norm (3-d and up) is not counted: after a convolution it folds into its
+    weights, and a CNN's graph wants every op int8 between its kernels."""
+    if _packet(node) not in _BATCH_NORMS or not node.args:
+        return False
+    x = node.args[0]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 2
 
 
 def _folded_steps(owner: torch.nn.Module) -> list[fx.GraphModule]:

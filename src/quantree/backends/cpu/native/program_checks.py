@@ -250,10 +250,17 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
             b_col = c[5] == (1 if kind == FLOAT_BINARY else 2)
             a_col = c[5] == (2 if kind == FLOAT_BINARY else 3)
             column = b_col or a_col
-            flag_ok = c[5] in (0, 1, 2, 3) and (c[5] == 0 or one or column)
+            # one float value for every row: b (FLOAT_BINARY 3) or a (FLOAT_BINARY 4)
+            one_f = kind == FLOAT_BINARY and c[5] in (3, 4)
+            flag_ok = c[5] in (0, 1, 2, 3, 4) and (c[5] == 0 or one or column or one_f)
             expect(n, "operand flag out of range", flag_ok)
             if one:
                 expect(n, "b is not one int8 value", b.dtype == 1 and min(b.rows0, b.cols) >= 1)
+            elif one_f:
+                value = b if c[5] == 3 else a
+                sources = [a if c[5] == 3 else b]
+                ok = value.dtype == 0 and min(value.rows0, value.cols) >= 1
+                expect(n, "the one-value operand is not one float value", ok)
             elif column:
                 col = b if b_col else a
                 sources = [a if b_col else b]

@@ -520,7 +520,8 @@ def _covered(
         return (
             not n.kwargs
             and len(a) == 2
-            and all(isinstance(x, fx.Node) and _broadcasts(shapes.get(x), shapes[n]) for x in a)
+            and all(isinstance(x, fx.Node) for x in a)
+            and all(_broadcasts(shapes.get(x), shapes[n]) or _one_float(shapes.get(x)) for x in a)
             and shapes[n][1] == torch.float32
         )
     if n.target in FLOAT_UNARY_KINDS:
@@ -567,6 +568,12 @@ def _broadcasts(shape: Shape | None, out: Shape) -> bool:
         return True
     dims = row_map(shape[0], out[0], None)
     return shape[1] == out[1] and dims is not None and copies(dims) <= MAX_COPIES
+
+
+def _one_float(shape: Shape | None) -> bool:
+    """A one-element float32 operand (SpeechBrain's eval-mode ``[1]`` drop mask in a folded
+    step), read as one value for every element (``FLOAT_BINARY``'s flags 3 and 4)."""
+    return shape is not None and shape[1] == torch.float32 and _numel(shape[0]) == 1
 
 
 def _int8_broadcast(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
@@ -712,6 +719,10 @@ def _replace(
             for i, x in enumerate(a):
                 if shapes[x] == shapes[n] or region_math.column(shapes[x], shapes[n]):
                     flag = flag or (2 - i if shapes[x] != shapes[n] else 0)
+                    sources.append(slot[x])
+                    continue
+                if _one_float(shapes[x]):  # one value for every row (flag 3: b, 4: a)
+                    flag = 4 - i
                     sources.append(slot[x])
                     continue
                 dims = row_map(shapes[x][0], shapes[n][0], None)

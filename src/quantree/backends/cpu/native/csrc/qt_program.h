@@ -398,16 +398,18 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
         case FAKE_QUANT:
             for (int64_t r = 0; r < dst.rows; ++r) fake_quant_row(a.f(r), dst.f(r), dst.cols, f);
             break;
-        case FLOAT_BINARY: {  // c[5] 1 (2): b (a) is a column, one value per row
+        case FLOAT_BINARY: {  // c[5] 1 (2): b (a) is a column, one value per row;
+                              // c[5] 3 (4): b (a) is one value (a [1] operand) for every row
             const Slot& b = s[c[3]];
-            if (c[5] == 1 || c[5] == 2) {  // as FLOAT_SCALAR's kinds: x op s, s op x
+            if (c[5] >= 1 && c[5] <= 4) {  // as FLOAT_SCALAR's kinds: x op s, s op x
                 static const int64_t b_col[6] = {0, 1, 2, 4, 6, 7}, a_col[6] = {0, 1, 3, 5, 6, 7};
-                const bool bc = c[5] == 1;
+                const bool bc = c[5] == 1 || c[5] == 3;
+                const bool one = c[5] >= 3;
                 const Slot& full = bc ? a : b;
                 const Slot& col = bc ? b : a;
                 const int64_t k = bc ? b_col[c[4]] : a_col[c[4]];
                 for (int64_t r = 0; r < dst.rows; ++r)
-                    float_scalar_row(k, full.f(r), dst.f(r), dst.cols, col.f(r)[0]);
+                    float_scalar_row(k, full.f(r), dst.f(r), dst.cols, col.f(one ? 0 : r)[0]);
                 break;
             }
             for (int64_t r = 0; r < dst.rows; ++r)
