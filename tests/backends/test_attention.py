@@ -35,7 +35,7 @@ def reference(q, k, v, mask, scale):
     return torch.matmul(torch.softmax(scores, -1), v)
 
 
-@pytest.fixture(params=["portable", "avx512vnni"])
+@pytest.fixture(params=["portable", "avx2", "avx512vnni"])
 def path(request):
     lib = library()
     if lib.qt_select_isa(ISA_NAMES.index(request.param)) != ISA_NAMES.index(request.param):
@@ -45,7 +45,7 @@ def path(request):
     lib.qt_select_isa(isa_cap())
 
 
-SHAPES = [  # B, H, Sq, Sk, D, Dv: BERT's, and sizes off every block of the AVX-512 path
+SHAPES = [  # B, H, Sq, Sk, D, Dv: BERT's, and sizes off every block of the AVX-512 and AVX2 paths
     (1, 2, 128, 128, 64, 64),
     (2, 3, 7, 19, 5, 33),
     (3, 1, 1, 1, 1, 1),

@@ -29,6 +29,7 @@ ARM64 = MACHINE in ("aarch64", "arm64")
 X86_ISA_SOURCES: dict[str, tuple[str, ...]] = {
     "isa_avx512.cpp": ("-march=x86-64-v4", "-mavx512vnni"),
     "attention_avx512.cpp": ("-march=x86-64-v4",),
+    "attention_avx2.cpp": ("-march=x86-64-v3",),
     "program_avx512.cpp": ("-march=x86-64-v4",),
     "isa_avxvnni.cpp": ("-march=x86-64-v3", "-mavxvnni"),
     "isa_avx2.cpp": ("-march=x86-64-v3",),

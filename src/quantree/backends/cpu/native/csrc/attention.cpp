@@ -7,7 +7,8 @@
 // in a few kilobytes of workspace, and q, k, v and the output are read and written through
 // their strides, so the transposes around the block cost nothing. ATen's fused CPU attention
 // (scaled_dot_product_attention) saved only a tenth of the block's time on BERT's shapes, so
-// the block is written here (the AVX-512 path in attention_avx512.cpp).
+// the block is written here (the AVX-512 path in attention_avx512.cpp, the AVX2 one in
+// attention_avx2.cpp).
 //
 // Semantics are the reference graph's, in its order: s = (q . k) * scale, then + mask, then
 // softmax over the keys, then p v. A row whose every score is -inf is NaN, as softmax makes it.
@@ -24,6 +25,7 @@ namespace qt {
 
 #if defined(__x86_64__)
 void attention_avx512(const AttentionArgs& a);
+void attention_avx2(const AttentionArgs& a);
 #endif
 
 // One (batch, head) at a time, one query row at a time: the path of CPUs without AVX-512.
@@ -90,7 +92,9 @@ void qt_attention(const float* q, const float* k, const float* v, const float* m
     }
     if (B <= 0 || H <= 0 || Sq <= 0 || Dv <= 0) return;
 #if defined(__x86_64__)
-    if (qt_current_isa() == qt::AVX512VNNI) return qt::attention_avx512(a);
+    const int isa = qt_current_isa();
+    if (isa == qt::AVX512VNNI) return qt::attention_avx512(a);
+    if (isa == qt::AVX2 || isa == qt::AVXVNNI) return qt::attention_avx2(a);
 #endif
     qt::attention_portable(a);
 } QT_CATCH
