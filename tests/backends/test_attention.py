@@ -16,10 +16,13 @@ import torch
 from torch import nn
 
 import quantree as qt
+import quantree.backends.cpu.passes.regions as regions
 from quantree.backends import CPU, cpu_backend, load, save
+from quantree.backends.cpu.native import program_checks
 from quantree.backends.cpu.native.checks import NativeArgumentError
 from quantree.backends.cpu.native.loader import ISA_NAMES, isa_cap, library
 from quantree.tools.inspection import NATIVE_FLOAT, op_statuses
+from quantree.tools.metrics import sqnr
 
 from support import calls
 
@@ -177,3 +180,112 @@ def test_saved_and_loaded_it_computes_the_same(tmp_path) -> None:
     save(low, tmp_path / "attention.pt2", data[0])
     loaded = load(tmp_path / "attention.pt2")
     torch.testing.assert_close(loaded(*data[1]), low(*data[1]), atol=ATOL, rtol=RTOL)
+
+
+class EncoderLayer(nn.Module):
+    """A BERT layer, op for op: the block above, then residual add and layer norm, the
+    feed-forward (linear, gelu, linear), residual add and layer norm."""
+
+    def __init__(self, width: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.attention = SelfAttention(width, heads, divide=True)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.n1, self.n2 = nn.LayerNorm(width), nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.n1(self.attention(x, mask))
+        return self.n2(self.down(nn.functional.gelu(self.up(h))) + h)
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+def _codes(low: torch.fx.GraphModule) -> list[list[list[int]]]:
+    return [getattr(low, str(n.args[2].target)).tolist() for n in calls(low, PROGRAM)]
+
+
+PROGRAM = torch.ops.quantree.program.default
+ATTENTION_CODE, COPY_CODE = 15, 5
+
+
+def test_an_encoder_runs_as_one_program_with_its_attention() -> None:
+    """Attention whose q, k, v are heads of [B, S, H D] values and whose output merges the
+    heads back is an instruction of the program around it: the two layers (q/k/v linears,
+    attention, projection, adds, layer norms, feed-forward) are one call, no attention call
+    and no copy of a head left, and it follows the same graph lowered with the attention as
+    calls between programs within float rounding."""
+    data = _data(1)
+    torch.manual_seed(0)
+    ref = qt.quantize(Encoder().eval(), data[0], data, backend="reference", progress=False)
+    low = qt.lower(ref, CPU)
+    form = regions.program_form
+    regions.program_form = lambda *a, **k: None  # type: ignore[assignment]
+    try:
+        calls_between = qt.lower(ref, CPU)
+    finally:
+        regions.program_form = form  # type: ignore[assignment]
+    assert not calls(low, ATTENTION) and len(calls(low, PROGRAM)) == 1
+    assert len(calls(calls_between, ATTENTION)) == 2
+    code = _codes(low)[0]
+    assert [c[0] for c in code].count(ATTENTION_CODE) == 2
+    assert not [c for c in code if c[0] == COPY_CODE]
+    statuses = [s for s in op_statuses(low) if "attention" in s.op]
+    assert not statuses or all(s.status == NATIVE_FLOAT for s in statuses)
+    for args in data:
+        want, got = calls_between(*args), low(*args)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+        assert sqnr(ref(*args), got) > 30.0
+
+
+def test_saved_and_loaded_the_program_computes_the_same(tmp_path) -> None:
+    data = _data(2)
+    low = qt.quantize(Encoder().eval(), data[0], data, backend=CPU, progress=False)
+    assert any(c[0] == ATTENTION_CODE for code in _codes(low) for c in code)
+    save(low, tmp_path / "encoder.pt2", data[0])
+    loaded = load(tmp_path / "encoder.pt2")
+    torch.testing.assert_close(loaded(*data[1]), low(*data[1]), atol=0.0, rtol=0.0)
+
+
+def _attention_tables(**change: int) -> tuple[list, list[list[int]]]:
+    """Slots q, k, v [12, 32], the result [12, 32] (owners) and a [1, 12] mask; one
+    ATTENTION row over them: 2 heads of 16, 12 queries and keys, the mask one row for all."""
+    slots = [program_checks.Slot(0, i, 0, 0, 32, 32, 12, 0) for i in range(4)]
+    slots.append(program_checks.Slot(0, 4, 0, 0, 12, 12, 1, 0))
+    row = dict(op=15, dst=3, q=0, k=1, v=2, mask=4, heads=2, sq=12, sk=12, mode=1, d=16, dv=16)
+    row.update(change)
+    return slots, [list(row.values())]
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({}, None),
+        ({"heads": 4}, "narrower than H D"),
+        ({"sk": 13}, "Sk per batch"),
+        ({"sq": 5}, "whole number of batches"),
+        ({"dst": 0}, "not an owner"),
+        ({"mode": 3}, "mask row flag"),
+        ({"mode": 0, "sq": 6}, "Sk per batch"),
+        ({"sk": 12, "mask": 4, "mode": 2}, "fewer rows than its flag"),
+        ({"d": 0}, "out of range"),
+    ],
+    ids=str,
+)
+def test_crafted_attention_instructions_are_refused(change, said) -> None:
+    slots, code = _attention_tables(**change)
+    fcode = [[0.25] + [0.0] * 7]
+    if said is None:
+        program_checks.instructions("program", code, fcode, slots, 0, True)
+        with pytest.raises(NativeArgumentError, match="region programs only"):
+            program_checks.instructions("cell_loop", code, fcode, slots, 0, False)
+        return
+    with pytest.raises(NativeArgumentError, match=said):
+        program_checks.instructions("program", code, fcode, slots, 0, True)

@@ -42,6 +42,7 @@ QUANT, DEQUANT, LINEAR, BINARY, LOOKUP, COPY, FAKE_QUANT, FLOAT_BINARY, FLOAT_UN
 LINEAR16 = 10  # float rows split into two int8 planes, then one dual pass (ops_wide.py)
 RMS_NORM = 11  # float rows times rsqrt(mean of squares + eps), then an optional weight
 FLOAT_SCALAR, MATMUL, FLOAT_MATMUL = 12, 13, 14  # a op scalar; batched int8 / float a @ b
+ATTENTION = 15  # float softmax(q k^T * scale + mask) v, heads as column blocks of 2-d rows
 KINDS = {BINARY: 2, FLOAT_BINARY: 5, FLOAT_UNARY: 11, FLOAT_SCALAR: 8}
 """The largest kind (``c[4]``, ``c[3]`` for unary and scalar ops) each opcode's runner knows."""
 DTYPES = (F32, I8)
@@ -241,6 +242,11 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
         if kind in (MATMUL, FLOAT_MATMUL):
             matmul(n, kind, f, a, slot(n, 3, c), dst, c[4], expect)
             continue
+        if kind == ATTENTION:
+            expect(n, "attention runs in region programs only", program)
+            mask = None if c[5] == -1 else slot(n, 5, c)
+            attention(n, c, a, slot(n, 3, c), slot(n, 4, c), mask, dst, expect)
+            continue
         sources = [a]
         if kind in (BINARY, FLOAT_BINARY):
             b = slot(n, 3, c)
@@ -313,6 +319,37 @@ def matmul(n: int, kind: int, f: list, a: Slot, b: Slot, d: Slot, m: int, expect
     out = 1 if quantized and f[3] > 0 else 0
     expect(n, "wrong operand or result dtype",
            a.dtype == b.dtype == int(quantized) and d.dtype == out)  # fmt: skip
+
+
+def attention(n: int, c: list, q: Slot, k: Slot, v: Slot, mask: Slot | None, d: Slot,
+              expect: Any) -> None:  # fmt: skip
+    """``ATTENTION`` (``qt_program.h``): q ``[B Sq, >= H D]``, k ``[B Sk, >= H D]``, v
+    ``[B Sk, >= H Dv]``, the result ``[B Sq, >= H Dv]``, all float, for every size; the mask
+    float ``[rows, >= Sk]`` with one row per batch (``c[9]`` 0), one for all (1) or ``Sq``
+    per batch (2). The result is an owner of its own, so it overlaps none of them."""
+    heads, sq, sk, dk, dv = c[6], c[7], c[8], c[10], c[11]
+    sizes = (heads, sq, sk, dk, dv)
+    expect(n, "heads, rows or features out of range", all(1 <= x < LIMIT for x in sizes))
+    expect(n, "an operand or the result is not float",
+           all(s.dtype == 0 for s in (q, k, v, d, *([mask] if mask else []))))  # fmt: skip
+    whole = q.rows0 % sq == 0 and q.rows1 % sq == 0
+    expect(n, "q's rows are not a whole number of batches of Sq", whole)
+    batches = (q.rows0 // sq, q.rows1 // sq)
+    keys = (batches[0] * sk, batches[1] * sk)
+    expect(n, "k's or v's rows are not Sk per batch", (k.rows0, k.rows1) == (v.rows0, v.rows1)
+           == keys)  # fmt: skip
+    expect(n, "q or k narrower than H D, v than H Dv", min(q.cols, k.cols) >= heads * dk
+           and v.cols >= heads * dv)  # fmt: skip
+    expect(n, "the result is not q's rows of H Dv columns, or not an owner",
+           (d.rows0, d.rows1) == (q.rows0, q.rows1) and d.cols >= heads * dv and d.ld == d.cols
+           and d.owner not in (q.owner, k.owner, v.owner))  # fmt: skip
+    if mask is None:
+        return
+    rows = {0: batches, 1: (1, 0), 2: (q.rows0, q.rows1)}.get(c[9])
+    expect(n, "mask row flag out of range", rows is not None)
+    expect(n, "the mask is narrower than Sk or has fewer rows than its flag reads",
+           mask.cols >= sk and rows is not None and mask.rows0 >= rows[0]
+           and mask.rows1 >= rows[1])  # fmt: skip
 
 
 def workspace(slots: list[Slot]) -> tuple[int, int]:

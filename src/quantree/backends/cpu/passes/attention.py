@@ -152,3 +152,93 @@ def fuse_attention(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return found
+
+
+HEADS_SPLIT = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _swaps_heads(n: object, rank: int = 4) -> bool:
+    """``n`` is ``transpose(1, 2)`` or ``permute(0, 2, 1, 3)`` of a 4-d value."""
+    if not isinstance(n, fx.Node) or n.kwargs:
+        return False
+    a: Any = n.args
+    if n.target == aten.transpose.int and len(a) == 3:
+        return all(isinstance(d, int) for d in a[1:]) and {a[1] % rank, a[2] % rank} == {1, 2}
+    if n.target == aten.permute.default and len(a) == 2:
+        return [d % rank for d in a[1]] == [0, 2, 1, 3]
+    return False
+
+
+def _heads(x: object, shapes: dict[fx.Node, Any]) -> tuple[fx.Node, fx.Node, Any, int, int] | None:
+    """``(view, source, rows, heads, features)`` where ``x`` is ``source [B, S, H D]`` viewed
+    as ``[B, S, H, D]`` and its heads moved second, read by nothing else: head ``h`` is then
+    columns ``h D .. (h + 1) D`` of ``source``'s ``B S`` rows, as a program slot holds them."""
+    if not _swaps_heads(x):
+        return None
+    assert isinstance(x, fx.Node)
+    view = x.args[0]
+    if not isinstance(view, fx.Node) or view.target not in HEADS_SPLIT or len(view.users) != 1:
+        return None
+    source: Any = view.args[0]
+    src, split = shapes.get(source), shapes.get(view)
+    if src is None or split is None or src[1] != torch.float32 or split[1] != torch.float32:
+        return None
+    (dims, four) = src[0], split[0]
+    if len(dims) != 3 or len(four) != 4 or not all(type(d) is int for d in four[1:]):
+        return None
+    b, s, width = dims
+    if four[0] != b or four[1] != s or four[2] * four[3] != width:
+        return None
+    assert isinstance(source, fx.Node)
+    return view, source, s, four[2], four[3]
+
+
+def program_form(
+    n: fx.Node, shapes: dict[fx.Node, Any], inside: set[fx.Node] | None = None
+) -> dict[str, Any] | None:
+    """How a region program runs ``quantree.attention`` node ``n`` (its ``ATTENTION``
+    instruction, ``csrc/qt_program.h``), or None. The form is the one BERT-like encoders
+    write: q, k and v are heads of ``[B, S, H D]`` values (``_heads``), the output is laid
+    out heads-last and read only by ``transpose(1, 2)`` (the heads merged back), the mask is
+    none or float ``[B | 1, 1, Sq | 1, Sk]``. Then the heads' views and transposes on both
+    sides are column blocks of 2-d slots: no copies, and the whole encoder layer (q/k/v
+    projection, attention, output projection, residual adds, layer norms, feed-forward) is
+    one program. ``inside``: the nodes before ``n`` the program already runs (the heads'
+    views must be among them)."""
+    a: Any = n.args
+    if n.target != torch.ops.quantree.attention.default or len(a) != 6 or not a[5]:
+        return None
+    if len(n.users) != 1 or not _swaps_heads(next(iter(n.users))):
+        return None
+    parts = [_heads(x, shapes) for x in a[:3]]
+    if any(p is None for p in parts):
+        return None
+    (qv, q, sq, h, d), (kv, k, sk, hk, dk), (vv, v, sv, hv, dv) = parts  # type: ignore[misc]
+    if (hk, dk, hv, sv) != (h, d, h, sk) or not isinstance(sq, int) or not isinstance(sk, int):
+        return None
+    batch = shapes[q][0][0]
+    if shapes[k][0][0] != batch or shapes[v][0][0] != batch:
+        return None
+    if inside is not None and not all(x in inside for x in (*a[:3], qv, kv, vv)):
+        return None
+    if any(set(x.users) != {n} for x in a[:3]):
+        return None
+    mask, mode = a[3], -1
+    if mask is not None:
+        m = shapes.get(mask)
+        if m is None or m[1] != torch.float32 or len(m[0]) != 4:
+            return None
+        mb, mh, mq, mk = m[0]
+        if mh != 1 or mk != sk or mq not in (1, sq) or (mb != 1 and mb != batch):
+            return None
+        if mq == sq and sq != 1:
+            mode = 2 if mb == batch else (2 if batch == 1 else -2)
+        else:
+            mode = 0 if mb == batch else 1
+        if mode == -2:
+            return None
+    return {
+        "q": q, "k": k, "v": v, "mask": mask, "mode": mode, "scale": float(a[4]),
+        "heads": h, "sq": sq, "sk": sk, "d": d, "dv": dv, "batch": batch,
+        "splits": [*a[:3], qv, kv, vv],
+    }  # fmt: skip

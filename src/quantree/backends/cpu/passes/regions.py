@@ -17,7 +17,9 @@ add/mul/sub (an operand broadcast along rows too), sigmoid/tanh/relu/gelu/silu/n
 norm and RMSNorm over the last dimension, chunk / unbind / getitem / row and column slices /
 order-keeping views as views, views and reshapes of dense rows as new views, stack and cat
 as copies, and at fixed sizes transposes, permutes and expands as row copies:
-``passes/region_layout.py``) and, when it holds at least ``MIN_OPS`` of them, replaces it by one
+``passes/region_layout.py``; float attention whose q, k, v are heads of ``[B, S, H D]``
+values, as an instruction reading them as column blocks: ``passes/attention.program_form``)
+and, when it holds at least ``MIN_OPS`` of them, replaces it by one
 call. Layer norms and
 gelus over many values stay ATen's (``FLOAT_MAX_ELEMENTS``). The arithmetic is each op's
 own: the int8 ops the same bits as their kernels, the float ones float32 (layer norm sums
@@ -57,6 +59,7 @@ from quantree.backends.cpu.cells.program import (
 )
 from quantree.backends.cpu.native.loader import cpu_isa
 from quantree.backends.cpu.passes import region_math
+from quantree.backends.cpu.passes.attention import program_form
 from quantree.backends.cpu.passes.region_layout import MAX_COPIES, copies, gather, reshape, row_map
 from quantree.backends.cpu.saved.derived import Recipe, remember
 from quantree.core.graphs import attr_at, fetch_attr, register_constant
@@ -65,7 +68,7 @@ from quantree.core.values import module_scope
 aten = torch.ops.aten
 quantree_ops = torch.ops.quantree
 qd = torch.ops.quantized_decomposed
-COPY, LAYER_NORM, RMS_NORM = 5, 9, 11
+COPY, LAYER_NORM, RMS_NORM, ATTENTION = 5, 9, 11, 15
 MIN_OPS = 8
 """Fewer ops than this gain too little from one call to be worth an opaque node."""
 FLOAT_OPS_KEY = "quantree_float_ops"
@@ -175,6 +178,8 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
             names["layer_norm"] += 1
         elif row[0] == RMS_NORM:
             names["rms_norm"] += 1
+        elif row[0] == ATTENTION:
+            names["attention"] += 1
     return names
 
 
@@ -447,6 +452,10 @@ def _covered(
         return bool(src is not None and len(src[0]) >= 2 and dim == 0 and type(src[0][0]) is int)
     if n.target == aten.dropout.default:
         return bool(a[0] in shapes and (len(a) < 3 or a[2] is False or a[1] == 0))
+    if n.target == quantree_ops.attention.default:
+        return program_form(n, shapes, inside) is not None
+    if n.target in PERMUTES and a[0] in inside and a[0].target == quantree_ops.attention.default:
+        return True  # the heads merged back: the ATTENTION instruction's rows, as they are
     if n not in shapes or shapes[n][1] not in (torch.float32, torch.int8):
         return False
     if math and (known := region_math.covered(n, shapes)) is not None:
@@ -597,7 +606,7 @@ def _trim(region: list[fx.Node]) -> None:
     heads of BERT's joined q/k/v linear, which the attention call reads through their
     strides; ViT's q, k, v unbound from one permuted tensor). Not in a folded step's program
     (``math``), which must be the whole step."""
-    moves = SAME_SLOT | VIEWS | {aten.slice.Tensor}
+    moves = SAME_SLOT | VIEWS | {aten.slice.Tensor, quantree_ops.attention.default}
     while region and region[-1].target in moves:
         region.pop()
 
@@ -672,8 +681,25 @@ def _replace(
         return True
 
     float_ops: list[tuple[str, str, str]] = []
+    found = [(n, program_form(n, shapes, inside)) for n in region]
+    forms = {n: form for n, form in found if form is not None}
+    if len(forms) != sum(1 for n in region if n.target == quantree_ops.attention.default):
+        return False
+    heads = {x for form in forms.values() for x in form["splits"]}
     for n in region:
         a: Any = n.args
+        if n in heads:  # q, k and v's heads: column blocks the ATTENTION instruction reads
+            continue
+        if n in forms:
+            if not _attention(p, n, forms[n], slot, operand):
+                return False
+            float_ops.append((str(n.target), n.name, module_scope(n)))
+            continue
+        if n.target in PERMUTES and a[0] in forms:
+            form = forms[a[0]]
+            slot[n] = p.row_view(slot[a[0]], 0, form["batch"] * form["sq"] * form["heads"])
+            p.slots[slot[n]][3] = p.slots[slot[n]][4] = form["dv"]
+            continue
         if n.target == aten.stack.default:
             reads = a[0]
         elif n.target == aten.cat.default:
@@ -822,6 +848,25 @@ def _replace(
     for n in outputs:
         operand(n)
     return _call(gm, region, p, inputs, const_nodes, outputs, slot, shapes, float_ops)
+
+
+def _attention(p: RegionProgram, n: fx.Node, form: dict[str, Any], slot: dict[fx.Node, int],
+               operand: Any) -> bool:  # fmt: skip
+    """Emit ``ATTENTION`` for ``n`` (``passes/attention.program_form``): its result a new
+    ``[B Sq, H Dv]`` slot, which the transpose after it reads as ``[B Sq H, Dv]`` rows."""
+    mask = form["mask"]
+    if not all(operand(form[x]) for x in ("q", "k", "v")):
+        return False
+    if mask is not None and not operand(mask, constant=True):
+        return False
+    rows = form["batch"] * form["sq"]
+    dst = p.alloc_rows(torch.float32, rows, form["heads"] * form["dv"])
+    ints = [ATTENTION, dst, slot[form["q"]], slot[form["k"]], slot[form["v"]]]
+    ints += [-1 if mask is None else slot[mask], form["heads"], form["sq"], form["sk"]]
+    ints += [max(form["mode"], 0), form["d"], form["dv"]]
+    p.emit(ints, [form["scale"]])
+    slot[n] = dst
+    return True
 
 
 def _requantization(

@@ -21,6 +21,9 @@ extern "C" int qt_current_isa();
 extern "C" void qt_matmul(const int8_t* a, const int8_t* bmat, int64_t batch, int64_t M,
                           int64_t K, int64_t N, float za, float zb, float scale, int8_t* out_q,
                           float* out_f, float inv, float zp);
+extern "C" void qt_attention(const float* q, const float* k, const float* v, const float* mask,
+                             float* out, int64_t B, int64_t H, int64_t Sq, int64_t Sk,
+                             int64_t D, int64_t Dv, const int64_t* strides, float scale);
 
 namespace qt::prog {
 
@@ -71,6 +74,7 @@ enum Op {
     FLOAT_SCALAR = 12, // float a op scalar f[0]: add mul sub rsub div rdiv max min pow (0-8)
     MATMUL = 13,       // int8 batched a @ b (qt_matmul): c[4] rows of a per batch
     FLOAT_MATMUL = 14, // float batched a @ b: c[4] rows of a per batch
+    ATTENTION = 15,    // float softmax(q k^T * f[0] + mask) v over heads of 2-d rows
 };
 constexpr int NI = 12, NF = 8;  // fields per instruction
 constexpr int NS = 5;  // fields per slot: dtype (0 f32, 1 i8), owner slot, byte offset, cols, ld
@@ -458,6 +462,32 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
         case FLOAT_MATMUL:
             float_matmul(a, s[c[3]], dst, c[4]);
             break;
+        case ATTENTION: {
+            // a = q [B Sq, H D], c[3] k and c[4] v [B Sk, H D | H Dv] (column views of a
+            // joined projection, say), dst [B Sq, H Dv]: head h is columns h D .. (h + 1) D,
+            // so the heads' views and transposes around attention need no copy. c[5] the
+            // mask slot or -1, c[6] H, c[7] Sq, c[8] Sk, c[9] the mask's rows: 0 one per
+            // batch ([B, 1, 1, Sk]), 1 one for all ([1, 1, 1, Sk]), 2 Sq per batch
+            // ([B, 1, Sq, Sk]); c[10] D, c[11] Dv; f[0] the scale.
+            const Slot& k = s[c[3]];
+            const Slot& v = s[c[4]];
+            const int64_t H = c[6], Sq = c[7], Sk = c[8], D = c[10], Dv = c[11];
+            const int64_t B = Sq > 0 ? a.rows / Sq : 0;
+            const float* mask = nullptr;
+            int64_t mb = 0, mi = 0;
+            if (c[5] >= 0) {
+                const Slot& m = s[c[5]];
+                mask = m.f(0);
+                mb = c[9] == 0 ? m.ld : c[9] == 2 ? Sq * m.ld : 0;
+                mi = c[9] == 2 ? m.ld : 0;
+            }
+            const int64_t strides[20] = {
+                Sq * a.ld, D, a.ld, 1, Sk * k.ld, D, k.ld, 1, Sk * v.ld, Dv, v.ld, 1,
+                mb, 0, mi, 1, Sq * dst.ld, Dv, dst.ld, 1};
+            qt_attention(a.f(0), k.f(0), v.f(0), mask, dst.f(0), B, H, Sq, Sk, D, Dv, strides,
+                         f[0]);
+            break;
+        }
         case COPY:
             for (int64_t r = 0; r < dst.rows; ++r)
                 std::memcpy(dst.base + r * dst.ld * dst.size, a.base + r * a.ld * a.size,
