@@ -8,7 +8,8 @@ tree's ``quantree`` package is copied into a temporary directory as ``qtbase`` (
 ``quantree`` in its sources renamed, its ops registered as ``torch.ops.qtbase.*`` and its
 kernels built apart), and both lowered models run interleaved with float in one process
 (``common.interleaved_times``: wall and thread-CPU medians). Models from ``modern_zoo.py``,
-whole mode, built and calibrated as ``zoo.run_model`` does.
+whole mode, built and calibrated as ``zoo.run_model`` does; the zoo's models (``zoo.py``) as
+``peers.py`` builds them, and ``outside_models.py``'s by name (``distilbert``, ...).
 """
 
 from __future__ import annotations
@@ -28,6 +29,23 @@ from profile_lowered import modern_data
 
 import quantree as qt
 from quantree.backends import CPU
+
+
+def any_data(name: str) -> tuple[torch.nn.Module, list[tuple], list[tuple]]:
+    """Model, calibration and held-out inputs from whichever zoo names ``name``."""
+    import modern_zoo
+    import outside_models
+    import peers
+
+    if name in modern_zoo.MODELS:
+        return modern_data(name)
+    if name in zoo.MODELS:
+        return peers.data(name)
+    torch.manual_seed(0)
+    case = outside_models.build(name)
+    case.model.eval()
+    gen = torch.Generator().manual_seed(1)
+    return case.model, [case.sample(gen) for _ in range(16)], [case.sample(gen) for _ in range(4)]
 
 
 def renamed_copy(src: Path, into: Path) -> None:
@@ -55,7 +73,7 @@ def main() -> None:
         qtbase = importlib.import_module("qtbase")
         base_cpu = importlib.import_module("qtbase.backends").CPU
         for name in args.models.split(","):
-            model, calib, held = modern_data(name)
+            model, calib, held = any_data(name)
             ref = zoo.outputs(model, held)
             base = qtbase.quantize(model, calib[0], calib, backend=base_cpu, progress=False)
             new = qt.quantize(model, calib[0], calib, backend=CPU, progress=False)

@@ -246,7 +246,7 @@ def test_an_encoder_runs_as_one_program_with_its_attention() -> None:
 
 
 def test_saved_and_loaded_the_program_computes_the_same(tmp_path) -> None:
-    data = _data(2)
+    data = _data(1)
     low = qt.quantize(Encoder().eval(), data[0], data, backend=CPU, progress=False)
     assert any(c[0] == ATTENTION_CODE for code in _codes(low) for c in code)
     save(low, tmp_path / "encoder.pt2", data[0])
