@@ -5,11 +5,11 @@
     ref = refine(prepared, convert(prepared), data, Refine(seconds=60))
 
 Between convert and lower: convert rounds each weight to its nearest grid point on its own;
-``refine`` re-chooses the integers of each linear and 1-d or 2-d convolution layer, and of each
-whole-mode recurrent layer's ``W_ih`` and ``W_hh`` (``recurrent.py``), against that float
-layer's output on the inputs the quantized graph gives it (``rounding.py``), then
-moves its int32 bias by the mean output shift left over (empirical bias correction). The
-float weights come from the prepared model (convert keeps only their integers); node names
+``refine`` re-chooses the integers of each linear and 1-d or 2-d convolution layer (a grouped
+one group by group), and of each whole-mode recurrent layer's ``W_ih`` and ``W_hh``
+(``recurrent.py``), against that float layer's output on the inputs the quantized graph
+gives it (``rounding.py``), then moves its int32 bias by the mean output shift left over
+(empirical bias correction). The float weights come from the prepared model (convert keeps only their integers); node names
 match between the two. Scales, zero points and the graph stay as they were, so lowering,
 saving and export take the result like any reference graph. The caller's graphs are not
 changed; layers are refined in graph order until the time budget runs out, and the result
@@ -93,6 +93,7 @@ class _Layer:
     float_weight: torch.Tensor
     conv: tuple[list[int], list[int], list[int], list[int]] | None
     key: str = ""  # a recurrent matrix's input in its op's ``RecurrentInputs``
+    groups: int = 1  # a grouped convolution's: each group's rows are rounded on their own
 
 
 def refine(
@@ -178,8 +179,6 @@ def _layers(
             reason = "weight not an integer constant of its own"
         elif not (isinstance(source, fx.Node) and source.op == "get_attr"):
             reason = "no float weight in the prepared model"
-        elif node.target in CONVOLUTIONS and (len(node.args) > 6 and node.args[6] != 1):
-            reason = "grouped convolution"
         elif (
             isinstance(weight, fx.Node)
             and weight.target == _ops.quantized_decomposed.dequantize_per_channel.default
@@ -190,8 +189,9 @@ def _layers(
             skipped.append(RefinedLayer(node.name, 0.0, 0.0, False, False, reason))
             continue
         assert isinstance(weight, fx.Node) and isinstance(source, fx.Node)
-        conv = None
+        conv, groups = None, 1
         if node.target in CONVOLUTIONS:
+            groups = int(node.args[6]) if len(node.args) > 6 else 1  # type: ignore[arg-type]
             shape = node.args[1].meta["val"].shape if "val" in node.args[1].meta else None
             w = _attr(prepared, str(source.target))
             kernel = list(shape[2:] if shape is not None else w.shape[2:])
@@ -211,6 +211,7 @@ def _layers(
                 bias if _integer_constant(bias) else None,
                 _attr(prepared, str(source.target)).detach(),
                 conv,
+                groups=groups,
             )
         )
     return layers, skipped
@@ -232,7 +233,7 @@ def _input_moments(
                 recurrent[node.name] = _record_recurrent(probe, node, name)
             moments[layer.label] = recurrent[node.name].moments[layer.key]
             continue
-        recorder = InputMoments(layer.conv)
+        recorder = InputMoments(layer.conv, layer.groups)
         probe.add_module(name, recorder)
         with probe.graph.inserting_before(node):
             recorded = probe.graph.call_module(name, (node.args[0],))
@@ -273,20 +274,39 @@ def _refine_layer(
     s = scale.double().reshape(-1, 1).expand(out, 1)
     z = zp.double().reshape(-1, 1).expand(out, 1)
     q = ints.reshape(out, -1).double()
-    before = output_error(w_float - (q - z) * s, stats.gram)
+    # (rows of the weight, their input's x^T x, its mean): one block, or one per group of a
+    # grouped convolution (its output channels read only their group's input channels)
+    grams = stats.gram.reshape(-1, w_float.shape[1], w_float.shape[1])
+    per = out // grams.shape[0]
+    blocks = [
+        (slice(g * per, (g + 1) * per), grams[g], stats.mean.reshape(grams.shape[0], -1)[g])
+        for g in range(grams.shape[0])
+    ]
+
+    def error(ints: torch.Tensor) -> float:
+        delta = w_float - (ints - z) * s
+        return sum(output_error(delta[rows], gram) for rows, gram, _ in blocks)
+
+    before = error(q)
     rounded = options.rounding and stats.rows >= ROWS_PER_COLUMN * w_float.shape[1]
     if rounded:
         group = layer.weight.args[0].meta.get(GROUP_SIZE_KEY)  # type: ignore[union-attr]
-        q = round_against_output(w_float, s, z, qmin, qmax, stats.gram, group)
+        q = q.clone()
+        for rows, gram, _ in blocks:
+            q[rows] = round_against_output(w_float[rows], s[rows], z[rows], qmin, qmax, gram, group)
         _set_attr(result, target, q.reshape(ints.shape).to(ints.dtype))
-    after = output_error(w_float - (q - z) * s, stats.gram)
+    after = error(q)
     corrected = False
     if options.bias_correction and layer.bias is not None:
         b_target, b_ints, b_scale, _, b_min, b_max = _quantized(result, layer.bias)
         delta = w_float - (q - z) * s
-        shift = delta @ stats.mean  # float output minus quantized, on average
-        covariance = stats.gram / stats.rows - torch.outer(stats.mean, stats.mean)
-        spread = ((delta @ covariance) * delta).sum(1).clamp(min=0.0) / stats.rows
+        shift = torch.zeros(out, dtype=torch.float64)
+        spread = torch.zeros(out, dtype=torch.float64)
+        for rows, gram, mean in blocks:
+            shift[rows] = delta[rows] @ mean  # float output minus quantized, on average
+            covariance = gram / stats.rows - torch.outer(mean, mean)
+            spread[rows] = ((delta[rows] @ covariance) * delta[rows]).sum(1).clamp(min=0.0)
+        spread = spread / stats.rows
         shift = torch.where(shift.abs() > 2 * spread.sqrt(), shift, torch.zeros_like(shift))
         moved = torch.clamp(b_ints.double() + torch.round(shift / b_scale.double()), b_min, b_max)
         _set_attr(result, b_target, moved.to(b_ints.dtype))

@@ -20,11 +20,19 @@ class InputMoments(nn.Module):
 
     A row is one input vector of the layer's weight: a linear layer's last dimension, a
     convolution's patch (``unfold``), so the weight reshaped to ``[out, -1]`` multiplies it.
+    A grouped convolution's output channels read only their group's slice of the patch, so
+    its sums are kept per group (``gram`` is then ``[groups, d, d]``): a depthwise layer's
+    full ``x^T x`` would be ``groups^2`` times larger and all but its diagonal blocks unused.
     """
 
-    def __init__(self, conv: tuple[list[int], list[int], list[int], list[int]] | None) -> None:
+    def __init__(
+        self,
+        conv: tuple[list[int], list[int], list[int], list[int]] | None,
+        groups: int = 1,
+    ) -> None:
         super().__init__()
         self.conv = conv  # kernel, stride, padding, dilation as 2-d (a 1-d one: height 1)
+        self.groups = groups
         self.gram: torch.Tensor | None = None
         self.total: torch.Tensor | None = None
         self.rows = 0
@@ -45,7 +53,12 @@ class InputMoments(nn.Module):
 
     def add(self, rows: torch.Tensor) -> None:
         """Fold input rows ([n, in], float64) into the sums."""
-        gram, total = rows.t() @ rows, rows.sum(0)
+        if self.groups > 1:  # the patch is channel-major: group g's columns are contiguous
+            parts = rows.reshape(rows.shape[0], self.groups, -1).transpose(0, 1)
+            gram = parts.transpose(1, 2) @ parts
+        else:
+            gram = rows.t() @ rows
+        total = rows.sum(0)
         self.gram = gram if self.gram is None else self.gram + gram
         self.total = total if self.total is None else self.total + total
         self.rows += rows.shape[0]
