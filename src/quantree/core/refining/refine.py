@@ -7,13 +7,13 @@
 Between convert and lower: convert rounds each weight to its nearest grid point on its own;
 ``refine`` re-chooses the integers of each linear and 1-d or 2-d convolution layer (a grouped
 one group by group), and of each whole-mode recurrent layer's ``W_ih`` and ``W_hh``
-(``recurrent.py``), against that float layer's output on the inputs the quantized graph
-gives it (``rounding.py``), then moves its int32 bias by the mean output shift left over
-(empirical bias correction). The float weights come from the prepared model (convert keeps only their integers); node names
-match between the two. Scales, zero points and the graph stay as they were, so lowering,
-saving and export take the result like any reference graph. The caller's graphs are not
-changed; layers are refined in graph order until the time budget runs out, and the result
-says in ``meta[REFINED_KEY]`` what each layer gained.
+(``recurrent.py``), against that float layer's output on the inputs the quantized graph gives
+it (``rounding.py``), then moves its int32 bias by the mean output shift left over (empirical
+bias correction). The float weights come from the prepared model (convert keeps only their
+integers); node names match between the two. Scales, zero points and the graph stay as they
+were, so lowering, saving and export take the result like any reference graph. The caller's
+graphs are not changed; layers are refined in graph order until the time budget runs out, and
+the result says in ``meta[REFINED_KEY]`` what each layer gained.
 """
 
 from __future__ import annotations
