@@ -12,6 +12,7 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
+from quantree.backends.cpu.ops.conv1d import conv1d_strided, conv16_small, takes_small
 from quantree.backends.cpu.ops.gemm import as_conv2d_geometry, conv2d
 from quantree.backends.cpu.ops.wide import LO_ZERO_POINT, split16
 from quantree.backends.cpu.rules.linear import pack_conv_weight
@@ -222,4 +223,83 @@ def test_random_geometries_equal_the_old_routes(
         want = old_conv1d(x, w, off, scale, bias, *geometry, 5, out_scale, 3, True, groups)
         got = quantree_ops.conv1d(x, w, off, scale, bias, o, [kernel], [stride], padding,
                                   [dilation], 5, out_scale, 3, True, groups)  # fmt: skip
+    assert torch.equal(got, want)
+
+
+# (C, O, kernel, stride, padding, dilation) the tap-by-tap kernel takes (C * kernel * O at
+# most SMALL_PRODUCT): HDemucs' residual branch (8 -> 2, kernel 3, dilations 1 and 2; 2 -> 16
+# pointwise), its strided first layer, strides with asymmetric padding, padding wider than
+# the input, one input channel
+SMALL = [
+    (8, 2, 3, 1, [1], 1),
+    (8, 2, 3, 1, [2], 2),
+    (2, 16, 1, 1, [0], 1),
+    (1, 8, 8, 4, [2], 1),
+    (3, 5, 4, 3, [1, 2], 2),
+    (4, 4, 3, 2, [7], 1),
+    (1, 1, 1, 1, [0], 1),
+]
+SMALL_IDS = [f"c{g[0]}-o{g[1]}-k{g[2]}-s{g[3]}-p{g[4]}-d{g[5]}" for g in SMALL]
+
+
+@pytest.mark.parametrize("geometry", SMALL, ids=SMALL_IDS)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_small_int16_conv1d_equals_the_gemm_routes(geometry, with_bias, batch):
+    """conv16 of few channels runs tap by tap (``csrc/conv1d_small.cpp``): the same bits as
+    the GEMM route it bypasses and as the two-plane route before it, in every layout, with
+    inputs beyond the int16 range (the clamp)."""
+    c, o, k, s, p, d = geometry
+    assert takes_small(c, o, [k], 1)
+    w, hi_off, hi_scale, bias = layer(c, o, k, 1)
+    _, lo_off, lo_scale, _ = layer(c, o, k, 1, seed=2)
+    bias = bias if with_bias else None
+    x_scale = 4.0 / 32767
+    wide = (x_scale, -32768, 32767, lo_off, lo_scale)
+    for name, x in inputs(batch, c, 37, torch.float32).items():
+        got = quantree_ops.conv16(x, x_scale, -32768, 32767, w, hi_off, hi_scale, lo_off,
+                                  lo_scale, bias, o, [k], [s], p, [d], 1)  # fmt: skip
+        gemm = conv1d_strided(x, w, hi_off, hi_scale, bias, o, [k], [s], p, [d], 0, 0.0, 0,
+                              False, 1, wide)  # fmt: skip
+        old = old_conv16(x, x_scale, -32768, 32767, w, hi_off, hi_scale, lo_off, lo_scale, bias,
+                         o, k, s, p, d, 1)  # fmt: skip
+        assert torch.equal(got, gemm) and torch.equal(got, old), name
+        assert got.is_contiguous() and got.shape == old.shape, name
+
+
+def test_only_small_ungrouped_products_are_summed_tap_by_tap():
+    assert takes_small(8, 2, [3], 1) and takes_small(16, 16, [1], 1)
+    assert not takes_small(16, 4, [4], 4)  # grouped: the GEMM per group
+    assert not takes_small(8, 8, [3], 8)  # depthwise: its own kernel
+    assert not takes_small(16, 32, [3], 1)  # 1536 multiply-adds a position: the GEMM
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    data=st.data(),
+    c=st.integers(1, 12),
+    o=st.integers(1, 20),
+    kernel=st.integers(1, 5),
+    stride=st.integers(1, 4),
+    dilation=st.integers(1, 3),
+    length=st.integers(1, 200),
+    batch=st.integers(1, 3),
+)
+def test_random_small_geometries_equal_the_two_plane_route(
+    data, c, o, kernel, stride, dilation, length, batch
+):
+    extent = dilation * (kernel - 1) + 1
+    left = data.draw(st.integers(0, extent), label="left")
+    right = data.draw(st.integers(0, extent), label="right")
+    if length + left + right < extent:
+        right += extent - (length + left + right)
+    padding = [left] if left == right else [left, right]
+    layout = data.draw(st.sampled_from(["contiguous", "channels_last", "strided"]), label="layout")
+    w, off, scale, bias = layer(c, o, kernel, 1)
+    _, lo_off, lo_scale, _ = layer(c, o, kernel, 1, seed=2)
+    x = inputs(batch, c, length, torch.float32)[layout]
+    want = old_conv16(x, 1e-3, -32768, 32767, w, off, scale, lo_off, lo_scale, bias, o, kernel,
+                      stride, padding, dilation, 1)  # fmt: skip
+    got = conv16_small(x, (1e-3, -32768, 32767, lo_off, lo_scale), w, off, scale, bias, o,
+                       [kernel], [stride], padding, [dilation])  # fmt: skip
     assert torch.equal(got, want)

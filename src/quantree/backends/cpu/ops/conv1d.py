@@ -24,6 +24,7 @@ from quantree.backends.cpu.native.registry import inverse
 SIGNATURES: dict[str, list[type]] = {
     "qt_conv1d": [PTR, PTR, *[I64] * 7, F32, F32, F32, *[I64] * 8, *[PTR] * 8,
                   *[I64] * 3, F32, F32, INT],
+    "qt_conv1d16_small": [PTR, *[I64] * 6, F32, F32, F32, *[I64] * 7, *[PTR] * 7, *[I64] * 3],
 }  # fmt: skip
 """The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
 kernels = native_kernels(SIGNATURES)
@@ -114,5 +115,48 @@ def conv1d_strided(
         ptr(offset), ptr(scale), ptr(lo_offset), ptr(lo_scale), ptr(bias),
         out.data_ptr() if quantized else None, None if quantized else out.data_ptr(),
         *out.stride(), inverse(out_scale), float(out_zero_point), int(relu),
+    )  # fmt: skip
+    return out
+
+
+SMALL_PRODUCT = 256
+"""Most multiply-adds per output position (``C * K * OC``) of a conv16 the tap-by-tap kernel
+(``csrc/conv1d_small.cpp``) takes; larger products fill the GEMM's lanes and run there."""
+
+
+def takes_small(c: int, out_channels: int, kernel: list[int], groups: int) -> bool:
+    """Whether an int16-input 1-d convolution is summed tap by tap: groups 1 (depthwise and
+    grouped layers have their own kernels) and a product small enough that the GEMM route's
+    staging and per-panel set-up cost more than the sums."""
+    return groups == 1 and c * kernel[0] * out_channels <= SMALL_PRODUCT
+
+
+def conv16_small(
+    x: Tensor,
+    wide: Wide,
+    weight: Tensor,
+    offset: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    out_channels: int,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+) -> Tensor:
+    """``conv1d_strided``'s wide call (groups 1, float out) on the tap-by-tap kernel: equal to
+    it bit for bit (``csrc/conv1d_small.cpp``)."""
+    x_scale, qmin, qmax, lo_offset, lo_scale = wide
+    if x.dtype != torch.float32:
+        x = x.float()
+    check.conv1d_strided(x, True, weight, offset, scale, lo_offset, lo_scale, bias,
+                         out_channels, kernel, stride, padding, dilation, 0, 1)  # fmt: skip
+    out = empty_output(x, out_channels, kernel, stride, padding, dilation, False)
+    n, c, length = x.shape
+    kernels().qt_conv1d16_small(
+        x.data_ptr(), *x.stride(), n, c, length, 1.0 / x_scale, float(qmin), float(qmax),
+        out_channels, kernel[0], stride[0], padding[0], dilation[0], out.shape[2],
+        packed_depth(weight), ptr(weight), ptr(offset), ptr(scale), ptr(lo_offset),
+        ptr(lo_scale), ptr(bias), out.data_ptr(), *out.stride(),
     )  # fmt: skip
     return out

@@ -23,7 +23,12 @@ from quantree.backends.cpu.native.loader import F32, I64, PTR, ptr
 from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import packed_depth
 from quantree.backends.cpu.native.registry import op
-from quantree.backends.cpu.ops.conv1d import conv1d_strided, stages_in_bounds
+from quantree.backends.cpu.ops.conv1d import (
+    conv1d_strided,
+    conv16_small,
+    stages_in_bounds,
+    takes_small,
+)
 from quantree.backends.cpu.ops.elementwise import dense_any_layout, in_memory_order
 from quantree.backends.cpu.ops.gemm import as_conv2d_geometry, conv2d
 
@@ -131,6 +136,9 @@ def conv16(
         check.conv1d(kernel, stride, padding, dilation)
     if one_d and stages_in_bounds(x, kernel, stride, padding, dilation):
         wide = (x_scale, quant_min, quant_max, lo_offset, lo_scale)
+        if takes_small(int(x.shape[1]), out_channels, kernel, groups):
+            return conv16_small(x, wide, weight, hi_offset, hi_scale, bias, out_channels, kernel,
+                                stride, padding, dilation)  # fmt: skip
         return conv1d_strided(x, weight, hi_offset, hi_scale, bias, out_channels, kernel, stride,
                               padding, dilation, 0, 0.0, 0, False, groups, wide)  # fmt: skip
     shape = (out_channels, *(as_conv2d_geometry(kernel, stride, padding, dilation) if one_d
