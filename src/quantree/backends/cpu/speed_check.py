@@ -1,26 +1,17 @@
 """Would the lowered model be slower than the float model it replaces? Said once, at lowering.
 
-The design promises a lowered model is never slower than float, and that where it would be,
-the backend says so. Kernels win on arithmetic; a model loses where it pays per call instead:
-ops left float between quantize/dequantize (their float time, plus the conversions), a step
-run op by op in Python, a weight dequantized on every call. Those are all visible in the two
-graphs, so the answer is a static estimate, not a timing: the same answer on every machine
-and in every run (a timing at lowering would flip on a loaded machine, cost every lowering a
-few forwards, and needs inputs that ``lower`` does not have).
-
-The estimate prices each op by a ``CostModel``: a fixed cost per call (what dominates small
-ops: dispatch, Python) plus its arithmetic (multiply-adds at a float or int8 rate, elements at
-an elementwise rate). The float side is the reference graph without its quantize/dequantize
-nodes, priced as eager PyTorch ops; ``note_float_costs`` records it before any rule rewrites the
-graph (a ``Backend`` has no hook before its rules, so it is the CPU backend's first rule and
-rewrites nothing). The lowered side prices what ``finish`` left: native calls, float ATen ops,
-native loops, and loops a Python interpreter steps through. Each kernel is priced at int8 by
-the reference op it replaced (``REPLACES_KEY``); the constants were fitted to this backend's
-measured zoo (benchmarks/README.md, "Slower than float, said at lowering").
-
-A model estimated at or over ``CostModel.threshold`` times float gets one ``QuantreeWarning``
-naming the biggest causes and the user's options; the estimate is on the lowered model's
-``meta`` either way (``speed_of``). ``cpu_backend(speed_check=False)`` turns the check off.
+Kernels win on arithmetic; a model loses where it pays per call instead: ops left float
+between quantize/dequantize, a step run op by op in Python, a weight dequantized every call.
+All of it is visible in the graphs, so the answer is a static estimate, not a timing: the same
+on every machine and run (a timing at lowering flips under load, costs every lowering a few
+forwards, and needs inputs ``lower`` does not have). A ``CostModel`` prices each op: a fixed
+cost per call plus its arithmetic. The float side is the reference graph less its q/dq, priced
+as eager ops by ``note_float_costs``, the CPU backend's first rule (a ``Backend`` has no hook
+before its rules; it rewrites nothing). The lowered side is what ``finish`` left, each kernel
+priced at int8 by the reference op it replaced (``REPLACES_KEY``). At ``CostModel.threshold``
+one ``QuantreeWarning`` names the biggest causes and the options; the estimate is on the
+model's ``meta`` either way (``speed_of``); ``cpu_backend(speed_check=False)`` turns it off.
+Figures: benchmarks/README.md, "Slower than float, said at lowering".
 """
 
 from __future__ import annotations
@@ -32,6 +23,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_leaves
 
 from quantree.backends.cpu.passes.regions import FLOAT_OPS_KEY
 from quantree.core.errors import QuantreeWarning
@@ -56,8 +48,7 @@ _VIEWS = {
     *("flatten", "unflatten", "slice", "select", "alias", "_unsafe_view", "detach", "split"),
     *("split_with_sizes", "chunk", "unbind", "narrow", "as_strided", "expand_as", "view_as"),
 }
-_NATIVE_QDQ = {"quantize", "dequantize"}
-SHOWN = 3  # causes named in the warning
+_NATIVE_QDQ, SHOWN = {"quantize", "dequantize"}, 3  # SHOWN: causes named in the warning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +96,8 @@ class Priced:
 
 @dataclasses.dataclass(frozen=True)
 class Cause:
+    """One thing the lowered model pays that float does not, summed over a forward."""
+
     what: str  # "python loop", "float op", "quantize/dequantize", "weight dequantized per call"
     name: str  # the loop's module path, the op; "" for the conversions
     count: int  # calls per forward
@@ -142,16 +135,8 @@ def _name(node: fx.Node) -> str:
     return str(getattr(node.target, "__name__", node.target)).split(".")[0]
 
 
-def _namespace(node: fx.Node) -> str:
+def _namespace(node: fx.Node) -> str:  # "aten", "quantree", or "" (operator, Python)
     return str(getattr(node.target, "namespace", ""))
-
-
-def _tensors(val: object) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, list | tuple):
-        return [t for v in val for t in _tensors(v)]
-    return []
 
 
 def _shape_of(arg: object, gm: torch.nn.Module) -> tuple[int, ...] | None:
@@ -180,7 +165,8 @@ def work_of(node: fx.Node, gm: torch.nn.Module) -> Work:
     """The arithmetic of one ATen op: multiply-adds for products, convolutions and
     recurrent layers (from the shapes of its inputs), elements written for the rest."""
     try:
-        out = sum(t.numel() for t in _tensors(node.meta.get("val")))
+        leaves = tree_leaves(node.meta.get("val"))
+        out = sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
     except Exception:  # symbolic sizes: a dynamic dimension priced as 1
         out = 0
     name = _name(node)
@@ -231,15 +217,9 @@ def _loop_steps(module: torch.nn.Module, node: fx.Node) -> int:
 
 
 def _bodies(module: torch.nn.Module) -> list[tuple[str, fx.GraphModule]]:
-    """The graphs a loop module runs each step (a cells layer's loops: each of them)."""
-    if isinstance(module, fx.GraphModule):
-        return [("", module)]
-    found = []
-    for name, child in module.named_modules():
-        if isinstance(child, fx.GraphModule):
-            found.append((name, child))
-    outer = [n for n, _ in found]
-    return [(n, m) for n, m in found if not any(n.startswith(f"{o}.") for o in outer if o)]
+    """The outermost graphs a loop module runs each step (a cells layer: each loop's)."""
+    found = [(n, m) for n, m in module.named_modules() if isinstance(m, fx.GraphModule)]
+    return [(n, m) for n, m in found if not any(n.startswith(f"{o}.") for o, _ in found if o)]
 
 
 def price_float(root: fx.GraphModule, costs: CostModel = DEFAULT_COSTS) -> Priced:
