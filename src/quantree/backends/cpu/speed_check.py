@@ -67,6 +67,7 @@ class CostModel:
     float_elems_per_us: float = 1_000.0
     int8_elems_per_us: float = 2_000.0
     threshold: float = 0.8  # estimate at which it says so (estimates ran 0.2-0.5 low)
+    min_float_us: float = 200.0  # below: a toy, priced by per-call constants alone; unsaid
 
 
 DEFAULT_COSTS = CostModel()
@@ -364,17 +365,12 @@ def _describe(cause: Cause, total: float) -> str:
 
 def _options(estimate: SpeedEstimate) -> str:
     kinds = {c.what for c in estimate.causes[:SHOWN]}
-    options = []
-    if "python loop" in kinds:
-        options.append("quantize with fold_loops=False (the unrolled steps, fused)")
-    if kinds & {"float op", "quantize/dequantize"}:
-        options.append(
-            "Int8Quantizer(activations=ActivationPoints.WEIGHTED_INPUTS) (no quantize/"
-            "dequantize around float ops), or leave those modules float (points=...)"
-        )
-    if "weight dequantized per call" in kinds:
-        options.append("leave that weight float in the recipe")
-    options.append("keep the float model for this one, or deploy the QDQ export (qt.export_onnx)")
+    options = ["fold_loops=False (the unrolled steps, fused)"] if "python loop" in kinds else []
+    if "quantize/dequantize" in kinds:
+        options.append("Int8Quantizer(activations=ActivationPoints.WEIGHTED_INPUTS)")
+    if kinds & {"float op", "weight dequantized per call"}:
+        options.append("leave those modules float in the recipe (points=...)")
+    options.append("keep the float model, or deploy the QDQ export (qt.export_onnx)")
     return "; ".join(options)
 
 
@@ -387,7 +383,7 @@ def check_speed(
         return None
     estimate = price_lowered(lowered, priced, costs)
     lowered.meta[SPEED_KEY] = estimate
-    if estimate.ratio < costs.threshold:
+    if estimate.ratio < costs.threshold or estimate.float_us < costs.min_float_us:
         return estimate
     warnings.warn(
         f"lowering for the CPU backend: the lowered model would be no faster than the float "
