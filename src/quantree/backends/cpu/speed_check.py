@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
+from quantree.backends.cpu.passes.float_report import DATA_MOVEMENT
 from quantree.backends.cpu.passes.regions import FLOAT_OPS_KEY
 from quantree.core.errors import QuantreeWarning
 from quantree.core.graphs import fetch_attr
@@ -35,19 +36,12 @@ from quantree.core.values import is_getitem
 from quantree.recurrent.loop import CellLoop, RecurrentCells
 from quantree.recurrent.unrolled.step_loop import StepLoop
 
-FLOAT_COSTS_KEY = "quantree_float_costs"
-"""``GraphModule.meta`` key between the first rule and ``finish``: the reference's ``Priced``."""
-SPEED_KEY = "quantree_speed"
-"""``GraphModule.meta`` key on a CPU-lowered model: its ``SpeedEstimate``."""
+FLOAT_COSTS_KEY = "quantree_float_costs"  # meta, first rule to ``finish``: a ``Priced``
+SPEED_KEY = "quantree_speed"  # meta of a CPU-lowered model: its ``SpeedEstimate``
 
 _MATMULS = {"mm", "bmm", "matmul", "addmm", "baddbmm", "linear", "addbmm", "einsum"}
 _CONVS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}
 _RECURRENT = {"lstm", "gru", "rnn_tanh", "rnn_relu"}
-_VIEWS = {
-    *("view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze"),
-    *("flatten", "unflatten", "slice", "select", "alias", "_unsafe_view", "detach", "split"),
-    *("split_with_sizes", "chunk", "unbind", "narrow", "as_strided", "expand_as", "view_as"),
-}
 _NATIVE_QDQ, SHOWN = {"quantize", "dequantize"}, 3  # SHOWN: causes named in the warning
 
 
@@ -125,8 +119,7 @@ class SpeedEstimate:
 
 
 def speed_of(gm: torch.nn.Module) -> SpeedEstimate | None:
-    """The estimate the CPU backend made when it lowered ``gm`` (None: not CPU-lowered, or
-    lowered with ``speed_check=False``)."""
+    """The CPU backend's estimate for ``gm`` (None: not CPU-lowered, or no speed check)."""
     meta = getattr(gm, "meta", None)
     found = meta.get(SPEED_KEY) if isinstance(meta, dict) else None
     return found if isinstance(found, SpeedEstimate) else None
@@ -145,7 +138,7 @@ def _shape_of(arg: object, gm: torch.nn.Module) -> tuple[int, ...] | None:
         return None
     val = arg.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return tuple(int(s) for s in val.shape)
+        return tuple(_size(s) for s in val.shape)
     if arg.target in DEQUANTIZE_OPS and arg.args:  # a weight's dequantize
         return _shape_of(arg.args[0], gm)
     if arg.op == "get_attr":
@@ -158,6 +151,12 @@ def _shape_of(arg: object, gm: torch.nn.Module) -> tuple[int, ...] | None:
     return None
 
 
+def _size(s: object) -> int:
+    """A dimension; a symbolic one at its example's size (``int()`` would add a guard)."""
+    hint = s if isinstance(s, int) else getattr(getattr(s, "node", None), "hint", None)
+    return hint if isinstance(hint, int) else 1
+
+
 def _numel(shape: tuple[int, ...] | None) -> int:
     return math.prod(shape) if shape is not None else 0
 
@@ -167,7 +166,7 @@ def work_of(node: fx.Node, gm: torch.nn.Module) -> Work:
     recurrent layers (from the shapes of its inputs), elements written for the rest."""
     try:
         leaves = tree_leaves(node.meta.get("val"))
-        out = sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
+        out = sum(math.prod(map(_size, t.shape)) for t in leaves if isinstance(t, torch.Tensor))
     except Exception:  # symbolic sizes: a dynamic dimension priced as 1
         out = 0
     name = _name(node)
@@ -201,7 +200,7 @@ def _is_qdq(node: fx.Node) -> bool:
 
 
 def _is_view(node: fx.Node) -> bool:
-    return is_getitem(node) or _name(node) in _VIEWS or node.target in (getattr, len)
+    return is_getitem(node) or _name(node) in DATA_MOVEMENT or node.target in (getattr, len)
 
 
 def _loop_steps(module: torch.nn.Module, node: fx.Node) -> int:
@@ -235,9 +234,12 @@ def price_float(root: fx.GraphModule, costs: CostModel = DEFAULT_COSTS) -> Price
             if node.op == "call_module":
                 module = gm.get_submodule(str(node.target))
                 where = f"{path}.{node.target}" if path else str(node.target)
+                bodies = _bodies(module)
+                if not bodies:  # no graph to run: export's shape guards
+                    continue
                 steps = _loop_steps(module, node)
                 step_us, step_work = 0.0, Work()
-                for name, body in _bodies(module):
+                for name, body in bodies:
                     b_us, b_work = walk(body, f"{where}.{name}" if name else where)
                     step_us, step_work = step_us + b_us, step_work + b_work
                 loops[where] = (steps, step_work)
@@ -261,8 +263,7 @@ def price_float(root: fx.GraphModule, costs: CostModel = DEFAULT_COSTS) -> Price
 
 
 def note_float_costs(ctx: LoweringContext, node: fx.Node) -> bool:
-    """Not a rewrite: the CPU backend's first rule, so that the reference graph is priced as
-    float before any rule changes it (once per lowering). Always False."""
+    """Not a rewrite (always False): prices the reference once, before any rule changes it."""
     if FLOAT_COSTS_KEY not in ctx.gm.meta:
         ctx.gm.meta[FLOAT_COSTS_KEY] = price_float(ctx.gm)
     return False
@@ -330,7 +331,9 @@ def price_lowered(
     def module_us(gm: fx.GraphModule, node: fx.Node, path: str, per_call: float, k: float) -> float:
         module = gm.get_submodule(str(node.target))
         where = f"{path}.{node.target}" if path else str(node.target)
-        steps, step_work = priced.loops.get(where, (_loop_steps(module, node), Work()))
+        if where not in priced.loops:  # no graph of the reference's: export's shape guards
+            return 0.0
+        steps, step_work = priced.loops[where]
         if isinstance(module, StepLoop | CellLoop | RecurrentCells | fx.GraphModule):
             interpreted = not isinstance(module, fx.GraphModule)
             inner = costs.python_step_op_us if interpreted else per_call
