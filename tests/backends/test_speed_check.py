@@ -114,3 +114,11 @@ def test_the_estimate_follows_an_injected_cost_model() -> None:
         assert check_speed(lowered, priced) is not None
     assert [SAID in str(w.message) for w in caught] == [True]
     assert speed_of(lowered) == usual
+
+
+def test_a_toy_model_is_priced_but_not_said() -> None:
+    """Under ``min_float_us`` per-call constants alone decide the estimate: kept, unsaid."""
+    lowered, said = _quantize(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (4, 8))
+    estimate = speed_of(lowered)
+    assert said == [] and estimate is not None
+    assert estimate.float_us < CostModel().min_float_us
