@@ -67,6 +67,7 @@ from quantree.backends.cpu.rules.recurrent import recurrent_rule
 from quantree.backends.cpu.rules.recurrent_cell import lower_cell
 from quantree.backends.cpu.rules.views import lower_view_chain
 from quantree.backends.cpu.rules.wide import lower_wide
+from quantree.backends.cpu.speed_check import FLOAT_COSTS_KEY, check_speed, note_float_costs
 from quantree.core.errors import QuantreeWarning
 from quantree.core.graphs import nested_graphs, replace_submodule
 from quantree.core.lower import Backend, LoweringRule, lower
@@ -76,15 +77,20 @@ from quantree.recurrent.unrolled.step_loop import StepLoop
 
 
 def finish(
-    gm: fx.GraphModule, nested: Backend | None = None, attention: bool = True
+    gm: fx.GraphModule,
+    nested: Backend | None = None,
+    attention: bool = True,
+    speed_check: bool = False,
 ) -> fx.GraphModule:
     """Lower nested graphs, native q/dq for what is left, identical constants stored once,
-    keep only the tensors read; name what still computes in float (``float_report``).
+    keep only the tensors read; name what still computes in float (``float_report``) and,
+    with ``speed_check``, say if the model would be no faster than float (``speed_check.py``).
 
     Loads the native kernels first, so that a machine which cannot build or load them
     gets a ``QuantreeError`` saying why at lowering, not a raw error at the first inference.
     """
     library()
+    priced = gm.meta.pop(FLOAT_COSTS_KEY, None)  # the reference, priced before the rules
     if nested is not None:
         lower_nested(gm, nested)
         fold_dequantized_constants(gm)  # a float op's int8 weight: dequantized once, here
@@ -108,6 +114,8 @@ def finish(
     lean.meta = dict(gm.meta)
     if nested is not None:  # the whole model, its nested bodies included: say it once
         warn_float_ops(lean, "the CPU backend", named=set(simulated_ops(gm)))
+        if speed_check:
+            check_speed(lean, priced)
     return run_chains_natively(read_buffers_directly(bind_flat_inputs(call_directly(lean))))
 
 
@@ -167,7 +175,7 @@ def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
         )
 
 
-def cpu_backend(hidden_bits: int = 8, attention: bool = True) -> Backend:
+def cpu_backend(hidden_bits: int = 8, attention: bool = True, speed_check: bool = True) -> Backend:
     """The native CPU backend; ``hidden_bits`` is how recurrent layers feed h back.
 
     8 (``CPU``): int8 like every other activation, the fastest. 16: int16 split into two
@@ -177,6 +185,8 @@ def cpu_backend(hidden_bits: int = 8, attention: bool = True) -> Backend:
     ``attention=False`` leaves float attention blocks as ATen calls instead of one
     ``quantree.attention`` each (``passes/attention.py``), and their q/k/v projections as
     separate linears (``passes/sibling_linears.py``): the comparison's other side.
+    ``speed_check=False``: no estimate of the lowered model against float, so no warning
+    where it would be no faster (``speed_check.py``; ``speed_of`` then returns None).
     """
     rules: tuple[LoweringRule, ...] = (
         recurrent_rule(hidden_bits),
@@ -210,8 +220,9 @@ def cpu_backend(hidden_bits: int = 8, attention: bool = True) -> Backend:
     name = "cpu" if hidden_bits == 8 else f"cpu-h{hidden_bits}"
     name += "" if attention else "-unfused-attention"
     body = Backend(f"{name}-body", rules, prepare_module=finish)
-    fin = functools.partial(finish, nested=body, attention=attention)
-    return Backend(name, rules, prepare_module=fin)
+    fin = functools.partial(finish, nested=body, attention=attention, speed_check=speed_check)
+    first = (note_float_costs,) if speed_check else ()  # prices the reference as float
+    return Backend(name, first + rules, prepare_module=fin)
 
 
 CPU = cpu_backend()
