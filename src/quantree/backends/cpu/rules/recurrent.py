@@ -348,8 +348,8 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
 
 
 FLOAT_OUTPUT_ARG = 12
-"""Where ``quantree.rnn`` / ``rnn_packed_sequence`` take ``float_output``, positionally (the
-rule above passes every argument so)."""
+"""Where ``quantree.rnn`` takes ``float_output``, positionally (the rule above passes every
+argument so)."""
 
 
 def float_outputs_read_by_dequantize(gm: fx.GraphModule) -> None:
@@ -361,9 +361,9 @@ def float_outputs_read_by_dequantize(gm: fx.GraphModule) -> None:
     still have been an int8 kernel's pattern (a linear's, a second layer's). Once every rule
     has run, a native dequantize left is a float read, nothing else.
     """
-    layers = (torch.ops.quantree.rnn.default, torch.ops.quantree.rnn_packed_sequence.default)
+    # packed sequences are left as they are: their rows' movement rules read int8
     for node in list(gm.graph.nodes):
-        if node.target not in layers or len(node.args) <= FLOAT_OUTPUT_ARG + 2:
+        if node.target != torch.ops.quantree.rnn.default or len(node.args) <= FLOAT_OUTPUT_ARG + 2:
             continue
         if node.args[FLOAT_OUTPUT_ARG] or node.args[FLOAT_OUTPUT_ARG + 2] != 8:
             continue  # float already, or an int16 output (written float on its grid)
