@@ -148,3 +148,31 @@ def test_int16_sequences_give_the_same_bits_on_every_vector_path():
         lib.qt_select_isa(isa_cap())
     for got in results[1:]:
         assert torch.equal(results[0], got)
+
+
+def test_an_int8_output_read_only_by_its_dequantize_is_written_float(monkeypatch):
+    """The layer's int8 output read only through a dequantize on its grid (here a linear
+    whose input is int16 under WEIGHTED_INPUTS, as in DPRNN: it reads float) becomes the
+    kernel's float output: one op fewer, the same bits
+    (``rules/recurrent.float_outputs_read_by_dequantize``)."""
+    import quantree.backends.cpu.backend as cpu_backend
+
+    torch.manual_seed(0)
+    model = Seq(nn.LSTM(8, 16, batch_first=True, bidirectional=True), nn.Linear(32, 8)).eval()
+    data, test = batches((3, 12, 8), n=4), batches((3, 12, 8), n=2, seed=5)
+    quantizer = qt.Int8Quantizer(activations=qt.ActivationPoints.WEIGHTED_INPUTS)
+    ref = qt.quantize(model, data[0], data, quantizer=quantizer, progress=False,
+                      backend="reference")  # fmt: skip
+    low = qt.lower(ref, CPU)
+    (node,) = rnn_nodes(low)
+    assert node.args[12] is True  # float_output
+    dequantize = torch.ops.quantree.dequantize.default
+    assert not any(n.target == dequantize for n in low.graph.nodes)
+    monkeypatch.setattr(cpu_backend, "float_outputs_read_by_dequantize", lambda gm: None)
+    before = qt.lower(ref, CPU)
+    (int8_out,) = rnn_nodes(before)
+    assert int8_out.args[12] is False
+    assert sum(n.target == dequantize for n in before.graph.nodes) == 1
+    with torch.no_grad():
+        for (x,) in test:
+            assert torch.equal(low(x), before(x))

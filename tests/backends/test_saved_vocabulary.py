@@ -7,6 +7,10 @@ float part saved without a word and every ``load`` then refused the file.
 
 from __future__ import annotations
 
+import json
+import zipfile
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +19,7 @@ from torch import nn
 import quantree as qt
 from quantree.backends import load, save
 from quantree.backends.cpu.saved.checks.vocabulary import op_error
+from quantree.tools.files import BadFile
 
 
 class Shifted(nn.Module):
@@ -112,3 +117,91 @@ def test_a_broadcast_constant_is_written_dense_and_loads(tmp_path) -> None:
     with torch.no_grad():
         assert torch.equal(load(tmp_path / "broadcast.pt2")(x), model(x))
     assert model.mask.stride() == (4, 4, 1, 0)  # the user's model is not changed
+
+
+class DualPath(nn.Module):
+    """A dual-path RNN in small: 50%-overlapping chunks (``F.unfold``), a BiLSTM along each
+    chunk, overlap-add back (``F.fold``): ``aten.im2col`` and ``aten.col2im`` in the
+    lowered graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.lstm = nn.Conv1d(1, 8, 4, stride=2), nn.LSTM(8, 8, batch_first=True)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [1, 1, 64]
+        w = torch.relu(self.encoder(x))  # [1, 8, 31]
+        frames = w.shape[-1]
+        chunks = F.unfold(w.unsqueeze(-1), (8, 1), padding=(8, 0), stride=(4, 1))
+        n = chunks.shape[-1]
+        seq = chunks.reshape(8, 8, n).permute(2, 1, 0)  # [chunks, chunk, channels]
+        y = self.fc(self.lstm(seq)[0]).permute(2, 1, 0).reshape(1, 64, n)
+        return F.fold(y, (frames, 1), (8, 1), padding=(8, 0), stride=(4, 1))
+
+
+def _window_file(tmp_path) -> tuple[Path, torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 64)
+    data = [(torch.randn(1, 1, 64),) for _ in range(4)]
+    low = qt.quantize(DualPath().eval(), (x,), data, backend="cpu", progress=False)
+    path = tmp_path / "dual_path.pt2"
+    save(low, path, (x,))
+    return path, low, x
+
+
+def _with_argument(source: Path, target: Path, op: str, name: str, value: object) -> Path:
+    """``source`` with the ``name`` argument of its ``op`` nodes set to ``value`` in the
+    archive's program JSON: a file an attacker writes."""
+
+    def edit(item: object) -> None:
+        if isinstance(item, dict):
+            if str(item.get("target", "")).endswith(f".{op}.default"):
+                for arg in item["inputs"]:
+                    if arg["name"] == name:
+                        arg["arg"] = {"as_ints": value}
+            for v in item.values():
+                edit(v)
+        elif isinstance(item, list):
+            for v in item:
+                edit(v)
+
+    with zipfile.ZipFile(source) as src, zipfile.ZipFile(target, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("models/model.json"):
+                program = json.loads(data)
+                edit(program)
+                data = json.dumps(program).encode()
+            dst.writestr(info, data, compress_type=info.compress_type)
+    return target
+
+
+def test_unfold_lstm_fold_saves_and_loads_bit_equal(tmp_path) -> None:
+    path, low, x = _window_file(tmp_path)
+    called = {str(n.target) for n in low.graph.nodes}
+    assert {"aten.im2col.default", "aten.col2im.default"} <= called
+    with torch.no_grad():
+        assert torch.equal(load(path)(x), low(x))
+        longer = torch.randn(1, 1, 96)  # the length stays free in the file
+        assert torch.equal(load(path)(longer), low(longer))
+
+
+@pytest.mark.parametrize(
+    ("op", "name", "value"),
+    [
+        ("im2col", "stride", [0, 1]),
+        ("im2col", "kernel_size", [1 << 40, 1]),
+        ("im2col", "padding", [-8, 0]),
+        ("im2col", "dilation", [1, 1, 1]),
+        ("col2im", "kernel_size", [1 << 20, 1]),
+        ("col2im", "padding", [1 << 30, 0]),
+    ],
+)
+def test_a_file_with_window_arguments_out_of_bounds_is_refused(tmp_path, op, name, value):
+    path, _, _ = _window_file(tmp_path)
+    crafted = _with_argument(path, tmp_path / "crafted.pt2", op, name, value)
+    with pytest.raises(BadFile) as caught:
+        load(crafted)
+    message = str(caught.value)
+    assert message.startswith(f"{crafted}: refused, node {op} calls aten.{op}.default with ")
+    assert f"{name}={value}: two ints from " in message and "\n" not in message

@@ -63,7 +63,10 @@ from quantree.backends.cpu.rules.qdq import (
     lower_softmax,
     native_quantize_dequantize,
 )
-from quantree.backends.cpu.rules.recurrent import recurrent_rule
+from quantree.backends.cpu.rules.recurrent import (
+    float_outputs_read_by_dequantize,
+    recurrent_rule,
+)
 from quantree.backends.cpu.rules.recurrent_cell import lower_cell
 from quantree.backends.cpu.rules.views import lower_view_chain
 from quantree.backends.cpu.rules.wide import lower_wide
@@ -95,6 +98,7 @@ def finish(
         lower_nested(gm, nested)
         fold_dequantized_constants(gm)  # a float op's int8 weight: dequantized once, here
     native_quantize_dequantize(gm)
+    float_outputs_read_by_dequantize(gm)  # a layer's output dequantized: written float
     if nested is not None:  # the top-level graph: one warning for the model
         fold_input_independent(gm)  # masks built from zeros/ones on every call, built once
         split_packed_qkv(gm)  # nn.MultiheadAttention's q/k/v split: column slices

@@ -345,3 +345,44 @@ def lower_recurrent(ctx: LoweringContext, node: fx.Node, hidden_bits: int = 8) -
         graph.erase_node(user)
     graph.erase_node(node)
     return True
+
+
+FLOAT_OUTPUT_ARG = 12
+"""Where ``quantree.rnn`` takes ``float_output``, positionally (the rule above passes every
+argument so)."""
+
+
+def float_outputs_read_by_dequantize(gm: fx.GraphModule) -> None:
+    """A lowered layer whose int8 output only a native dequantize on its own grid reads
+    writes float instead, that dequantize's arithmetic done by the kernel (one op call and
+    one tensor fewer per call: the same bits).
+
+    The rule could not decide this when it ran: a dequantize reading the output may then
+    still have been an int8 kernel's pattern (a linear's, a second layer's). Once every rule
+    has run, a native dequantize left is a float read, nothing else.
+    """
+    # packed sequences are left as they are: their rows' movement rules read int8
+    for node in list(gm.graph.nodes):
+        if node.target != torch.ops.quantree.rnn.default or len(node.args) <= FLOAT_OUTPUT_ARG + 2:
+            continue
+        if node.args[FLOAT_OUTPUT_ARG] or node.args[FLOAT_OUTPUT_ARG + 2] != 8:
+            continue  # float already, or an int16 output (written float on its grid)
+        qparams = node.args[FLOAT_OUTPUT_ARG - 4]
+        leaves = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+        if len(leaves) != 1:
+            continue
+        readers = list(leaves[0].users)
+        if not readers or any(
+            r.target != torch.ops.quantree.dequantize.default
+            or r.kwargs
+            or (float(r.args[1]), int(r.args[2])) != (float(qparams[4]), int(qparams[5]))
+            for r in readers
+        ):
+            continue
+        args = list(node.args)
+        args[FLOAT_OUTPUT_ARG] = True
+        node.args = tuple(args)
+        leaves[0].meta.pop(OUTPUT_GRID_KEY, None)
+        for dq in readers:
+            dq.replace_all_uses_with(leaves[0])
+            gm.graph.erase_node(dq)

@@ -103,6 +103,15 @@ SEEDED: dict[str, tuple[str, object]] = {
     "scaled_dot_product_attention": ("dropout_p", 0.0),
 }
 """Ops torch tags random that are deterministic with one argument so (checked per node)."""
+WINDOW_LIMIT = 1 << 16
+"""The largest kernel, dilation, padding or stride a sliding-window op of a file may take."""
+WINDOW_ARGUMENTS: dict[str, dict[str, int]] = {
+    name: {"kernel_size": 1, "dilation": 1, "padding": 0, "stride": 1}
+    for name in ("im2col", "col2im")
+}
+"""``F.unfold`` / ``F.fold`` (a dual-path RNN's chunking and overlap-add): their window
+arguments, each two ints from the least allowed here to :data:`WINDOW_LIMIT`. ATen checks
+them only against the shapes of a call; this holds whatever shapes the file is run on."""
 Q_DQ = _names(
     """
     quantize_per_tensor dequantize_per_tensor quantize_per_channel dequantize_per_channel
@@ -278,6 +287,9 @@ def graph_errors(gm: fx.GraphModule) -> Iterator[str]:
                     f"{node.args[0] if node.args else 'nothing'}, which the graph did "
                     "not make"
                 )
+            window = _window_error(op, node)
+            if window is not None:
+                yield f"node {node.name} calls {op} with {window}"
             placement = _placement_error(node)
             if placement is not None:
                 yield f"node {node.name} calls {op} {placement}"
@@ -287,6 +299,25 @@ def graph_errors(gm: fx.GraphModule) -> Iterator[str]:
             if seeded is not None and _argument(op, node, seeded[0]) != seeded[1]:
                 value = _argument(op, node, seeded[0])
                 yield f"node {node.name} calls {op} with {seeded[0]}={value}: random"
+
+
+def _window_error(op: object, node: fx.Node) -> str | None:
+    """The first window argument of an ``im2col`` / ``col2im`` node out of its bounds."""
+    if not isinstance(op, OpOverload):
+        return None
+    bounds = WINDOW_ARGUMENTS.get(op._schema.name.split("::")[1])
+    for name, least in (bounds or {}).items():
+        value = _argument(op, node, name)
+        if not (
+            isinstance(value, (list, tuple))
+            and len(value) == 2
+            and all(type(v) is int and least <= v <= WINDOW_LIMIT for v in value)
+        ):
+            return (
+                f"{name}={str(value)[:80]}: two ints from {least} to {WINDOW_LIMIT} expected "
+                "(re-save the model from its source)"
+            )
+    return None
 
 
 def _placement_error(node: fx.Node) -> str | None:
