@@ -71,7 +71,10 @@ def main() -> None:
             with torch.inference_mode():
                 equal = torch.equal(base(*x), new(*x))
             times = interleaved_times(
-                {"float": lambda: model(*x), "base": lambda: base(*x), "new": lambda: new(*x)},
+                {
+                    k: lambda m=m, x=x: m(*x)
+                    for k, m in (("float", model), ("base", base), ("new", new))
+                },
                 args.runs,
                 warmup=3,
             )
