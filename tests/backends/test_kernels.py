@@ -59,6 +59,39 @@ def test_conv2d_matches_integer_arithmetic(c, kernel, stride, padding, dilation)
     assert got.shape == want.shape and torch.equal(got.contiguous(), want)
 
 
+@pytest.mark.parametrize(
+    ("groups", "c", "size"),
+    [
+        (1, 5, 20),  # 800 pixels: four panels of im2col, the last one short
+        (2, 5, 20),
+        (1, 96, 17),  # K = 864: several L2-sized row panels within one panel of pixels
+        (3, 96, 12),
+    ],
+)
+def test_grouped_conv2d_over_many_panels_is_exact(groups, c, size):
+    """A weight prepared once per call (the AVX2 path's int16 panels) and read by every panel
+    of pixels, every group and every row panel gives the exact integer sums, and the same
+    sums requantized (a power-of-two scale: exact) with a fused relu."""
+    torch.manual_seed(groups * c)
+    n, ocg, zp, out_zp = 2, 24, 5, -9  # 24 columns a group: one and a half 16-column blocks
+    x = random_int8(n, c * groups, size, size)
+    weight = random_int8(ocg * groups, c, 3, 3, low=-127)
+    flats = [w.permute(0, 2, 3, 1).reshape(ocg, -1) for w in weight.split(ocg)]
+    packed = torch.cat([pack(f) for f in flats])  # the groups one after the other
+    offset = torch.cat([zero_point_offset(f, zp) for f in flats])
+    geometry = ([3, 3], [1, 1], [1, 1], [1, 1])
+    want = torch.nn.functional.conv2d(
+        torch.nn.functional.pad(x.float() - zp, (1, 1, 1, 1)), weight.float(), groups=groups
+    )
+    got = quantree_ops.conv2d(x, packed, offset, torch.ones(ocg * groups), None, ocg * groups,
+                              *geometry, zp, 0.0, 0, False, groups)  # fmt: skip
+    assert got.shape == want.shape and torch.equal(got.contiguous(), want)
+    q = quantree_ops.conv2d(x, packed, offset, torch.ones(ocg * groups), None, ocg * groups,
+                            *geometry, zp, 0.25, out_zp, True, groups)  # fmt: skip
+    expect = torch.clamp(torch.round(want * 4) + out_zp, out_zp, 127).to(torch.int8)
+    assert torch.equal(q.contiguous(), expect)
+
+
 def test_pack_layout():
     w = torch.arange(20 * 6, dtype=torch.int32).reshape(20, 6).remainder(127).to(torch.int8)
     p = pack(w)

@@ -337,6 +337,19 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
         qt::kernels.narrow_prepare(w, groups, OCg, Kp, group_weight, narrow_w.data());
         narrow_acc.resize(static_cast<size_t>((P < panel ? P : panel) * OC));
     }
+    // Each group's weight prepared once for the whole call (the AVX2 path's int16 panels;
+    // nothing on paths that read the packed bytes as they are). Unprepared, every GEMM below
+    // widens all of it again, and within a GEMM once per L2-sized panel of rows: for a large
+    // map, dozens of passes over the weight per call. A weight whose int16 copy is larger
+    // than kPreparedMax is left to the GEMM: that copy, twice the bytes, would stream from
+    // beyond L2 for every panel of rows, where widening the int8 bytes in L1 as they are
+    // read costs less (resnet18's 512-channel convs, benchmarks/README.md, h-cnn26).
+    constexpr int64_t kPreparedMax = int64_t{3} << 19;  // 1.5 MiB
+    std::vector<std::unique_ptr<qt::PreparedB>> prepared;
+    if (!narrow && qt::kernels.prepare && 2 * group_weight * groups <= kPreparedMax)
+        for (int64_t gi = 0; gi < groups; ++gi)
+            prepared.push_back(std::make_unique<qt::PreparedB>(
+                w + gi * group_weight, OCg, Kp, P < panel ? P : panel));
     for (int64_t p0 = 0; p0 < P; p0 += panel) {
         const int64_t rows = P - p0 < panel ? P - p0 : panel;
         im2col(x, x + batch * H * W * C, g, groups, p0, rows, pad, col.get(), Kp);
@@ -354,7 +367,8 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
                 make_epilogue(off, scale, bias, out_f ? out_f + p0 * OC : nullptr,
                               out_q ? out_q + p0 * OC : nullptr, OC, inv, zp, relu, &rq,
                               gi * OCg);
-            qt::gemm_u8s8(rows, OCg, Kp, col.get() + gi * Kp, lda, w + gi * group_weight, ep);
+            qt::gemm_u8s8(rows, OCg, Kp, col.get() + gi * Kp, lda, w + gi * group_weight, ep,
+                          nullptr, prepared.empty() ? nullptr : prepared[gi].get());
         }
     }
 } QT_CATCH
