@@ -42,6 +42,7 @@ QUANT, DEQUANT, LINEAR, BINARY, LOOKUP, COPY, FAKE_QUANT, FLOAT_BINARY, FLOAT_UN
 LINEAR16 = 10  # float rows split into two int8 planes, then one dual pass (ops_wide.py)
 RMS_NORM = 11  # float rows times rsqrt(mean of squares + eps), then an optional weight
 FLOAT_SCALAR, MATMUL, FLOAT_MATMUL = 12, 13, 14  # a op scalar; batched int8 / float a @ b
+TRANSPOSE, ROW_SUM = 20, 21  # each batch's [R, C] as [C, R]; a float row's sum
 KINDS = {BINARY: 2, FLOAT_BINARY: 5, FLOAT_UNARY: 11, FLOAT_SCALAR: 8}
 """The largest kind (``c[4]``, ``c[3]`` for unary and scalar ops) each opcode's runner knows."""
 DTYPES = (F32, I8)
@@ -241,6 +242,14 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
         if kind in (MATMUL, FLOAT_MATMUL):
             matmul(n, kind, f, a, slot(n, 3, c), dst, c[4], expect)
             continue
+        if kind == TRANSPOSE:
+            transpose(n, a, dst, c[3], expect)
+            continue
+        if kind == ROW_SUM:
+            expect(n, "wrong operand or result dtype", a.dtype == dst.dtype == 0)
+            expect(n, "the result is not one value per row of the source",
+                   dst.cols >= 1 and covers(a, dst) and covers(dst, a))  # fmt: skip
+            continue
         sources = [a]
         if kind in (BINARY, FLOAT_BINARY):
             b = slot(n, 3, c)
@@ -313,6 +322,16 @@ def matmul(n: int, kind: int, f: list, a: Slot, b: Slot, d: Slot, m: int, expect
     out = 1 if quantized and f[3] > 0 else 0
     expect(n, "wrong operand or result dtype",
            a.dtype == b.dtype == int(quantized) and d.dtype == out)  # fmt: skip
+
+
+def transpose(n: int, a: Slot, d: Slot, r: int, expect: Any) -> None:
+    """Each batch's ``[r, C]`` rows of ``a`` as ``[C, r]`` in ``d``: ``a`` a whole number of
+    batches, ``d`` ``C`` rows of ``r`` values per batch, one dtype."""
+    expect(n, "R out of range", 1 <= r < LIMIT)
+    expect(n, "rows are not a whole number of batches", a.rows0 % r == 0 and a.rows1 % r == 0)
+    rows = (a.rows0 // r * a.cols, a.rows1 // r * a.cols)
+    expect(n, "the result's shape is not [batch C, R]", (d.rows0, d.rows1) == rows and d.cols == r)
+    expect(n, "wrong operand or result dtype", a.dtype == d.dtype)
 
 
 def workspace(slots: list[Slot]) -> tuple[int, int]:
