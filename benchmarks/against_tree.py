@@ -48,8 +48,9 @@ def main() -> None:
     parser.add_argument("--base", required=True, help="the other tree's src directory")
     parser.add_argument("--models", default="dprnn,wave_unet,hdemucs,encodec")
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--length", type=int, default=0,
-                        help="tokens: the zoo's 64 repeated (scan_lengths.longer); 0 the zoo's")  # fmt: skip
+    parser.add_argument(
+        "--length", type=int, default=0, help="tokens: the zoo's repeated (0: the zoo's)"
+    )
     args = parser.parse_args()
     one_thread()
     warnings.simplefilter("ignore")
@@ -77,7 +78,8 @@ def main() -> None:
             fw, fc = times["float"]
             parts = [f"{k} {w / fw:.2f}x wall, {c / fc:.2f}x CPU, {sqnr[k]:.1f} dB"
                      for k, (w, c) in times.items() if k != "float"]  # fmt: skip
-            print(f"{name}{f' T{args.length}' if args.length else ''}: float {fw:.2f} ms wall, {fc:.2f} ms CPU; {'; '.join(parts)}")
+            label = f"{name} T{args.length}" if args.length else name
+            print(f"{label}: float {fw:.2f} ms wall, {fc:.2f} ms CPU; {'; '.join(parts)}")
             print(f"  {load_note()}", flush=True)
     print(f"torch {torch.__version__}, one thread")
 

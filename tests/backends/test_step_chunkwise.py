@@ -222,6 +222,4 @@ def test_quantize_folds_the_chunkwise_step_by_default_once_it_is_one_program():
     model = ChunkwiseMLSTM().eval()
     x = torch.randn(1, 16, 8)
     lowered = _quantized(model, x, None)
-    assert [type(m) for m in lowered.modules() if "Loop" in type(m).__name__] == [
-        NativeProgramLoop
-    ]
+    assert [type(m) for m in lowered.modules() if "Loop" in type(m).__name__] == [NativeProgramLoop]

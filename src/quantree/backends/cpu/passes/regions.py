@@ -524,9 +524,9 @@ def _covered(
             and len(a) == 2
             and all(isinstance(x, fx.Node) for x in a)
             and all(
-                _broadcasts(shapes.get(x), shapes[n])
-                or _one_float(shapes.get(x))
-                or (math and x in shapes and region_math.block_column(shapes[x], shapes[n]) is not None)
+                _one_float(shapes.get(x))
+                or (x in shapes and _spreads(shapes[x], shapes[n], math))
+                or _broadcasts(shapes.get(x), shapes[n])
                 for x in a
             )
             and shapes[n][1] == torch.float32
