@@ -2,6 +2,7 @@
 
     git archive main | tar -x -C /tmp/base          # the tree to compare against
     python benchmarks/against_tree.py --base /tmp/base/src --models dprnn,wave_unet --runs 20
+    python benchmarks/against_tree.py --base /tmp/base/src --models xlstm --length 512
 
 Ratios to float from separate processes are not comparable on a loaded machine, so the other
 tree's ``quantree`` package is copied into a temporary directory as ``qtbase`` (every
@@ -26,6 +27,7 @@ import torch
 import zoo
 from common import interleaved_times, load_note, one_thread
 from profile_lowered import modern_data
+from scan_lengths import longer
 
 import quantree as qt
 from quantree.backends import CPU
@@ -64,6 +66,9 @@ def main() -> None:
     parser.add_argument("--base", required=True, help="the other tree's src directory")
     parser.add_argument("--models", default="dprnn,wave_unet,hdemucs,encodec")
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument(
+        "--length", type=int, default=0, help="tokens: the zoo's repeated (0: the zoo's)"
+    )
     args = parser.parse_args()
     one_thread()
     warnings.simplefilter("ignore")
@@ -74,6 +79,9 @@ def main() -> None:
         base_cpu = importlib.import_module("qtbase.backends").CPU
         for name in args.models.split(","):
             model, calib, held = any_data(name)
+            if args.length:
+                calib = [longer(c, args.length) for c in calib]
+                held = [longer(h, args.length) for h in held]
             ref = zoo.outputs(model, held)
             base = qtbase.quantize(model, calib[0], calib, backend=base_cpu, progress=False)
             new = qt.quantize(model, calib[0], calib, backend=CPU, progress=False)
@@ -88,7 +96,8 @@ def main() -> None:
             fw, fc = times["float"]
             parts = [f"{k} {w / fw:.2f}x wall, {c / fc:.2f}x CPU, {sqnr[k]:.1f} dB"
                      for k, (w, c) in times.items() if k != "float"]  # fmt: skip
-            print(f"{name}: float {fw:.2f} ms wall, {fc:.2f} ms CPU; {'; '.join(parts)}")
+            label = f"{name} T{args.length}" if args.length else name
+            print(f"{label}: float {fw:.2f} ms wall, {fc:.2f} ms CPU; {'; '.join(parts)}")
             print(f"  {load_note()}", flush=True)
     print(f"torch {torch.__version__}, one thread")
 

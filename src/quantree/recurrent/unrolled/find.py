@@ -50,8 +50,13 @@ def signature(n: fx.Node) -> tuple[Any, ...]:
     return (n.target, str(spec), shape, index)
 
 
-def find_recurrence(gm: fx.GraphModule, min_steps: int = 3) -> Recurrence | None:
-    """The recurrence covering the most nodes of ``gm`` (None when there is none)."""
+def find_recurrence(
+    gm: fx.GraphModule, min_steps: int = 3, min_windows: int | None = None
+) -> Recurrence | None:
+    """The recurrence covering the most nodes of ``gm`` (None when there is none).
+    ``min_windows``: a smaller minimum for a run whose steps read windows of an input
+    (``narrow``s: a chunkwise recurrence, whose few chunks each hold many time steps)."""
+    least = min(min_steps, min_windows or min_steps)
     seq = [n for n in gm.graph.nodes if n.op == "call_function"]
     sigs = [signature(n) for n in seq]
     last_at: dict[Any, int] = {}
@@ -76,18 +81,19 @@ def find_recurrence(gm: fx.GraphModule, min_steps: int = 3) -> Recurrence | None
             j = i
             while j + period < len(seq) and sigs[j] == sigs[j + period]:
                 j += 1
-            if (j - i + period) // period >= min_steps:
+            if (j - i + period) // period >= least:
                 runs.append((j - i + period, i, period))
             i = j + 1
     for cover, start, period in sorted(runs, reverse=True):
         for phase in range(min(2 * period, cover)):
             steps = (cover - phase) // period
-            if steps < min_steps:
+            if steps < least:
                 break
             first = start + phase
             blocks = [seq[first + k * period : first + (k + 1) * period] for k in range(steps)]
             found = match(blocks)
-            if found is not None:
+            windows = found is not None and any(x.width > 0 for x in found.seq_of.values())
+            if found is not None and (steps >= min_steps or windows):
                 return found
     return None
 

@@ -39,12 +39,14 @@ def is_cell_step(loop: torch.nn.Module) -> bool:
 
 
 def fold_loops(
-    gm: fx.GraphModule, min_steps: int = 3, before_first_fold: Callable[[], None] | None = None
-) -> list[str]:
+    gm: fx.GraphModule, min_steps: int = 3, before_first_fold: Callable[[], None] | None = None,
+    min_windows: int | None = None,
+) -> list[str]:  # fmt: skip
     """Fold every unrolled recurrence of ``gm`` in place; the names of the loops made.
-    ``before_first_fold`` is called once, before ``gm`` is first changed (to keep a copy)."""
+    ``before_first_fold`` is called once, before ``gm`` is first changed (to keep a copy);
+    ``min_windows``: ``find_recurrence``'s minimum for a chunkwise run."""
     made: list[str] = []
-    while (rec := find_recurrence(gm, min_steps)) is not None:
+    while (rec := find_recurrence(gm, min_steps, min_windows)) is not None:
         if not made and before_first_fold is not None:
             before_first_fold()
         made.append(fold(gm, rec))

@@ -32,6 +32,11 @@ AUTO_MIN_STEPS = 8
 """The shortest run ``quantree.capture`` folds on its own. A few unrolled steps (a decoder
 stepped a fixed handful of times) lower to one native call each and have no length to free;
 a loop pays Python per step, so folding starts where the sequence is long."""
+AUTO_MIN_WINDOWS = 4
+"""The shortest chunkwise run (steps that read ``narrow`` windows of an input) it folds:
+each step is a chunk of many time steps (xLSTM's mLSTM: 4 chunks of 16 at 64 tokens), so a
+few steps are already a long sequence. A fold whose step stays in Python is discarded by
+``quantize``'s trial either way."""
 MAX_TRIES = 3
 """Input dimensions tried as the time dimension (those as long as a loop's steps)."""
 
@@ -43,6 +48,7 @@ def fold_and_free(
     recapture: Recapture,
     min_steps: int = AUTO_MIN_STEPS,
     every_loop: bool = True,
+    min_windows: int = AUTO_MIN_WINDOWS,
 ) -> fx.GraphModule:
     """Fold ``gm``'s unrolled loops of at least ``min_steps`` steps (in place) and free their
     length where it can be shown.
@@ -56,7 +62,7 @@ def fold_and_free(
     scans = fold_scans(gm)  # torch's scan: a loop already, of any length
     before: list[fx.GraphModule] = []  # the graph as it was, copied only if a loop is found
     keep = None if every_loop else lambda: before.append(copy_graph_module(gm))
-    made = fold_loops(gm, min_steps, before_first_fold=keep)
+    made = fold_loops(gm, min_steps, before_first_fold=keep, min_windows=min_windows)
     general = [n for n in made if not is_cell_step(gm.get_submodule(n))]
     if before and general:
         warnings.warn(
@@ -90,7 +96,7 @@ def fold_and_free(
             gm2 = recapture(args2, kwargs2)
         except Exception:  # a dimension the model does not let vary
             continue
-        fold_loops(gm2, min_steps)
+        fold_loops(gm2, min_steps, min_windows=min_windows)
         freed = _generalise(gm, gm2, index, dim, x.shape[dim])
         if freed is not None and _same(freed, gm2, args2, kwargs2):
             return freed

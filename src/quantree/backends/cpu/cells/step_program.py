@@ -89,11 +89,26 @@ def _per_step(src: Tensor, spec: Any, steps: int) -> Tensor:
     """Step ``t``'s slice of ``src`` as row ``t`` of one ``[T, ...]`` tensor (a view where
     the steps run forwards)."""
     size = src.shape[spec.dim]
+    if spec.width > 0:
+        return _windows(src, spec, steps)
     first = spec.start if spec.stride > 0 else size - 1 - spec.start
     moved = _to_front(src, spec.dim)
     if spec.stride > 0:  # a view: program_loop reads evenly spaced rows in place
         return moved.narrow(0, first, steps)
     return moved.narrow(0, first - steps + 1, steps).flip(0).contiguous()
+
+
+def _windows(src: Tensor, spec: Any, steps: int) -> Tensor:
+    """Adjacent ``narrow`` inputs (a chunkwise recurrence's chunk ``t``: ``src.narrow(dim,
+    start + t width, width)``) as ``[T, ...]``: the span they cover split into ``T`` windows
+    and moved to the front (a view where they run forwards)."""
+    dim = spec.dim % src.dim()
+    first = spec.start if spec.stride > 0 else src.shape[dim] - spec.width - spec.start
+    low = first if spec.stride > 0 else first - (steps - 1) * spec.width
+    span = src.narrow(dim, low, steps * spec.width)
+    split = span.reshape([*src.shape[:dim], steps, spec.width, *src.shape[dim + 1 :]])
+    moved = _to_front(split, dim)
+    return moved if spec.stride > 0 else moved.flip(0).contiguous()
 
 
 def _joined(values: Tensor, spec: StepOutput) -> Tensor:
@@ -124,8 +139,9 @@ def _from_front(t: Tensor, dim: int) -> Tensor:
 
 def native_program_loop(loop: StepLoop) -> NativeProgramLoop | None:
     """The native loop computing ``loop`` (lowered), or None where its step is not one
-    program or its per-step inputs are not single steps in order or reversed."""
-    if any(s.width != 0 or abs(s.stride) != 1 for s in loop.inputs) or not loop.inputs:
+    program or its per-step inputs are not single steps or adjacent windows (``narrow``s),
+    in order or reversed."""
+    if not loop.inputs or any(abs(s.stride) != max(s.width, 1) for s in loop.inputs):
         return None
     body = copy_graph_module(loop.body)
     _simplify(body)

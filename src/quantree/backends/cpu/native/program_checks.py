@@ -43,6 +43,7 @@ LINEAR16 = 10  # float rows split into two int8 planes, then one dual pass (ops_
 RMS_NORM = 11  # float rows times rsqrt(mean of squares + eps), then an optional weight
 FLOAT_SCALAR, MATMUL, FLOAT_MATMUL = 12, 13, 14  # a op scalar; batched int8 / float a @ b
 ATTENTION = 15  # float softmax(q k^T * scale + mask) v, heads as column blocks of 2-d rows
+TRANSPOSE, ROW_SUM = 20, 21  # each batch's [R, C] as [C, R]; a float row's sum
 KINDS = {BINARY: 2, FLOAT_BINARY: 5, FLOAT_UNARY: 11, FLOAT_SCALAR: 8}
 """The largest kind (``c[4]``, ``c[3]`` for unary and scalar ops) each opcode's runner knows."""
 DTYPES = (F32, I8)
@@ -247,6 +248,14 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
             mask = None if c[5] == -1 else slot(n, 5, c)
             attention(n, c, a, slot(n, 3, c), slot(n, 4, c), mask, dst, expect)
             continue
+        if kind == TRANSPOSE:
+            transpose(n, a, dst, c[3], expect)
+            continue
+        if kind == ROW_SUM:
+            expect(n, "wrong operand or result dtype", a.dtype == dst.dtype == 0)
+            expect(n, "the result is not one value per row of the source",
+                   dst.cols >= 1 and covers(a, dst) and covers(dst, a))  # fmt: skip
+            continue
         sources = [a]
         if kind in (BINARY, FLOAT_BINARY):
             b = slot(n, 3, c)
@@ -350,6 +359,14 @@ def attention(n: int, c: list, q: Slot, k: Slot, v: Slot, mask: Slot | None, d: 
     expect(n, "the mask is narrower than Sk or has fewer rows than its flag reads",
            mask.cols >= sk and rows is not None and mask.rows0 >= rows[0]
            and mask.rows1 >= rows[1])  # fmt: skip
+def transpose(n: int, a: Slot, d: Slot, r: int, expect: Any) -> None:
+    """Each batch's ``[r, C]`` rows of ``a`` as ``[C, r]`` in ``d``: ``a`` a whole number of
+    batches, ``d`` ``C`` rows of ``r`` values per batch, one dtype."""
+    expect(n, "R out of range", 1 <= r < LIMIT)
+    expect(n, "rows are not a whole number of batches", a.rows0 % r == 0 and a.rows1 % r == 0)
+    rows = (a.rows0 // r * a.cols, a.rows1 // r * a.cols)
+    expect(n, "the result's shape is not [batch C, R]", (d.rows0, d.rows1) == rows and d.cols == r)
+    expect(n, "wrong operand or result dtype", a.dtype == d.dtype)
 
 
 def workspace(slots: list[Slot]) -> tuple[int, int]:

@@ -1,13 +1,18 @@
 """The arithmetic of recurrence steps in region programs: scalar operands, exp / log /
-softplus / rsqrt / abs, division, maximum / minimum, clamps, and batched matmuls.
+softplus / rsqrt / abs, division, maximum / minimum, clamps, batched matmuls, transposes of
+the last two dimensions and sums over the last one.
 
 A selective scan's or a gated linear recurrence's step (``recurrent.unrolled``) is a few
 such ops on small tensors: ``1 - z``, ``exp(A dt)``, ``softplus``, ``state @ C``. Without
 them in programs the step cannot be one program, so its loop runs op by op in Python. Each
 is float32 arithmetic as ATen's (``csrc/qt_program.h``: ``FLOAT_SCALAR``, ``FLOAT_UNARY``
-7-11, ``FLOAT_BINARY`` 3-5, ``FLOAT_MATMUL``), or an int8 matmul through ``qt_matmul``
-(``MATMUL``: the same bits as ``quantree.matmul``). ``passes/regions.py`` asks ``covered``
-and ``emit`` before its own cases.
+7-11, ``FLOAT_BINARY`` 3-5, ``FLOAT_MATMUL``, ``ROW_SUM``), an int8 matmul through
+``qt_matmul`` (``MATMUL``: the same bits as ``quantree.matmul``), or a move (``TRANSPOSE``).
+``passes/regions.py`` asks ``covered`` and ``emit`` before its own cases.
+
+xLSTM's chunkwise mLSTM step needs the last three: ``C' = s C + K^T @ V`` and
+``n' = s n + K^T.sum(-1)``, its scale ``s`` a ``[B, H, 1, 1]`` value per ``[D, D]`` block
+(``block_column``: copied out to one value per row, then ``FLOAT_BINARY``'s column flag).
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from quantree.backends.cpu.passes.region_layout import MAX_COPIES, copies, reshape, row_map
+
 aten = torch.ops.aten
 FLOAT_BINARY, FLOAT_UNARY, FLOAT_SCALAR, MATMUL, FLOAT_MATMUL = 7, 8, 12, 13, 14
+TRANSPOSE, ROW_SUM = 20, 21
 SCALAR_KINDS = {
     aten.add.Tensor: 0, aten.add.Scalar: 0, aten.mul.Tensor: 1, aten.mul.Scalar: 1,
     aten.sub.Tensor: 2, aten.sub.Scalar: 2, aten.rsub.Scalar: 3, aten.div.Tensor: 4,
@@ -32,8 +40,14 @@ UNARY_KINDS = {
     aten.exp.default: 7, aten.log.default: 8, aten.softplus.default: 9, aten.rsqrt.default: 10,
     aten.abs.default: 11,
 }  # fmt: skip
-BINARY_KINDS = {aten.div.Tensor: 3, aten.maximum.default: 4, aten.minimum.default: 5}
+BINARY_KINDS = {
+    aten.div.Tensor: 3, aten.max.other: 4, aten.min.other: 5, aten.maximum.default: 4,
+    aten.minimum.default: 5,
+}  # fmt: skip
+"""``torch.max(a, b)`` is ``maximum`` (NaN wins in both); listed first, so that a kind read
+back (``regions.float_ops_of_code``) names ``maximum``."""
 MATMULS = {aten.matmul.default, aten.bmm.default}
+SWAPS = (aten.transpose.int, aten.permute.default)
 
 Shape = tuple[tuple[Any, ...], torch.dtype]
 
@@ -66,11 +80,21 @@ def _matmul_dims(n: fx.Node, shapes: dict[fx.Node, Shape]) -> tuple[int, int] | 
     return sa[-2], len(sa)
 
 
-def infer(n: fx.Node, shapes: dict[fx.Node, Shape]) -> None:
-    """The shape of a ``quantree.matmul`` (the lowering's int8 ops carry none)."""
+def infer(n: fx.Node, shapes: dict[fx.Node, Shape], math: bool = False) -> None:
+    """The shape of a ``quantree.matmul`` (the lowering's int8 ops carry none), and in a
+    folded step (``math``) of a transpose of one (an int8 ``K^T``)."""
+    a: Any = n.args
+    if math and n not in shapes and n.target in (*SWAPS, aten.mT.default) and not n.kwargs:
+        src = shapes.get(a[0]) if a and isinstance(a[0], fx.Node) else None
+        rank = len(src[0]) if src is not None else 0
+        if src is not None and rank >= 2:
+            dims = list(src[0])
+            dims[-2], dims[-1] = dims[-1], dims[-2]
+            shapes[n] = (tuple(dims), src[1])
+            if not swaps_last(n, shapes):  # another permute: its shape unknown here
+                del shapes[n]
     if n.target != torch.ops.quantree.matmul.default or n in shapes:
         return
-    a: Any = n.args
     if _matmul_dims(n, shapes) is None:
         return
     sa, sb = shapes[a[0]][0], shapes[a[1]][0]
@@ -87,11 +111,59 @@ def column(shape: Shape, out: Shape) -> bool:
     return len(lead) == len(dims) - 1 and all(x == y for x, y in zip(lead, dims[:-1], strict=True))
 
 
+def block_column(shape: Shape, out: Shape) -> list[tuple[int, int]] | None:
+    """Where ``shape`` (``[..., 1]``) broadcasts to ``out``'s rows along leading dimensions
+    too (``[B, H, 1, 1]`` over ``[B, H, D, N]``): the rows of the column ``[..., M, 1]`` as
+    ``region_layout.gather`` copies them out of it (None: not such an operand)."""
+    (src, dtype), dims = shape, out[0]
+    if dtype != out[1] or not src or not dims or src[-1] != 1 or dims[-1] == 1:
+        return None
+    rows = row_map(src, (*dims[:-1], 1), None)
+    return rows if rows is not None and copies(rows) <= MAX_COPIES else None
+
+
+def swaps_last(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
+    """``n`` is a transpose (or permute) of the last two dimensions only, of fixed sizes,
+    that moves elements (both of them more than 1)."""
+    a: Any = n.args
+    src = shapes.get(a[0]) if a and isinstance(a[0], fx.Node) else None
+    if n.target not in (*SWAPS, aten.mT.default) or src is None or n.kwargs:
+        return False
+    rank = len(src[0])
+    if rank < 2 or not all(type(d) is int for d in src[0][-2:]) or 1 in src[0][-2:]:
+        return False
+    if n.target == aten.mT.default:
+        return True
+    if n.target == aten.transpose.int:
+        return {a[1] % rank, a[2] % rank} == {rank - 2, rank - 1}
+    perm = [d % rank for d in a[1]]
+    return perm == [*range(rank - 2), rank - 1, rank - 2]
+
+
+def _last_sum(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
+    """``n`` is a float32 ``sum`` over the last dimension alone."""
+    a: Any = n.args
+    src = shapes.get(a[0]) if a and isinstance(a[0], fx.Node) else None
+    if n.target != aten.sum.dim_IntList or src is None or not src[0] or len(a) < 2:
+        return False
+    dims = a[1] if isinstance(a[1], (list, tuple)) else [a[1]]
+    dtype = n.kwargs.get("dtype")
+    rank = len(src[0])
+    return (
+        len(dims) == 1 and dims[0] % rank == rank - 1 and set(n.kwargs) <= {"dtype"}
+        and dtype in (None, torch.float32) and src[1] == torch.float32
+    )  # fmt: skip
+
+
 def covered(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool | None:
     """Whether the program runs ``n`` (None: not an op of this module's)."""
     a: Any = n.args
     out = shapes.get(n)
     floats = out is not None and out[1] == torch.float32
+    if swaps_last(n, shapes):
+        return out is not None and out[1] == shapes[a[0]][1]
+    if _last_sum(n, shapes):
+        return floats
     if n.target in SCALAR_KINDS and _scalar_op(n) is not None:
         return floats and shapes.get(a[0]) == out
     if n.target == aten.clamp.default:
@@ -125,7 +197,12 @@ def emit(
     dst = value_slot(n)
     if dst is None:
         return False
-    if n.target == aten.clamp.default:
+    if swaps_last(n, shapes):
+        p.emit([TRANSPOSE, dst, slot[a[0]], shapes[a[0]][0][-2]], [])
+    elif _last_sum(n, shapes):  # one value per source row: the result's elements as a column
+        rows = p.slots[slot[a[0]]][5]
+        p.emit([ROW_SUM, reshape(p, dst, rows, 1), slot[a[0]]], [])
+    elif n.target == aten.clamp.default:
         src = slot[a[0]]
         bounds = [(6, a[1] if len(a) > 1 else None), (7, a[2] if len(a) > 2 else None)]
         steps = [(k, float(v)) for k, v in bounds if v is not None]

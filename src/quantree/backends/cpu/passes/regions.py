@@ -174,6 +174,8 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
             names[scalar.get(row[3], "rdiv")] += 1
         elif row[0] == region_math.FLOAT_MATMUL:
             names["matmul"] += 1
+        elif row[0] == region_math.ROW_SUM:
+            names["sum"] += 1
         elif row[0] == LAYER_NORM:
             names["layer_norm"] += 1
         elif row[0] == RMS_NORM:
@@ -187,7 +189,7 @@ def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS, math: bool = False)
     """Replace each run of at least ``min_ops`` program-covered ops of ``gm`` by one
     ``quantree.program`` call; returns how many were replaced. ``math``: programs also take
     ``region_math``'s ops (a folded loop's step, ``cells/step_program.py``)."""
-    shapes = _infer_shapes(gm)
+    shapes = _infer_shapes(gm, math)
     fused = 0
     regions = _regions(gm, shapes, math)
     for region in regions:
@@ -218,7 +220,7 @@ def _slice_shape(src: Shape, args: tuple[Any, ...]) -> Shape | None:
     return ((*dims[:d], length, *dims[d + 1 :]), dtype)
 
 
-def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
+def _infer_shapes(gm: fx.GraphModule, math: bool = False) -> dict[fx.Node, Shape]:
     """Shape and dtype of every single-tensor value: the graph's own ``val`` metadata, and
     for the lowering's int8 ops (which have none) what they compute."""
     shapes: dict[fx.Node, Shape] = {}
@@ -262,7 +264,7 @@ def _infer_shapes(gm: fx.GraphModule) -> dict[fx.Node, Shape]:
                 shapes[n] = ((*shape[:-1], int(a[8])), torch.float32)
             else:
                 shapes[n] = (shape, torch.int8)
-        region_math.infer(n, shapes)
+        region_math.infer(n, shapes, math)
     return shapes
 
 
@@ -530,7 +532,12 @@ def _covered(
             not n.kwargs
             and len(a) == 2
             and all(isinstance(x, fx.Node) for x in a)
-            and all(_broadcasts(shapes.get(x), shapes[n]) or _one_float(shapes.get(x)) for x in a)
+            and all(
+                _one_float(shapes.get(x))
+                or (x in shapes and _spreads(shapes[x], shapes[n], math))
+                or _broadcasts(shapes.get(x), shapes[n])
+                for x in a
+            )
             and shapes[n][1] == torch.float32
         )
     if n.target in FLOAT_UNARY_KINDS:
@@ -543,7 +550,7 @@ def _covered(
                 scalar_first = one[0] and a[0] not in ("add", "mul")
                 ok = shapes[big] == (shapes[n][0], torch.int8) and not scalar_first
                 return ok and all(shapes[x][1] == torch.int8 for x in a[1:3])
-            if _int8_broadcast(n, shapes):
+            if _int8_broadcast(n, shapes, math):
                 return a[0] in BINARY_KINDS
             return shapes.get(a[1]) == shapes.get(a[2]) == (shapes[n][0], torch.int8)
         if n.target == quantree_ops.linear16.default:
@@ -585,7 +592,7 @@ def _one_float(shape: Shape | None) -> bool:
     return shape is not None and shape[1] == torch.float32 and _numel(shape[0]) == 1
 
 
-def _int8_broadcast(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
+def _int8_broadcast(n: fx.Node, shapes: dict[fx.Node, Shape], math: bool = False) -> bool:
     """An int8 binary whose operands broadcast to its result along rows or as a column (an
     outer product moved into a folded step), neither of them one element (``BINARY``'s
     flag 1, ``cells/program.emit``)."""
@@ -595,8 +602,13 @@ def _int8_broadcast(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
     return (
         shapes[n][1] == torch.int8
         and any(s != out for s in ins)
-        and all(s is not None and _numel(s[0]) != 1 and _broadcasts(s, out) for s in ins)
+        and all(s is not None and _numel(s[0]) != 1 and _spreads(s, out, math) for s in ins)
     )
+
+
+def _spreads(s: Shape, out: Shape, math: bool) -> bool:
+    """``_broadcasts``, or in a folded step's program (``math``) a block column too."""
+    return _broadcasts(s, out) or (math and region_math.block_column(s, out) is not None)
 
 
 def _trim(region: list[fx.Node]) -> None:
@@ -725,6 +737,9 @@ def _replace(
             pieces[n] = [p.row_view(slot[a[0]], i * rows, rows) for i in range(count)]
         elif n.target is operator.getitem:
             slot[n] = pieces[a[0]][a[1]]
+        elif math and region_math.swaps_last(n, shapes):  # a TRANSPOSE, not a row move
+            if not region_math.emit(p, n, slot, value_slot, shapes):
+                return False
         elif (n.target in SAME_SLOT or n.target == aten.expand.default) and not (
             n.target != aten.expand.default and _keeps_rows(n, shapes)
         ):
@@ -751,6 +766,11 @@ def _replace(
                     flag = 4 - i
                     sources.append(slot[x])
                     continue
+                block = region_math.block_column(shapes[x], shapes[n]) if math else None
+                if block is not None:  # copied out to a column: one value per row
+                    flag = 2 - i
+                    sources.append(gather(p, slot[x], block))
+                    continue
                 dims = row_map(shapes[x][0], shapes[n][0], None)
                 if dims is None:
                     return False
@@ -759,16 +779,19 @@ def _replace(
             assert dst is not None
             p.emit([FLOAT_BINARY, dst, *sources, FLOAT_BINARY_KINDS[n.target], flag], [])
             slot[n] = dst
-        elif n.target == quantree_ops.binary.default and _int8_broadcast(n, shapes):
+        elif n.target == quantree_ops.binary.default and _int8_broadcast(n, shapes, math):
             sources, flag = [], 0
             for i, x in enumerate(a[1:3]):
                 dims = row_map(shapes[x][0], shapes[n][0], None)
+                block = region_math.block_column(shapes[x], shapes[n]) if math else None
                 if region_math.column(shapes[x], shapes[n]):
                     flag, source = 3 - i, slot[x]  # BINARY's flag: a (3) or b (2) a column
                 elif shapes[x] == shapes[n]:
                     source = slot[x]
                 elif dims is not None:
                     source = gather(p, slot[x], dims)
+                elif block is not None:  # copied out to a column first
+                    flag, source = 3 - i, gather(p, slot[x], block)
                 else:
                     return False
                 sources.append(source)

@@ -75,6 +75,9 @@ enum Op {
     MATMUL = 13,       // int8 batched a @ b (qt_matmul): c[4] rows of a per batch
     FLOAT_MATMUL = 14, // float batched a @ b: c[4] rows of a per batch
     ATTENTION = 15,    // float softmax(q k^T * f[0] + mask) v over heads of 2-d rows
+    // numbered apart from the opcodes other branches add next to 14 (merged separately)
+    TRANSPOSE = 20,    // a [batch * c[3], C] -> [batch * C, c[3]]: each batch's last two dims swapped
+    ROW_SUM = 21,      // float sum of each row of a into one value (a [rows, 1] result)
 };
 constexpr int NI = 12, NF = 8;  // fields per instruction
 constexpr int NS = 5;  // fields per slot: dtype (0 f32, 1 i8), owner slot, byte offset, cols, ld
@@ -237,6 +240,30 @@ static inline void float_matmul(const Slot& a, const Slot& b, const Slot& d, int
                 for (int64_t j = 0; j < N; ++j) y[j] += v * w[j];
             }
         }
+}
+
+// Each batch's [R, C] block of a written as [C, R] (a step's K^T before its K^T @ V and
+// K^T.sum(-1)): element copies, any dtype, the same bits.
+static inline void transpose_blocks(const Slot& a, const Slot& d, int64_t R) {
+    const int64_t C = a.cols, batch = R > 0 ? a.rows / R : 0, size = a.size;
+    for (int64_t t = 0; t < batch; ++t)
+        for (int64_t i = 0; i < C; ++i) {
+            char* y = d.base + (t * C + i) * d.ld * size;
+            for (int64_t j = 0; j < R; ++j)
+                std::memcpy(y + j * size, a.base + ((t * R + j) * a.ld + i) * size,
+                            static_cast<size_t>(size));
+        }
+}
+
+// torch.sum over the last dimension, summed in double and rounded once (ATen's vectorized
+// float sums differ from it by rounding only).
+static inline void row_sums(const Slot& a, const Slot& d) {
+    for (int64_t r = 0; r < d.rows; ++r) {
+        const float* x = a.f(r);
+        double sum = 0.0;
+        for (int64_t j = 0; j < a.cols; ++j) sum += x[j];
+        d.f(r)[0] = static_cast<float>(sum);
+    }
 }
 
 static inline void float_unary_row(int64_t kind, const float* a, float* out, int64_t n) {
@@ -488,6 +515,12 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
                          f[0]);
             break;
         }
+        case TRANSPOSE:
+            transpose_blocks(a, dst, c[3]);
+            break;
+        case ROW_SUM:
+            row_sums(a, dst);
+            break;
         case COPY:
             for (int64_t r = 0; r < dst.rows; ++r)
                 std::memcpy(dst.base + r * dst.ld * dst.size, a.base + r * a.ld * a.size,
