@@ -359,6 +359,8 @@ def attention(n: int, c: list, q: Slot, k: Slot, v: Slot, mask: Slot | None, d: 
     expect(n, "the mask is narrower than Sk or has fewer rows than its flag reads",
            mask.cols >= sk and rows is not None and mask.rows0 >= rows[0]
            and mask.rows1 >= rows[1])  # fmt: skip
+
+
 def transpose(n: int, a: Slot, d: Slot, r: int, expect: Any) -> None:
     """Each batch's ``[r, C]`` rows of ``a`` as ``[C, r]`` in ``d``: ``a`` a whole number of
     batches, ``d`` ``C`` rows of ``r`` values per batch, one dtype."""
