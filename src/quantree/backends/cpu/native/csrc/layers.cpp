@@ -343,10 +343,12 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
     // map, dozens of passes over the weight per call. A weight whose int16 copy is larger
     // than kPreparedMax is left to the GEMM: that copy, twice the bytes, would stream from
     // beyond L2 for every panel of rows, where widening the int8 bytes in L1 as they are
-    // read costs less (resnet18's 512-channel convs, benchmarks/README.md, h-cnn26).
+    // read costs less (resnet18's 512-channel convs, benchmarks/README.md, h-cnn26). A map of
+    // one panel of pixels (P <= panel) widens each weight once anyway: the copy would only
+    // add an allocation and a pass (mobilenet_v2's small late maps).
     constexpr int64_t kPreparedMax = int64_t{3} << 19;  // 1.5 MiB
     std::vector<std::unique_ptr<qt::PreparedB>> prepared;
-    if (!narrow && qt::kernels.prepare && 2 * group_weight * groups <= kPreparedMax)
+    if (!narrow && qt::kernels.prepare && P > panel && 2 * group_weight * groups <= kPreparedMax)
         for (int64_t gi = 0; gi < groups; ++gi)
             prepared.push_back(std::make_unique<qt::PreparedB>(
                 w + gi * group_weight, OCg, Kp, P < panel ? P : panel));
