@@ -5,8 +5,8 @@ On the AVX-512 and AVX2 (AVX-VNNI) paths the region pass takes layer norms and g
 ``csrc/program_avx512.cpp`` / ``csrc/program_avx2.cpp``; smaller ones keep the scalar loops (the
 same bits on every path as before). Float ops in a program follow ATen up to float rounding: the
 region tests' bound is 60 dB SQNR against the unfused graph; here also every element within
-``1e-5 + 1e-5 |want|`` of ATen's, widths off the 16- and 8-lane vectors (tails) included, on every vector
-path this CPU runs and the portable loops the same program falls back to elsewhere.
+``1e-5 + 1e-5 |want|`` of ATen's, widths off the 16- and 8-lane vectors (tails) included, on
+every vector path this CPU runs and the portable loops the same program falls back to elsewhere.
 """
 
 from __future__ import annotations
