@@ -19,6 +19,7 @@ import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu import backend as cpu_backend
 from quantree.backends.cpu.native.loader import cpu_isa
+from quantree.backends.cpu.passes import regions
 from quantree.core.graphs import fetch_attr
 from quantree.tools.inspection import NATIVE_FLOAT, op_statuses
 from quantree.tools.metrics import sqnr
@@ -270,17 +271,17 @@ def test_slices_cats_and_views_in_a_program() -> None:
     assert "gelu 1" in status.detail and "tanh 1" in status.detail
 
 
-def test_large_layer_norms_and_gelus_stay_with_aten_but_on_avx512() -> None:
-    """A program's layer norm and gelu are scalar loops but on the AVX-512 path (vector rows,
-    ``test_program_vector_rows.py``): over a transformer's activations ATen's vectorized
-    kernels are faster, so on other paths those ops are left out of programs."""
+def test_large_layer_norms_and_gelus_stay_with_aten_but_on_vector_row_paths() -> None:
+    """A program's layer norm and gelu are scalar loops but on the AVX-512 and AVX2 paths
+    (vector rows, ``test_program_vector_rows.py``): over a transformer's activations ATen's
+    vectorized kernels are faster, so on other paths those ops are left out of programs."""
     torch.manual_seed(0)
     _, small = _lowered(Rowwise())
     _, large = _lowered(Rowwise(), batch=1024)  # 1024 x 16 values an op at batch 1
     small_ops = {n.target for n in small.graph.nodes}
     large_ops = {n.target for n in large.graph.nodes}
     assert not {aten.layer_norm.default, aten.gelu.default} & small_ops
-    if cpu_isa() == "avx512vnni":
+    if cpu_isa() in regions.VECTOR_ROW_PATHS:
         assert not {aten.layer_norm.default, aten.gelu.default} & large_ops
     else:
         assert {aten.layer_norm.default, aten.gelu.default} <= large_ops

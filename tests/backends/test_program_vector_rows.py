@@ -1,12 +1,12 @@
-"""Large layer norms and gelus in region programs: the AVX-512 path's vector rows.
+"""Large layer norms and gelus in region programs: the AVX-512 and AVX2 paths' vector rows.
 
-On the AVX-512 path the region pass takes layer norms and gelus of any size
-(``regions.float_limit``) and marks those over ``FLOAT_MAX_ELEMENTS`` values for the vector
-rows of ``csrc/program_avx512.cpp``; smaller ones keep the scalar loops (the same bits on
-every path as before). Float ops in a program follow ATen up to float rounding: the region
-tests' bound is 60 dB SQNR against the unfused graph; here also every element within
-``1e-5 + 1e-5 |want|`` of ATen's, widths off the 16-lane vectors (tails) included, on both
-the vector path and the portable loops the same program falls back to elsewhere.
+On the AVX-512 and AVX2 (AVX-VNNI) paths the region pass takes layer norms and gelus of any size
+(``regions.float_limit``) and marks those over ``FLOAT_MAX_ELEMENTS`` values for the vector rows of
+``csrc/program_avx512.cpp`` / ``csrc/program_avx2.cpp``; smaller ones keep the scalar loops (the
+same bits on every path as before). Float ops in a program follow ATen up to float rounding: the
+region tests' bound is 60 dB SQNR against the unfused graph; here also every element within
+``1e-5 + 1e-5 |want|`` of ATen's, widths off the 16- and 8-lane vectors (tails) included, on
+every vector path this CPU runs and the portable loops the same program falls back to elsewhere.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ ATTENTION = torch.ops.quantree.attention.default
 ATTENTION_CODE = 15
 aten = torch.ops.aten
 LAYER_NORM, FLOAT_UNARY, COPY, LINEAR, LINEAR16 = 9, 8, 5, 2, 10
-VECTOR = cpu_isa() == "avx512vnni"
+VECTOR = cpu_isa() in regions.VECTOR_ROW_PATHS
 
 
 class Floats(nn.Module):
@@ -63,14 +63,16 @@ def _floats(width: int, rows: int = 0) -> tuple[torch.fx.GraphModule, nn.Module,
     return qt.lower(ref, CPU), model, data
 
 
-@pytest.mark.skipif(not VECTOR, reason="only the AVX-512 path takes large layer norms")
-@pytest.mark.parametrize("width", [1, 15, 37, 131, 773])
+@pytest.mark.skipif(not VECTOR, reason="only the vector rows' paths take large layer norms")
+@pytest.mark.parametrize("width", [1, 7, 15, 17, 37, 131, 773])
 def test_vector_rows_follow_aten_at_odd_widths(select, width: int) -> None:
     low, model, data = _floats(width)
     assert len(calls(low, PROGRAM)) == 1
     left = {n.target for n in low.graph.nodes if n.op == "call_function"}
     assert not left & {aten.layer_norm.default, aten.gelu.default, aten.add.Tensor}
-    for name in ("avx512vnni", "portable"):  # the vector rows, then the loops they fall to
+    paths = [n for n in ("avx512vnni", "avxvnni", "avx2", "portable") if select(n)]
+    assert cpu_isa() in paths and "portable" in paths  # each vector row kind, then the loops
+    for name in paths:
         assert select(name)
         with torch.no_grad():
             for x, r in data[1:]:

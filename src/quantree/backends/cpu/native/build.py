@@ -31,6 +31,7 @@ X86_ISA_SOURCES: dict[str, tuple[str, ...]] = {
     "attention_avx512.cpp": ("-march=x86-64-v4",),
     "attention_avx2.cpp": ("-march=x86-64-v3",),
     "program_avx512.cpp": ("-march=x86-64-v4",),
+    "program_avx2.cpp": ("-march=x86-64-v3",),
     "isa_avxvnni.cpp": ("-march=x86-64-v3", "-mavxvnni"),
     "isa_avx2.cpp": ("-march=x86-64-v3",),
     "conv_narrow_vnni.cpp": ("-march=x86-64-v4", "-mavx512vnni"),

@@ -97,25 +97,27 @@ RESHAPES = {
 """Of ``SAME_SLOT``, those that may also change the last dimension (``passes/region_layout.py``)."""
 PERMUTES = {aten.permute.default, aten.transpose.int}
 FLOAT_MAX_ELEMENTS = 12288
-"""On paths without vector rows for them (all but AVX-512: ``csrc/program_avx512.cpp``,
-``float_limit``), layer norm (summing in double) and gelu (libm's erf/tanh, element by
-element) are scalar loops in a program: they win on the small tensors programs are for (an
-Emformer's 24 x 512, a recurrent step's few hundred values) and lose to ATen's vectorized
-kernels on a transformer's activations (GPT-2's 128 x 512 gelus and 128 x 128 layer norms
+"""On paths without vector rows for them (all but AVX-512 and AVX2: ``csrc/program_avx512.cpp``,
+``csrc/program_avx2.cpp``, ``float_limit``), layer norm (summing in double) and gelu (libm's
+erf/tanh, element by element) are scalar loops in a program: they win on the small tensors programs
+are for (an Emformer's 24 x 512, a recurrent step's few hundred values) and lose to ATen's
+vectorized kernels on a transformer's activations (GPT-2's 128 x 512 gelus and 128 x 128 layer norms
 in programs made the model slower than float; benchmarks/README.md, "Figures moved from
-docstrings"). Larger ones stay ATen's there (add/mul/relu loops vectorize, sigmoid/tanh are
-the vector kernels'). A dynamic size counts at batch 1. Also the size above which a program
-marks a layer norm or gelu for the vector rows (``_vector``)."""
+docstrings"). Larger ones stay ATen's there (add/mul/relu loops vectorize, sigmoid/tanh are the
+vector kernels'). A dynamic size counts at batch 1. Also the size above which a program marks a
+layer norm or gelu for the vector rows (``_vector``)."""
 FLOAT_OPS = {aten.layer_norm.default, aten.gelu.default}
+VECTOR_ROW_PATHS = frozenset({"avx512vnni", "avxvnni", "avx2"})
+"""The kernel paths with vector rows for large layer norms and gelus (csrc/qt_program.h)."""
 
 
 def float_limit() -> float:
-    """The most values a program's layer norm or gelu takes on this machine's kernel path.
-    The AVX-512 path runs them as vector rows, as fast as ATen's kernels, so programs take
-    them at any size there (a BERT layer's residual add, layer norm and gelu then join the
-    linears around them in one call). A lowered model saved here and loaded on another path
-    still runs them, through the scalar loops: slower, the same values up to rounding."""
-    return math.inf if cpu_isa() == "avx512vnni" else float(FLOAT_MAX_ELEMENTS)
+    """The most values a program's layer norm or gelu takes on this machine's kernel path. The
+    AVX-512 and AVX2 (and AVX-VNNI) paths run them as vector rows, as fast as ATen's kernels, so
+    programs take them at any size there (a BERT layer's residual add, layer norm and gelu then join
+    the linears around them in one call). A lowered model saved here and loaded on a path without
+    them still runs them, through the scalar loops: slower, the same values up to rounding."""
+    return math.inf if cpu_isa() in VECTOR_ROW_PATHS else float(FLOAT_MAX_ELEMENTS)
 
 
 GELU_KINDS = {"none": 3, "tanh": 4}
@@ -389,7 +391,7 @@ def _bounds(size: int, start: object, end: object) -> tuple[int, int]:
 
 
 def _vector(n: fx.Node, shapes: dict[fx.Node, Shape]) -> int:
-    """1 if the layer norm or gelu ``n`` is one only the AVX-512 path's vector rows take (more
+    """1 if the layer norm or gelu ``n`` is one only the vector rows' paths take (more
     values than the scalar loops win on): the instruction's flag for those rows. Smaller
     ones keep the scalar loops, the same bits on every path as before."""
     return int(_float_size(shapes[n]) > FLOAT_MAX_ELEMENTS)

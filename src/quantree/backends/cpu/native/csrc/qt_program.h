@@ -6,8 +6,8 @@
 // unbind's items and a stack's parts are views of their source. Instructions are fixed-size
 // records of int64 and float fields. Every instruction but the sigmoid/tanh of FLOAT_UNARY
 // (which goes through the selected path's activation, as the recurrent kernels do), LOOKUP
-// (the path's table lookup, exact on every path), and on the AVX-512 path a LAYER_NORM or
-// gelu marked "vector" (program_avx512.cpp: vector rows, equal to these loops up to float
+// (the path's table lookup, exact on every path), and on the AVX-512 / AVX2 paths a LAYER_NORM or
+// gelu marked "vector" (program_avx512.cpp, program_avx2.cpp: vector rows, equal to these loops up to float
 // rounding; the region pass marks only those too large for the scalar loops, which it takes
 // on that path alone, so every program made before keeps its bits) is plain C++ with no ISA dispatch, so it gives the same bits on every path.
 #pragma once
@@ -33,6 +33,12 @@ void layer_norm_rows_avx512(const float* a, int64_t lda, float* out, int64_t ldo
                             int64_t n, const float* w, const float* b, float eps);
 void gelu_rows_avx512(int64_t kind, const float* a, int64_t lda, float* out, int64_t ldo,
                       int64_t rows, int64_t n);
+// program_avx2.cpp: the same rows in 8 lanes, for the AVX2 and AVX-VNNI paths
+void layer_norm_rows_avx2(const float* a, int64_t lda, float* out, int64_t ldo, int64_t rows,
+                          int64_t n, const float* w, const float* b, float eps);
+void gelu_rows_avx2(int64_t kind, const float* a, int64_t lda, float* out, int64_t ldo,
+                    int64_t rows, int64_t n);
+inline bool vector_rows_avx2(int isa) { return isa == qt::AVX2 || isa == qt::AVXVNNI; }
 #endif
 
 // Fields per resolved slot: dtype (0 f32, 1 i8), owner, byte offset, cols, ld, rows. A slot
@@ -453,6 +459,10 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
                 gelu_rows_avx512(c[3], a.f(0), a.ld, dst.f(0), dst.ld, dst.rows, dst.cols);
                 break;
             }
+            if ((c[3] == 3 || c[3] == 4) && c[4] && vector_rows_avx2(qt_current_isa())) {
+                gelu_rows_avx2(c[3], a.f(0), a.ld, dst.f(0), dst.ld, dst.rows, dst.cols);
+                break;
+            }
 #endif
             for (int64_t r = 0; r < dst.rows; ++r) float_unary_row(c[3], a.f(r), dst.f(r), dst.cols);
             break;
@@ -463,6 +473,10 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
             if (c[5] && qt_current_isa() == qt::AVX512VNNI) {
                 layer_norm_rows_avx512(a.f(0), a.ld, dst.f(0), dst.ld, dst.rows, dst.cols, w, b,
                                        f[0]);
+                break;
+            }
+            if (c[5] && vector_rows_avx2(qt_current_isa())) {
+                layer_norm_rows_avx2(a.f(0), a.ld, dst.f(0), dst.ld, dst.rows, dst.cols, w, b, f[0]);
                 break;
             }
 #endif
