@@ -9,6 +9,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
+from quantree.backends.onnx import onnx_session
 
 from support import calls, qd
 
@@ -74,7 +75,6 @@ def test_an_int16_table_exports_to_onnx_at_the_opset_it_needs(tmp_path) -> None:
     pytest.importorskip("onnxruntime", reason="needs onnxruntime")
     pytest.importorskip("onnxscript", reason="ONNX export needs onnxscript")
     import onnx
-    import onnxruntime as ort
 
     torch.manual_seed(0)
     model, data = Lookup().eval(), _ids()
@@ -85,7 +85,7 @@ def test_an_int16_table_exports_to_onnx_at_the_opset_it_needs(tmp_path) -> None:
     path = qt.export_onnx(ref, data[0], tmp_path / "lookup.onnx")
     opsets = {o.domain: o.version for o in onnx.load(str(path)).opset_import}
     assert opsets[""] >= 21
-    session = ort.InferenceSession(str(path))
+    session = onnx_session(path)
     (ids,) = data[1]
     (got,) = session.run(None, {session.get_inputs()[0].name: ids.numpy()})
     torch.testing.assert_close(torch.from_numpy(got), ref(ids), rtol=0, atol=1e-6)

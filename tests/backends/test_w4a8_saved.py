@@ -13,6 +13,7 @@ import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu.saved.nibbles import pack_nibbles
 from quantree.backends.cpu.saved.serialize import write_program
+from quantree.backends.onnx import onnx_session
 from quantree.tools.files import BadFile
 
 
@@ -84,7 +85,7 @@ def test_a_crafted_file_with_wrong_nibbles_is_a_bad_file(tmp_path, packed, size,
 
 def test_onnx_export_writes_int4_weights_and_refuses_a_lower_opset(tmp_path) -> None:
     onnx = pytest.importorskip("onnx")
-    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
     data = [(torch.randn(4, 16),) for _ in range(4)]
@@ -97,7 +98,7 @@ def test_onnx_export_writes_int4_weights_and_refuses_a_lower_opset(tmp_path) -> 
     proto = onnx.load(str(path))
     int4 = [i.name for i in proto.graph.initializer if i.data_type == onnx.TensorProto.INT4]
     assert len(int4) == 4  # two weights and their zero points
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = onnx_session(path)
     for (x,) in data:  # ONNX Runtime's int4 dequantize gives the reference's numbers
         (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
         np.testing.assert_array_equal(out, ref(x).numpy())

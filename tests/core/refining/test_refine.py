@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from torch import nn
 
 import quantree as qt
+from quantree.backends.onnx import onnx_session
 from quantree.core.refining.refine import REFINED_KEY
 from quantree.core.refining.rounding import output_error, round_against_output
 
@@ -66,11 +67,11 @@ def test_refined_layers_err_less_and_the_model_holds_on_new_inputs():
 
 
 def test_a_refined_graph_exports_to_onnx_as_any_reference_graph(tmp_path):
-    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime")
     _, prepared, ref, data = _setup()
     refined = qt.refine(prepared, ref, data)
     qt.export_onnx(refined, data[0], tmp_path / "refined.onnx")
-    session = ort.InferenceSession(str(tmp_path / "refined.onnx"))
+    session = onnx_session(tmp_path / "refined.onnx")
     x = data[0][0]
     got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
     with torch.no_grad():

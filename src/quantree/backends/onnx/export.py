@@ -26,8 +26,9 @@ from torch.utils import _pytree as pytree
 
 from quantree.backends.fastest import reference_of
 from quantree.backends.onnx.int4_weights import has_int4_weights, int4_initializers, int4_opset
+from quantree.backends.onnx.ort_kernels import ort_int8_saturates
 from quantree.backends.onnx.target import OnnxTarget, finish_export
-from quantree.core.errors import QuantreeError
+from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.core.graphs import copy_graph_module, nested_graphs
 from quantree.core.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, QUANTIZE_PER_TENSOR
 from quantree.core.stages import CONVERTED, STAGE_KEY, stage_of
@@ -213,16 +214,31 @@ def _output_names(program: torch.export.ExportedProgram) -> list[str]:
 
 
 def run_onnx(
-    path: str | os.PathLike[str], args: Sequence[torch.Tensor], *, threads: int | None = None
+    path: str | os.PathLike[str],
+    args: Sequence[torch.Tensor],
+    *,
+    threads: int | None = None,
+    int8_kernels: bool | None = None,
 ) -> list[torch.Tensor]:
-    """Run an exported model once in ONNX Runtime; its outputs as tensors, in leaf order."""
-    session = onnx_session(path, threads=threads)
+    """Run an exported model once in ONNX Runtime; its outputs as tensors, in leaf order
+    (``int8_kernels``: see ``onnx_session``)."""
+    session = onnx_session(path, threads=threads, int8_kernels=int8_kernels)
     feeds = {i.name: a.detach().numpy() for i, a in zip(session.get_inputs(), args, strict=True)}
     return [torch.from_numpy(o) for o in session.run(None, feeds)]
 
 
-def onnx_session(path: str | os.PathLike[str], *, threads: int | None = None) -> Any:
-    """An ONNX Runtime CPU session for ``path`` (all graph optimizations on, float MatMulNBits)."""
+def onnx_session(
+    path: str | os.PathLike[str],
+    *,
+    threads: int | None = None,
+    int8_kernels: bool | None = None,
+) -> Any:
+    """An ONNX Runtime CPU session for ``path`` (all graph optimizations on, float MatMulNBits).
+
+    ``int8_kernels``: let ONNX Runtime fuse q/dq pairs into its integer operators. ``None``
+    (the default) does so where they give the reference's numbers and, on x86 CPUs without
+    VNNI, where they saturate (``ort_kernels.py``), runs the q/dq operators as written
+    instead, with one warning; ``True`` fuses anyway (speed over exact numbers there)."""
     try:
         import onnxruntime as ort
     except ImportError as error:
@@ -234,6 +250,20 @@ def onnx_session(path: str | os.PathLike[str], *, threads: int | None = None) ->
     # (accuracy level 4) rounds its float input to int8 first: an int16 input (what weights
     # read in a transformer) loses most of its extra precision there (benchmarks/README.md).
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+    if int8_kernels is None and ort_int8_saturates():
+        warnings.warn(
+            "ONNX Runtime's int8 kernels saturate on this CPU (x86 without VNNI: u8 x s8 "
+            "pair sums overflow int16 at full-range int8 weights), so this session runs the "
+            "q/dq operators as written, with the reference's numbers, instead of fusing them. "
+            "Pass int8_kernels=True to onnx_session/run_onnx for ONNX Runtime's fused "
+            "integer operators anyway (faster, not the reference's numbers here), or "
+            "int8_kernels=False to ask for the exact path and silence this warning.",
+            QuantreeWarning,
+            stacklevel=2,
+        )
+        int8_kernels = False
+    if int8_kernels is False:
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
     if threads is not None:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1

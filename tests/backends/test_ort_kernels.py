@@ -1,0 +1,102 @@
+"""ONNX Runtime's fused int8 operators saturate on x86 without VNNI; ``onnx_session`` keeps the
+reference's numbers there (``backends/onnx/ort_kernels.py``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import quantree as qt
+from quantree.backends.onnx import export as onnx_export
+from quantree.backends.onnx import onnx_session, ort_kernels, run_onnx
+from quantree.backends.onnx.ort_kernels import cpu_flags, saturates
+
+
+def test_cpu_flags_read_the_first_flags_line():
+    text = "processor : 0\nflags\t\t: fpu avx2 fma\nflags : other\n"
+    assert cpu_flags(text) == {"fpu", "avx2", "fma"}
+    assert cpu_flags("processor : 0\n") == set()
+
+
+@pytest.mark.parametrize(
+    ("machine", "flags", "want"),
+    [
+        ("x86_64", {"avx2", "fma"}, True),  # Zen 3, Skylake: vpmaddubsw
+        ("x86_64", {"avx2", "avx512f", "avx512_vnni"}, False),
+        ("x86_64", {"avx2", "avx_vnni"}, False),  # Alder Lake's AVX-VNNI
+        ("AMD64", {"sse4_2"}, True),
+        ("x86_64", None, False),  # flags unknown (another OS): not claimed
+        ("aarch64", {"asimd"}, False),
+    ],
+)
+def test_saturation_is_claimed_only_on_x86_without_vnni(machine, flags, want):
+    assert saturates(machine, flags) is want
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = Net().eval()
+    g = torch.Generator().manual_seed(1)
+    # large inputs and weights: u8 x s8 pair sums far beyond int16 where they saturate
+    data = [(3 * torch.randn(16, 3, 6, 6, generator=g),) for _ in range(8)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = qt.quantize(model, data[0], data, backend=qt.REFERENCE, progress=False)
+    path = tmp_path_factory.mktemp("ort") / "net.onnx"
+    qt.export_onnx(ref, data[0], path)
+    return ref, data[0][0], path
+
+
+def _run(session, x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+
+
+def test_where_kernels_saturate_the_session_runs_qdq_as_written_and_says_so(exported, monkeypatch):
+    """On a CPU claimed saturating, the default session warns once and gives the reference's
+    numbers exactly; following the warning (``int8_kernels=False``) silences it, same numbers."""
+    ref, x, path = exported
+    monkeypatch.setattr(onnx_export, "ort_int8_saturates", lambda: True)
+    with torch.no_grad():
+        want = ref(x)
+    with pytest.warns(qt.QuantreeWarning, match="int8_kernels=True"):
+        session = onnx_session(path)
+    assert torch.equal(_run(session, x), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qt.QuantreeWarning)
+        quiet = onnx_session(path, int8_kernels=False)
+        got = run_onnx(path, (x,), int8_kernels=False)[0]
+    assert torch.equal(_run(quiet, x), want)
+    assert torch.equal(got, want)
+
+
+def test_where_kernels_are_exact_the_default_fuses_silently(exported, monkeypatch):
+    path = exported[2]
+    monkeypatch.setattr(onnx_export, "ort_int8_saturates", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qt.QuantreeWarning)
+        onnx_session(path)
+        onnx_session(path, int8_kernels=True)
+
+
+@pytest.mark.skipif(not ort_kernels.ort_int8_saturates(), reason="this CPU has VNNI")
+def test_on_this_cpu_the_fused_kernels_do_differ(exported):
+    """The claim holds here: ONNX Runtime's fused int8 operators miss the reference."""
+    ref, x, path = exported
+    with torch.no_grad():
+        want = ref(x)
+    assert not torch.equal(_run(onnx_session(path, int8_kernels=True), x), want)
