@@ -26,9 +26,9 @@ import onnx
 import quantree as qt
 from quantree.backends.onnx import run_onnx
 
-from support import batches
+from support import batches, for_onnxruntime, onnxruntime_band_db
 
-BAND_DB = 0.5
+BAND_DB = onnxruntime_band_db(0.5)
 ORT = qt.OnnxTarget.ONNXRUNTIME
 INTEGER_OPS = {"DynamicQuantizeLSTM", "DynamicQuantizeMatMul"}
 SCAN_BATCH = 64
@@ -54,7 +54,13 @@ def _quantized(kind: str, seq: int = 12, batch: int = 3, dynamic: bool = False, 
     data = batches((seq, batch, 16), n=6)
     shapes = ({1: torch.export.Dim.AUTO},) if dynamic else None
     ref = qt.quantize(
-        model, data[0], data[:5], dynamic_shapes=shapes, dynamic_batch=dynamic, progress=False
+        model,
+        data[0],
+        data[:5],
+        quantizer=for_onnxruntime(),
+        dynamic_shapes=shapes,
+        dynamic_batch=dynamic,
+        progress=False,
     )
     return model, ref, data
 

@@ -20,6 +20,7 @@ pytest.importorskip("openvino", reason="OpenVINO tests need openvino (pip instal
 import openvino as ov
 
 import quantree as qt
+from quantree.backends.onnx.ort_kernels import ort_int8_saturates
 
 from support import batches
 
@@ -70,8 +71,12 @@ def test_qdq_export_compiles_and_matches_in_openvino(factory, batch, tmp_path):
     shapes = [(5, batch, 8)] + ([(2, batch, 16)] * 2 if isinstance(model, Tagger) else [])
     data = batches(*shapes, n=5)
     # int8 sequences: on int16 ones (recurrent_sequence_dtype) OpenVINO's float LSTM differed from
-    # torch's by up to 3e-3, hundreds of int16 steps, where one int8 step hid it
-    quantizer = qt.Int8Quantizer(recurrent_sequence_dtype=qt.QDtype.INT8)
+    # torch's by up to 3e-3, hundreds of int16 steps, where one int8 step hid it. 7-bit
+    # weights where ONNX Runtime's int8 kernels saturate (x86 without VNNI): OpenVINO's do too
+    # there (the Tagger's int8 head was 37 LSBs off at full range on a Zen 3, exact at 7 bits)
+    quantizer = qt.Int8Quantizer(
+        recurrent_sequence_dtype=qt.QDtype.INT8, reduce_range=ort_int8_saturates()
+    )
     ref = qt.quantize(
         model, data[0], data[:4], quantizer=quantizer, progress=False, backend="reference"
     )

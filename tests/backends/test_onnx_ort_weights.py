@@ -25,9 +25,9 @@ from quantree.backends.onnx import run_onnx
 from quantree.backends.onnx.ort_constants import QuantizedConstant
 from quantree.backends.onnx.ort_weights import SPREAD_LIMIT, per_tensor
 
-from support import batches
+from support import batches, for_onnxruntime, onnxruntime_band_db
 
-BAND_DB = 0.5
+BAND_DB = onnxruntime_band_db(0.5)
 
 
 def _constant(scales: np.ndarray, seed: int = 0) -> QuantizedConstant:
@@ -82,7 +82,7 @@ def test_lstm_weight_layout_in_the_export(dead_row, tmp_path):
     torch.manual_seed(0)
     model = Lstm(dead_row).eval()
     data = batches((12, 3, 16), n=6)
-    ref = qt.quantize(model, data[0], data[:5], progress=False)
+    ref = qt.quantize(model, data[0], data[:5], quantizer=for_onnxruntime(), progress=False)
     path = qt.export_onnx(ref, data[0], tmp_path / "m.onnx", target=qt.OnnxTarget.ONNXRUNTIME)
     exported = onnx.load(str(path))
     inits = {i.name: numpy_helper.to_array(i) for i in exported.graph.initializer}
@@ -117,7 +117,9 @@ def test_gru_step_reads_r_on_one_scale(dead_rows, tmp_path):
         with torch.no_grad():
             model.weight_hh_l0[:64] *= 1e-3
     data = batches((12, 64, 16), n=6)  # batch 64: enough work a step for the int8 Scan
-    ref = qt.quantize(model, data[0], data[:5], dynamic_batch=False, progress=False)
+    ref = qt.quantize(
+        model, data[0], data[:5], quantizer=for_onnxruntime(), dynamic_batch=False, progress=False
+    )
     path = qt.export_onnx(ref, data[0], tmp_path / "m.onnx", target=qt.OnnxTarget.ONNXRUNTIME)
     exported = onnx.load(str(path))
     inits = {i.name: numpy_helper.to_array(i) for i in exported.graph.initializer}

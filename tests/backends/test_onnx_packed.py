@@ -34,9 +34,9 @@ import quantree as qt
 from quantree.backends.onnx import run_onnx
 from quantree.core.qdq import DEQUANTIZE_PER_TENSOR
 
-from support import SortedPacked
+from support import SortedPacked, for_onnxruntime, onnxruntime_band_db
 
-BAND_DB = {qt.OnnxTarget.QDQ: 1.0, qt.OnnxTarget.ONNXRUNTIME: 2.0}
+BAND_DB = {qt.OnnxTarget.QDQ: 1.0, qt.OnnxTarget.ONNXRUNTIME: onnxruntime_band_db(2.0)}
 STEPS, BATCH, FEATURES, HIDDEN = 7, 5, 6, 12
 WARN = "ignore::quantree.QuantreeWarning"
 
@@ -96,7 +96,7 @@ CASES = {
 }
 
 
-def _quantized(case: str, padding_value: float = 0.0):
+def _quantized(case: str, padding_value: float = 0.0, target: qt.OnnxTarget = qt.OnnxTarget.QDQ):
     torch.manual_seed(0)
     build, enforce_sorted = CASES[case]
     model = Packed(build(), enforce_sorted, padding_value).eval()
@@ -106,7 +106,14 @@ def _quantized(case: str, padding_value: float = 0.0):
     held_out = _batches(generator, first, enforce_sorted, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qt.QuantreeWarning)
-        ref = qt.quantize(model, calibration[0], calibration, progress=False, backend="reference")
+        ref = qt.quantize(
+            model,
+            calibration[0],
+            calibration,
+            quantizer=for_onnxruntime() if target is qt.OnnxTarget.ONNXRUNTIME else None,
+            progress=False,
+            backend="reference",
+        )
     return model, ref, calibration[0], held_out
 
 
@@ -131,7 +138,7 @@ def _past_length(out: torch.Tensor, lengths: torch.Tensor, batch_first: bool) ->
 @pytest.mark.parametrize("target", list(qt.OnnxTarget), ids=lambda t: t.value)
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_layers_run_in_onnx_runtime_as_the_reference_does(case, target, tmp_path):
-    model, ref, example, held_out = _quantized(case)
+    model, ref, example, held_out = _quantized(case, target=target)
     first = model.rnn.batch_first
     path = qt.export_onnx(ref, example, tmp_path / "packed.onnx", target=target)
     graph = onnx.load(str(path)).graph
@@ -191,7 +198,14 @@ def test_gru_and_rnn_with_lengths_run_the_int8_scan_in_onnxruntime_target(kind, 
     data = [(torch.randn(STEPS, 64, FEATURES, generator=g), _lengths(g, 64)) for _ in range(8)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qt.QuantreeWarning)
-        ref = qt.quantize(model, data[0], data[:6], progress=False, backend="reference")
+        ref = qt.quantize(
+            model,
+            data[0],
+            data[:6],
+            quantizer=for_onnxruntime(),
+            progress=False,
+            backend="reference",
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("error", qt.QuantreeWarning)  # nothing left float
         path = qt.export_onnx(

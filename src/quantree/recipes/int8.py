@@ -245,7 +245,10 @@ class Int8Quantizer(Quantizer):
     native kernel reads and writes the int16 sequences as byte planes and floats. INT8 by
     default while ONNX Runtime's integer LSTM (``OnnxTarget.ONNXRUNTIME``) refuses a 16-bit
     input; benchmarks/README.md, branch ``lstmb1``).
-    ``rules``
+    ``reduce_range``: weights on [-63, 63] (7 bits, ONNX Runtime's ``reduce_range``), for a
+    model deployed to ONNX Runtime on x86 CPUs without VNNI, whose int8 kernels saturate on
+    full-range weights (``quantree.backends.onnx.ort_kernels``); other runtimes and the CPU
+    backend are exact at 8 bits, where it only costs accuracy. ``rules``
     are added last and so take precedence.
     """
 
@@ -270,6 +273,7 @@ class Int8Quantizer(Quantizer):
         weighted_inputs_dtype: QDtype = QDtype.INT16,
         embedding_dtype: QDtype = QDtype.INT8,
         recurrent_sequence_dtype: QDtype = QDtype.INT8,
+        reduce_range: bool = False,
         rules: tuple[Rule, ...] = (),
     ) -> None:
         if not isinstance(recurrent, RecurrentMode):
@@ -286,6 +290,10 @@ class Int8Quantizer(Quantizer):
         if not isinstance(weight_observer, ObserverKind):
             raise QuantreeError(f"weight_observer must be an ObserverKind, got {weight_observer!r}")
         wgt = weight or int8_weight(0 if per_channel else None, weight_observer)
+        if not isinstance(reduce_range, bool):
+            raise QuantreeError(f"reduce_range must be True or False, got {reduce_range!r}")
+        if reduce_range:
+            wgt = reduced_range(wgt)
         if not isinstance(share_recurrent_state, bool):
             raise QuantreeError(
                 f"share_recurrent_state must be True or False, got {share_recurrent_state!r}"
@@ -329,6 +337,19 @@ class Int8Quantizer(Quantizer):
             )
         recipe = tuple(off_infinities(on_floats(rule)) for rule in recipe)
         super().__init__((*recipe, *rules))  # the user's rules as given
+
+
+REDUCED_WEIGHT_MAX = 63
+"""7-bit weights: two u8 x s8 products sum to at most 2 x 255 x 63 < 2**15, so an int16
+pair sum (x86's ``vpmaddubsw``) cannot saturate. Symmetric, so -w still quantizes like w."""
+
+
+def reduced_range(weight: QuantSpec) -> QuantSpec:
+    """``weight`` narrowed to 7 bits (never widened: a 4-bit spec stays 4-bit)."""
+    lo, hi = weight.range
+    return dataclasses.replace(
+        weight, quant_min=max(lo, -REDUCED_WEIGHT_MAX), quant_max=min(hi, REDUCED_WEIGHT_MAX)
+    )
 
 
 def weighted_input_spec(dtype: QDtype, observer: ObserverKind | None) -> QuantSpec:

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from quantree.backends.fastest import reference_of
 from quantree.backends.onnx.int4_weights import has_int4_weights, int4_initializers, int4_opset
-from quantree.backends.onnx.ort_kernels import ort_int8_saturates
+from quantree.backends.onnx.ort_kernels import ort_int8_saturates, saturating_ops
 from quantree.backends.onnx.target import OnnxTarget, finish_export
 from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.core.graphs import copy_graph_module, nested_graphs
@@ -227,6 +227,26 @@ def run_onnx(
     return [torch.from_numpy(o) for o in session.run(None, feeds)]
 
 
+def _warn_saturating_ops(path: str | os.PathLike[str]) -> None:
+    """Name the explicit integer operators whose full-range weights overflow here, and the fix:
+    no session option sends them back to float, only a model quantized with narrower weights
+    gives the reference's numbers on such a CPU."""
+    import onnx
+
+    found = saturating_ops(onnx.load(str(path)))
+    if found:
+        warnings.warn(
+            f"{len(found)} integer operator(s) of {os.fspath(path)!r} read full-range int8 "
+            f"weights, whose u8 x s8 pair sums saturate in ONNX Runtime on this CPU (x86 "
+            f"without VNNI): {', '.join(found)}. Their outputs will differ from the "
+            "reference's. For CPUs like this one, quantize with 7-bit weights: "
+            "qt.Int8Quantizer(reduce_range=True) (ONNX Runtime's reduce_range), then export "
+            "again.",
+            QuantreeWarning,
+            stacklevel=3,
+        )
+
+
 def onnx_session(
     path: str | os.PathLike[str],
     *,
@@ -264,6 +284,8 @@ def onnx_session(
         int8_kernels = False
     if int8_kernels is False:
         options.add_session_config_entry("session.disable_quant_qdq", "1")
+    if int8_kernels is not True and ort_int8_saturates():
+        _warn_saturating_ops(path)
     if threads is not None:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1

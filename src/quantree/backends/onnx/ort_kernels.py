@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import platform
 from pathlib import Path
+from typing import Any
 
 CPUINFO = Path("/proc/cpuinfo")
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
@@ -47,3 +48,54 @@ def ort_int8_saturates() -> bool:
     except OSError:
         flags = None
     return saturates(platform.machine(), flags or None)
+
+
+WEIGHT_INPUTS = {
+    "DynamicQuantizeLSTM": (1, 2),
+    "DynamicQuantizeMatMul": (1,),
+    "MatMulInteger": (1,),
+    "MatMulIntegerToFloat": (1,),
+    "ConvInteger": (1,),
+    "QLinearMatMul": (3,),
+    "QLinearConv": (3,),
+}
+"""ONNX Runtime's explicit integer operators and which inputs hold their int8 weights: unlike
+a q/dq pair, ``session.disable_quant_qdq`` cannot send them back to float."""
+
+SAFE_WEIGHT = 64
+"""The widest int8 weight whose pair sums with u8 inputs fit int16 (2 x 255 x 64 < 2**15)."""
+
+
+def saturating_ops(model: Any) -> list[str]:
+    """The explicit integer operators of an ``onnx.ModelProto`` (subgraphs included) that read
+    an int8 weight initializer wider than ``SAFE_WEIGHT``: on a CPU where ``ort_int8_saturates``
+    their sums can overflow, and nothing but narrower weights avoids it."""
+    from onnx import TensorProto, numpy_helper
+
+    subgraphs = list(_graphs(model.graph))
+    inits = {i.name: i for graph in subgraphs for i in graph.initializer}
+    found = []
+    for node in (node for graph in subgraphs for node in graph.node):
+        for index in WEIGHT_INPUTS.get(node.op_type, ()):
+            init = inits.get(node.input[index] if index < len(node.input) else "")
+            if init is None or init.data_type != TensorProto.INT8:
+                continue
+            widest = int(abs(numpy_helper.to_array(init).astype("int16")).max(initial=0))
+            if widest > SAFE_WEIGHT:
+                found.append(f"{node.op_type} {node.name or init.name!r}")
+                break
+    return found
+
+
+def _graphs(graph: Any) -> Any:
+    """``graph`` and every subgraph in it (a Scan's or an If's bodies), depth first."""
+    from onnx import AttributeProto
+
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == AttributeProto.GRAPH:
+                yield from _graphs(attribute.g)
+            elif attribute.type == AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    yield from _graphs(sub)
