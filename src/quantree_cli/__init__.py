@@ -71,6 +71,12 @@ def add_quantize(commands: argparse._SubParsersAction) -> None:
         "for any runtime; onnxruntime: the same with recurrent layers on ONNX Runtime's "
         "integer operators (both need the [onnx] extra)",
     )
+    quantize.add_argument(
+        "--reduce-range",
+        action="store_true",
+        help="7-bit weights (ONNX Runtime's reduce_range): for ONNX Runtime or OpenVINO on x86 "
+        "CPUs without VNNI, whose int8 kernels saturate on full-range weights",
+    )
     quantize.add_argument("--report", help="also write an HTML report of per-tensor SQNR")
     quantize.add_argument("--quiet", action="store_true", help="no progress bar")
 

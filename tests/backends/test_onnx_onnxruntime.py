@@ -24,7 +24,7 @@ pytest.importorskip("onnxscript", reason="ONNX export tests need onnxscript")
 import onnx
 
 import quantree as qt
-from quantree.backends.onnx import run_onnx
+from quantree.backends.onnx import ort_kernels, run_onnx
 
 from support import batches, for_onnxruntime, onnxruntime_band_db
 
@@ -182,9 +182,16 @@ def test_cli_format_onnxruntime(tmp_path):
     command += ["--format", "onnxruntime", "--quiet"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
-    ops = Counter(n.op_type for n in onnx.load(str(out)).graph.node)
+    exported = onnx.load(str(out))
+    ops = Counter(n.op_type for n in exported.graph.node)
     assert ops["Scan"] == 1 and ops["GRU"] == 0
     assert "run in float" not in result.stderr
+    assert ort_kernels.saturating_ops(exported)  # full-range weights by default
+    narrow = tmp_path / "gru7.onnx"  # --reduce-range: the fix onnx_session names on such CPUs
+    command[command.index(str(out))] = str(narrow)
+    result = subprocess.run([*command, "--reduce-range"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert not ort_kernels.saturating_ops(onnx.load(str(narrow)))
 
 
 @pytest.mark.parametrize("kind", ["GRU", "RNN"])

@@ -51,10 +51,9 @@ class UsageError(BadFile):
     """An option that cannot be honoured in this build (cells mode, a backend)."""
 
 
-def _quantizer(recurrent: str) -> Any:
-    if recurrent == "whole":
-        return Int8Quantizer()
-    return Int8Quantizer(recurrent=RecurrentMode.CELLS)
+def _quantizer(recurrent: str, reduce_range: bool = False) -> Any:
+    mode = RecurrentMode.WHOLE if recurrent == "whole" else RecurrentMode.CELLS
+    return Int8Quantizer(recurrent=mode, reduce_range=reduce_range)
 
 
 def _backend(name: str, output_format: str) -> Any:
@@ -172,7 +171,7 @@ def quantize_command(args: argparse.Namespace) -> int:
             )
         check_output(args.report, inputs)  # a report may go to a new directory, as the demo's
     data = load_calibration(args.calibration)
-    quantizer = _quantizer(args.recurrent)
+    quantizer = _quantizer(args.recurrent, args.reduce_range)
     backend = _backend(args.backend, args.format)
     if args.format != "pt2" and args.backend == "cpu":
         raise UsageError(f"--format {args.format} writes the reference graph; drop --backend cpu")
