@@ -224,6 +224,11 @@ def build(name: str) -> Case:
             intermediate_size=512, attn_implementation="eager",
         )  # fmt: skip
         return Case(First(BertModel(cfg)), tokens(cfg.vocab_size, 1, 128))
+    if name == "distilbert":  # accuracy_algorithms.py's hidden DistilBERT (issue 27)
+        from transformers import DistilBertConfig, DistilBertModel
+
+        cfg = DistilBertConfig(vocab_size=1000, dim=128, n_layers=2, n_heads=4, hidden_dim=512)
+        return Case(First(DistilBertModel(cfg)), tokens(cfg.vocab_size, 2, 32))
     if name == "gpt2":
         from transformers import GPT2Config, GPT2Model
 
@@ -274,7 +279,7 @@ MODELS = (
     *("resnet18", "mobilenet_v2", "squeezenet", "efficientnet_b0", "bert", "gpt2"),
     *("transformer_encoder", "deepspeech", "wavernn", "wav2letter", "tacotron2"),
     *("tacotron2_unpacked", "rnnt", "rnnt_predictor", "seq2seq"),
-    *("mobilevitv2_050", "convnext_atto", "vit_tiny", "conformer", "crnn"),
+    *("mobilevitv2_050", "convnext_atto", "vit_tiny", "conformer", "crnn", "distilbert"),
 )
 
 # aten ops that only move or view data: not counted as "left in float"
