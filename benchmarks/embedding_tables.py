@@ -1,11 +1,11 @@
 """int8, int16 and float embedding tables: accuracy, saved size and latency, lowered.
 
 For the zoo's BERT and GPT-2, the accuracy script's DistilBERT and ``outside_distilbert``
-(outside_models.py's): the default recipe (int8 per-row tables),
-``Int8Quantizer(embedding_dtype=INT16)`` and float tables, each quantized and lowered on the
-CPU backend; input-dependent SQNR on held-out inputs (zoo's data), the saved ``.pt2``
-(``saved_size``), and thread-CPU/wall milliseconds of one call, float and the variants
-interleaved in the same rounds (one thread, medians).
+(outside_models.py's): the default recipe (tables chosen per table), int8 and int16
+per-row tables (``Int8Quantizer(embedding_dtype=...)``) and float tables, each quantized
+and lowered on the CPU backend; input-dependent SQNR on held-out inputs (zoo's data), the
+saved ``.pt2`` (``saved_size``), and thread-CPU/wall milliseconds of one call, float and
+the variants interleaved in the same rounds (one thread, medians).
 
     PYTHONPATH=src python benchmarks/embedding_tables.py [--runs 20] [--models bert,gpt2,...]
 """
@@ -30,7 +30,8 @@ FLOAT_TABLE = (qt.Rule((torch.ops.aten.embedding,), lambda n: qt.Annotation()),)
 does: it reads the table float and quantizes only the embedding's output for a linear)."""
 
 VARIANTS = {
-    "int8 table": lambda: qt.Int8Quantizer(),
+    "default (chosen per table)": lambda: qt.Int8Quantizer(),
+    "int8 table": lambda: qt.Int8Quantizer(embedding_dtype=qt.QDtype.INT8),
     "int16 table": lambda: qt.Int8Quantizer(embedding_dtype=qt.QDtype.INT16),
     "float table": lambda: qt.Int8Quantizer(rules=FLOAT_TABLE),
 }

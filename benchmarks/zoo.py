@@ -2,6 +2,7 @@
 
     python benchmarks/zoo.py                      # every model
     python benchmarks/zoo.py --models bert,gpt2 --runs 30 --anchor none
+    python benchmarks/zoo.py --models bert --extra int8_tables,refine   # rows beside the default
 
 Random weights, nothing downloaded. Per model: batch norm statistics warmed on data, 16
 calibration batches, 8 held-out inputs. Columns: input-dependent SQNR of the outputs against
@@ -223,6 +224,11 @@ def build(name: str) -> Case:
             intermediate_size=512, attn_implementation="eager",
         )  # fmt: skip
         return Case(First(BertModel(cfg)), tokens(cfg.vocab_size, 1, 128))
+    if name == "distilbert":  # accuracy_algorithms.py's hidden DistilBERT (issue 27)
+        from transformers import DistilBertConfig, DistilBertModel
+
+        cfg = DistilBertConfig(vocab_size=1000, dim=128, n_layers=2, n_heads=4, hidden_dim=512)
+        return Case(First(DistilBertModel(cfg)), tokens(cfg.vocab_size, 2, 32))
     if name == "gpt2":
         from transformers import GPT2Config, GPT2Model
 
@@ -273,7 +279,7 @@ MODELS = (
     *("resnet18", "mobilenet_v2", "squeezenet", "efficientnet_b0", "bert", "gpt2"),
     *("transformer_encoder", "deepspeech", "wavernn", "wav2letter", "tacotron2"),
     *("tacotron2_unpacked", "rnnt", "rnnt_predictor", "seq2seq"),
-    *("mobilevitv2_050", "convnext_atto", "vit_tiny", "conformer", "crnn"),
+    *("mobilevitv2_050", "convnext_atto", "vit_tiny", "conformer", "crnn", "distilbert"),
 )
 
 # aten ops that only move or view data: not counted as "left in float"
@@ -349,12 +355,26 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}".strip().splitlines()[0][:160]
 
 
-def quantree_variant(case: Case, calib: list[tuple], mode: qt.RecurrentMode):
+EXTRA_VARIANTS: dict[str, tuple[dict, bool]] = {
+    "int8_tables": ({"embedding_dtype": qt.QDtype.INT8}, False),  # the default before h-embed27
+    "refine": ({}, True),  # qt.refine with default Refine() after convert
+}
+"""Rows ``--extra`` adds beside the default quantree row: Int8Quantizer options, refine."""
+
+
+def quantree_variant(
+    case: Case,
+    calib: list[tuple],
+    mode: qt.RecurrentMode,
+    options: dict | None = None,
+    refine: bool = False,
+):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", qt.QuantreeWarning)
         lowered = qt.quantize(
-            case.model, calib[0], calib, quantizer=qt.Int8Quantizer(recurrent=mode),
-            backend=CPU, progress=False,
+            case.model, calib[0], calib,
+            quantizer=qt.Int8Quantizer(recurrent=mode, **(options or {})),
+            backend=CPU, progress=False, refine=qt.Refine() if refine else None,
         )  # fmt: skip
     notes = [str(w.message) for w in caught if issubclass(w.category, qt.QuantreeWarning)]
     try:
@@ -485,6 +505,11 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
     ref = outputs(case.model, held)
     whole = "quantree whole" if case.recurrent else "quantree"
     variants = {whole: lambda: quantree_variant(case, calib, qt.RecurrentMode.WHOLE)}
+    for extra in filter(None, getattr(args, "extra", "").split(",")):
+        opts, refine = EXTRA_VARIANTS[extra]
+        variants[f"{whole} ({extra})"] = lambda o=opts, r=refine: quantree_variant(
+            case, calib, qt.RecurrentMode.WHOLE, o, r
+        )
     if case.recurrent:
         variants["quantree cells"] = lambda: quantree_variant(case, calib, qt.RecurrentMode.CELLS)
     if args.anchor == "all" or (args.anchor == "auto" and not case.recurrent):
@@ -556,6 +581,9 @@ def main() -> None:
         "--runs", type=int, default=20, help="timed interleaved rounds (0: not timed)"
     )
     parser.add_argument("--anchor", choices=("auto", "all", "none"), default="auto")
+    parser.add_argument(
+        "--extra", default="", help=f"extra quantree rows: {', '.join(EXTRA_VARIANTS)}"
+    )
     parser.add_argument("--warnings", action="store_true", help="print QuantreeWarnings")
     args = parser.parse_args()
     one_thread()

@@ -1,17 +1,17 @@
 """Worker of ``test_native_checks.py``: real lowered models' quantree calls, mutated.
 
 Lowers a few small models (a CNN with grouped, depthwise and 1-d convolutions, pooling,
-lookups, softmax and a residual add; a stacked LSTM and a projected one; a GRU in cells mode;
-an LSTM cell; a layer-normed LSTM that becomes a region program; an embedding and a product
-of two activations), records every ``torch.ops.quantree`` call one forward makes (with its
-arguments), then lets hypothesis mutate one or two of a call's constants or integers (an
-element of a code or slot table, a size, a list entry; a tensor truncated, retyped, made
-non-contiguous or emptied; a list shortened) and calls the op with them, or, for an op a
-lowered graph binds (``bound_calls.py``), calls a binding made on the recorded call with
-them, a mutated constant put into the bound tensor itself by ``.data =`` (a change the
-binding must see after its check). Each example is
-printed (flushed) before it runs, then ``ok <outcome>``: a signal kills this process, and
-the test names the last example printed.
+lookups, softmax and a residual add; a stacked LSTM and a projected one; a GRU in cells
+mode; an LSTM cell; a layer-normed LSTM that becomes a region program; an embedding, int8
+and int16, and a product of two activations), records every ``torch.ops.quantree`` call one
+forward makes (with its arguments), then lets hypothesis mutate one or two of a call's
+constants or integers (an element of a code or slot table, a size, a list entry; a tensor
+truncated, retyped, made non-contiguous or emptied; a list shortened) and calls the op with
+them, or, for an op a lowered graph binds (``bound_calls.py``), calls a binding made on the
+recorded call with them, a mutated constant put into the bound tensor itself by ``.data =``
+(a change the binding must see after its check). Each example is printed (flushed) before it
+runs, then ``ok <outcome>``: a signal kills this process, and the test names the last
+example printed.
 
 ``python native_mutations.py N SEED``: N examples.
 """
@@ -99,6 +99,14 @@ def models() -> list[tuple[str, nn.Module, tuple[torch.Tensor, ...], qt.Int8Quan
         ),
         ("program", NormedLSTM(), (torch.randn(6, 2, 12),), qt.Int8Quantizer()),
         ("tokens", Tokens(), (torch.randint(0, 20, (2, 5)),), EVERY_OP),
+        (  # an int16 table: its own native gather (a transformer's default table)
+            "tokens16",
+            Tokens(),
+            (torch.randint(0, 20, (2, 5)),),
+            qt.Int8Quantizer(
+                activations=qt.ActivationPoints.EVERY_OP, embedding_dtype=qt.QDtype.INT16
+            ),
+        ),
     ]
 
 
@@ -131,7 +139,7 @@ def recorded_calls() -> list[tuple[str, Any, tuple, dict]]:
     for name, model, args, quantizer in models():
         model.eval()
         data = [tuple(a.clone() for a in args) for _ in range(3)]
-        if name != "tokens":
+        if not name.startswith("tokens"):
             data = [tuple(a + 0.1 * i for a in args) for i in range(3)]
         ref = qt.quantize(
             model, args, data, quantizer=quantizer, progress=False, backend="reference"

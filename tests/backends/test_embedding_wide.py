@@ -1,7 +1,10 @@
-"""Embedding tables at int16 per row (``Int8Quantizer(embedding_dtype=INT16)``): the CPU
-backend gathers the int16 rows as it does int8 ones, bit-equal to the reference."""
+"""Embedding tables at int16 per row (``Int8Quantizer(embedding_dtype=INT16)``, and the
+default where the rows are read in float): the CPU backend gathers the int16 rows as it does
+int8 ones, bit-equal to the reference."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -108,8 +111,8 @@ class TokensToLinear(nn.Module):
 def test_a_per_row_table_before_a_linear_meets_its_floor_and_loads_bit_equal(
     tmp_path, dtype, floor_db
 ) -> None:
-    """On 4 new inputs: measured 42.9-43.5 dB with the int8 per-row table (the default: an
-    N(0, 1) row's 8-bit rounding is the output's largest error) and 48.1-48.6 dB at int16,
+    """On 4 new inputs: measured 42.9-43.5 dB with the int8 per-row table (an N(0, 1) row's
+    8-bit rounding is the output's largest error) and 48.1-48.6 dB at int16,
     where the float table measures the same 48.1-48.6 dB (the linear's int8 weights are then
     what is left). The lowered model gathers the rows natively (their bits are the reference
     graph's: the test above); after its float layer norm and the linear's epilogue it
@@ -134,3 +137,89 @@ def test_a_per_row_table_before_a_linear_meets_its_floor_and_loads_bit_equal(
             assert qt.sqnr(ref(ids), got) >= 100.0  # float summation order only
             assert torch.equal(loaded(ids), got)
             assert qt.sqnr(model(ids), got) >= floor_db
+
+
+class TokensToLstm(nn.Module):
+    """Token table into an LSTM: every op int8, the rows rounded to int8 by the LSTM's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(500, 32)
+        self.lstm = nn.LSTM(32, 32, batch_first=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lstm(self.emb(ids))[0]
+
+
+def _stem_data() -> tuple[list[tuple[torch.Tensor]], list[tuple[torch.Tensor]]]:
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 500, (4, 12), generator=g),) for _ in range(8)]
+    new = [(torch.randint(0, 500, (4, 12), generator=g),) for _ in range(4)]
+    return data, new
+
+
+def test_the_default_table_is_int16_where_its_rows_are_read_in_float(tmp_path) -> None:
+    """A transformer's stem (table, float layer norm, linear with an int16 input): the
+    default recipe chooses the int16 per-row table (an int8 row's rounding, 42.9-43.5 dB, was
+    the output's largest error), meets the int16 floor of the test above (47 dB; measured
+    48.1-48.6 dB), and the lowered model gathers it natively and loads back bit-equal."""
+    torch.manual_seed(0)
+    model = TokensToLinear().eval()
+    data, new = _stem_data()
+    ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
+    dq = _table_dq(ref)
+    assert dq.args[3] == 0 and dq.args[-1] is torch.int16  # per row, int16
+    low = qt.lower(ref, CPU)
+    assert len(calls(low, torch.ops.quantree.embedding_rows.default)) == 1
+    save(low, tmp_path / "stem.pt2", data[0])
+    loaded = load(tmp_path / "stem.pt2")
+    with torch.no_grad():
+        for (ids,) in new:
+            got = low(ids)
+            assert torch.equal(loaded(ids), got)
+            assert qt.sqnr(model(ids), got) >= 47.0
+
+
+def test_the_default_table_is_int8_where_every_op_is_int8() -> None:
+    """Where the next op rounds the rows to an int8 grid anyway (an LSTM's input, every op
+    quantized), the default keeps the smaller int8 table; ``embedding_dtype`` overrides the
+    choice either way, and 16-bit activations (A16W8) read the rows wide, so int16."""
+    torch.manual_seed(0)
+    data, _ = _stem_data()
+    cases = [
+        (TokensToLstm(), qt.Int8Quantizer(), torch.int8),
+        (TokensToLstm(), qt.Int8Quantizer(embedding_dtype=qt.QDtype.INT16), torch.int16),
+        (TokensToLstm(), qt.A16W8Quantizer(), torch.int16),
+        (TokensToLinear(), qt.Int8Quantizer(embedding_dtype=qt.QDtype.INT8), torch.int8),
+    ]
+    for model, quantizer, want in cases:
+        ref = qt.quantize(
+            model.eval(), data[0], data, quantizer=quantizer, progress=False,
+            backend="reference",
+        )  # fmt: skip
+        assert _table_dq(ref).args[-1] is want, (type(model).__name__, quantizer)
+
+
+def test_the_default_int16_table_exports_to_onnx_and_executorch(tmp_path) -> None:
+    """The default stem's int16 table in the runtimes users deploy with: ONNX Runtime computes
+    the reference graph's output (opset 21 for the 16-bit dequantize), and ExecuTorch (the
+    table folded to float, the linear on XNNPACK) is within 30 dB of it, the ExecuTorch
+    tests' bound."""
+    torch.manual_seed(0)
+    model = TokensToLinear().eval()
+    data, new = _stem_data()
+    ref = qt.quantize(model, data[0], data, progress=False, backend="reference")
+    assert _table_dq(ref).args[-1] is torch.int16
+    (ids,) = new[0]
+    if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnxscript"):
+        path = qt.export_onnx(ref, data[0], tmp_path / "stem.onnx")
+        session = onnx_session(path)
+        (got,) = session.run(None, {session.get_inputs()[0].name: ids.numpy()})
+        assert qt.sqnr(ref(ids), torch.from_numpy(got)) >= 60.0
+    if importlib.util.find_spec("executorch"):
+        from quantree.backends.executorch import lower_executorch, run_executorch
+
+        program = tmp_path / "stem.pte"
+        program.write_bytes(lower_executorch(ref, data[0]).buffer)
+        (got,) = run_executorch(program, (ids,))
+        assert qt.sqnr(ref(ids), got) >= 30.0

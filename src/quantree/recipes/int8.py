@@ -32,7 +32,11 @@ from quantree.core.specs import (
     int8_weight,
 )
 from quantree.core.values import Use, Value, is_float_tensor, tensor_meta
-from quantree.recipes.activation_points import ActivationPoints, weighted_inputs_rules
+from quantree.recipes.activation_points import (
+    ActivationPoints,
+    transformer_like,
+    weighted_inputs_rules,
+)
 from quantree.recipes.float_only import on_floats
 from quantree.recipes.infinities import off_infinities
 from quantree.recipes.padding import PAD_OPS, pad_rule
@@ -200,6 +204,38 @@ def table_spec(weight: QuantSpec, dtype: QDtype) -> QuantSpec:
     return QuantSpec(dtype, symmetric=True, axis=weight.axis, observer=weight.observer)
 
 
+def table_chooser(
+    embedding_dtype: QDtype | None, weight: QuantSpec, act: QuantSpec, points: ActivationPoints
+) -> Callable[[fx.Node], QuantSpec]:
+    """The spec of each embedding's table: ``embedding_dtype`` when given, else chosen per
+    lookup by where its rows go.
+
+    Where the rows are read in float or at 16 bits (a transformer's embeddings, summed and
+    layer-normed in float before int16 linear inputs: ``ActivationPoints``' weighted inputs,
+    or 16-bit activations), an int8 row's rounding is the model's largest error: a row of
+    8-bit codes cannot come near float's accuracy, 16 bits can. The table is then INT16 per
+    row, half a float table's bytes (torchao leaves its tables float). Where every op is
+    quantized at 8 bits (an LSTM's token embedding), the rows are rounded to an int8 grid
+    by the next op anyway: a wider table buys nothing there and costs twice the bytes, so it
+    stays INT8, the weight spec."""
+    wide = table_spec(weight, QDtype.INT16)
+    if embedding_dtype is QDtype.INT8:
+        return lambda node: weight
+    if embedding_dtype is QDtype.INT16:
+        return lambda node: wide
+
+    def chosen(node: fx.Node) -> QuantSpec:
+        if act.dtype not in (QDtype.INT8, QDtype.UINT8):
+            return wide
+        if points is ActivationPoints.WEIGHTED_INPUTS:
+            return wide
+        if points is ActivationPoints.AUTO and transformer_like(node.graph):
+            return wide
+        return weight
+
+    return chosen
+
+
 def cell_sums_spec(dtype: QDtype, act: QuantSpec) -> QuantSpec:
     """The sums inside a cell: symmetric min-max at 16 bits (no clip pays at that width)."""
     if dtype == act.dtype:
@@ -237,8 +273,10 @@ class Int8Quantizer(Quantizer):
     with layer norm or attention, where only what linear/conv/matmul read).
     ``weighted_inputs_dtype`` is the type of those inputs where only they are quantized
     (``weighted_input_spec``: int16 by default, INT8 for torchao's int8 recipe).
-    ``embedding_dtype``: embedding tables' type, per row like weights (INT16: about float's
-    accuracy at half its size, where an int8 row's rounding is the model's largest error).
+    ``embedding_dtype``: embedding tables' type, per row like weights; None (the default)
+    chooses per table (``table_chooser``): INT16 where the rows are read in float or at 16
+    bits (transformers: about float's accuracy at half its size, where an int8 row's
+    rounding was the model's largest error), INT8 where the next op rounds them to int8.
     ``recurrent_sequence_dtype``: the input and output sequences of whole-mode recurrent
     layers (INT16: symmetric; at int8 the output grid was most of an LSTM's error, 3 dB
     under ONNX Runtime's dynamic LSTM, and INT16 gains 7-10 dB on the CPU backend; the
@@ -271,7 +309,7 @@ class Int8Quantizer(Quantizer):
         split_layers: bool = True,
         activations: ActivationPoints = ActivationPoints.AUTO,
         weighted_inputs_dtype: QDtype = QDtype.INT16,
-        embedding_dtype: QDtype = QDtype.INT8,
+        embedding_dtype: QDtype | None = None,
         recurrent_sequence_dtype: QDtype = QDtype.INT8,
         reduce_range: bool = False,
         rules: tuple[Rule, ...] = (),
@@ -301,11 +339,12 @@ class Int8Quantizer(Quantizer):
         if not isinstance(split_layers, bool):
             raise QuantreeError(f"split_layers must be True or False, got {split_layers!r}")
         image_act = activation or weighted_input_spec(QDtype.INT8, activation_observer)
-        if embedding_dtype not in (QDtype.INT8, QDtype.INT16):
+        if embedding_dtype not in (None, QDtype.INT8, QDtype.INT16):
             raise QuantreeError(
-                f"embedding_dtype must be QDtype.INT8 or QDtype.INT16, got {embedding_dtype!r}"
+                f"embedding_dtype must be None (chosen per table), QDtype.INT8 or QDtype.INT16, "
+                f"got {embedding_dtype!r}"
             )
-        table = None if embedding_dtype is QDtype.INT8 else table_spec(wgt, embedding_dtype)
+        table = table_chooser(embedding_dtype, wgt, act, activations)
         if recurrent_sequence_dtype not in (QDtype.INT8, QDtype.INT16):
             raise QuantreeError(
                 f"recurrent_sequence_dtype must be QDtype.INT8 or QDtype.INT16, got "
@@ -391,11 +430,11 @@ def int8_rules(
     weight: QuantSpec,
     share_recurrent_state: bool = False,
     split_stacked: bool = True,
-    table: QuantSpec | None = None,
+    table: Callable[[fx.Node], QuantSpec] | None = None,
     sequence: QuantSpec | None = None,
 ) -> tuple[Rule, ...]:
-    """The rules of Int8Quantizer for the given activation and weight specs (``table``:
-    embedding tables', ``weight`` when None; ``sequence``: whole-mode recurrent layers'
+    """The rules of Int8Quantizer for the given activation and weight specs (``table``: an
+    embedding's table spec, ``weight`` when None; ``sequence``: whole-mode recurrent layers'
     input and output sequences', ``act`` when None)."""
     fused_activations = RELU_OPS
     split_kinds = SPLITTABLE if split_stacked else RELU_ONLY
@@ -482,7 +521,7 @@ def int8_rules(
         return Annotation(inputs={(0,): act})
 
     def embedding(node: fx.Node) -> Annotation:
-        return Annotation(outputs=None, inputs={(0,): table or weight})
+        return Annotation(outputs=None, inputs={(0,): table(node) if table else weight})
 
     def recurrent(node: fx.Node) -> Annotation:
         if splittable(node, split_kinds):  # a stacked call: its inner layers observed too
