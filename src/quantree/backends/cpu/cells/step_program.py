@@ -19,7 +19,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from quantree.backends.cpu.cells.program_loop import program_loop
+from quantree.backends.cpu.cells.loop_plan import LoopPlan, layout
+from quantree.backends.cpu.cells.program_loop import checked_loop
 from quantree.backends.cpu.passes.casts import drop_identity_casts
 from quantree.backends.cpu.passes.regions import fuse_regions
 from quantree.core.graphs import copy_graph_module, fetch_attr
@@ -28,6 +29,8 @@ from quantree.recurrent.unrolled.step_loop import StepLoop, StepOutput
 aten = torch.ops.aten
 TABLES = ("code", "fcode", "slots", "in_slots", "out_slots")
 SIZE_ONE = {aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
+PLANS_KEPT = 8
+"""Input layouts a loop keeps a checked call for (others run the op in full)."""
 LISTS = ("in_shapes", "in_ranks", "out_shapes", "out_ranks", "out_dtypes", "in_coeffs",
          "out_coeffs", "sym")  # fmt: skip
 
@@ -56,6 +59,13 @@ class NativeProgramLoop(nn.Module):
         self.results = results
         """Per body output (states, then per-step outputs): the program output it is."""
         self.feed = feed
+        self.plans: dict[Any, LoopPlan] = {}
+        """The checked call per input layout (``loop_plan.py``); never saved or copied."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["plans"] = {}  # a copy plans with its own tensors
+        return state
 
     def forward(self, *args: Tensor) -> tuple[Tensor, ...]:
         n, m = self.n_states, len(self.inputs)
@@ -68,21 +78,34 @@ class NativeProgramLoop(nn.Module):
             buffers[f"const{i}"] if role == "const" else pick[role][i] for role, i in self.roles
         ]
         consts = [buffers[f"const{i}"] for i in range(self.n_consts)]
-        stepped = [int(role == "source") for role, _ in self.roles]
-        call: Any = (
-            program_loop
-            if all(type(x) is Tensor for x in inputs)
-            else torch.ops.quantree.program_loop
-        )
-        outs = call(
-            inputs, consts, *(buffers[k] for k in TABLES), *(self.lists[k] for k in LISTS),
-            stepped, self.feed,
-        )  # fmt: skip
+        tables = [buffers[k] for k in TABLES]
+        key = layout(inputs)
+        plan = self.plans.get(key) if key is not None else None
+        if plan is not None and plan.matches([*tables, *consts]):
+            outs = plan.run(inputs)
+        else:
+            outs = self._call(inputs, consts, tables, key)
         finals = [outs[i][-1] for i in self.results[:n]]
         collected = []
         for spec, i in zip(self.outputs, self.results[n:], strict=True):
             collected.append(_joined(outs[i], spec))
         return (*finals, *collected)
+
+    def _call(
+        self, inputs: list[Tensor], consts: list[Tensor], tables: list[Tensor], key: Any
+    ) -> list[Tensor]:
+        """The op in full (every check, then the kernel); planned for plain tensors."""
+        stepped = [int(role == "source") for role, _ in self.roles]
+        args: Any = (inputs, consts, *tables, *(self.lists[k] for k in LISTS), stepped, self.feed)
+        if key is None:  # export's fake tensors: the op
+            return torch.ops.quantree.program_loop(*args)  # type: ignore[no-any-return]
+        outs, steps, size = checked_loop(*args)
+        if len(self.plans) >= PLANS_KEPT:
+            self.plans.clear()
+        plan = LoopPlan(inputs, stepped, [*tables, *consts], consts, tables, outs, self.feed,
+                        steps, size)  # fmt: skip
+        self.plans[key] = plan
+        return outs
 
 
 def _per_step(src: Tensor, spec: Any, steps: int) -> Tensor:
