@@ -285,3 +285,51 @@ def test_large_layer_norms_and_gelus_stay_with_aten_but_on_vector_row_paths() ->
         assert not {aten.layer_norm.default, aten.gelu.default} & large_ops
     else:
         assert {aten.layer_norm.default, aten.gelu.default} <= large_ops
+
+
+def _program_binding(low: nn.Module):
+    (node,) = calls(low, PROGRAM)
+    return node, node.target.binding
+
+
+def test_a_program_node_plans_its_call_and_checks_again_when_a_table_changes() -> None:
+    """The second call of a shape runs the plan (``native/bound_programs.py``): the same
+    values as the op's full path; a table changed in place or a constant replaced sends
+    the call through the full checks again, which refuse a bad table."""
+    import copy
+
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(12, 12) for _ in range(9))
+            self.norm = nn.LayerNorm(12)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return self.norm(x)
+
+    torch.manual_seed(0)
+    _, low = _lowered(Chain())  # one dynamic program for every length
+    node, binding = _program_binding(low)
+    fresh = copy.deepcopy(low)  # plans are not copied: its calls start on the full path
+    assert not _program_binding(fresh)[1].plans
+    with torch.no_grad():
+        for steps in (6, 3, 6):
+            (x,) = _data(1, seed=steps, steps=steps)[0]
+            first, planned = low(x), low(x)
+            assert torch.equal(first, planned)
+            assert torch.equal(planned, copy.deepcopy(low)(x))
+    assert len(binding.plans) == 2  # 6 and 3 steps: the program's size symbol
+    code = fetch_attr(low, str(node.args[2].target))
+    saved = code.clone()
+    with torch.no_grad():
+        code[0, 0] = 99  # an opcode no program has: the version moves, the plan is not taken
+        with pytest.raises(qt.QuantreeError, match="opcode"):
+            low(x)
+        code.copy_(saved)
+        assert torch.equal(low(x), planned)
+        weight = node.args[1][0]
+        held = fetch_attr(low, str(weight.target))
+        setattr(low, str(weight.target), held.clone())  # another tensor: a new plan
+        assert torch.equal(low(x), planned)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +42,7 @@ def layout(inputs: Sequence[Tensor]) -> Layout | None:
 class LoopPlan:
     """One checked ``program_loop`` call, reusable for inputs of the same ``layout``."""
 
-    __slots__ = ("dense", "fixed", "keep", "n_in", "n_out", "outs", "tail")
+    __slots__ = ("dense", "fixed", "keep", "n_in", "n_out", "outs", "picks", "tail")
 
     def __init__(
         self, inputs: Sequence[Tensor], stepped: Sequence[int], fixed: Sequence[Tensor],
@@ -74,6 +75,27 @@ class LoopPlan:
             held.inputs("consts", consts), held, tuple(fixed),
         )  # fmt: skip
 
+    def pick(self, places: Sequence[tuple[int, int | None, Any]]) -> None:
+        """Read the inputs straight from the loop's arguments: per input, the argument
+        index, the byte offset of its first step in it (None: the argument, made dense) and
+        a cut (None, or a function making the per-step input dense from the argument). The
+        plan key is then the arguments' layout."""
+        self.picks = tuple(places)
+
+    def run_args(self, args: Sequence[Tensor]) -> list[Tensor]:
+        """``run`` with the inputs taken from the loop's arguments (``pick``)."""
+        held = []
+        addresses = (ctypes.c_void_p * max(self.n_in, 1))()
+        for j, (i, offset, cut) in enumerate(self.picks):
+            x = args[i]
+            if cut is not None:
+                x = cut(x)
+            elif offset is None and not x.is_contiguous():
+                x = x.contiguous()
+            held.append(x)
+            addresses[j] = x.data_ptr() + (offset or 0)
+        return self._call(addresses, held)
+
     def matches(self, fixed: Sequence[Tensor]) -> bool:
         """The tables and constants are the checked tensors, unchanged."""
         if len(fixed) != len(self.fixed):
@@ -85,8 +107,12 @@ class LoopPlan:
 
     def run(self, inputs: Sequence[Tensor]) -> list[Tensor]:
         dense = [x if keep else x.contiguous() for x, keep in zip(inputs, self.dense, strict=True)]
-        outs = [torch.empty(shape, dtype=dtype) for shape, dtype in self.outs]
         addresses = (ctypes.c_void_p * max(self.n_in, 1))(*(x.data_ptr() for x in dense))
+        return self._call(addresses, dense)
+
+    def _call(self, addresses: ctypes.Array, held: list[Tensor]) -> list[Tensor]:
+        """The kernel on input ``addresses`` (into ``held``, alive through the call)."""
+        outs = [torch.empty(shape, dtype=dtype) for shape, dtype in self.outs]
         out_addresses = (ctypes.c_void_p * max(self.n_out, 1))(*(o.data_ptr() for o in outs))
         in_slots, in_step, in_ld, n_in = self.tail
         k = self.keep

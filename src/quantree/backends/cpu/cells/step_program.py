@@ -68,23 +68,16 @@ class NativeProgramLoop(nn.Module):
         return state
 
     def forward(self, *args: Tensor) -> tuple[Tensor, ...]:
-        n, m = self.n_states, len(self.inputs)
-        states, sources, invariants = args[:n], args[n : n + m], args[n + m :]
-        steps = StepLoop.length(self, sources)  # type: ignore[arg-type]
-        cut = [_per_step(src, spec, steps) for src, spec in zip(sources, self.inputs, strict=True)]
         buffers: Any = self._buffers
-        pick = {"state": states, "source": cut, "invariant": invariants}
-        inputs = [
-            buffers[f"const{i}"] if role == "const" else pick[role][i] for role, i in self.roles
-        ]
         consts = [buffers[f"const{i}"] for i in range(self.n_consts)]
         tables = [buffers[k] for k in TABLES]
-        key = layout(inputs)
+        key = layout(args)
         plan = self.plans.get(key) if key is not None else None
         if plan is not None and plan.matches([*tables, *consts]):
-            outs = plan.run(inputs)
+            outs = plan.run_args(args)
         else:
-            outs = self._call(inputs, consts, tables, key)
+            outs = self._call(args, consts, tables, key)
+        n = self.n_states
         finals = [outs[i][-1] for i in self.results[:n]]
         collected = []
         for spec, i in zip(self.outputs, self.results[n:], strict=True):
@@ -92,20 +85,56 @@ class NativeProgramLoop(nn.Module):
         return (*finals, *collected)
 
     def _call(
-        self, inputs: list[Tensor], consts: list[Tensor], tables: list[Tensor], key: Any
+        self, args: tuple[Tensor, ...], consts: list[Tensor], tables: list[Tensor], key: Any
     ) -> list[Tensor]:
-        """The op in full (every check, then the kernel); planned for plain tensors."""
+        """The op in full (every check, then the kernel); planned for plain tensors where
+        every input is an argument or a view of one read in place."""
+        n, m = self.n_states, len(self.inputs)
+        states, sources, invariants = args[:n], args[n : n + m], args[n + m :]
+        steps = StepLoop.length(self, sources)  # type: ignore[arg-type]
+        cut = [_per_step(src, spec, steps) for src, spec in zip(sources, self.inputs, strict=True)]
+        pick = {"state": states, "source": cut, "invariant": invariants}
+        inputs = [consts[i] if role == "const" else pick[role][i] for role, i in self.roles]
         stepped = [int(role == "source") for role, _ in self.roles]
-        args: Any = (inputs, consts, *tables, *(self.lists[k] for k in LISTS), stepped, self.feed)
-        if key is None:  # export's fake tensors: the op
-            return torch.ops.quantree.program_loop(*args)  # type: ignore[no-any-return]
-        outs, steps, size = checked_loop(*args)
-        if len(self.plans) >= PLANS_KEPT:
-            self.plans.clear()
+        call: Any = (inputs, consts, *tables, *(self.lists[k] for k in LISTS), stepped, self.feed)
+        if key is None or layout(inputs) is None:  # export's fake tensors: the op
+            return torch.ops.quantree.program_loop(*call)  # type: ignore[no-any-return]
+        outs, steps, size = checked_loop(*call)
         plan = LoopPlan(inputs, stepped, [*tables, *consts], consts, tables, outs, self.feed,
                         steps, size)  # fmt: skip
+        places = _places(self.roles, plan.dense, args, cut, list(self.inputs), steps, n, m)
+        if places is None:
+            return outs
+        plan.pick(places)
+        if len(self.plans) >= PLANS_KEPT:
+            self.plans.clear()
         self.plans[key] = plan
         return outs
+
+
+def _places(
+    roles: list[tuple[str, int]], in_place: tuple[bool, ...], args: tuple[Tensor, ...],
+    cut: list[Tensor], specs: list[Any], steps: int, n: int, m: int,
+) -> list[tuple[int, int | None, Any]] | None:  # fmt: skip
+    """Per program input, the loop argument it is read from, the byte offset of a per-step
+    input's first step in it (None: the argument itself, made dense) and, for per-step
+    inputs copied out (reversed, or rows not evenly spaced), the cut that makes them; None
+    where an input is a constant."""
+    places: list[tuple[int, int | None, Any]] = []
+    for (role, i), keep in zip(roles, in_place, strict=True):
+        if role == "const":
+            return None
+        if role != "source":
+            places.append((i if role == "state" else n + m + i, None, None))
+            continue
+        src, view = args[n + i], cut[i]
+        shared = view.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+        if keep and shared:
+            places.append((n + i, view.data_ptr() - src.data_ptr(), None))
+        else:
+            spec = specs[i]
+            places.append((n + i, None, lambda x, s=spec: _per_step(x, s, steps).contiguous()))
+    return places
 
 
 def _per_step(src: Tensor, spec: Any, steps: int) -> Tensor:
