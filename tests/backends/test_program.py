@@ -333,3 +333,39 @@ def test_a_program_node_plans_its_call_and_checks_again_when_a_table_changes() -
         held = fetch_attr(low, str(weight.target))
         setattr(low, str(weight.target), held.clone())  # another tensor: a new plan
         assert torch.equal(low(x), planned)
+
+
+class ChunkwiseParallel(nn.Module):
+    """The float arithmetic of xLSTM's chunkwise-parallel part (stabilised exps, a scaled
+    ``q k^T``, a division by a floored normaliser), as a lowered graph leaves it between
+    its int8 ops: no loop, no q/dq."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor):
+        m = g.amax(-1, keepdim=True).clamp_min(-1.0)  # one stabiliser per row
+        d = torch.exp(g - m)
+        s = (q @ k.transpose(-2, -1)) * 0.25 * d
+        h = s @ v
+        n = s.sum(-1, keepdim=True)
+        return h / (torch.maximum(n.abs(), torch.exp(-m)) + 1e-6)
+
+
+@pytest.mark.parametrize(("chunks", "fused"), [(4, True), (64, False)])
+def test_small_float_math_outside_a_loop_runs_in_a_program(chunks: int, fused: bool) -> None:
+    """``region_math``'s ops join programs in any graph where they are small
+    (``regions.SMALL_MATH_ELEMENTS``): xLSTM's ``[1, 2, 4, 16, 16]`` at 64 tokens; at 1024
+    tokens (``[1, 2, 64, 16, 16]``, 32768 values) they stay ATen's. Float32 arithmetic as
+    ATen's up to summation order (rtol 1e-5)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, chunks, 16, 16, generator=g) for _ in range(2))
+    v = torch.randn(1, 2, chunks, 16, 32, generator=g)
+    gate = torch.randn(1, 2, chunks, 16, 16, generator=g)
+    ex = (q, k, v, gate)
+    gm = torch.export.export(ChunkwiseParallel(), ex).module()
+    want = gm(*ex)
+    assert regions.fuse_regions(gm) == int(fused)
+    left = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert ("aten.exp.default" in left) is not fused
+    assert ("aten.matmul.default" in left) is not fused
+    torch.testing.assert_close(gm(*ex), want, rtol=1e-5, atol=1e-5)
+    plain = torch.export.export(ChunkwiseParallel(), ex).module()
+    assert regions.fuse_regions(plain, small_math=False) == 0  # before: none of it

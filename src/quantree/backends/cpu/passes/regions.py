@@ -188,12 +188,12 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
 
 
 def fuse_regions(
-    gm: fx.GraphModule, min_ops: int = MIN_OPS, math: bool = False, small_math: bool = False
+    gm: fx.GraphModule, min_ops: int = MIN_OPS, math: bool = False, small_math: bool = True
 ) -> int:
     """Replace each run of at least ``min_ops`` program-covered ops of ``gm`` by one
     ``quantree.program`` call; returns how many were replaced. ``math``: programs also take
-    ``region_math``'s ops (a folded loop's step, ``cells/step_program.py``); ``small_math``:
-    they take those ops where they are small (``small``), in any graph."""
+    ``region_math``'s ops (a folded loop's step, ``cells/step_program.py``); else, with
+    ``small_math``, those ops where they are small (``SMALL_MATH_ELEMENTS``)."""
     shapes = _infer_shapes(gm, math)
     fused = 0
     small = small_math and not math
