@@ -3,9 +3,9 @@
 ``quantree.program_loop`` (``program_loop.py``) re-derives on every call what one loop's
 calls share: the roles and the tables' verdict, the step shapes resolved from the integer
 lists, which per-step inputs are read in place and their byte strides (three small tensors
-made per call), one ``NativeArgs`` check per table and constant. On xLSTM at 64 tokens (4
-chunks) that was 0.2 ms of Python around a 0.05 ms kernel, twice a forward
-(benchmarks/README.md, branch ``h-xlstm64``).
+made per call), one ``NativeArgs`` check per table and constant: more than the kernel of a
+loop of a few steps (xLSTM's 4 chunks at 64 tokens: benchmarks/README.md, branch
+``h-xlstm64``).
 
 ``LoopPlan`` is made from a call the op ran in full (every check passed, the kernel ran):
 it keeps the outputs' shapes and dtypes, the in-place / dense choice and byte strides of
@@ -42,7 +42,7 @@ def layout(inputs: Sequence[Tensor]) -> Layout | None:
 class LoopPlan:
     """One checked ``program_loop`` call, reusable for inputs of the same ``layout``."""
 
-    __slots__ = ("dense", "fixed", "keep", "n_in", "n_out", "outs", "picks", "tail")
+    __slots__ = ("dense", "fixed", "held", "n_in", "n_out", "outs", "picks", "rest", "tail")
 
     def __init__(
         self, inputs: Sequence[Tensor], stepped: Sequence[int], fixed: Sequence[Tensor],
@@ -67,13 +67,17 @@ class LoopPlan:
             held.input("in_step", torch.tensor(step_bytes, dtype=torch.int64)),
             held.input("in_ld", torch.tensor(row_bytes, dtype=torch.int64)), len(inputs),
         )  # fmt: skip
-        self.keep = (
+        self.rest = (
             held.input("out_slots", out_slots),
             held.input("feed", torch.tensor(list(feed), dtype=torch.int64)), len(outs), steps,
             held.input("slots", slots), slots.shape[0], slots.shape[1], size,
             held.input("code", code), held.input("fcode", fcode), code.shape[0],
-            held.inputs("consts", consts), held, tuple(fixed),
+            held.inputs("consts", consts),
         )  # fmt: skip
+        """The kernel's arguments after the outputs' addresses."""
+        self.held = (held, tuple(fixed))
+        """What those addresses point into (and the checked tensors), alive with the plan."""
+        self.picks: tuple[tuple[int, int | None, Any], ...] = ()
 
     def pick(self, places: Sequence[tuple[int, int | None, Any]]) -> None:
         """Read the inputs straight from the loop's arguments: per input, the argument
@@ -83,7 +87,7 @@ class LoopPlan:
         self.picks = tuple(places)
 
     def run_args(self, args: Sequence[Tensor]) -> list[Tensor]:
-        """``run`` with the inputs taken from the loop's arguments (``pick``)."""
+        """Every step's outputs, the inputs taken from the loop's arguments (``pick``)."""
         held = []
         addresses = (ctypes.c_void_p * max(self.n_in, 1))()
         for j, (i, offset, cut) in enumerate(self.picks):
@@ -105,16 +109,11 @@ class LoopPlan:
                 return False
         return True
 
-    def run(self, inputs: Sequence[Tensor]) -> list[Tensor]:
-        dense = [x if keep else x.contiguous() for x, keep in zip(inputs, self.dense, strict=True)]
-        addresses = (ctypes.c_void_p * max(self.n_in, 1))(*(x.data_ptr() for x in dense))
-        return self._call(addresses, dense)
-
     def _call(self, addresses: ctypes.Array, held: list[Tensor]) -> list[Tensor]:
         """The kernel on input ``addresses`` (into ``held``, alive through the call)."""
         outs = [torch.empty(shape, dtype=dtype) for shape, dtype in self.outs]
         out_addresses = (ctypes.c_void_p * max(self.n_out, 1))(*(o.data_ptr() for o in outs))
         in_slots, in_step, in_ld, n_in = self.tail
-        k = self.keep
-        kernels().qt_program_loop(addresses, in_slots, in_step, in_ld, n_in, out_addresses, *k[:12])
+        kernels().qt_program_loop(addresses, in_slots, in_step, in_ld, n_in, out_addresses,
+                                  *self.rest)  # fmt: skip
         return outs

@@ -4,8 +4,7 @@ A region program's call (``ops/program.py``) re-derives on every call what canno
 between calls of one node: the tables' verdict lookup (stamps of five tables), the shapes
 resolved from the integer lists, the workspace bound, one ``NativeArgs`` check per input,
 constant and output. For a small program (a recurrent block's few hundred values) that is
-more than its kernel: on xLSTM at 64 tokens 0.16-0.23 ms of Python around a 0.14 ms kernel
-(benchmarks/README.md, branch ``h-xlstm64``).
+more than its kernel (xLSTM at 64 tokens: benchmarks/README.md, branch ``h-xlstm64``).
 
 ``BoundProgram`` runs the op in full on a node's first call for a set of input shapes (every
 check, the kernel, the outputs), then keeps a plan: the output shapes and dtypes, the
