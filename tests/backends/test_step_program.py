@@ -319,10 +319,16 @@ def test_an_int8_binary_with_a_column_operand_gives_the_bits_of_the_broadcasting
         gm(*ex)
 
 
-def test_step_math_stays_out_of_programs_unless_asked():
+def test_step_math_stays_out_of_programs_unless_asked_or_small():
+    """A step's math joins programs where asked (``math``, a folded step) or, by default,
+    where it is small (``regions.SMALL_MATH_ELEMENTS``); with neither it stays ATen's."""
+    exp = torch.ops.aten.exp.default
+    gm, _ = _float_step()
+    fuse_regions(gm, min_ops=1, small_math=False)
+    assert any(n.target == exp for n in gm.graph.nodes)
     gm, _ = _float_step()
     fuse_regions(gm, min_ops=1)
-    assert any(n.target == torch.ops.aten.exp.default for n in gm.graph.nodes)
+    assert not any(n.target == exp for n in gm.graph.nodes)
 
 
 def _loop_call(monkeypatch):
