@@ -369,3 +369,28 @@ def test_small_float_math_outside_a_loop_runs_in_a_program(chunks: int, fused: b
     torch.testing.assert_close(gm(*ex), want, rtol=1e-5, atol=1e-5)
     plain = torch.export.export(ChunkwiseParallel(), ex).module()
     assert regions.fuse_regions(plain, small_math=False) == 0  # before: none of it
+
+
+class HeadNorm(nn.Module):
+    """xLSTM's multi-head layer norm's statistics: mean and (biased, then unbiased) variance
+    over each head's last dimension, then ``(x - mean) rsqrt(var + eps)``."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x.transpose(1, 2)
+        mean = h.mean(-1, keepdim=True)
+        var = h.var(-1, unbiased=False, keepdim=True)
+        normed = (h - mean) * torch.rsqrt(var + 1e-6) * 2.0 + 0.5
+        return normed, h.var(-1) + 1.0
+
+
+def test_means_and_variances_over_the_last_dimension_run_in_a_program() -> None:
+    """``mean`` / ``var`` over the last dimension as row sums in double (``ROW_SUM``), a
+    scale and a column subtraction: ATen's values up to rounding (rtol 1e-5)."""
+    x = torch.randn(1, 2, 64, 32, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    gm = torch.export.export(HeadNorm(), (x,)).module()
+    want = gm(x)
+    assert regions.fuse_regions(gm, min_ops=1) == 1
+    left = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert not {"aten.mean.dim", "aten.var.dim", "aten.var.correction"} & left
+    for got, ref in zip(gm(x), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
