@@ -285,3 +285,112 @@ def test_large_layer_norms_and_gelus_stay_with_aten_but_on_vector_row_paths() ->
         assert not {aten.layer_norm.default, aten.gelu.default} & large_ops
     else:
         assert {aten.layer_norm.default, aten.gelu.default} <= large_ops
+
+
+def _program_binding(low: nn.Module):
+    (node,) = calls(low, PROGRAM)
+    return node, node.target.binding
+
+
+def test_a_program_node_plans_its_call_and_checks_again_when_a_table_changes() -> None:
+    """The second call of a shape runs the plan (``native/bound_programs.py``): the same
+    values as the op's full path; a table changed in place or a constant replaced sends
+    the call through the full checks again, which refuse a bad table."""
+    import copy
+
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(12, 12) for _ in range(9))
+            self.norm = nn.LayerNorm(12)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return self.norm(x)
+
+    torch.manual_seed(0)
+    _, low = _lowered(Chain())  # one dynamic program for every length
+    node, binding = _program_binding(low)
+    fresh = copy.deepcopy(low)  # plans are not copied: its calls start on the full path
+    assert not _program_binding(fresh)[1].plans
+    with torch.no_grad():
+        for steps in (6, 3, 6):
+            (x,) = _data(1, seed=steps, steps=steps)[0]
+            first, planned = low(x), low(x)
+            assert torch.equal(first, planned)
+            assert torch.equal(planned, copy.deepcopy(low)(x))
+    assert len(binding.plans) == 2  # 6 and 3 steps: the program's size symbol
+    code = fetch_attr(low, str(node.args[2].target))
+    saved = code.clone()
+    with torch.no_grad():
+        code[0, 0] = 99  # an opcode no program has: the version moves, the plan is not taken
+        with pytest.raises(qt.QuantreeError, match="opcode"):
+            low(x)
+        code.copy_(saved)
+        assert torch.equal(low(x), planned)
+        weight = node.args[1][0]
+        held = fetch_attr(low, str(weight.target))
+        setattr(low, str(weight.target), held.clone())  # another tensor: a new plan
+        assert torch.equal(low(x), planned)
+
+
+class ChunkwiseParallel(nn.Module):
+    """The float arithmetic of xLSTM's chunkwise-parallel part (stabilised exps, a scaled
+    ``q k^T``, a division by a floored normaliser), as a lowered graph leaves it between
+    its int8 ops: no loop, no q/dq."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor):
+        m = g.amax(-1, keepdim=True).clamp_min(-1.0)  # one stabiliser per row
+        d = torch.exp(g - m)
+        s = (q @ k.transpose(-2, -1)) * 0.25 * d
+        h = s @ v
+        n = s.sum(-1, keepdim=True)
+        return h / (torch.maximum(n.abs(), torch.exp(-m)) + 1e-6)
+
+
+@pytest.mark.parametrize(("chunks", "fused"), [(4, True), (64, False)])
+def test_small_float_math_outside_a_loop_runs_in_a_program(chunks: int, fused: bool) -> None:
+    """``region_math``'s ops join programs in any graph where they are small
+    (``regions.SMALL_MATH_ELEMENTS``): xLSTM's ``[1, 2, 4, 16, 16]`` at 64 tokens; at 1024
+    tokens (``[1, 2, 64, 16, 16]``, 32768 values) they stay ATen's. Float32 arithmetic as
+    ATen's up to summation order (rtol 1e-5)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, chunks, 16, 16, generator=g) for _ in range(2))
+    v = torch.randn(1, 2, chunks, 16, 32, generator=g)
+    gate = torch.randn(1, 2, chunks, 16, 16, generator=g)
+    ex = (q, k, v, gate)
+    gm = torch.export.export(ChunkwiseParallel(), ex).module()
+    want = gm(*ex)
+    assert regions.fuse_regions(gm) == int(fused)
+    left = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert ("aten.exp.default" in left) is not fused
+    assert ("aten.matmul.default" in left) is not fused
+    torch.testing.assert_close(gm(*ex), want, rtol=1e-5, atol=1e-5)
+    plain = torch.export.export(ChunkwiseParallel(), ex).module()
+    assert regions.fuse_regions(plain, small_math=False) == 0  # before: none of it
+
+
+class HeadNorm(nn.Module):
+    """xLSTM's multi-head layer norm's statistics: mean and (biased, then unbiased) variance
+    over each head's last dimension, then ``(x - mean) rsqrt(var + eps)``."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x.transpose(1, 2)
+        mean = h.mean(-1, keepdim=True)
+        var = h.var(-1, unbiased=False, keepdim=True)
+        normed = (h - mean) * torch.rsqrt(var + 1e-6) * 2.0 + 0.5
+        return normed, h.var(-1) + 1.0
+
+
+def test_means_and_variances_over_the_last_dimension_run_in_a_program() -> None:
+    """``mean`` / ``var`` over the last dimension as row sums in double (``ROW_SUM``), a
+    scale and a column subtraction: ATen's values up to rounding (rtol 1e-5)."""
+    x = torch.randn(1, 2, 64, 32, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    gm = torch.export.export(HeadNorm(), (x,)).module()
+    want = gm(x)
+    assert regions.fuse_regions(gm, min_ops=1) == 1
+    left = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert not {"aten.mean.dim", "aten.var.dim", "aten.var.correction"} & left
+    for got, ref in zip(gm(x), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

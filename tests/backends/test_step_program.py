@@ -11,7 +11,7 @@ from torch import nn
 
 import quantree as qt
 from quantree.backends.cpu.cells import step_program
-from quantree.backends.cpu.cells.program_loop import program_loop
+from quantree.backends.cpu.cells.program_loop import checked_loop, program_loop
 from quantree.backends.cpu.cells.step_program import NativeProgramLoop
 from quantree.backends.cpu.passes.regions import fuse_regions
 from quantree.recurrent.unrolled.step_loop import StepLoop
@@ -319,10 +319,16 @@ def test_an_int8_binary_with_a_column_operand_gives_the_bits_of_the_broadcasting
         gm(*ex)
 
 
-def test_step_math_stays_out_of_programs_unless_asked():
+def test_step_math_stays_out_of_programs_unless_asked_or_small():
+    """A step's math joins programs where asked (``math``, a folded step) or, by default,
+    where it is small (``regions.SMALL_MATH_ELEMENTS``); with neither it stays ATen's."""
+    exp = torch.ops.aten.exp.default
+    gm, _ = _float_step()
+    fuse_regions(gm, min_ops=1, small_math=False)
+    assert any(n.target == exp for n in gm.graph.nodes)
     gm, _ = _float_step()
     fuse_regions(gm, min_ops=1)
-    assert any(n.target == torch.ops.aten.exp.default for n in gm.graph.nodes)
+    assert not any(n.target == exp for n in gm.graph.nodes)
 
 
 def _loop_call(monkeypatch):
@@ -335,9 +341,9 @@ def _loop_call(monkeypatch):
 
     def spy(*args):
         seen["args"] = args
-        return program_loop(*args)
+        return checked_loop(*args)
 
-    monkeypatch.setattr(step_program, "program_loop", spy)
+    monkeypatch.setattr(step_program, "checked_loop", spy)
     with torch.no_grad():
         low(x)
     return list(seen["args"])
@@ -560,3 +566,35 @@ def test_an_int8_step_with_moved_outer_products_stays_folded_and_one_program(mon
             got = default(y)
             assert torch.equal(got, python(y))  # the same int8 ops, natively
             assert qt.sqnr(reference(y), got) > 30
+
+
+def test_a_native_loop_plans_its_call_per_layout_and_checks_again_when_a_table_changes(
+    monkeypatch,
+):
+    """From its second call of a layout a ``NativeProgramLoop`` runs its plan
+    (``cells/loop_plan.py``): the values of the op's full path (a fresh copy, no plan) at
+    every length; a table changed in place sends the call through the full checks again."""
+    import copy
+
+    torch.manual_seed(0)
+    model = LightGRULike().eval()
+    low = _lowered(model, torch.randn(2, 9, 6), True, monkeypatch)
+    (loop,) = [m for m in low.modules() if isinstance(m, NativeProgramLoop)]
+    calls_in_full = []
+    monkeypatch.setattr(step_program, "checked_loop",
+                        lambda *a: calls_in_full.append(1) or checked_loop(*a))  # fmt: skip
+    with torch.no_grad():
+        for steps in (9, 4, 9):
+            x = torch.randn(2, steps, 6)
+            first, planned = low(x), low(x)
+            assert torch.equal(first, planned)
+            assert torch.equal(planned, copy.deepcopy(low)(x))
+    assert len(loop.plans) == 2 and not copy.deepcopy(loop).plans
+    assert len(calls_in_full) == 2 + 3  # one per new layout here, one per fresh copy
+    with torch.no_grad():
+        saved = loop.code.clone()
+        loop.code[0, 0] = 99
+        with pytest.raises(qt.QuantreeError, match="opcode"):
+            low(x)
+        loop.code.copy_(saved)
+        assert torch.equal(low(x), planned)

@@ -12,6 +12,7 @@ output collects, so ``T`` copies of it are never written).
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -57,7 +58,7 @@ def _roles(inputs: list[Tensor], stepped: list[int], feed: list[int], n_out: int
     return lengths.pop()
 
 
-def _row_stride(step: Tensor) -> int | None:
+def row_stride(step: Tensor) -> int | None:
     """Elements from one row of a step's value to the next where its rows (every dimension
     but the last, merged) are evenly spaced and each row is dense: a ``[T, ...]`` view cut
     from another dimension of a tensor, read in place instead of copied."""
@@ -85,7 +86,12 @@ def _steps_kept(f: int, steps: int) -> int:
 
 
 @op(SCHEMA)
-def program_loop(
+def program_loop(*args: Any) -> list[Tensor]:
+    """Every step's outputs, ``[T, *shape]`` each."""
+    return checked_loop(*args)[0]
+
+
+def checked_loop(
     inputs: list[Tensor],
     consts: list[Tensor],
     code: Tensor,
@@ -103,8 +109,9 @@ def program_loop(
     sym: list[int],
     stepped: list[int],
     feed: list[int],
-) -> list[Tensor]:
-    """Every step's outputs, ``[T, *shape]`` each."""
+) -> tuple[list[Tensor], int, int]:
+    """``program_loop``'s call: every step's outputs, with the number of steps and the size
+    symbol it resolved (what ``loop_plan.LoopPlan`` records)."""
     name = "program_loop"
     if any(d not in (0, 1) for d in out_dtypes):
         raise fail(name, f"out_dtypes {list(out_dtypes)}: each 0 (float32) or 1 (int8)")
@@ -123,7 +130,7 @@ def program_loop(
     for o, f in enumerate(map(_fed, feed)):
         if f >= 0 and (out_step[o] != expected[f] or DTYPES[out_dtypes[o]] != inputs[f].dtype):
             raise fail(name, f"output {o} feeds input {f}, of another shape or dtype")
-    dense = [x if s and _row_stride(x[0]) is not None else x.contiguous()
+    dense = [x if s and row_stride(x[0]) is not None else x.contiguous()
              for x, s in zip(inputs, stepped, strict=True)]  # fmt: skip
     outs = [
         torch.empty([_steps_kept(f, steps), *shape], dtype=DTYPES[d])
@@ -135,7 +142,7 @@ def program_loop(
     )  # fmt: skip
     step_bytes = [x.stride(0) * x.element_size() if s else 0 for x, s in zip(dense, stepped,
                   strict=True)]  # fmt: skip
-    row_bytes = [(_row_stride(x[0]) or 0) * x.element_size() if s else 0
+    row_bytes = [(row_stride(x[0]) or 0) * x.element_size() if s else 0
                  for x, s in zip(dense, stepped, strict=True)]  # fmt: skip
     a = NativeArgs(name)  # every address below points into a tensor ``a`` holds
     a.held.extend(dense)  # a stepped input may be a strided view: its rows read in place
@@ -149,7 +156,7 @@ def program_loop(
         a.input("slots", slots), slots.shape[0], slots.shape[1], size, a.input("code", code),
         a.input("fcode", fcode), code.shape[0], a.inputs("consts", consts),
     )  # fmt: skip
-    return outs
+    return outs, steps, int(size)
 
 
 @torch.library.register_fake("quantree::program_loop")

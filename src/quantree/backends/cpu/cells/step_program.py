@@ -19,7 +19,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from quantree.backends.cpu.cells.program_loop import program_loop
+from quantree.backends.cpu.cells.loop_plan import LoopPlan, layout
+from quantree.backends.cpu.cells.program_loop import checked_loop
 from quantree.backends.cpu.passes.casts import drop_identity_casts
 from quantree.backends.cpu.passes.regions import fuse_regions
 from quantree.core.graphs import copy_graph_module, fetch_attr
@@ -28,6 +29,8 @@ from quantree.recurrent.unrolled.step_loop import StepLoop, StepOutput
 aten = torch.ops.aten
 TABLES = ("code", "fcode", "slots", "in_slots", "out_slots")
 SIZE_ONE = {aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims}
+PLANS_KEPT = 8
+"""Input layouts a loop keeps a checked call for (others run the op in full)."""
 LISTS = ("in_shapes", "in_ranks", "out_shapes", "out_ranks", "out_dtypes", "in_coeffs",
          "out_coeffs", "sym")  # fmt: skip
 
@@ -56,33 +59,82 @@ class NativeProgramLoop(nn.Module):
         self.results = results
         """Per body output (states, then per-step outputs): the program output it is."""
         self.feed = feed
+        self.plans: dict[Any, LoopPlan] = {}
+        """The checked call per input layout (``loop_plan.py``); never saved or copied."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["plans"] = {}  # a copy plans with its own tensors
+        return state
 
     def forward(self, *args: Tensor) -> tuple[Tensor, ...]:
-        n, m = self.n_states, len(self.inputs)
-        states, sources, invariants = args[:n], args[n : n + m], args[n + m :]
-        steps = StepLoop.length(self, sources)  # type: ignore[arg-type]
-        cut = [_per_step(src, spec, steps) for src, spec in zip(sources, self.inputs, strict=True)]
         buffers: Any = self._buffers
-        pick = {"state": states, "source": cut, "invariant": invariants}
-        inputs = [
-            buffers[f"const{i}"] if role == "const" else pick[role][i] for role, i in self.roles
-        ]
         consts = [buffers[f"const{i}"] for i in range(self.n_consts)]
-        stepped = [int(role == "source") for role, _ in self.roles]
-        call: Any = (
-            program_loop
-            if all(type(x) is Tensor for x in inputs)
-            else torch.ops.quantree.program_loop
-        )
-        outs = call(
-            inputs, consts, *(buffers[k] for k in TABLES), *(self.lists[k] for k in LISTS),
-            stepped, self.feed,
-        )  # fmt: skip
+        tables = [buffers[k] for k in TABLES]
+        key = layout(args)
+        plan = self.plans.get(key) if key is not None else None
+        if plan is not None and plan.matches([*tables, *consts]):
+            outs = plan.run_args(args)
+        else:
+            outs = self._call(args, consts, tables, key)
+        n = self.n_states
         finals = [outs[i][-1] for i in self.results[:n]]
         collected = []
         for spec, i in zip(self.outputs, self.results[n:], strict=True):
             collected.append(_joined(outs[i], spec))
         return (*finals, *collected)
+
+    def _call(
+        self, args: tuple[Tensor, ...], consts: list[Tensor], tables: list[Tensor], key: Any
+    ) -> list[Tensor]:
+        """The op in full (every check, then the kernel); planned for plain tensors where
+        every input is an argument or a view of one read in place."""
+        n, m = self.n_states, len(self.inputs)
+        states, sources, invariants = args[:n], args[n : n + m], args[n + m :]
+        steps = StepLoop.length(self, sources)  # type: ignore[arg-type]
+        cut = [_per_step(src, spec, steps) for src, spec in zip(sources, self.inputs, strict=True)]
+        pick = {"state": states, "source": cut, "invariant": invariants}
+        inputs = [consts[i] if role == "const" else pick[role][i] for role, i in self.roles]
+        stepped = [int(role == "source") for role, _ in self.roles]
+        call: Any = (inputs, consts, *tables, *(self.lists[k] for k in LISTS), stepped, self.feed)
+        if key is None or layout(inputs) is None:  # export's fake tensors: the op
+            return torch.ops.quantree.program_loop(*call)  # type: ignore[no-any-return]
+        outs, steps, size = checked_loop(*call)
+        plan = LoopPlan(inputs, stepped, [*tables, *consts], consts, tables, outs, self.feed,
+                        steps, size)  # fmt: skip
+        places = _places(self.roles, plan.dense, args, cut, list(self.inputs), steps, n, m)
+        if places is None:
+            return outs
+        plan.pick(places)
+        if len(self.plans) >= PLANS_KEPT:
+            self.plans.clear()
+        self.plans[key] = plan
+        return outs
+
+
+def _places(
+    roles: list[tuple[str, int]], in_place: tuple[bool, ...], args: tuple[Tensor, ...],
+    cut: list[Tensor], specs: list[Any], steps: int, n: int, m: int,
+) -> list[tuple[int, int | None, Any]] | None:  # fmt: skip
+    """Per program input, the loop argument it is read from, the byte offset of a per-step
+    input's first step in it (None: the argument itself, made dense) and, for per-step
+    inputs copied out (reversed, or rows not evenly spaced), the cut that makes them; None
+    where an input is a constant."""
+    places: list[tuple[int, int | None, Any]] = []
+    for (role, i), keep in zip(roles, in_place, strict=True):
+        if role == "const":
+            return None
+        if role != "source":
+            places.append((i if role == "state" else n + m + i, None, None))
+            continue
+        src, view = args[n + i], cut[i]
+        shared = view.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+        if keep and shared:
+            places.append((n + i, view.data_ptr() - src.data_ptr(), None))
+        else:
+            spec = specs[i]
+            places.append((n + i, None, lambda x, s=spec: _per_step(x, s, steps).contiguous()))
+    return places
 
 
 def _per_step(src: Tensor, spec: Any, steps: int) -> Tensor:

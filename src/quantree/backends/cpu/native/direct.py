@@ -20,6 +20,7 @@ from torch._ops import OpOverload
 
 from quantree.backends.cpu.cells.program import cell_loop
 from quantree.backends.cpu.native.bound_calls import BINDINGS, Binding
+from quantree.backends.cpu.native.bound_programs import BoundProgram
 from quantree.backends.cpu.ops import (
     attention,
     avg_pool2d,
@@ -127,7 +128,7 @@ class BoundCall(DirectCall):
         op: OpOverload,
         implementation: Callable[..., Any],
         node_args: tuple[Any, ...] | None,
-        binding: Callable[[Callable[..., Any]], Binding],
+        binding: Callable[[Callable[..., Any]], Binding | BoundProgram],
     ) -> None:
         super().__init__(op, implementation, node_args)
         self.binding = binding(op)
@@ -189,7 +190,7 @@ def call_directly(gm: fx.GraphModule) -> fx.GraphModule:
             name = target._schema.name.split("::")[1]
             factory = PER_NODE.get(name)
             implementation = factory() if factory else IMPLEMENTATIONS.get(name)
-            binding = BINDINGS.get(name)
+            binding: Any = BoundProgram if name == "program" else BINDINGS.get(name)
             if binding is not None and implementation is not None:
                 node.target = BoundCall(target, implementation, node.args, binding)
                 changed = True

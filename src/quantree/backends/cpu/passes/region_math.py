@@ -1,6 +1,6 @@
 """The arithmetic of recurrence steps in region programs: scalar operands, exp / log /
 softplus / rsqrt / abs, division, maximum / minimum, clamps, batched matmuls, transposes of
-the last two dimensions and sums over the last one.
+the last two dimensions, sums, means and variances over the last one.
 
 A selective scan's or a gated linear recurrence's step (``recurrent.unrolled``) is a few
 such ops on small tensors: ``1 - z``, ``exp(A dt)``, ``softplus``, ``state @ C``. Without
@@ -155,11 +155,44 @@ def _last_sum(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
     )  # fmt: skip
 
 
+LAST_MEANS = {aten.mean.dim, aten.var.dim, aten.var.correction}
+
+
+def last_moment(n: fx.Node, shapes: dict[fx.Node, Shape]) -> float | None:
+    """For a float32 ``mean`` or ``var`` over the last dimension alone (a multi-head layer
+    norm's statistics): the divisor of its sum (``N``, or ``N - correction``); else None."""
+    a: Any = n.args
+    src = shapes.get(a[0]) if a and isinstance(a[0], fx.Node) else None
+    if n.target not in LAST_MEANS or src is None or not src[0] or src[1] != torch.float32:
+        return None
+    dims = a[1] if len(a) > 1 else n.kwargs.get("dim")
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    rank, cols = len(src[0]), src[0][-1]
+    if len(dims) != 1 or not isinstance(dims[0], int) or dims[0] % rank != rank - 1:
+        return None
+    if n.target == aten.mean.dim:
+        ok = set(n.kwargs) <= {"dtype"} and n.kwargs.get("dtype") in (None, torch.float32)
+        return float(cols) if ok and len(a) <= 3 else None
+    correction: Any
+    if n.target == aten.var.dim:
+        unbiased = a[2] if len(a) > 2 else n.kwargs.get("unbiased", True)
+        correction = 1 if unbiased else 0
+    else:
+        correction = n.kwargs.get("correction", a[2] if len(a) > 2 else 1)
+        correction = 1 if correction is None else correction
+    known = {"unbiased", "correction", "keepdim"}
+    if not isinstance(correction, (int, float)) or set(n.kwargs) - known:
+        return None
+    return float(cols - correction) if cols - correction > 0 else None
+
+
 def covered(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool | None:
     """Whether the program runs ``n`` (None: not an op of this module's)."""
     a: Any = n.args
     out = shapes.get(n)
     floats = out is not None and out[1] == torch.float32
+    if last_moment(n, shapes) is not None:
+        return floats
     if swaps_last(n, shapes):
         return out is not None and out[1] == shapes[a[0]][1]
     if _last_sum(n, shapes):
@@ -186,6 +219,28 @@ def covered(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool | None:
     return None
 
 
+def _moment(p: Any, n: fx.Node, src: int, dst: int, divisor: float) -> None:
+    """``mean`` (the row sums over ``N``) or ``var`` (the row sums of squared deviations
+    from the mean, over ``N - correction``) as ``ROW_SUM``, ``FLOAT_SCALAR`` and
+    ``FLOAT_BINARY`` with a column operand; the sums in double (``ROW_SUM``)."""
+    rows, cols = p.slots[src][5], p.slots[src][3]
+    out = reshape(p, dst, rows, 1)
+    total = p.alloc_rows(torch.float32, rows, 1)
+    p.emit([ROW_SUM, total, src], [])
+    if n.target == aten.mean.dim:
+        p.emit([FLOAT_SCALAR, out, total, 1], [1.0 / divisor])
+        return
+    mean = p.alloc_rows(torch.float32, rows, 1)
+    p.emit([FLOAT_SCALAR, mean, total, 1], [1.0 / cols])
+    dev = p.alloc_rows(torch.float32, rows, cols)
+    p.emit([FLOAT_BINARY, dev, src, mean, 2, 1], [])  # x - mean, b a column
+    square = p.alloc_rows(torch.float32, rows, cols)
+    p.emit([FLOAT_BINARY, square, dev, dev, 1, 0], [])
+    sums = p.alloc_rows(torch.float32, rows, 1)
+    p.emit([ROW_SUM, sums, square], [])
+    p.emit([FLOAT_SCALAR, out, sums, 1], [1.0 / divisor])
+
+
 def emit(
     p: Any, n: fx.Node, slot: dict[fx.Node, int], value_slot: Callable[[fx.Node], int | None],
     shapes: dict[fx.Node, Shape],
@@ -202,6 +257,8 @@ def emit(
     elif _last_sum(n, shapes):  # one value per source row: the result's elements as a column
         rows = p.slots[slot[a[0]]][5]
         p.emit([ROW_SUM, reshape(p, dst, rows, 1), slot[a[0]]], [])
+    elif (divisor := last_moment(n, shapes)) is not None:
+        _moment(p, n, slot[a[0]], dst, divisor)
     elif n.target == aten.clamp.default:
         src = slot[a[0]]
         bounds = [(6, a[1] if len(a) > 1 else None), (7, a[2] if len(a) > 2 else None)]

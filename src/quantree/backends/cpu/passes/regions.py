@@ -187,17 +187,22 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
     return names
 
 
-def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS, math: bool = False) -> int:
+def fuse_regions(
+    gm: fx.GraphModule, min_ops: int = MIN_OPS, math: bool = False, small_math: bool = True
+) -> int:
     """Replace each run of at least ``min_ops`` program-covered ops of ``gm`` by one
     ``quantree.program`` call; returns how many were replaced. ``math``: programs also take
-    ``region_math``'s ops (a folded loop's step, ``cells/step_program.py``)."""
+    ``region_math``'s ops (a folded loop's step, ``cells/step_program.py``); else, with
+    ``small_math``, those ops where they are small (``SMALL_MATH_ELEMENTS``)."""
     shapes = _infer_shapes(gm, math)
     fused = 0
-    regions = _regions(gm, shapes, math)
+    small = small_math and not math
+    regions = _regions(gm, shapes, math, small)
     for region in regions:
         if not math:
-            _trim(region)
-        if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes, math):
+            _trim(region, small)
+        computes = sum(1 for n in region if _computes(n))
+        if computes >= min_ops and _replace(gm, region, shapes, math, small):
             fused += 1
     if fused or regions:  # a region refused late may have left constants behind
         gm.graph.eliminate_dead_code()
@@ -433,7 +438,11 @@ def _cat_parts(n: fx.Node, shapes: dict[fx.Node, Shape]) -> list[fx.Node] | None
 
 
 def _covered(
-    n: fx.Node, shapes: dict[fx.Node, Shape], inside: set[fx.Node], math: bool = False
+    n: fx.Node,
+    shapes: dict[fx.Node, Shape],
+    inside: set[fx.Node],
+    math: bool = False,
+    small: bool = False,
 ) -> bool:
     """Whether the program runs ``n`` (its shapes known, its arguments of the right kind)."""
     a: Any = n.args
@@ -464,6 +473,8 @@ def _covered(
         return False
     if math and (known := region_math.covered(n, shapes)) is not None:
         return known
+    if small and _small_math(n, shapes):
+        return True
     if n.target in SAME_SLOT:
         if not isinstance(a[0], fx.Node) or n.kwargs or a[0] not in shapes:
             return False
@@ -613,20 +624,46 @@ def _spreads(s: Shape, out: Shape, math: bool) -> bool:
     return _broadcasts(s, out) or (math and region_math.block_column(s, out) is not None)
 
 
-def _trim(region: list[fx.Node]) -> None:
+SMALL_MATH_ELEMENTS = 8192
+"""Outside a folded step, ``region_math``'s ops join programs only on tensors of at most this
+many elements (each operand and the result; a matmul also at most 16 times as many
+multiply-adds): there a call costs more than its arithmetic (xLSTM's chunkwise-parallel part
+at 64 tokens: ``[1, 2, 4, 16, 16]`` exps, divisions, maxima and matmuls,
+benchmarks/README.md, branch ``h-xlstm64``), while on larger ones ATen's vectorized
+exp and BLAS matmuls win over the program's loops."""
+
+
+def _small_math(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
+    """``n`` is one of ``region_math``'s ops, covered, on ``SMALL_MATH_ELEMENTS`` or fewer."""
+    if n.op != "call_function" or region_math.covered(n, shapes) is not True:
+        return False
+    sizes = [_float_size(shapes[x]) for x in n.all_input_nodes if x in shapes]
+    sizes.append(_float_size(shapes[n]))
+    if max(sizes) > SMALL_MATH_ELEMENTS:
+        return False
+    if n.target in region_math.MATMULS or n.target == quantree_ops.matmul.default:
+        depth = int(shapes[n.args[0]][0][-1])  # type: ignore[index]
+        return _float_size(shapes[n]) * depth <= 16 * SMALL_MATH_ELEMENTS
+    return True
+
+
+def _trim(region: list[fx.Node], dense: bool = False) -> None:
     """Drops the region's trailing views, slices, unbinds and transposes: only readers
     outside it use them (the last node of a run has no reader inside), and there they are
     views or strided reads, where inside they are row copies and then output copies (the
     heads of BERT's joined q/k/v linear, which the attention call reads through their
     strides; ViT's q, k, v unbound from one permuted tensor). Not in a folded step's program
-    (``math``), which must be the whole step."""
+    (``math``), which must be the whole step. ``dense``: a trailing ``contiguous`` stays
+    (its reader outside wants the dense copy the program writes anyway)."""
     moves = SAME_SLOT | VIEWS | {aten.slice.Tensor, quantree_ops.attention.default}
+    if dense:  # a dense copy read outside (a folded loop's input): the program writes it
+        moves = moves - {aten.contiguous.default}
     while region and region[-1].target in moves:
         region.pop()
 
 
 def _regions(
-    gm: fx.GraphModule, shapes: dict[fx.Node, Shape], math: bool = False
+    gm: fx.GraphModule, shapes: dict[fx.Node, Shape], math: bool = False, small: bool = False
 ) -> list[list[fx.Node]]:
     """Maximal runs of covered nodes, in graph order. A run ends where an uncovered node reads
     one of its values, so that the one call, placed at the run's end, comes before every
@@ -637,7 +674,7 @@ def _regions(
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             continue
-        if _covered(n, shapes, inside, math):
+        if _covered(n, shapes, inside, math, small):
             current.append(n)
             inside.add(n)
         elif any(x in inside for x in n.all_input_nodes) or n.op == "output":
@@ -650,7 +687,11 @@ def _regions(
 
 
 def _replace(
-    gm: fx.GraphModule, region: list[fx.Node], shapes: dict[fx.Node, Shape], math: bool = False
+    gm: fx.GraphModule,
+    region: list[fx.Node],
+    shapes: dict[fx.Node, Shape],
+    math: bool = False,
+    small: bool = False,
 ) -> bool:
     """Compile ``region`` and put the program call in its place (False: left as it was)."""
     inside = set(region)
@@ -739,7 +780,7 @@ def _replace(
             pieces[n] = [p.row_view(slot[a[0]], i * rows, rows) for i in range(count)]
         elif n.target is operator.getitem:
             slot[n] = pieces[a[0]][a[1]]
-        elif math and region_math.swaps_last(n, shapes):  # a TRANSPOSE, not a row move
+        elif (math or (small and _small_math(n, shapes))) and region_math.swaps_last(n, shapes):
             if not region_math.emit(p, n, slot, value_slot, shapes):
                 return False
         elif (n.target in SAME_SLOT or n.target == aten.expand.default) and not (
@@ -859,7 +900,9 @@ def _replace(
             eps = float(a[4]) if len(a) > 4 else 1e-5
             p.emit([LAYER_NORM, dst, slot[a[0]], weight, bias, _vector(n, shapes)], [eps])
             slot[n] = dst
-        elif math and (done := region_math.emit(p, n, slot, value_slot, shapes)) is not None:
+        elif (math or (small and _small_math(n, shapes))) and (
+            done := region_math.emit(p, n, slot, value_slot, shapes)
+        ) is not None:
             if not done:
                 return False
         elif not emit(p, n, slot, value_slot, const_index):
