@@ -11,6 +11,7 @@
 // rounding; the region pass marks only those too large for the scalar loops, which it takes
 // on that path alone, so every program made before keeps its bits) is plain C++ with no ISA dispatch, so it gives the same bits on every path.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -84,6 +85,10 @@ enum Op {
     // numbered apart from the opcodes other branches add next to 14 (merged separately)
     TRANSPOSE = 20,    // a [batch * c[3], C] -> [batch * C, c[3]]: each batch's last two dims swapped
     ROW_SUM = 21,      // float sum of each row of a into one value (a [rows, 1] result)
+    CUMSUM = 22,       // float running sum along each row (c[3] 0), or down each column of
+                       // every block of c[3] rows (a cumsum over dim -2)
+    TRI_FILL = 23,     // row i of each block of c[3] rows: f[0] where column j - i > c[4], else a
+    STRIDED = 24,      // dst (dense) = a's elements at up to 4 sizes c[3..6] / strides c[7..10]
 };
 constexpr int NI = 12, NF = 8;  // fields per instruction
 constexpr int NS = 5;  // fields per slot: dtype (0 f32, 1 i8), owner slot, byte offset, cols, ld
@@ -270,6 +275,74 @@ static inline void row_sums(const Slot& a, const Slot& d) {
         for (int64_t j = 0; j < a.cols; ++j) sum += x[j];
         d.f(r)[0] = static_cast<float>(sum);
     }
+}
+
+// torch.cumsum in float, summed in double as ATen's CPU kernel accumulates (the same bits):
+// along each row (R 0) or down each column of every block of R rows.
+static inline void cumsum_rows(const Slot& a, const Slot& d, int64_t R) {
+    const int64_t C = d.cols;
+    if (R == 0) {
+        for (int64_t r = 0; r < d.rows; ++r) {
+            const float* x = a.f(r);
+            float* y = d.f(r);
+            double sum = 0.0;
+            for (int64_t j = 0; j < C; ++j) {
+                sum += x[j];
+                y[j] = static_cast<float>(sum);
+            }
+        }
+        return;
+    }
+    std::vector<double> sum(static_cast<size_t>(C));
+    for (int64_t r = 0; r < d.rows; ++r) {
+        if (r % R == 0) std::fill(sum.begin(), sum.end(), 0.0);
+        const float* x = a.f(r);
+        float* y = d.f(r);
+        for (int64_t j = 0; j < C; ++j) {
+            sum[j] += x[j];
+            y[j] = static_cast<float>(sum[j]);
+        }
+    }
+}
+
+// masked_fill with a triangular mask: row i of each block of R rows takes v in the columns
+// j with j - i > k (k -R or less: every column, a constant fill), a's value elsewhere.
+static inline void tri_fill(const Slot& a, const Slot& d, int64_t R, int64_t k, float v) {
+    for (int64_t r = 0; r < d.rows; ++r) {
+        const int64_t i = r % R;
+        const float* x = a.f(r);
+        float* y = d.f(r);
+        int64_t first = i + k + 1;  // the first filled column
+        first = first < 0 ? 0 : first > d.cols ? d.cols : first;
+        for (int64_t j = 0; j < first; ++j) y[j] = x[j];
+        for (int64_t j = first; j < d.cols; ++j) y[j] = v;
+    }
+}
+
+// A strided view of a's elements (from a's first one) written dense into d: a permute, an
+// expand (stride 0), a select, an einsum's operand in matmul order. Sizes and strides are
+// in elements, outermost first, any dtype: copies, the same bits.
+static inline void strided_copy(const Slot& a, const Slot& d, const int64_t* size,
+                                const int64_t* stride) {
+    const int64_t e = a.size;
+    char* out = d.base;
+    const char* src = a.base;
+    for (int64_t i0 = 0; i0 < size[0]; ++i0)
+        for (int64_t i1 = 0; i1 < size[1]; ++i1)
+            for (int64_t i2 = 0; i2 < size[2]; ++i2) {
+                const char* x = src + (i0 * stride[0] + i1 * stride[1] + i2 * stride[2]) * e;
+                if (stride[3] == 1) {
+                    std::memcpy(out, x, static_cast<size_t>(size[3] * e));
+                    out += size[3] * e;
+                } else if (e == 4) {
+                    const float* xf = reinterpret_cast<const float*>(x);
+                    float* of = reinterpret_cast<float*>(out);
+                    for (int64_t i3 = 0; i3 < size[3]; ++i3) of[i3] = xf[i3 * stride[3]];
+                    out += size[3] * e;
+                } else {
+                    for (int64_t i3 = 0; i3 < size[3]; ++i3) *out++ = x[i3 * stride[3]];
+                }
+            }
 }
 
 static inline void float_unary_row(int64_t kind, const float* a, float* out, int64_t n) {
@@ -534,6 +607,15 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
             break;
         case ROW_SUM:
             row_sums(a, dst);
+            break;
+        case CUMSUM:
+            cumsum_rows(a, dst, c[3]);
+            break;
+        case TRI_FILL:
+            tri_fill(a, dst, c[3], c[4], f[0]);
+            break;
+        case STRIDED:
+            strided_copy(a, dst, c + 3, c + 7);
             break;
         case COPY:
             for (int64_t r = 0; r < dst.rows; ++r)
