@@ -164,8 +164,8 @@ def _pads(n: fx.Node, shapes: dict[fx.Node, Shape]) -> tuple[int, int, int, floa
     """A constant pad as ``(dim, before, after, value)`` (``before == after == 0``: none)."""
     a: Any = n.args
     src = shapes.get(a[0])
-    mode = a[2] if len(a) > 2 else n.kwargs.get("mode", "constant")
-    value = a[3] if len(a) > 3 else n.kwargs.get("value", 0.0)
+    mode: Any = a[2] if len(a) > 2 else n.kwargs.get("mode", "constant")
+    value: Any = a[3] if len(a) > 3 else n.kwargs.get("value", 0.0)
     if n.target == aten.constant_pad_nd.default:
         mode, value = "constant", a[2] if len(a) > 2 else 0.0
     if src is None or mode != "constant" or not isinstance(a[1], (list, tuple)):
@@ -360,7 +360,8 @@ def _emit_einsum(
     form = _einsum(n, shapes)
     assert form is not None
     size = form["size"]
-    x, y = n.args[1]  # type: ignore[misc]
+    pair: Any = n.args[1]
+    x, y = pair
 
     def operand(node: fx.Node, letters: str, order: list[str], cols: int) -> int | None:
         strides = _tensor_strides(p, slot[node], shapes[node][0])

@@ -36,6 +36,7 @@ Regions with other shapes (two symbols, a symbolic last dimension) are left as t
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import operator
 from typing import Any
@@ -612,7 +613,7 @@ def _split_pieces(n: fx.Node, shapes: dict[fx.Node, Shape]) -> list[tuple[int, i
         starts = [sum(a[1][:i]) for i in range(len(a[1]))]
         return list(zip(starts, a[1], strict=True))
     cuts = [0, *(min(max(x + size if x < 0 else x, 0), size) for x in a[1]), size]
-    return [(lo, max(hi - lo, 0)) for lo, hi in zip(cuts, cuts[1:], strict=False)]
+    return [(lo, max(hi - lo, 0)) for lo, hi in itertools.pairwise(cuts)]
 
 
 def _split_views(
@@ -621,7 +622,8 @@ def _split_views(
     """The pieces of a split (``_split_pieces``) as views of ``source``."""
     a: Any = n.args
     dims = shapes[a[0]][0]
-    dim = (a[2] if len(a) > 2 else n.kwargs.get("dim", 0)) % len(dims)
+    dim: Any = a[2] if len(a) > 2 else n.kwargs.get("dim", 0)
+    dim %= len(dims)
     pieces = _split_pieces(n, shapes)
     assert pieces is not None
     if _axis(dims, dim) == "cols":
@@ -945,10 +947,10 @@ def _replace(
             eps = float(a[4]) if len(a) > 4 else 1e-5
             p.emit([LAYER_NORM, dst, slot[a[0]], weight, bias, _vector(n, shapes)], [eps])
             slot[n] = dst
-        elif math and (done := region_strided.emit(p, n, slot, value_slot, shapes)) is not None:
-            if not done:
-                return False
-        elif math and (done := region_math.emit(p, n, slot, value_slot, shapes)) is not None:
+        elif math and (
+            (done := region_strided.emit(p, n, slot, value_slot, shapes)) is not None
+            or (done := region_math.emit(p, n, slot, value_slot, shapes)) is not None
+        ):
             if not done:
                 return False
         elif not emit(p, n, slot, value_slot, const_index):
