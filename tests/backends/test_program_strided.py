@@ -194,10 +194,10 @@ def test_tampered_cumsum_tri_fill_and_strided_instructions_are_refused_at_load()
     gm, _, code, call = _fused(Ops(), ex)
     rows = {c[0]: i for i, c in enumerate(code.tolist())}
     for op, field, value, says in [
-        (CUMSUM, 3, 2, "whole number of blocks"),
+        (CUMSUM, 3, 4, "whole number of blocks"),
         (CUMSUM, 3, -1, "block rows out of range"),
         (TRI_FILL, 3, 0, "block rows out of range"),
-        (STRIDED, 7, 1 << 20, "reach past"),
+        (STRIDED, 9, 1 << 20, "reach past"),  # the stride of the 6 rows
         (STRIDED, 3, 0, "out of range"),
         (STRIDED, 6, 5, "does not hold"),
         (STRIDED, 1, int(code[rows[STRIDED], 2]), "dense owner"),
