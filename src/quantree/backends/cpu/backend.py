@@ -108,7 +108,7 @@ def finish(
             merge_sibling_linears(gm)  # q, k, v projections of one input: one linear16
             fuse_attention(gm)  # float softmax(q k^T * c + mask) v: one native call
         recognise_rms_norm(gm)  # LLaMA/T5's five-op RMSNorm: one op, one program instruction
-        fuse_regions(gm, math=True, top=True)  # runs of small ops, one native call each
+        fuse_regions(gm)  # runs of small ops, one native call each (cell bodies have theirs)
         # after fusion: an op a program now runs is named once, by the float-op warning
         warn_simulated(gm, "cpu")
     share_identical(gm)  # an unrolled decoder's per-call-site weights, stored once

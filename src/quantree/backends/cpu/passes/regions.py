@@ -194,21 +194,20 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
     return names
 
 
-def fuse_regions(
-    gm: fx.GraphModule, min_ops: int = MIN_OPS, math: bool = False, top: bool = False
-) -> int:
+def fuse_regions(gm: fx.GraphModule, min_ops: int = MIN_OPS, math: bool = False) -> int:
     """Replace each run of at least ``min_ops`` program-covered ops of ``gm`` by one
-    ``quantree.program`` call; returns how many were replaced. ``math``: programs also take
-    ``region_math``'s and ``region_strided``'s ops (a folded loop's step,
-    ``cells/step_program.py``). ``top``: ``gm`` is a whole model's graph, whose regions end
-    at their last computing op (``_trim``) and whose math ops join programs only up to
-    ``region_strided.MAX_ELEMENTS`` values and never as int8 matmuls (ATen's and the matmul
-    kernel's blocked loops win on large ones)."""
+    ``quantree.program`` call; returns how many were replaced. Programs take
+    ``region_math``'s and ``region_strided``'s ops too. ``math``: ``gm`` is a folded loop's
+    step (``cells/step_program.py``), whose program must be the whole step; else a whole
+    model, whose regions end at their last computing op (``_trim``) and whose math ops join
+    programs only up to ``region_strided.MAX_ELEMENTS`` values and never as int8 matmuls
+    (ATen's vectorized kernels and the int8 matmul's own call win on large ones)."""
+    top, math = not math, True
     shapes = _infer_shapes(gm, math)
     fused = 0
     regions = _regions(gm, shapes, math, top)
     for region in regions:
-        if top or not math:
+        if top:
             _trim(region)
         if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes, math):
             fused += 1

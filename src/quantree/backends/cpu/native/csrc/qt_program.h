@@ -220,6 +220,15 @@ static inline void float_scalar_row(int64_t kind, const float* a, float* out, in
     }
 }
 
+// Eight float lanes in the compiler's vector extension (two SSE registers where there is no
+// AVX): a multiply then an add per lane, as the scalar loop (-ffp-contract=off: no fused FMA).
+typedef float V8 __attribute__((vector_size(32)));
+static inline V8 load8(const float* p) {
+    V8 v;
+    std::memcpy(&v, p, 32);
+    return v;
+}
+
 // Batched float a [batch * M, K] @ b [batch * K, N] -> [batch * M, N], rows of ld strides,
 // summed in k order in float (ATen's bmm blocks its sums: equal up to rounding).
 static inline void float_matmul(const Slot& a, const Slot& b, const Slot& d, int64_t M) {
@@ -240,17 +249,83 @@ static inline void float_matmul(const Slot& a, const Slot& b, const Slot& d, int
         }
         return;
     }
-    for (int64_t t = 0; t < batch; ++t)
-        for (int64_t m = 0; m < M; ++m) {
-            const float* x = a.f(t * M + m);
-            float* y = d.f(t * M + m);
-            for (int64_t j = 0; j < N; ++j) y[j] = 0.0f;
-            for (int64_t k = 0; k < K; ++k) {
-                const float* w = b.f(t * K + k);
-                const float v = x[k];
-                for (int64_t j = 0; j < N; ++j) y[j] += v * w[j];
+    // Each result element summed in k order as before (the same bits), a block of 32 or 8
+    // of them held in registers across k instead of loaded and stored at every k (a chunked
+    // scan's einsums as [16, 16] @ [16, 16] spent most of their time in those stores).
+    for (int64_t t = 0; t < batch; ++t) {
+        int64_t m = 0;
+        for (; m + 2 <= M && N >= 8; m += 2) {  // two rows: four independent sums in flight
+            const float* x0 = a.f(t * M + m);
+            const float* x1 = a.f(t * M + m + 1);
+            float* y0 = d.f(t * M + m);
+            float* y1 = d.f(t * M + m + 1);
+            int64_t j = 0;
+            for (; j + 16 <= N; j += 16) {
+                V8 p0 = {}, p1 = {}, q0 = {}, q1 = {};
+                for (int64_t k = 0; k < K; ++k) {
+                    const float* w = b.f(t * K + k) + j;
+                    const V8 w0 = load8(w), w1 = load8(w + 8);
+                    p0 += x0[k] * w0;
+                    p1 += x0[k] * w1;
+                    q0 += x1[k] * w0;
+                    q1 += x1[k] * w1;
+                }
+                std::memcpy(y0 + j, &p0, 32);
+                std::memcpy(y0 + j + 8, &p1, 32);
+                std::memcpy(y1 + j, &q0, 32);
+                std::memcpy(y1 + j + 8, &q1, 32);
+            }
+            for (; j + 8 <= N; j += 8) {
+                V8 p0 = {}, q0 = {};
+                for (int64_t k = 0; k < K; ++k) {
+                    const V8 w0 = load8(b.f(t * K + k) + j);
+                    p0 += x0[k] * w0;
+                    q0 += x1[k] * w0;
+                }
+                std::memcpy(y0 + j, &p0, 32);
+                std::memcpy(y1 + j, &q0, 32);
+            }
+            for (; j < N; ++j) {
+                float s0 = 0.0f, s1 = 0.0f;
+                for (int64_t k = 0; k < K; ++k) {
+                    s0 += x0[k] * b.f(t * K + k)[j];
+                    s1 += x1[k] * b.f(t * K + k)[j];
+                }
+                y0[j] = s0;
+                y1[j] = s1;
             }
         }
+        for (; m < M; ++m) {
+            const float* x = a.f(t * M + m);
+            float* y = d.f(t * M + m);
+            int64_t j = 0;
+            for (; j + 32 <= N; j += 32) {
+                V8 c0 = {}, c1 = {}, c2 = {}, c3 = {};
+                for (int64_t k = 0; k < K; ++k) {
+                    const float* w = b.f(t * K + k) + j;
+                    const float v = x[k];
+                    c0 += v * load8(w);
+                    c1 += v * load8(w + 8);
+                    c2 += v * load8(w + 16);
+                    c3 += v * load8(w + 24);
+                }
+                std::memcpy(y + j, &c0, 32);
+                std::memcpy(y + j + 8, &c1, 32);
+                std::memcpy(y + j + 16, &c2, 32);
+                std::memcpy(y + j + 24, &c3, 32);
+            }
+            for (; j + 8 <= N; j += 8) {
+                V8 c0 = {};
+                for (int64_t k = 0; k < K; ++k) c0 += x[k] * load8(b.f(t * K + k) + j);
+                std::memcpy(y + j, &c0, 32);
+            }
+            for (; j < N; ++j) {
+                float acc = 0.0f;
+                for (int64_t k = 0; k < K; ++k) acc += x[k] * b.f(t * K + k)[j];
+                y[j] = acc;
+            }
+        }
+    }
 }
 
 // Each batch's [R, C] block of a written as [C, R] (a step's K^T before its K^T @ V and
@@ -420,11 +495,49 @@ static inline void rms_norm_row(const float* __restrict a, float* __restrict out
 // Runs instruction c (its float fields f) over the slots s. u8: scratch for the widest
 // linear's input rows; mult / add: the linear's int8-output multipliers (or null);
 // prepared: a linear's weights prepared for the GEMM path (or null).
+// An elementwise instruction's dense operand of the result's width, and the result, read as
+// one long row: the same arithmetic element by element, without a call and a switch per row
+// (a [16384, 16] value of a chunked scan has 16384 rows of 16).
+static inline bool joins(const Slot& x, const Slot& d) {
+    return x.ld == x.cols && x.cols == d.cols && x.size == d.size;
+}
+static inline Slot one_row(const Slot& x, int64_t rows) {
+    const int64_t n = rows * x.cols;
+    return Slot{x.base, 1, n, n, x.size};
+}
+static inline bool elementwise(const int64_t* c) {
+    switch (c[0]) {
+        case QUANT: case DEQUANT: case FAKE_QUANT: case FLOAT_SCALAR: case FLOAT_UNARY:
+        case LOOKUP: case COPY:
+            return true;
+        case FLOAT_BINARY: case BINARY:
+            return c[5] == 0;
+        default:
+            return false;
+    }
+}
+
 static inline void run_op(const int64_t* c, const float* f, const std::vector<Slot>& s,
                         void* const* consts, uint8_t* u8, const float* mult, const float* add,
                         const qt::PreparedB* prepared = nullptr) {
-    const Slot& dst = s[c[1]];
-    const Slot& a = s[c[2]];
+    Slot dst = s[c[1]];
+    Slot a = s[c[2]];
+    if (dst.rows > 1 && dst.ld == dst.cols && elementwise(c)) {
+        const bool quant = c[0] == QUANT || c[0] == DEQUANT;  // int8 <-> float: sizes differ
+        const bool two = c[0] == FLOAT_BINARY || c[0] == BINARY;
+        const bool ok_a = quant ? a.ld == a.cols && a.cols == dst.cols : joins(a, dst);
+        if (ok_a && (!two || joins(s[c[3]], dst))) {
+            a = one_row(a, dst.rows);
+            if (two) {
+                Slot b = one_row(s[c[3]], dst.rows);
+                dst = one_row(dst, dst.rows);
+                if (c[0] == FLOAT_BINARY) float_binary_row(c[4], a.f(0), b.f(0), dst.f(0), dst.cols);
+                else binary_row(c[4], a.q(0), b.q(0), dst.q(0), dst.cols, f);
+                return;
+            }
+            dst = one_row(dst, dst.rows);
+        }
+    }
     switch (c[0]) {
         case QUANT:
             for (int64_t r = 0; r < dst.rows; ++r)
