@@ -37,12 +37,12 @@ aten = torch.ops.aten
 FLOAT_MATMUL, CUMSUM, TRI_FILL, STRIDED = 14, 22, 23, 24
 DIMS = 4
 """``STRIDED``'s dimensions (``c[3..6]`` sizes, ``c[7..10]`` strides)."""
-MAX_ELEMENTS = 1 << 14
-"""Largest value (elements) these ops make or read in a program. Above it ATen's vectorized
-kernels win over the program's scalar loops (``exp`` element by element, the matmul's plain
-loops): Mamba-2's ``[1, 8, 32, 16, 16]`` segment sums at 512 tokens in programs made the
-model slower than float (benchmarks/README.md, h-mamba2b); at 64 tokens its largest value,
-``[1, 5, 8, 16, 16]``, fits."""
+MAX_ELEMENTS = 1 << 17
+"""Largest value (elements) these ops make or read in a program (and, in a whole model's
+program, ``region_math``'s): Mamba-2's largest at 512 tokens, ``[1, 33, 8, 16, 16]``, fits.
+Far larger values are left to ATen, whose vectorized kernels (exp, a blocked matmul) then win
+over the program's loops, and which does not hold every value it makes at once as a
+program's workspace does."""
 ALL = -(1 << 30)
 """``TRI_FILL``'s diagonal offset that fills every column."""
 SQUEEZES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default}
