@@ -185,6 +185,10 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
             names["matmul"] += 1
         elif row[0] == region_math.ROW_SUM:
             names["sum"] += 1
+        elif row[0] == region_strided.CUMSUM:
+            names["cumsum"] += 1
+        elif row[0] == region_strided.TRI_FILL:
+            names["masked_fill"] += 1
         elif row[0] == LAYER_NORM:
             names["layer_norm"] += 1
         elif row[0] == RMS_NORM:
