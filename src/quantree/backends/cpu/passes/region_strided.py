@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from quantree.backends.cpu.passes.region_layout import COPY, reshape, row_map
+from quantree.backends.cpu.passes.region_layout import COPY, reshape
 from quantree.core.graphs import attr_at
 
 aten = torch.ops.aten
@@ -391,6 +391,3 @@ def _emit_einsum(
     if len(merge(sizes, steps)) > DIMS:
         return None
     return strided(p, tmp, sizes, steps, 0, shapes[n][0][-1])
-
-
-__all__ = ["covered", "emit", "merge", "moves", "move", "row_map", "reshape"]
