@@ -207,3 +207,21 @@ def test_tampered_cumsum_tri_fill_and_strided_instructions_are_refused_at_load()
         setattr(gm, str(call.args[2].target), tampered)
         with pytest.raises(qt.QuantreeError, match=says):
             gm(*ex)
+
+
+def test_a_large_exp_runs_as_vector_rows_within_rounding_and_exp_of_minus_inf_is_zero():
+    """An exp of more than ``region_math.VECTOR_EXP`` values (FLOAT_UNARY kind 12): within
+    2e-7 relative of ATen's, 0 exactly where the input is -inf or below -87.3."""
+
+    class Exp(nn.Module):
+        def forward(self, x):
+            return torch.exp(x * 1.0)
+
+    x = torch.randn(8, 40, 41) * 20
+    x[0, 0, :5] = torch.tensor([-torch.inf, -87.4, -87.2, 88.0, 0.0])
+    gm, want, code, _ = _fused(Exp(), (x,))
+    assert [c[3] for c in code.tolist() if c[0] == 8] == [12]
+    got = gm(x)
+    assert torch.equal(got == 0, want == 0) or bool((got[want == 0] == 0).all())
+    assert got[0, 0, 0] == 0 and got[0, 0, 1] == 0
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-37)
