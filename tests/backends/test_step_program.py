@@ -219,7 +219,7 @@ def test_a_column_operand_in_a_program_gives_the_same_bits_as_aten():
     want = gm(*ex)
     assert fuse_regions(gm, min_ops=1, math=True) == 1
     ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-    assert [t for t in ops if "aten" in t] == ["aten.unsqueeze.default"]  # the input's view
+    assert not [t for t in ops if "aten" in t]  # the input's unsqueeze too: a view inside
     for a, b in zip(gm(*ex), want, strict=True):
         assert torch.equal(a, b)
     call = next(n for n in gm.graph.nodes if n.target == torch.ops.quantree.program.default)
@@ -319,16 +319,26 @@ def test_an_int8_binary_with_a_column_operand_gives_the_bits_of_the_broadcasting
         gm(*ex)
 
 
-def test_step_math_stays_out_of_programs_unless_asked_or_small():
-    """A step's math joins programs where asked (``math``, a folded step) or, by default,
-    where it is small (``regions.SMALL_MATH_ELEMENTS``); with neither it stays ATen's."""
+def test_whole_model_programs_take_step_math_only_small_and_unless_told_not_to(monkeypatch):
+    """A whole model's programs (no ``math``) take small math ops (Mamba-2's SSD, xLSTM's
+    chunkwise part), leave those over ``region_strided.MAX_ELEMENTS`` values to ATen, and
+    take none with ``small_math=False``."""
+    from quantree.backends.cpu.passes import region_strided
+
     exp = torch.ops.aten.exp.default
+    gm, ex = _float_step()
+    want = gm(*ex)
+    fuse_regions(gm, min_ops=1)
+    assert not any(n.target == exp for n in gm.graph.nodes)
+    for got, ref in zip(gm(*ex), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     gm, _ = _float_step()
     fuse_regions(gm, min_ops=1, small_math=False)
     assert any(n.target == exp for n in gm.graph.nodes)
+    monkeypatch.setattr(region_strided, "MAX_ELEMENTS", 8)  # below the step's [2, 4, 3]
     gm, _ = _float_step()
     fuse_regions(gm, min_ops=1)
-    assert not any(n.target == exp for n in gm.graph.nodes)
+    assert any(n.target == exp for n in gm.graph.nodes)
 
 
 def _loop_call(monkeypatch):

@@ -44,7 +44,9 @@ RMS_NORM = 11  # float rows times rsqrt(mean of squares + eps), then an optional
 FLOAT_SCALAR, MATMUL, FLOAT_MATMUL = 12, 13, 14  # a op scalar; batched int8 / float a @ b
 ATTENTION = 15  # float softmax(q k^T * scale + mask) v, heads as column blocks of 2-d rows
 TRANSPOSE, ROW_SUM = 20, 21  # each batch's [R, C] as [C, R]; a float row's sum
-KINDS = {BINARY: 2, FLOAT_BINARY: 5, FLOAT_UNARY: 11, FLOAT_SCALAR: 8}
+CUMSUM, TRI_FILL, STRIDED = 22, 23, 24  # running sums; a triangular fill; a strided copy
+STRIDED_DIMS = 4  # sizes c[3..6], strides c[7..10]
+KINDS = {BINARY: 2, FLOAT_BINARY: 5, FLOAT_UNARY: 12, FLOAT_SCALAR: 8}
 """The largest kind (``c[4]``, ``c[3]`` for unary and scalar ops) each opcode's runner knows."""
 DTYPES = (F32, I8)
 SIZES = (4, 1)
@@ -251,6 +253,12 @@ def instructions(op: str, code: list, fcode: list, slots: list[Slot], n_consts: 
         if kind == TRANSPOSE:
             transpose(n, a, dst, c[3], expect)
             continue
+        if kind in (CUMSUM, TRI_FILL):
+            blocks(n, kind, c, a, dst, expect)
+            continue
+        if kind == STRIDED:
+            strided(n, c, a, dst, slots[a.owner], expect)
+            continue
         if kind == ROW_SUM:
             expect(n, "wrong operand or result dtype", a.dtype == dst.dtype == 0)
             expect(n, "the result is not one value per row of the source",
@@ -369,6 +377,42 @@ def transpose(n: int, a: Slot, d: Slot, r: int, expect: Any) -> None:
     rows = (a.rows0 // r * a.cols, a.rows1 // r * a.cols)
     expect(n, "the result's shape is not [batch C, R]", (d.rows0, d.rows1) == rows and d.cols == r)
     expect(n, "wrong operand or result dtype", a.dtype == d.dtype)
+
+
+def blocks(n: int, kind: int, c: list, a: Slot, d: Slot, expect: Any) -> None:
+    """``CUMSUM`` (``c[3]`` 0: along rows, else down blocks of ``c[3]`` rows) and ``TRI_FILL``
+    (blocks of ``c[3] >= 1`` rows, diagonal offset ``c[4]``): float ``a`` at least as wide as
+    ``d`` and with its rows, the rows a whole number of blocks."""
+    lowest = 0 if kind == CUMSUM else 1
+    expect(n, "block rows out of range", lowest <= c[3] < LIMIT)
+    expect(n, "wrong operand or result dtype", a.dtype == d.dtype == 0)
+    expect(n, "the source is narrower or shorter than the result",
+           a.cols >= d.cols and covers(a, d))  # fmt: skip
+    if c[3]:
+        expect(n, "rows are not a whole number of blocks", d.rows0 % c[3] == 0
+               and d.rows1 % c[3] == 0)  # fmt: skip
+    if kind == TRI_FILL:
+        expect(n, "diagonal offset out of range", -LIMIT < c[4] < LIMIT)
+
+
+def strided(n: int, c: list, a: Slot, d: Slot, owner: Slot, expect: Any) -> None:
+    """``STRIDED``: ``d`` a dense static owner of exactly the sizes' product elements, of
+    ``a``'s dtype; every element the sizes and strides reach from ``a``'s first one inside
+    ``a``'s owner (a static view: the reach is ``a``'s offset plus the largest index)."""
+    sizes, steps = c[3 : 3 + STRIDED_DIMS], c[7 : 7 + STRIDED_DIMS]
+    expect(n, "sizes or strides out of range",
+           all(1 <= x < LIMIT for x in sizes) and all(0 <= x < LIMIT for x in steps))  # fmt: skip
+    expect(n, "a static operand and result only", a.rows1 == a.off1 == d.rows1 == d.off1 == 0
+           and owner.rows1 == 0)  # fmt: skip
+    expect(n, "the result is not a dense owner", d.ld == d.cols and d.owner != a.owner)
+    total = 1
+    for x in sizes:
+        total *= x
+    expect(n, "the result does not hold the sizes' elements", d.rows0 * d.cols == total)
+    expect(n, "wrong operand or result dtype", a.dtype == d.dtype)
+    reach = sum((x - 1) * y for x, y in zip(sizes, steps, strict=True))
+    room = owner.rows0 * owner.ld * owner.size - a.off0
+    expect(n, "the strides reach past the operand's storage", (reach + 1) * a.size <= room)
 
 
 def workspace(slots: list[Slot]) -> tuple[int, int]:

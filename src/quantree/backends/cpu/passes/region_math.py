@@ -47,9 +47,23 @@ BINARY_KINDS = {
 """``torch.max(a, b)`` is ``maximum`` (NaN wins in both); listed first, so that a kind read
 back (``regions.float_ops_of_code``) names ``maximum``."""
 MATMULS = {aten.matmul.default, aten.bmm.default}
+VECTOR_EXP, VECTOR_EXP_KIND = 12288, 12
+"""An ``exp`` of more values than this runs as eight-lane rows (``FLOAT_UNARY`` kind 12, equal
+to libm's up to about 1 ulp, 0 below -87.3): libm's element by element loop was the largest
+single cost left in Mamba-2's programs at 512 tokens. Smaller ones keep libm's bits."""
 SWAPS = (aten.transpose.int, aten.permute.default)
 
 Shape = tuple[tuple[Any, ...], torch.dtype]
+
+
+def _values(shape: Shape) -> int:
+    """Elements of a fixed shape (0 for a symbolic one: counted small)."""
+    total = 1
+    for d in shape[0]:
+        if type(d) is not int:
+            return 0
+        total *= d
+    return total
 
 
 def _scalar(x: object) -> bool:
@@ -273,7 +287,10 @@ def emit(
     elif (scalar := _scalar_op(n)) is not None:
         p.emit([FLOAT_SCALAR, dst, slot[a[0]], scalar[0]], [scalar[1]])
     elif n.target in UNARY_KINDS:
-        p.emit([FLOAT_UNARY, dst, slot[a[0]], UNARY_KINDS[n.target]], [])  # type: ignore[index]
+        kind = UNARY_KINDS[n.target]  # type: ignore[index]
+        if n.target == aten.exp.default and _values(shapes[n]) > VECTOR_EXP:
+            kind = VECTOR_EXP_KIND
+        p.emit([FLOAT_UNARY, dst, slot[a[0]], kind], [])
     elif n.target in BINARY_KINDS:  # flag 1 (2): b (a) is a column, one value per row
         flag = 1 if shapes[a[1]] != shapes[n] else 2 if shapes[a[0]] != shapes[n] else 0
         kind = BINARY_KINDS[n.target]  # type: ignore[index]

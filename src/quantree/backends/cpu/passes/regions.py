@@ -36,6 +36,7 @@ Regions with other shapes (two symbols, a symbolic last dimension) are left as t
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import operator
 from typing import Any
@@ -58,7 +59,7 @@ from quantree.backends.cpu.cells.program import (
     emit,
 )
 from quantree.backends.cpu.native.loader import cpu_isa
-from quantree.backends.cpu.passes import region_math
+from quantree.backends.cpu.passes import region_math, region_strided
 from quantree.backends.cpu.passes.attention import program_form
 from quantree.backends.cpu.passes.region_layout import MAX_COPIES, copies, gather, reshape, row_map
 from quantree.backends.cpu.saved.derived import Recipe, remember
@@ -81,7 +82,13 @@ INT8_OPS = {
     quantree_ops.binary.default,
     quantree_ops.lookup.default,
 }
-VIEWS = {aten.chunk.default, aten.unbind.int, operator.getitem, aten.dropout.default}
+VIEWS = {
+    aten.chunk.default,
+    aten.unbind.int,
+    operator.getitem,
+    aten.dropout.default,
+    *region_strided.SPLITS,
+}
 SAME_SLOT = {
     aten.alias.default, aten.contiguous.default, aten.clone.default, aten.view.default,
     aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
@@ -161,6 +168,7 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
     unary = {v: k for k, v in FLOAT_UNARY_KINDS.items()}
     more = {v: k.__name__.split(".")[0] for k, v in MORE_UNARY.items()}
     more |= {v: k.__name__.split(".")[0] for k, v in region_math.UNARY_KINDS.items()}
+    more[region_math.VECTOR_EXP_KIND] = "exp"
     binary |= {v: k for k, v in region_math.BINARY_KINDS.items()}
     scalar = {v: k.__name__.split(".")[0] for k, v in region_math.SCALAR_KINDS.items()}
     for row in code.reshape(-1, NI).tolist():
@@ -178,6 +186,10 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
             names["matmul"] += 1
         elif row[0] == region_math.ROW_SUM:
             names["sum"] += 1
+        elif row[0] == region_strided.CUMSUM:
+            names["cumsum"] += 1
+        elif row[0] == region_strided.TRI_FILL:
+            names["masked_fill"] += 1
         elif row[0] == LAYER_NORM:
             names["layer_norm"] += 1
         elif row[0] == RMS_NORM:
@@ -191,18 +203,22 @@ def fuse_regions(
     gm: fx.GraphModule, min_ops: int = MIN_OPS, math: bool = False, small_math: bool = True
 ) -> int:
     """Replace each run of at least ``min_ops`` program-covered ops of ``gm`` by one
-    ``quantree.program`` call; returns how many were replaced. ``math``: programs also take
-    ``region_math``'s ops (a folded loop's step, ``cells/step_program.py``); else, with
-    ``small_math``, those ops where they are small (``SMALL_MATH_ELEMENTS``)."""
+    ``quantree.program`` call; returns how many were replaced. Programs take
+    ``region_math``'s and ``region_strided``'s ops too. ``math``: ``gm`` is a folded loop's
+    step (``cells/step_program.py``), whose program must be the whole step; else a whole
+    model, whose regions end at their last computing op (``_trim``, a trailing ``contiguous``
+    kept) and whose math ops join programs only with ``small_math``, up to
+    ``region_strided.MAX_ELEMENTS`` values and never as int8 matmuls (ATen's vectorized
+    kernels and the int8 matmul's own call win on large ones; on small ones a call costs more
+    than its arithmetic: xLSTM's chunkwise-parallel part, benchmarks/README.md, h-xlstm64)."""
+    top, math = not math, True
     shapes = _infer_shapes(gm, math)
     fused = 0
-    small = small_math and not math
-    regions = _regions(gm, shapes, math, small)
+    regions = _regions(gm, shapes, math, top, top and not small_math)
     for region in regions:
-        if not math:
-            _trim(region, small)
-        computes = sum(1 for n in region if _computes(n))
-        if computes >= min_ops and _replace(gm, region, shapes, math, small):
+        if top:
+            _trim(region, dense=True)
+        if sum(1 for n in region if _computes(n)) >= min_ops and _replace(gm, region, shapes, math):
             fused += 1
     if fused or regions:  # a region refused late may have left constants behind
         gm.graph.eliminate_dead_code()
@@ -442,14 +458,19 @@ def _covered(
     shapes: dict[fx.Node, Shape],
     inside: set[fx.Node],
     math: bool = False,
-    small: bool = False,
+    top: bool = False,
+    no_math: bool = False,
 ) -> bool:
     """Whether the program runs ``n`` (its shapes known, its arguments of the right kind)."""
     a: Any = n.args
     if n.op != "call_function":
         return False
     if n.target is operator.getitem:
-        return a[0] in inside and a[0].target in (aten.chunk.default, aten.unbind.int)
+        return a[0] in inside and a[0].target in (
+            aten.chunk.default,
+            aten.unbind.int,
+            *region_strided.SPLITS,
+        )
     if n.target == aten.chunk.default:
         src = shapes.get(a[0])
         dim = a[2] if len(a) > 2 else 0
@@ -459,6 +480,8 @@ def _covered(
             and dim in (-1, len(src[0]) - 1)
             and src[0][-1] % a[1] == 0
         )
+    if n.target in region_strided.SPLITS:
+        return math and _split_pieces(n, shapes) is not None
     if n.target == aten.unbind.int:
         src = shapes.get(a[0])
         dim = a[1] if len(a) > 1 else n.kwargs.get("dim", 0)
@@ -472,20 +495,24 @@ def _covered(
     if n not in shapes or shapes[n][1] not in (torch.float32, torch.int8):
         return False
     if math and (known := region_math.covered(n, shapes)) is not None:
-        return known
-    if small and _small_math(n, shapes):
-        return True
+        return known and not (top and (no_math or _large(n, shapes)))
+    if math and (known := region_strided.covered(n, shapes)) is not None:
+        return known and not no_math
     if n.target in SAME_SLOT:
         if not isinstance(a[0], fx.Node) or n.kwargs or a[0] not in shapes:
             return False
         if _keeps_rows(n, shapes):
             return True
-        if n.target in RESHAPES:
+        if n.target in RESHAPES or (math and n.target in region_strided.SQUEEZES):
             src, out = shapes[a[0]], shapes[n]
             return bool(src[1] == out[1] and src[0] and out[0] and _numel(src[0]) == _numel(out[0]))
-        return n.target in PERMUTES and _moved_rows(n, shapes) is not None
+        if n.target in PERMUTES and _moved_rows(n, shapes) is not None:
+            return True
+        return math and n.target in PERMUTES and region_strided.moves(n, shapes)
     if n.target == aten.expand.default:
-        return not n.kwargs and a[0] in shapes and _moved_rows(n, shapes) is not None
+        if n.kwargs or a[0] not in shapes:
+            return False
+        return _moved_rows(n, shapes) is not None or (math and region_strided.moves(n, shapes))
     if n.target == aten.slice.Tensor:
         src = shapes.get(a[0])
         step = a[4] if len(a) > 4 else 1
@@ -572,6 +599,57 @@ def _covered(
     return False
 
 
+def _split_pieces(n: fx.Node, shapes: dict[fx.Node, Shape]) -> list[tuple[int, int]] | None:
+    """``split_with_sizes`` / ``tensor_split`` at fixed sizes along the columns or whole rows
+    (``_axis``): each piece's first index and size along that dimension (None: another)."""
+    a: Any = n.args
+    src = shapes.get(a[0])
+    dim = a[2] if len(a) > 2 else n.kwargs.get("dim", 0)
+    if src is None or not src[0] or not isinstance(dim, int) or not isinstance(a[1], (list, tuple)):
+        return None
+    dims = src[0]
+    dim %= len(dims)
+    if (
+        type(dims[dim]) is not int
+        or _axis(dims, dim) is None
+        or not all(type(x) is int for x in a[1])
+    ):
+        return None
+    size = dims[dim]
+    if n.target == aten.split_with_sizes.default:
+        if sum(a[1]) != size or min(a[1], default=0) < 0:
+            return None
+        starts = [sum(a[1][:i]) for i in range(len(a[1]))]
+        return list(zip(starts, a[1], strict=True))
+    cuts = [0, *(min(max(x + size if x < 0 else x, 0), size) for x in a[1]), size]
+    return [(lo, max(hi - lo, 0)) for lo, hi in itertools.pairwise(cuts)]
+
+
+def _split_views(
+    p: RegionProgram, n: fx.Node, source: int, shapes: dict[fx.Node, Shape]
+) -> list[int]:
+    """The pieces of a split (``_split_pieces``) as views of ``source``."""
+    a: Any = n.args
+    dims = shapes[a[0]][0]
+    dim: Any = a[2] if len(a) > 2 else n.kwargs.get("dim", 0)
+    dim %= len(dims)
+    pieces = _split_pieces(n, shapes)
+    assert pieces is not None
+    if _axis(dims, dim) == "cols":
+        return [p.view(source, lo, count) for lo, count in pieces]
+    per = _numel(dims[dim + 1 : -1])
+    return [p.row_view(source, lo * per, count * per) for lo, count in pieces]
+
+
+def _large(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
+    """A math op a whole model's program leaves to ATen (``fuse_regions``' ``top``): an int8
+    matmul, or one reading or making more than ``region_strided.MAX_ELEMENTS`` values."""
+    if n.target == quantree_ops.matmul.default:
+        return True
+    values = [shapes.get(x) for x in (n, *n.all_input_nodes)]
+    return any(v is None or _float_size(v) > region_strided.MAX_ELEMENTS for v in values)
+
+
 def _moved_rows(n: fx.Node, shapes: dict[fx.Node, Shape]) -> list[tuple[int, int]] | None:
     """A permute's or an expand's output rows as source row strides
     (``passes/region_layout.py``)."""
@@ -624,29 +702,6 @@ def _spreads(s: Shape, out: Shape, math: bool) -> bool:
     return _broadcasts(s, out) or (math and region_math.block_column(s, out) is not None)
 
 
-SMALL_MATH_ELEMENTS = 8192
-"""Outside a folded step, ``region_math``'s ops join programs only on tensors of at most this
-many elements (each operand and the result; a matmul also at most 16 times as many
-multiply-adds): there a call costs more than its arithmetic (xLSTM's chunkwise-parallel part
-at 64 tokens: ``[1, 2, 4, 16, 16]`` exps, divisions, maxima and matmuls,
-benchmarks/README.md, branch ``h-xlstm64``), while on larger ones ATen's vectorized
-exp and BLAS matmuls win over the program's loops."""
-
-
-def _small_math(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
-    """``n`` is one of ``region_math``'s ops, covered, on ``SMALL_MATH_ELEMENTS`` or fewer."""
-    if n.op != "call_function" or region_math.covered(n, shapes) is not True:
-        return False
-    sizes = [_float_size(shapes[x]) for x in n.all_input_nodes if x in shapes]
-    sizes.append(_float_size(shapes[n]))
-    if max(sizes) > SMALL_MATH_ELEMENTS:
-        return False
-    if n.target in region_math.MATMULS or n.target == quantree_ops.matmul.default:
-        depth = int(shapes[n.args[0]][0][-1])  # type: ignore[index]
-        return _float_size(shapes[n]) * depth <= 16 * SMALL_MATH_ELEMENTS
-    return True
-
-
 def _trim(region: list[fx.Node], dense: bool = False) -> None:
     """Drops the region's trailing views, slices, unbinds and transposes: only readers
     outside it use them (the last node of a run has no reader inside), and there they are
@@ -663,7 +718,11 @@ def _trim(region: list[fx.Node], dense: bool = False) -> None:
 
 
 def _regions(
-    gm: fx.GraphModule, shapes: dict[fx.Node, Shape], math: bool = False, small: bool = False
+    gm: fx.GraphModule,
+    shapes: dict[fx.Node, Shape],
+    math: bool = False,
+    top: bool = False,
+    no_math: bool = False,
 ) -> list[list[fx.Node]]:
     """Maximal runs of covered nodes, in graph order. A run ends where an uncovered node reads
     one of its values, so that the one call, placed at the run's end, comes before every
@@ -674,7 +733,7 @@ def _regions(
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr"):
             continue
-        if _covered(n, shapes, inside, math, small):
+        if _covered(n, shapes, inside, math, top, no_math):
             current.append(n)
             inside.add(n)
         elif any(x in inside for x in n.all_input_nodes) or n.op == "output":
@@ -691,12 +750,13 @@ def _replace(
     region: list[fx.Node],
     shapes: dict[fx.Node, Shape],
     math: bool = False,
-    small: bool = False,
 ) -> bool:
     """Compile ``region`` and put the program call in its place (False: left as it was)."""
     inside = set(region)
     outputs = [n for n in region if any(u not in inside for u in n.users)]
-    if any(n.target in (aten.chunk.default, aten.unbind.int) for n in outputs):
+    if any(
+        n.target in (aten.chunk.default, aten.unbind.int, *region_strided.SPLITS) for n in outputs
+    ):
         return False  # a tuple read outside: keep the region's views inside it
     p = RegionProgram()
     slot: dict[fx.Node, int] = {}
@@ -778,20 +838,26 @@ def _replace(
             count = shapes[a[0]][0][0]
             rows = _numel(shapes[a[0]][0][1:-1])
             pieces[n] = [p.row_view(slot[a[0]], i * rows, rows) for i in range(count)]
+        elif n.target in region_strided.SPLITS:
+            pieces[n] = _split_views(p, n, slot[a[0]], shapes)
         elif n.target is operator.getitem:
             slot[n] = pieces[a[0]][a[1]]
-        elif (math or (small and _small_math(n, shapes))) and region_math.swaps_last(n, shapes):
+        elif math and region_math.swaps_last(n, shapes):  # a TRANSPOSE, not a row move
             if not region_math.emit(p, n, slot, value_slot, shapes):
                 return False
         elif (n.target in SAME_SLOT or n.target == aten.expand.default) and not (
             n.target != aten.expand.default and _keeps_rows(n, shapes)
         ):
-            if n.target in RESHAPES:
+            moved = None if n.target in RESHAPES else _moved_rows(n, shapes)
+            if n.target in RESHAPES or (math and n.target in region_strided.SQUEEZES):
                 slot[n] = reshape(p, slot[a[0]], _rows(shapes[n]), _cols(shapes[n]))
-            else:
-                moved = _moved_rows(n, shapes)
-                assert moved is not None
+            elif moved is not None:
                 slot[n] = gather(p, slot[a[0]], moved)
+            else:  # the last dimension moves or spreads: a strided copy
+                done = region_strided.move(p, n, slot[a[0]], shapes) if math else None
+                if done is None:
+                    return False
+                slot[n] = done
         elif n.target == aten.dropout.default or n.target in SAME_SLOT:
             slot[n] = slot[a[0]]
         elif (
@@ -900,9 +966,10 @@ def _replace(
             eps = float(a[4]) if len(a) > 4 else 1e-5
             p.emit([LAYER_NORM, dst, slot[a[0]], weight, bias, _vector(n, shapes)], [eps])
             slot[n] = dst
-        elif (math or (small and _small_math(n, shapes))) and (
-            done := region_math.emit(p, n, slot, value_slot, shapes)
-        ) is not None:
+        elif math and (
+            (done := region_strided.emit(p, n, slot, value_slot, shapes)) is not None
+            or (done := region_math.emit(p, n, slot, value_slot, shapes)) is not None
+        ):
             if not done:
                 return False
         elif not emit(p, n, slot, value_slot, const_index):

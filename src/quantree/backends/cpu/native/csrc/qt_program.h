@@ -11,6 +11,7 @@
 // rounding; the region pass marks only those too large for the scalar loops, which it takes
 // on that path alone, so every program made before keeps its bits) is plain C++ with no ISA dispatch, so it gives the same bits on every path.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -84,6 +85,10 @@ enum Op {
     // numbered apart from the opcodes other branches add next to 14 (merged separately)
     TRANSPOSE = 20,    // a [batch * c[3], C] -> [batch * C, c[3]]: each batch's last two dims swapped
     ROW_SUM = 21,      // float sum of each row of a into one value (a [rows, 1] result)
+    CUMSUM = 22,       // float running sum along each row (c[3] 0), or down each column of
+                       // every block of c[3] rows (a cumsum over dim -2)
+    TRI_FILL = 23,     // row i of each block of c[3] rows: f[0] where column j - i > c[4], else a
+    STRIDED = 24,      // dst (dense) = a's elements at up to 4 sizes c[3..6] / strides c[7..10]
 };
 constexpr int NI = 12, NF = 8;  // fields per instruction
 constexpr int NS = 5;  // fields per slot: dtype (0 f32, 1 i8), owner slot, byte offset, cols, ld
@@ -215,6 +220,15 @@ static inline void float_scalar_row(int64_t kind, const float* a, float* out, in
     }
 }
 
+// Eight float lanes in the compiler's vector extension (two SSE registers where there is no
+// AVX): a multiply then an add per lane, as the scalar loop (-ffp-contract=off: no fused FMA).
+typedef float V8 __attribute__((vector_size(32)));
+static inline V8 load8(const float* p) {
+    V8 v;
+    std::memcpy(&v, p, 32);
+    return v;
+}
+
 // Batched float a [batch * M, K] @ b [batch * K, N] -> [batch * M, N], rows of ld strides,
 // summed in k order in float (ATen's bmm blocks its sums: equal up to rounding).
 static inline void float_matmul(const Slot& a, const Slot& b, const Slot& d, int64_t M) {
@@ -235,17 +249,83 @@ static inline void float_matmul(const Slot& a, const Slot& b, const Slot& d, int
         }
         return;
     }
-    for (int64_t t = 0; t < batch; ++t)
-        for (int64_t m = 0; m < M; ++m) {
-            const float* x = a.f(t * M + m);
-            float* y = d.f(t * M + m);
-            for (int64_t j = 0; j < N; ++j) y[j] = 0.0f;
-            for (int64_t k = 0; k < K; ++k) {
-                const float* w = b.f(t * K + k);
-                const float v = x[k];
-                for (int64_t j = 0; j < N; ++j) y[j] += v * w[j];
+    // Each result element summed in k order as before (the same bits), a block of 32 or 8
+    // of them held in registers across k instead of loaded and stored at every k (a chunked
+    // scan's einsums as [16, 16] @ [16, 16] spent most of their time in those stores).
+    for (int64_t t = 0; t < batch; ++t) {
+        int64_t m = 0;
+        for (; m + 2 <= M && N >= 8; m += 2) {  // two rows: four independent sums in flight
+            const float* x0 = a.f(t * M + m);
+            const float* x1 = a.f(t * M + m + 1);
+            float* y0 = d.f(t * M + m);
+            float* y1 = d.f(t * M + m + 1);
+            int64_t j = 0;
+            for (; j + 16 <= N; j += 16) {
+                V8 p0 = {}, p1 = {}, q0 = {}, q1 = {};
+                for (int64_t k = 0; k < K; ++k) {
+                    const float* w = b.f(t * K + k) + j;
+                    const V8 w0 = load8(w), w1 = load8(w + 8);
+                    p0 += x0[k] * w0;
+                    p1 += x0[k] * w1;
+                    q0 += x1[k] * w0;
+                    q1 += x1[k] * w1;
+                }
+                std::memcpy(y0 + j, &p0, 32);
+                std::memcpy(y0 + j + 8, &p1, 32);
+                std::memcpy(y1 + j, &q0, 32);
+                std::memcpy(y1 + j + 8, &q1, 32);
+            }
+            for (; j + 8 <= N; j += 8) {
+                V8 p0 = {}, q0 = {};
+                for (int64_t k = 0; k < K; ++k) {
+                    const V8 w0 = load8(b.f(t * K + k) + j);
+                    p0 += x0[k] * w0;
+                    q0 += x1[k] * w0;
+                }
+                std::memcpy(y0 + j, &p0, 32);
+                std::memcpy(y1 + j, &q0, 32);
+            }
+            for (; j < N; ++j) {
+                float s0 = 0.0f, s1 = 0.0f;
+                for (int64_t k = 0; k < K; ++k) {
+                    s0 += x0[k] * b.f(t * K + k)[j];
+                    s1 += x1[k] * b.f(t * K + k)[j];
+                }
+                y0[j] = s0;
+                y1[j] = s1;
             }
         }
+        for (; m < M; ++m) {
+            const float* x = a.f(t * M + m);
+            float* y = d.f(t * M + m);
+            int64_t j = 0;
+            for (; j + 32 <= N; j += 32) {
+                V8 c0 = {}, c1 = {}, c2 = {}, c3 = {};
+                for (int64_t k = 0; k < K; ++k) {
+                    const float* w = b.f(t * K + k) + j;
+                    const float v = x[k];
+                    c0 += v * load8(w);
+                    c1 += v * load8(w + 8);
+                    c2 += v * load8(w + 16);
+                    c3 += v * load8(w + 24);
+                }
+                std::memcpy(y + j, &c0, 32);
+                std::memcpy(y + j + 8, &c1, 32);
+                std::memcpy(y + j + 16, &c2, 32);
+                std::memcpy(y + j + 24, &c3, 32);
+            }
+            for (; j + 8 <= N; j += 8) {
+                V8 c0 = {};
+                for (int64_t k = 0; k < K; ++k) c0 += x[k] * load8(b.f(t * K + k) + j);
+                std::memcpy(y + j, &c0, 32);
+            }
+            for (; j < N; ++j) {
+                float acc = 0.0f;
+                for (int64_t k = 0; k < K; ++k) acc += x[k] * b.f(t * K + k)[j];
+                y[j] = acc;
+            }
+        }
+    }
 }
 
 // Each batch's [R, C] block of a written as [C, R] (a step's K^T before its K^T @ V and
@@ -270,6 +350,109 @@ static inline void row_sums(const Slot& a, const Slot& d) {
         for (int64_t j = 0; j < a.cols; ++j) sum += x[j];
         d.f(r)[0] = static_cast<float>(sum);
     }
+}
+
+// torch.cumsum in float, summed in double as ATen's CPU kernel accumulates (the same bits):
+// along each row (R 0) or down each column of every block of R rows.
+static inline void cumsum_rows(const Slot& a, const Slot& d, int64_t R) {
+    const int64_t C = d.cols;
+    if (R == 0) {
+        for (int64_t r = 0; r < d.rows; ++r) {
+            const float* x = a.f(r);
+            float* y = d.f(r);
+            double sum = 0.0;
+            for (int64_t j = 0; j < C; ++j) {
+                sum += x[j];
+                y[j] = static_cast<float>(sum);
+            }
+        }
+        return;
+    }
+    std::vector<double> sum(static_cast<size_t>(C));
+    for (int64_t r = 0; r < d.rows; ++r) {
+        if (r % R == 0) std::fill(sum.begin(), sum.end(), 0.0);
+        const float* x = a.f(r);
+        float* y = d.f(r);
+        for (int64_t j = 0; j < C; ++j) {
+            sum[j] += x[j];
+            y[j] = static_cast<float>(sum[j]);
+        }
+    }
+}
+
+// masked_fill with a triangular mask: row i of each block of R rows takes v in the columns
+// j with j - i > k (k -R or less: every column, a constant fill), a's value elsewhere.
+static inline void tri_fill(const Slot& a, const Slot& d, int64_t R, int64_t k, float v) {
+    for (int64_t r = 0; r < d.rows; ++r) {
+        const int64_t i = r % R;
+        const float* x = a.f(r);
+        float* y = d.f(r);
+        int64_t first = i + k + 1;  // the first filled column
+        first = first < 0 ? 0 : first > d.cols ? d.cols : first;
+        for (int64_t j = 0; j < first; ++j) y[j] = x[j];
+        for (int64_t j = first; j < d.cols; ++j) y[j] = v;
+    }
+}
+
+// A strided view of a's elements (from a's first one) written dense into d: a permute, an
+// expand (stride 0), a select, an einsum's operand in matmul order. Sizes and strides are
+// in elements, outermost first, any dtype: copies, the same bits.
+static inline void strided_copy(const Slot& a, const Slot& d, const int64_t* size,
+                                const int64_t* stride) {
+    const int64_t e = a.size;
+    char* out = d.base;
+    const char* src = a.base;
+    for (int64_t i0 = 0; i0 < size[0]; ++i0)
+        for (int64_t i1 = 0; i1 < size[1]; ++i1)
+            for (int64_t i2 = 0; i2 < size[2]; ++i2) {
+                const char* x = src + (i0 * stride[0] + i1 * stride[1] + i2 * stride[2]) * e;
+                if (stride[3] == 1) {
+                    std::memcpy(out, x, static_cast<size_t>(size[3] * e));
+                    out += size[3] * e;
+                } else if (e == 4) {
+                    const float* xf = reinterpret_cast<const float*>(x);
+                    float* of = reinterpret_cast<float*>(out);
+                    for (int64_t i3 = 0; i3 < size[3]; ++i3) of[i3] = xf[i3 * stride[3]];
+                    out += size[3] * e;
+                } else {
+                    for (int64_t i3 = 0; i3 < size[3]; ++i3) *out++ = x[i3 * stride[3]];
+                }
+            }
+}
+
+// exp of eight lanes: a degree-6 polynomial on a Cody-Waite reduced argument (qt_vmath.h's,
+// about 1 ulp), 2^n built in the exponent bits; below -87.3 (where 2^n would leave the normal
+// range) 0, so that exp(-inf) is 0 as ATen's. FLOAT_UNARY kind 12: exps too large for libm's
+// element by element loop (a chunked scan's segment sums at 512 tokens), the same bits on
+// every path (the compiler's vector extension, no fused multiply-add).
+typedef int32_t I8x __attribute__((vector_size(32)));
+static inline void exp_rows(const float* a, float* out, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        V8 x = load8(a + j);
+        const V8 lo = x < -87.3f ? V8{} - 87.3f : x;  // NaN compares false: kept
+        x = lo > 88.7f ? V8{} + 88.7f : lo;
+        const V8 t = x * 1.44269504088896f;
+        const I8x k = __builtin_convertvector(t + (t < 0.0f ? V8{} - 0.5f : V8{} + 0.5f), I8x);
+        const V8 nf = __builtin_convertvector(k, V8);
+        V8 r = x - nf * 0.693145751953125f;
+        r = r - nf * 1.428606765330187045e-06f;
+        V8 p = V8{} + 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        p = p * (r * r) + (r + 1.0f);
+        const I8x bits = (k + 127) << 23;
+        V8 scale;
+        std::memcpy(&scale, &bits, 32);
+        V8 y = p * scale;
+        const V8 src = load8(a + j);
+        y = src < -87.3f ? V8{} : y;
+        std::memcpy(out + j, &y, 32);
+    }
+    for (; j < n; ++j) out[j] = std::exp(a[j]);
 }
 
 static inline void float_unary_row(int64_t kind, const float* a, float* out, int64_t n) {
@@ -304,6 +487,8 @@ static inline void float_unary_row(int64_t kind, const float* a, float* out, int
         for (int64_t j = 0; j < n; ++j) out[j] = a[j] > 20.0f ? a[j] : std::log1p(std::exp(a[j]));
     } else if (kind == 10) {
         for (int64_t j = 0; j < n; ++j) out[j] = 1.0f / std::sqrt(a[j]);
+    } else if (kind == 12) {
+        exp_rows(a, out, n);
     } else {  // abs
         for (int64_t j = 0; j < n; ++j) out[j] = std::fabs(a[j]);
     }
@@ -347,11 +532,49 @@ static inline void rms_norm_row(const float* __restrict a, float* __restrict out
 // Runs instruction c (its float fields f) over the slots s. u8: scratch for the widest
 // linear's input rows; mult / add: the linear's int8-output multipliers (or null);
 // prepared: a linear's weights prepared for the GEMM path (or null).
+// An elementwise instruction's dense operand of the result's width, and the result, read as
+// one long row: the same arithmetic element by element, without a call and a switch per row
+// (a [16384, 16] value of a chunked scan has 16384 rows of 16).
+static inline bool joins(const Slot& x, const Slot& d) {
+    return x.ld == x.cols && x.cols == d.cols && x.size == d.size;
+}
+static inline Slot one_row(const Slot& x, int64_t rows) {
+    const int64_t n = rows * x.cols;
+    return Slot{x.base, 1, n, n, x.size};
+}
+static inline bool elementwise(const int64_t* c) {
+    switch (c[0]) {
+        case QUANT: case DEQUANT: case FAKE_QUANT: case FLOAT_SCALAR: case FLOAT_UNARY:
+        case LOOKUP: case COPY:
+            return true;
+        case FLOAT_BINARY: case BINARY:
+            return c[5] == 0;
+        default:
+            return false;
+    }
+}
+
 static inline void run_op(const int64_t* c, const float* f, const std::vector<Slot>& s,
                         void* const* consts, uint8_t* u8, const float* mult, const float* add,
                         const qt::PreparedB* prepared = nullptr) {
-    const Slot& dst = s[c[1]];
-    const Slot& a = s[c[2]];
+    Slot dst = s[c[1]];
+    Slot a = s[c[2]];
+    if (dst.rows > 1 && dst.ld == dst.cols && elementwise(c)) {
+        const bool quant = c[0] == QUANT || c[0] == DEQUANT;  // int8 <-> float: sizes differ
+        const bool two = c[0] == FLOAT_BINARY || c[0] == BINARY;
+        const bool ok_a = quant ? a.ld == a.cols && a.cols == dst.cols : joins(a, dst);
+        if (ok_a && (!two || joins(s[c[3]], dst))) {
+            a = one_row(a, dst.rows);
+            if (two) {
+                Slot b = one_row(s[c[3]], dst.rows);
+                dst = one_row(dst, dst.rows);
+                if (c[0] == FLOAT_BINARY) float_binary_row(c[4], a.f(0), b.f(0), dst.f(0), dst.cols);
+                else binary_row(c[4], a.q(0), b.q(0), dst.q(0), dst.cols, f);
+                return;
+            }
+            dst = one_row(dst, dst.rows);
+        }
+    }
     switch (c[0]) {
         case QUANT:
             for (int64_t r = 0; r < dst.rows; ++r)
@@ -534,6 +757,15 @@ static inline void run_op(const int64_t* c, const float* f, const std::vector<Sl
             break;
         case ROW_SUM:
             row_sums(a, dst);
+            break;
+        case CUMSUM:
+            cumsum_rows(a, dst, c[3]);
+            break;
+        case TRI_FILL:
+            tri_fill(a, dst, c[3], c[4], f[0]);
+            break;
+        case STRIDED:
+            strided_copy(a, dst, c + 3, c + 7);
             break;
         case COPY:
             for (int64_t r = 0; r < dst.rows; ++r)
