@@ -349,12 +349,12 @@ class ChunkwiseParallel(nn.Module):
         return h / (torch.maximum(n.abs(), torch.exp(-m)) + 1e-6)
 
 
-@pytest.mark.parametrize(("chunks", "fused"), [(4, True), (64, False)])
+@pytest.mark.parametrize(("chunks", "fused"), [(4, True), (64, True), (320, False)])
 def test_small_float_math_outside_a_loop_runs_in_a_program(chunks: int, fused: bool) -> None:
     """``region_math``'s ops join programs in any graph where they are small
-    (``regions.SMALL_MATH_ELEMENTS``): xLSTM's ``[1, 2, 4, 16, 16]`` at 64 tokens; at 1024
-    tokens (``[1, 2, 64, 16, 16]``, 32768 values) they stay ATen's. Float32 arithmetic as
-    ATen's up to summation order (rtol 1e-5)."""
+    (``region_strided.MAX_ELEMENTS``): xLSTM's ``[1, 2, 4, 16, 16]`` at 64 tokens, and
+    ``[1, 2, 64, 16, 16]`` at 1024; at 5120 tokens (``[1, 2, 320, 16, 16]``, 163840 values)
+    they stay ATen's. Float32 arithmetic as ATen's up to summation order (rtol 1e-5)."""
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 2, chunks, 16, 16, generator=g) for _ in range(2))
     v = torch.randn(1, 2, chunks, 16, 32, generator=g)
