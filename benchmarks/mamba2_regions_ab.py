@@ -20,7 +20,7 @@ import zoo
 from common import interleaved_times, load_note, one_thread
 
 import quantree as qt
-import quantree.backends.cpu.passes.region_strided as region_strided
+import quantree.backends.cpu.passes.instructions.region_strided as region_strided
 from quantree.backends import CPU
 from quantree.pipeline import lower
 

@@ -19,7 +19,7 @@ import quantree as qt
 from quantree.backends import CPU, load, save
 from quantree.backends.cpu import backend as cpu_backend
 from quantree.backends.cpu.cells.program import Program
-from quantree.backends.cpu.passes.region_layout import gather, reshape, row_map
+from quantree.backends.cpu.passes.instructions.region_layout import gather, reshape, row_map
 
 from support import calls
 

@@ -1,4 +1,4 @@
-"""Mamba-2's chunked SSD in region programs (``passes/region_strided.py``,
+"""Mamba-2's chunked SSD in region programs (``passes/instructions/region_strided.py``,
 ``csrc/qt_program.h``: ``CUMSUM``, ``TRI_FILL``, ``STRIDED``; einsums as ``FLOAT_MATMUL``).
 
 Each op is checked against ATen alone in a whole model's program (``top``): moves and

@@ -1,4 +1,4 @@
-"""xLSTM's chunkwise mLSTM step as one region program (``passes/region_math.py``,
+"""xLSTM's chunkwise mLSTM step as one region program (``passes/instructions/region_math.py``,
 ``csrc/qt_program.h``: ``TRANSPOSE``, ``ROW_SUM``; ``cells/step_program.py``: ``narrow``
 per-step inputs).
 

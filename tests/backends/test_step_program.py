@@ -323,7 +323,7 @@ def test_whole_model_programs_take_step_math_only_small_and_unless_told_not_to(m
     """A whole model's programs (no ``math``) take small math ops (Mamba-2's SSD, xLSTM's
     chunkwise part), leave those over ``region_strided.MAX_ELEMENTS`` values to ATen, and
     take none with ``small_math=False``."""
-    from quantree.backends.cpu.passes import region_strided
+    from quantree.backends.cpu.passes.instructions import region_strided
 
     exp = torch.ops.aten.exp.default
     gm, ex = _float_step()

@@ -17,7 +17,7 @@ add/mul/sub (an operand broadcast along rows too), sigmoid/tanh/relu/gelu/silu/n
 norm and RMSNorm over the last dimension, chunk / unbind / getitem / row and column slices /
 order-keeping views as views, views and reshapes of dense rows as new views, stack and cat
 as copies, and at fixed sizes transposes, permutes and expands as row copies:
-``passes/region_layout.py``; float attention whose q, k, v are heads of ``[B, S, H D]``
+``passes/instructions/region_layout.py``; float attention whose q, k, v are heads of ``[B, S, H D]``
 values, as an instruction reading them as column blocks: ``passes/attention.program_form``)
 and, when it holds at least ``MIN_OPS`` of them, replaces it by one
 call. Layer norms and
@@ -59,9 +59,15 @@ from quantree.backends.cpu.cells.program import (
     emit,
 )
 from quantree.backends.cpu.native.loader import cpu_isa
-from quantree.backends.cpu.passes import region_math, region_strided
 from quantree.backends.cpu.passes.attention import program_form
-from quantree.backends.cpu.passes.region_layout import MAX_COPIES, copies, gather, reshape, row_map
+from quantree.backends.cpu.passes.instructions import region_math, region_strided
+from quantree.backends.cpu.passes.instructions.region_layout import (
+    MAX_COPIES,
+    copies,
+    gather,
+    reshape,
+    row_map,
+)
 from quantree.backends.cpu.saved.derived import Recipe, remember
 from quantree.core.graphs import attr_at, fetch_attr, register_constant
 from quantree.core.values import module_scope
@@ -101,7 +107,8 @@ after they are made, so a clone needs no copy either."""
 RESHAPES = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
 }  # fmt: skip
-"""Of ``SAME_SLOT``, those that may also change the last dimension (``passes/region_layout.py``)."""
+"""Of ``SAME_SLOT``, those that may also change the last dimension
+(``passes/instructions/region_layout.py``)."""
 PERMUTES = {aten.permute.default, aten.transpose.int}
 FLOAT_MAX_ELEMENTS = 12288
 """On paths without vector rows for them (all but AVX-512 and AVX2: ``csrc/program_avx512.cpp``,
@@ -652,7 +659,7 @@ def _large(n: fx.Node, shapes: dict[fx.Node, Shape]) -> bool:
 
 def _moved_rows(n: fx.Node, shapes: dict[fx.Node, Shape]) -> list[tuple[int, int]] | None:
     """A permute's or an expand's output rows as source row strides
-    (``passes/region_layout.py``)."""
+    (``passes/instructions/region_layout.py``)."""
     a: Any = n.args
     src, out = shapes[a[0]][0], shapes[n][0]
     perm: list[int] | None = None

@@ -24,7 +24,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from quantree.backends.cpu.passes.region_layout import MAX_COPIES, copies, reshape, row_map
+from quantree.backends.cpu.passes.instructions.region_layout import (
+    MAX_COPIES,
+    copies,
+    reshape,
+    row_map,
+)
 
 aten = torch.ops.aten
 FLOAT_BINARY, FLOAT_UNARY, FLOAT_SCALAR, MATMUL, FLOAT_MATMUL = 7, 8, 12, 13, 14

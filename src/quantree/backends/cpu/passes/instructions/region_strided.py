@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from quantree.backends.cpu.passes.region_layout import COPY, reshape
+from quantree.backends.cpu.passes.instructions.region_layout import COPY, reshape
 from quantree.core.graphs import attr_at
 
 aten = torch.ops.aten
