@@ -295,6 +295,22 @@ static void depthwise_pixels(const Depthwise& d, const int8_t* const* src, int64
 
 #endif
 
+// The rows of an int8 or int16 table (qt_embedding_rows*): indices checked first.
+template <typename T>
+int64_t embedding_rows(const T* table, int64_t rows, int64_t cols, const int64_t* idx, int64_t n,
+                       const float* scale, const int32_t* zp, float* out) {
+    for (int64_t i = 0; i < n; ++i)
+        if (idx[i] < 0 || idx[i] >= rows) return i;
+    for (int64_t i = 0; i < n; ++i) {
+        const T* row = table + idx[i] * cols;
+        const float s = scale[idx[i]];
+        const int32_t z = zp[idx[i]];
+        float* o = out + i * cols;
+        for (int64_t j = 0; j < cols; ++j) o[j] = static_cast<float>(row[j] - z) * s;
+    }
+    return -1;
+}
+
 extern "C" {
 
 // y[M, N] = x[M, K] (int8) . W^T; int8 output when out_f is null, else float.
@@ -498,16 +514,7 @@ void qt_dequantize(const int8_t* q, int64_t n, float scale, float zp, float* out
 // or -1.
 int64_t qt_embedding_rows(const int8_t* table, int64_t rows, int64_t cols, const int64_t* idx,
                           int64_t n, const float* scale, const int32_t* zp, float* out) {
-    for (int64_t i = 0; i < n; ++i)
-        if (idx[i] < 0 || idx[i] >= rows) return i;
-    for (int64_t i = 0; i < n; ++i) {
-        const int8_t* row = table + idx[i] * cols;
-        const float s = scale[idx[i]];
-        const int32_t z = zp[idx[i]];
-        float* o = out + i * cols;
-        for (int64_t j = 0; j < cols; ++j) o[j] = static_cast<float>(row[j] - z) * s;
-    }
-    return -1;
+    return embedding_rows(table, rows, cols, idx, n, scale, zp, out);
 }
 
 // As qt_embedding_rows, for an int16 table (a transformer's token table, whose rows are read
@@ -516,16 +523,7 @@ int64_t qt_embedding_rows(const int8_t* table, int64_t rows, int64_t cols, const
 int64_t qt_embedding_rows16(const int16_t* table, int64_t rows, int64_t cols,
                             const int64_t* idx, int64_t n, const float* scale, const int32_t* zp,
                             float* out) {
-    for (int64_t i = 0; i < n; ++i)
-        if (idx[i] < 0 || idx[i] >= rows) return i;
-    for (int64_t i = 0; i < n; ++i) {
-        const int16_t* row = table + idx[i] * cols;
-        const float s = scale[idx[i]];
-        const int32_t z = zp[idx[i]];
-        float* o = out + i * cols;
-        for (int64_t j = 0; j < cols; ++j) o[j] = static_cast<float>(row[j] - z) * s;
-    }
-    return -1;
+    return embedding_rows(table, rows, cols, idx, n, scale, zp, out);
 }
 
 // Elementwise add (op 0), mul (op 1) or sub (op 2) of two int8 tensors, each dequantized exactly as the
