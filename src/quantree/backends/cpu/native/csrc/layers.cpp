@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "qt_kernels.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -265,6 +265,82 @@ static void depthwise_pixels(const Depthwise& d, const int8_t* const* src, int64
             q = _mm512_add_ps(q, _mm512_set1_ps(d.zp));
             q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(d.qmin)), _mm512_set1_ps(127.0f));
             _mm512_mask_cvtsepi32_storeu_epi8(out_q + r * d.C + c0, m, _mm512_cvtps_epi32(q));
+        }
+    }
+}
+
+#elif defined(__AVX2__)
+
+// The AVX-512 path's arithmetic 8 channels at a time (the x86-64-v3 library); a last block of
+// fewer than 8 channels takes the one-channel loop below. Without it GCC kept the portable
+// loop scalar (taps innermost), and depthwise convs made an image model slower than float
+// on AVX2 CPUs (benchmarks/README.md, "AVX2 depthwise").
+static void depthwise_channels(const Depthwise& d, const int8_t* const* src, int64_t rows,
+                               int64_t c0, int8_t* out_q, float* out_f);
+
+static void depthwise_pixels(const Depthwise& d, const int8_t* const* src, int64_t rows,
+                             int8_t* out_q, float* out_f) {
+    std::vector<int32_t> w32(static_cast<size_t>(d.taps * 8));
+    const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+    const int64_t full = d.C - d.C % 8;
+    for (int64_t c0 = 0; c0 < full; c0 += 8) {
+        for (int64_t t = 0; t < d.taps; ++t)
+            _mm256_storeu_si256(
+                reinterpret_cast<__m256i*>(w32.data() + t * 8),
+                _mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d.w + t * d.C + c0))));
+        const __m256i off = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d.off + c0));
+        const __m256 mult = _mm256_loadu_ps(d.rq.mult.data() + c0);
+        const __m256 add = _mm256_loadu_ps(d.rq.add.data() + c0);
+        for (int64_t r = 0; r < rows; ++r) {
+            const int8_t* const* s = src + r * d.taps;
+            __m256i acc = off;
+            for (int64_t t = 0; t < d.taps; ++t) {
+                const __m128i xs = _mm_xor_si128(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s[t] + c0)), flip);
+                const __m256i wt =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w32.data() + t * 8));
+                acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(xs), wt));
+            }
+            const __m256 v = _mm256_cvtepi32_ps(acc);
+            if (out_f) {
+                __m256 y = _mm256_mul_ps(v, _mm256_loadu_ps(d.scale + c0));
+                if (d.bias) y = _mm256_add_ps(y, _mm256_loadu_ps(d.bias + c0));
+                _mm256_storeu_ps(out_f + r * d.C + c0, y);
+                continue;
+            }
+            __m256 q = _mm256_add_ps(_mm256_mul_ps(v, mult), add);
+            q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm256_add_ps(q, _mm256_set1_ps(d.zp));
+            q = _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(d.qmin)), _mm256_set1_ps(127.0f));
+            const __m256i q32 = _mm256_cvtps_epi32(q);  // integral, in [-128, 127]
+            const __m128i q16 =
+                _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(out_q + r * d.C + c0),
+                             _mm_packs_epi16(q16, q16));
+        }
+    }
+    if (full < d.C) depthwise_channels(d, src, rows, full, out_q, out_f);
+}
+
+static void depthwise_channels(const Depthwise& d, const int8_t* const* src, int64_t rows,
+                               int64_t c0, int8_t* out_q, float* out_f) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* const* s = src + r * d.taps;
+        for (int64_t c = c0; c < d.C; ++c) {
+            int32_t acc = d.off[c];
+            for (int64_t t = 0; t < d.taps; ++t)
+                acc += static_cast<int32_t>(static_cast<uint8_t>(s[t][c] ^ 0x80)) *
+                       d.w[t * d.C + c];
+            const float v = static_cast<float>(acc);
+            if (out_f) {
+                const float y = v * d.scale[c];
+                out_f[r * d.C + c] = d.bias ? y + d.bias[c] : y;
+                continue;
+            }
+            float q = qt::round_even(v * d.rq.mult[c] + d.rq.add[c]) + d.zp;
+            q = q < d.qmin ? d.qmin : (q > 127.0f ? 127.0f : q);
+            out_q[r * d.C + c] = static_cast<int8_t>(q);
         }
     }
 }
