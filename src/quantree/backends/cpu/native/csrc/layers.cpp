@@ -229,6 +229,31 @@ struct Depthwise {
     float zp, qmin;
 };
 
+// Channels c0.. one at a time: the portable build's whole loop, the AVX2 build's last block of
+// fewer than 8 channels.
+[[maybe_unused]] static void depthwise_channels(const Depthwise& d, const int8_t* const* src,
+                                                int64_t rows, int64_t c0, int8_t* out_q,
+                                                float* out_f) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* const* s = src + r * d.taps;
+        for (int64_t c = c0; c < d.C; ++c) {
+            int32_t acc = d.off[c];
+            for (int64_t t = 0; t < d.taps; ++t)
+                acc += static_cast<int32_t>(static_cast<uint8_t>(s[t][c] ^ 0x80)) *
+                       d.w[t * d.C + c];
+            const float v = static_cast<float>(acc);
+            if (out_f) {
+                const float y = v * d.scale[c];
+                out_f[r * d.C + c] = d.bias ? y + d.bias[c] : y;
+                continue;
+            }
+            float q = qt::round_even(v * d.rq.mult[c] + d.rq.add[c]) + d.zp;
+            q = q < d.qmin ? d.qmin : (q > 127.0f ? 127.0f : q);
+            out_q[r * d.C + c] = static_cast<int8_t>(q);
+        }
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 
 // Channels in vectors of 16: a block's weights are widened to int32 once for all pixels.
@@ -275,9 +300,6 @@ static void depthwise_pixels(const Depthwise& d, const int8_t* const* src, int64
 // fewer than 8 channels takes the one-channel loop below. Without it GCC kept the portable
 // loop scalar (taps innermost), and depthwise convs made an image model slower than float
 // on AVX2 CPUs (benchmarks/README.md, "AVX2 depthwise").
-static void depthwise_channels(const Depthwise& d, const int8_t* const* src, int64_t rows,
-                               int64_t c0, int8_t* out_q, float* out_f);
-
 static void depthwise_pixels(const Depthwise& d, const int8_t* const* src, int64_t rows,
                              int8_t* out_q, float* out_f) {
     std::vector<int32_t> w32(static_cast<size_t>(d.taps * 8));
@@ -323,50 +345,11 @@ static void depthwise_pixels(const Depthwise& d, const int8_t* const* src, int64
     if (full < d.C) depthwise_channels(d, src, rows, full, out_q, out_f);
 }
 
-static void depthwise_channels(const Depthwise& d, const int8_t* const* src, int64_t rows,
-                               int64_t c0, int8_t* out_q, float* out_f) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* const* s = src + r * d.taps;
-        for (int64_t c = c0; c < d.C; ++c) {
-            int32_t acc = d.off[c];
-            for (int64_t t = 0; t < d.taps; ++t)
-                acc += static_cast<int32_t>(static_cast<uint8_t>(s[t][c] ^ 0x80)) *
-                       d.w[t * d.C + c];
-            const float v = static_cast<float>(acc);
-            if (out_f) {
-                const float y = v * d.scale[c];
-                out_f[r * d.C + c] = d.bias ? y + d.bias[c] : y;
-                continue;
-            }
-            float q = qt::round_even(v * d.rq.mult[c] + d.rq.add[c]) + d.zp;
-            q = q < d.qmin ? d.qmin : (q > 127.0f ? 127.0f : q);
-            out_q[r * d.C + c] = static_cast<int8_t>(q);
-        }
-    }
-}
-
 #else  // portable: the same arithmetic, one channel at a time
 
 static void depthwise_pixels(const Depthwise& d, const int8_t* const* src, int64_t rows,
                              int8_t* out_q, float* out_f) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* const* s = src + r * d.taps;
-        for (int64_t c = 0; c < d.C; ++c) {
-            int32_t acc = d.off[c];
-            for (int64_t t = 0; t < d.taps; ++t)
-                acc += static_cast<int32_t>(static_cast<uint8_t>(s[t][c] ^ 0x80)) *
-                       d.w[t * d.C + c];
-            const float v = static_cast<float>(acc);
-            if (out_f) {
-                const float y = v * d.scale[c];
-                out_f[r * d.C + c] = d.bias ? y + d.bias[c] : y;
-                continue;
-            }
-            float q = qt::round_even(v * d.rq.mult[c] + d.rq.add[c]) + d.zp;
-            q = q < d.qmin ? d.qmin : (q > 127.0f ? 127.0f : q);
-            out_q[r * d.C + c] = static_cast<int8_t>(q);
-        }
-    }
+    depthwise_channels(d, src, rows, 0, out_q, out_f);
 }
 
 #endif

@@ -261,7 +261,10 @@ Run conv_case(int kind) {  // 0 plain, 1 grouped, 2 depthwise
     static const int64_t sizes[] = {1, 2, 3, 5, 7}, chans[] = {1, 2, 3, 4, 6};
     const int64_t batch = 1 + rnd() % 2, H = pick(sizes, 5), W = pick(sizes, 5);
     const int64_t groups = kind == 1 ? 1 + rnd() % 3 : 1;
-    int64_t C = pick(chans, 5) * groups, OC = kind == 2 ? C : pick(chans, 5) * groups;
+    // depthwise: also blocks of 8 channels and their tails (the AVX2 build's vector loop)
+    static const int64_t dw_chans[] = {1, 3, 8, 13, 21};
+    int64_t C = kind == 2 ? pick(dw_chans, 5) : pick(chans, 5) * groups;
+    const int64_t OC = kind == 2 ? C : pick(chans, 5) * groups;
     const int64_t KH = 1 + rnd() % 3, KW = 1 + rnd() % 3, sh = 1 + rnd() % 2, sw = 1 + rnd() % 2;
     const int64_t ph = rnd() % 2, pw = rnd() % 2, dh = 1 + rnd() % 2, dw = 1;
     const int64_t OH = (H + 2 * ph - dh * (KH - 1) - 1) / sh + 1;
