@@ -55,6 +55,16 @@ def interleaved_times(
     return {name: (statistics.median(wall[name]), statistics.median(cpu[name])) for name in names}
 
 
+def ratios_to_float(times: dict[str, tuple[float, float]]) -> str:
+    """``interleaved_times``' result as one line: float's milliseconds, then every other
+    variant's CPU and wall ratio to it (CPU first: the figure that holds under load)."""
+    fw, fc = times["float"]
+    cells = "; ".join(
+        f"{k} {c / fc:.2f}x CPU {w / fw:.2f}x wall" for k, (w, c) in times.items() if k != "float"
+    )
+    return f"float {fc:.2f} ms CPU {fw:.2f} wall; {cells}"
+
+
 def table(title: str, columns: list[str], rows: list[tuple[str, dict[str, float | None]]]) -> str:
     """Markdown table: absolute ms and the ratio to the first column."""
     lines = [f"| {title} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]

@@ -17,7 +17,7 @@ import warnings
 import modern_zoo
 import torch
 import zoo
-from common import interleaved_times, load_note, one_thread
+from common import interleaved_times, load_note, one_thread, ratios_to_float
 
 import quantree as qt
 import quantree.backends.cpu.passes.instructions.region_strided as region_strided
@@ -58,12 +58,7 @@ def main() -> None:
             timed |= {k: (lambda m=m, x=x: m(*x)) for k, m in lows.items()}
             for run in (1, 2):
                 ms = interleaved_times(timed, 7 if length == 64 else 5, warmup=2)
-                fw, fc = ms["float"]
-                cells = "; ".join(
-                    f"{k} {ms[k][1] / fc:.2f}x CPU {ms[k][0] / fw:.2f}x wall" for k in lows
-                )
-                print(f"  T{length} run {run}: float {fc:.2f} ms CPU {fw:.2f} wall; {cells} "
-                      f"({load_note()})", flush=True)  # fmt: skip
+                print(f"  T{length} run {run}: {ratios_to_float(ms)} ({load_note()})", flush=True)
 
 
 if __name__ == "__main__":

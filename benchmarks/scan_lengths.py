@@ -25,7 +25,7 @@ import warnings
 import modern_zoo
 import torch
 import zoo
-from common import interleaved_times, load_note, one_thread
+from common import interleaved_times, load_note, one_thread, ratios_to_float
 
 import quantree as qt
 from quantree.backends import CPU
@@ -92,14 +92,8 @@ def run(name: str, variants: list[str]) -> None:
         with torch.no_grad():
             for run_ in (1, 2):
                 ms = interleaved_times(timed, 5 if length == 64 else 3, warmup=2)
-                fw, fc = ms["float"]
-                cells = "; ".join(
-                    f"{v} {ms[v][0] / fw:.2f}x wall {ms[v][1] / fc:.2f}x CPU"
-                    for v in lows
-                    if v in ms
-                )
-                print(f"  {name} T{length} run {run_}: float {fw:.2f} ms wall {fc:.2f} CPU; "
-                      f"{cells} ({load_note()})", flush=True)  # fmt: skip
+                line = ratios_to_float({k: v for k, v in ms.items() if k == "float" or k in lows})
+                print(f"  {name} T{length} run {run_}: {line} ({load_note()})", flush=True)
 
 
 if __name__ == "__main__":

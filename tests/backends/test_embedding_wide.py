@@ -107,6 +107,13 @@ class TokensToLinear(nn.Module):
         return self.out(self.norm(self.emb(ids)))
 
 
+def _stem_data() -> tuple[list[tuple[torch.Tensor]], list[tuple[torch.Tensor]]]:
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 500, (4, 12), generator=g),) for _ in range(8)]
+    new = [(torch.randint(0, 500, (4, 12), generator=g),) for _ in range(4)]
+    return data, new
+
+
 @pytest.mark.parametrize(("dtype", "floor_db"), [(qt.QDtype.INT8, 41.0), (qt.QDtype.INT16, 47.0)])
 def test_a_per_row_table_before_a_linear_meets_its_floor_and_loads_bit_equal(
     tmp_path, dtype, floor_db
@@ -119,9 +126,7 @@ def test_a_per_row_table_before_a_linear_meets_its_floor_and_loads_bit_equal(
     measures 136 dB against the reference graph, and loads back bit-equal."""
     torch.manual_seed(0)
     model = TokensToLinear().eval()
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randint(0, 500, (4, 12), generator=g),) for _ in range(8)]
-    new = [(torch.randint(0, 500, (4, 12), generator=g),) for _ in range(4)]
+    data, new = _stem_data()
     quantizer = qt.Int8Quantizer(embedding_dtype=dtype)
     ref = qt.quantize(
         model, data[0], data, quantizer=quantizer, progress=False, backend="reference"
@@ -149,13 +154,6 @@ class TokensToLstm(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lstm(self.emb(ids))[0]
-
-
-def _stem_data() -> tuple[list[tuple[torch.Tensor]], list[tuple[torch.Tensor]]]:
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randint(0, 500, (4, 12), generator=g),) for _ in range(8)]
-    new = [(torch.randint(0, 500, (4, 12), generator=g),) for _ in range(4)]
-    return data, new
 
 
 def test_the_default_table_is_int16_where_its_rows_are_read_in_float(tmp_path) -> None:
