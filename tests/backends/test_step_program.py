@@ -14,6 +14,7 @@ from quantree.backends.cpu.cells import step_program
 from quantree.backends.cpu.cells.program_loop import checked_loop, program_loop
 from quantree.backends.cpu.cells.step_program import NativeProgramLoop
 from quantree.backends.cpu.passes.regions import fuse_regions
+from quantree.backends.fastest import reference_of
 from quantree.recurrent.unrolled.step_loop import StepLoop
 
 from support import selective_scan
@@ -608,3 +609,60 @@ def test_a_native_loop_plans_its_call_per_layout_and_checks_again_when_a_table_c
             low(x)
         loop.code.copy_(saved)
         assert torch.equal(low(x), planned)
+
+
+class GatedScan(TimeThirdScan):
+    """``TimeThirdScan`` gated and projected as Mamba-1's mixer is: elementwise math on the
+    scan's ``[B, D, T]`` output and on a ``[B, D, T]`` gate around the folded loop, which a
+    whole-model program would otherwise compile at the captured length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(5, 4)
+        self.skip = nn.Parameter(torch.randn(4))
+        self.out = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, 5]
+        y = super().forward(x)  # [B, 4, T]
+        g = self.gate(x).transpose(1, 2)
+        y = (y + g * self.skip[None, :, None]) * nn.functional.silu(g)
+        return self.out(y.transpose(1, 2))
+
+
+def test_a_freed_loop_graph_runs_at_other_lengths_with_the_programs_around_it():
+    """Folding frees the length (the captured integers become the input's size); the graph's
+    values then carry a length symbol, so no program around the loop is compiled for the
+    captured length (on main before this, 5 and 40 steps failed with 'compiled for inputs of
+    shapes [[1, 16, 5], ...]'). The lowered model follows its reference graph at every
+    length: 30 dB (measured 39-50)."""
+    torch.manual_seed(0)
+    model = GatedScan().eval()
+    x = torch.randn(1, 16, 5)
+    data = [(torch.randn(1, 16, 5),) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)
+        low = qt.quantize(model, (x,), data, backend="cpu", progress=False)
+    assert [m for m in low.modules() if isinstance(m, NativeProgramLoop)]
+    (placeholder,) = [n for n in low.graph.nodes if n.op == "placeholder"]
+    assert not isinstance(placeholder.meta["val"].shape[1], int)  # the length is a symbol
+    reference = reference_of(low)
+    assert reference is not None
+    for length in (5, 16, 40):
+        x = torch.randn(1, length, 5)
+        with torch.no_grad():
+            assert qt.sqnr(reference(x), low(x)) > 30, length
+
+
+def test_a_size_that_is_not_linear_in_its_symbol_is_not_a_program_size():
+    """``FloorDiv(s, 16)`` (a chunked scan's chunk count under a dynamic length) is not
+    ``a + b s``: the region keeps its ATen ops; substituting 0 once raised ZeroDivisionError
+    out of ``quantize``."""
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv
+
+    from quantree.backends.cpu.passes.regions import _linear
+
+    s = sympy.Symbol("s", integer=True, positive=True)
+    assert _linear(FloorDiv(s, 16)) is None
+    assert _linear(3 * s + 2) == (2, 3)
+    assert _linear(sympy.Integer(7)) == (7, 0)

@@ -354,6 +354,8 @@ def _linear(d: Dim) -> tuple[int, int] | None:
     if not symbols:
         return (int(expr), 0) if expr.is_Integer else None
     (sym,) = symbols
+    if not expr.is_polynomial(sym):  # FloorDiv, Mod, ...: not linear (and 0 may divide)
+        return None
     a, b = expr.subs(sym, 0), sympy.diff(expr, sym)
     return (int(a), int(b)) if a.is_Integer and b.is_Integer else None
 
