@@ -666,3 +666,21 @@ def test_a_size_that_is_not_linear_in_its_symbol_is_not_a_program_size():
     assert _linear(FloorDiv(s, 16)) is None
     assert _linear(3 * s + 2) == (2, 3)
     assert _linear(sympy.Integer(7)) == (7, 0)
+
+
+def test_a_program_reads_its_size_symbol_only_where_the_call_can():
+    """The call resolves ``s`` from an input dimension ``a + b s`` with ``a >= 0``
+    (``program_checks.symbol``); a region whose inputs all have ``a < 0`` (WaveRNN's
+    ``200 s - 800`` samples) keeps its ATen ops instead of a program every call refuses."""
+    import types
+
+    import sympy
+
+    from quantree.backends.cpu.passes.regions import _symbolic
+
+    s = sympy.Symbol("s", integer=True, positive=True)
+    x = object()
+    for rows, binding in ((200 * s - 800, None), (200 * s + 8, [0, 0, 8, 200])):
+        p = types.SimpleNamespace(slots=[(0, 0, 0, 8, 8, rows)])
+        found = _symbolic(p, [x], {x: ((rows, 8), torch.float32)})  # type: ignore[arg-type,dict-item]
+        assert (found and found[1]) == binding
