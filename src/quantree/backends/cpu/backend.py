@@ -26,6 +26,7 @@ from quantree.backends.cpu.native.direct import call_directly
 from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
 from quantree.backends.cpu.native.loader import library
+from quantree.backends.cpu.native.per_shape import compute_once_per_shape
 from quantree.backends.cpu.passes.attention import fuse_attention
 from quantree.backends.cpu.passes.casts import drop_identity_casts
 from quantree.backends.cpu.passes.dequantized_constants import fold_dequantized_constants
@@ -120,6 +121,8 @@ def finish(
         warn_float_ops(lean, "the CPU backend", named=set(simulated_ops(gm)))
         if speed_check:
             check_speed(lean, priced)
+    if nested is not None:  # shape arithmetic: once per input shape, not per call
+        compute_once_per_shape(lean)
     return run_chains_natively(read_buffers_directly(bind_flat_inputs(call_directly(lean))))
 
 
