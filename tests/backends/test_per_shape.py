@@ -1,4 +1,4 @@
-"""Shape arithmetic runs once per input shape (``native/per_shape.py``).
+"""Shape arithmetic runs once per input shape (``passes/per_shape.py``).
 
 The model pads each convolution as Hugging Face's Encodec does (``_get_extra_padding_for_conv1d``
 and ``_pad1d``, reflect mode): 0-d integer buffers, a float ``ceil``, ``item`` and the
@@ -18,7 +18,7 @@ from torch import nn
 import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu import backend as cpu_backend
-from quantree.backends.cpu.native.per_shape import SHAPES_KEPT, PerShape
+from quantree.backends.cpu.passes.per_shape import SHAPES_KEPT, PerShape
 from quantree.backends.cpu.saved.serialize import load, save
 
 aten = torch.ops.aten

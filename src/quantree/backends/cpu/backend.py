@@ -26,7 +26,6 @@ from quantree.backends.cpu.native.direct import call_directly
 from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
 from quantree.backends.cpu.native.loader import library
-from quantree.backends.cpu.native.per_shape import compute_once_per_shape
 from quantree.backends.cpu.passes.attention import fuse_attention
 from quantree.backends.cpu.passes.casts import drop_identity_casts
 from quantree.backends.cpu.passes.dequantized_constants import fold_dequantized_constants
@@ -34,6 +33,7 @@ from quantree.backends.cpu.passes.dropout import drop_eval_dropout
 from quantree.backends.cpu.passes.float_report import warn_float_ops
 from quantree.backends.cpu.passes.fold import fold_input_independent
 from quantree.backends.cpu.passes.packed_qkv import split_packed_qkv
+from quantree.backends.cpu.passes.per_shape import compute_once_per_shape
 from quantree.backends.cpu.passes.regions import fuse_regions
 from quantree.backends.cpu.passes.rms_norm import recognise_rms_norm
 from quantree.backends.cpu.passes.shared_constants import share_identical
@@ -118,11 +118,11 @@ def finish(
     lean = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
     lean.meta = dict(gm.meta)
     if nested is not None:  # the whole model, its nested bodies included: say it once
+        # shape arithmetic runs once per input shape: not a float op, not a per-call cost
+        compute_once_per_shape(lean)
         warn_float_ops(lean, "the CPU backend", named=set(simulated_ops(gm)))
         if speed_check:
             check_speed(lean, priced)
-    if nested is not None:  # shape arithmetic: once per input shape, not per call
-        compute_once_per_shape(lean)
     return run_chains_natively(read_buffers_directly(bind_flat_inputs(call_directly(lean))))
 
 

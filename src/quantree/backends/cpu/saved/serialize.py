@@ -23,7 +23,7 @@ from quantree.backends.cpu.native.chains import run_chains_natively
 from quantree.backends.cpu.native.direct import call_directly
 from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
-from quantree.backends.cpu.native.per_shape import compute_once_per_shape
+from quantree.backends.cpu.passes.per_shape import compute_once_per_shape
 from quantree.backends.cpu.saved.archive import BadFile
 from quantree.backends.cpu.saved.checks.fake_check import check_on_example
 from quantree.backends.cpu.saved.checks.load_budget import LoadBudget, budget_for

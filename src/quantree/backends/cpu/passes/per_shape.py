@@ -17,13 +17,13 @@ the real values (its asserts included: a shape that violates one raises, every t
 nothing is kept); later calls with that shape return what it computed. What the verdict
 rests on, checked per call: the shapes of the inputs read (the whole shape, a finer key
 than the sizes read), the values of scalar inputs, and each constant being the tensor
-evaluated, unchanged (identity, version counter, data pointer, as ``bound_calls.py``).
+evaluated, unchanged (identity, version counter, data pointer, as ``native/bound_calls.py``).
 
 Values handed to the caller or to an op that writes its input stay computed per call (a
 cached tensor must not be seen or changed by anyone). Tensors kept are small (at most
 ``MAX_ELEMENTS``, known from the capture's shapes), and at most ``SHAPES_KEPT`` shapes.
 
-The rewrite is a runtime form, like ``direct.py``'s targets: ``save`` exports through
+The rewrite is a runtime form, like ``native/direct.py``'s targets: ``save`` exports through
 ``PerShape``, which runs the original nodes on ``torch.export``'s fake tensors, so a saved
 program holds the original ops (its vocabulary unchanged), and ``load`` applies this again.
 """
