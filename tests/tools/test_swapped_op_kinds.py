@@ -43,3 +43,14 @@ def test_a_scalar_where_a_tensor_is_read_is_refused_naming_both_nodes() -> None:
 
 def test_the_honest_graph_and_list_items_pass() -> None:
     check_on_example(_graph(swap=False), None)  # split's items are tensors
+
+
+def test_a_shape_given_to_an_op_that_takes_numbers_passes() -> None:
+    """torch.export writes ``sub.Tensor(t, sym_size(x, 2))`` for ``t - x.shape[-1]`` (Hugging
+    Face's Encodec pads so): aten makes the number a 0-d tensor for ``sub``, as for ``add``,
+    ``mul``, ``div``; ``relu`` above refuses one, and so does the check."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    size = graph.call_function(aten.sym_size.int, (x, 0))
+    graph.output(graph.call_function(aten.sub.Tensor, (x, size)))
+    check_on_example(fx.GraphModule(torch.nn.Module(), graph), None)

@@ -33,6 +33,7 @@ from quantree.backends.cpu.passes.dropout import drop_eval_dropout
 from quantree.backends.cpu.passes.float_report import warn_float_ops
 from quantree.backends.cpu.passes.fold import fold_input_independent
 from quantree.backends.cpu.passes.packed_qkv import split_packed_qkv
+from quantree.backends.cpu.passes.per_shape import compute_once_per_shape
 from quantree.backends.cpu.passes.regions import fuse_regions
 from quantree.backends.cpu.passes.rms_norm import recognise_rms_norm
 from quantree.backends.cpu.passes.shared_constants import share_identical
@@ -117,6 +118,8 @@ def finish(
     lean = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
     lean.meta = dict(gm.meta)
     if nested is not None:  # the whole model, its nested bodies included: say it once
+        # shape arithmetic runs once per input shape: not a float op, not a per-call cost
+        compute_once_per_shape(lean)
         warn_float_ops(lean, "the CPU backend", named=set(simulated_ops(gm)))
         if speed_check:
             check_speed(lean, priced)

@@ -23,6 +23,7 @@ from quantree.backends.cpu.native.chains import run_chains_natively
 from quantree.backends.cpu.native.direct import call_directly
 from quantree.backends.cpu.native.fast_attributes import read_buffers_directly
 from quantree.backends.cpu.native.flat_inputs import bind_flat_inputs
+from quantree.backends.cpu.passes.per_shape import compute_once_per_shape
 from quantree.backends.cpu.saved.archive import BadFile
 from quantree.backends.cpu.saved.checks.fake_check import check_on_example
 from quantree.backends.cpu.saved.checks.load_budget import LoadBudget, budget_for
@@ -136,6 +137,7 @@ def load(path: str | Path, *, memory_budget: int | None = None) -> torch.nn.Modu
     if not isinstance(module, torch.fx.GraphModule):
         return module
     fold_saved_recipes(module, path, budget, program.example_inputs)
+    compute_once_per_shape(module)  # a runtime form, not saved: made again here
     module = read_buffers_directly(bind_flat_inputs(call_directly(module)))
     return explain_shape_guards(run_chains_natively(module))
 

@@ -160,6 +160,21 @@ def _returned(node: fx.Node) -> Any:
     return None
 
 
+def _number(kind: Any) -> bool:
+    return isinstance(
+        kind,
+        torch._C.IntType | torch._C.FloatType | torch._C.BoolType | torch._C.NumberType
+        | torch._C.SymIntType | torch._C.SymBoolType,
+    )  # fmt: skip
+
+
+def _numbers_wrapped(op: torch._ops.OpOverload) -> bool:
+    """aten's own list of ops whose tensor arguments take a Python number (``add``, ``sub``,
+    ``mul``, ``div``...: the number becomes a 0-d tensor); others (``relu``) refuse one."""
+    name = op._schema.name
+    return name.startswith("aten::") and torch._C._should_allow_numbers_as_tensors(name[6:])
+
+
 def _kinds_agree(module: fx.GraphModule) -> None:
     """Every argument a schema types as a tensor reads a node that gives a tensor, and the
     other way round: a swapped op (``item`` where ``select`` was) is refused at load, not
@@ -179,6 +194,8 @@ def _kinds_agree(module: fx.GraphModule) -> None:
                 continue
             wants = _is_tensor_type(argument.type)
             gives = _is_tensor_type(produced)
+            if wants and not gives and _number(produced) and _numbers_wrapped(node.target):
+                continue  # torch.export's ``sub.Tensor(t, sym_size)``: aten wraps the number
             if wants != gives:
                 raise QuantreeError(
                     f"node {node.name} ({node.target}) takes {argument.name} as "
