@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.fx as fx
 
+from quantree.backends.cpu.cells.float_masks import call_of, cast_sources, float_masks
 from quantree.backends.cpu.cells.layer import NativeRecurrentCells
 from quantree.backends.cpu.cells.program import NativeCellLoop, compile_body
 from quantree.backends.cpu.cells.step_loop import native_step_loop
@@ -157,6 +158,12 @@ def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:
         if not isinstance(module, StepLoop):
             continue
         native = native_step_loop(module) or native_program_loop(module)
+        call = call_of(gm, name) if native is None else None
+        masked = float_masks(module) if call is not None else None
+        if call is not None and masked is not None:
+            native = native_program_loop(masked[0])
+            if native is not None:
+                cast_sources(gm, call, module.n_states, masked[1])
         if native is not None:
             replace_submodule(gm, name, native)
     folded = [name for name, m in gm.named_modules() if isinstance(m, StepLoop)]
