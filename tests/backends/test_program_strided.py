@@ -97,6 +97,25 @@ def test_moves_of_the_last_dimension_give_the_exact_values():
         assert got.shape == ref.shape and torch.equal(got, ref)
 
 
+def test_last_two_dimensions_swapped_across_tile_edges_give_the_exact_values():
+    """``TRANSPOSE`` and ``STRIDED``'s swap of the last two dimensions copy in 16 x 16 tiles:
+    sizes that are not multiples of 16 (partial tiles on both edges), batched and not, and a
+    permute whose last two dimensions are swapped under a moved batch dimension."""
+
+    class Swaps(nn.Module):
+        def forward(self, x, y):  # [1, 37, 21], [2, 19, 3, 35]
+            t = (x * 2).transpose(-1, -2) + 1  # TRANSPOSE of one [37, 21] block
+            b = (y * 3).permute(0, 2, 3, 1) - 1  # [2, 3, 35, 19]: stride 1 then 35 * 3
+            c = (y + 1).permute(2, 0, 3, 1) * 0.5  # [3, 2, 35, 19], the batch moved too
+            return t, b, c
+
+    ex = (torch.randn(1, 37, 21), torch.randn(2, 19, 3, 35))
+    gm, want, code, _ = _fused(Swaps(), ex)
+    assert _ops(code).count(STRIDED) + _ops(code).count(20) >= 3
+    for got, ref in zip(gm(*ex), want, strict=True):
+        assert got.shape == ref.shape and torch.equal(got, ref)
+
+
 @pytest.mark.parametrize(
     "equation, a, b",
     [
