@@ -104,11 +104,19 @@ def _(x, table):
     return torch.empty_like(dense_any_layout(x))
 
 
+def same_strides(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors of one shape lay their elements out alike (a size-1 dimension's
+    stride says nothing: a batch of one sliced from a channels-last map has any)."""
+    return all(
+        size == 1 or x == y for size, x, y in zip(a.shape, a.stride(), b.stride(), strict=True)
+    )
+
+
 def same_layout(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """``a`` and ``b`` broadcast, then both dense with the same strides (copied if need be)."""
     if a.shape != b.shape:
         a, b = torch.broadcast_tensors(a, b)
-    if a.stride() == b.stride() and is_dense(a):
+    if is_dense(a) and same_strides(a, b):
         return a, b
     return a.contiguous(), b.contiguous()
 

@@ -28,25 +28,78 @@ struct Geometry {
     int64_t C, H, W, OC, groups, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW;
 };
 
+// The tap each GEMM column group belongs to: (th, tw) of tap t = th * KW + tw, so the scatter
+// divides nothing per row.
+struct Taps {
+    std::vector<int64_t> h, w;
+    explicit Taps(const Geometry& g)
+        : h(static_cast<size_t>(g.KH * g.KW)), w(static_cast<size_t>(g.KH * g.KW)) {
+        for (int64_t t = 0; t < g.KH * g.KW; ++t) {
+            h[static_cast<size_t>(t)] = t / g.KW;
+            w[static_cast<size_t>(t)] = t % g.KW;
+        }
+    }
+};
+
+// acc[j] += cols[j] for a run of n columns: the GEMM wrote exact integers, so the conversion
+// is exact and its order irrelevant (a plain loop the compiler vectorizes).
+inline void add_run(int32_t* __restrict dst, const float* __restrict src, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) dst[j] += static_cast<int32_t>(src[j]);
+}
+
 // Add the float columns [n0, n0 + nb) of `rows` input pixels (from pixel p0 of the image) to
 // the int32 accumulator [OH, OW, OC] of the image; columns are (tap, output channel of group
 // g), the exact integers the GEMM wrote.
-void scatter(const Geometry& g, int64_t grp, const float* cols, int64_t ldc, int64_t p0,
-             int64_t rows, int64_t n0, int64_t nb, int32_t* acc) {
+//
+// With one group and dilation 1 along the width, the taps of one kernel row land on
+// consecutive output pixels, so their columns (kw, output channel) are one contiguous run in
+// both the columns and the accumulator: per input pixel and kernel row, the run's valid part
+// (the taps inside the output) is found by arithmetic and added in one loop. With few output
+// channels a tap is a run of two or four, and walking the taps one by one, not the
+// additions, was the kernel's cost.
+void scatter(const Geometry& g, const Taps& taps, int64_t grp, const float* cols, int64_t ldc,
+             int64_t p0, int64_t rows, int64_t n0, int64_t nb, int32_t* acc) {
     const int64_t OCg = g.OC / g.groups;
+    int64_t ih = p0 / g.W, iw = p0 % g.W;
+    if (g.groups == 1 && g.dw == 1) {
+        const int64_t row_cols = g.KW * g.OC;  // the columns of one kernel row
+        const int64_t th_first = n0 / row_cols, th_last = (n0 + nb - 1) / row_cols;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* src_row = cols + r * ldc - n0;
+            const int64_t ow0 = iw * g.sw - g.pw;
+            const int64_t tw_lo = ow0 < 0 ? -ow0 : 0;
+            const int64_t tw_hi = g.OW - ow0 < g.KW ? g.OW - ow0 : g.KW;
+            for (int64_t th = th_first; th <= th_last && tw_lo < tw_hi; ++th) {
+                const int64_t oh = ih * g.sh - g.ph + th * g.dh;
+                if (oh < 0 || oh >= g.OH) continue;
+                const int64_t c0 = th * row_cols;
+                const int64_t lo = std::max<int64_t>(n0, c0 + tw_lo * g.OC);
+                const int64_t hi = std::min<int64_t>(n0 + nb, c0 + tw_hi * g.OC);
+                if (lo < hi)
+                    add_run(acc + (oh * g.OW + ow0) * g.OC + (lo - c0), src_row + lo, hi - lo);
+            }
+            if (++iw == g.W) {
+                iw = 0;
+                ++ih;
+            }
+        }
+        return;
+    }
     const int64_t t_first = n0 / OCg, t_last = (n0 + nb - 1) / OCg;
     for (int64_t r = 0; r < rows; ++r) {
-        const int64_t p = p0 + r, ih = p / g.W, iw = p % g.W;
         const float* src_row = cols + r * ldc;
         for (int64_t t = t_first; t <= t_last; ++t) {
-            const int64_t th = t / g.KW, tw = t % g.KW;
-            const int64_t oh = ih * g.sh - g.ph + th * g.dh, ow = iw * g.sw - g.pw + tw * g.dw;
+            const int64_t oh = ih * g.sh - g.ph + taps.h[static_cast<size_t>(t)] * g.dh;
+            const int64_t ow = iw * g.sw - g.pw + taps.w[static_cast<size_t>(t)] * g.dw;
             if (oh < 0 || oh >= g.OH || ow < 0 || ow >= g.OW) continue;
             const int64_t j0 = std::max<int64_t>(n0, t * OCg) - t * OCg;
             const int64_t j1 = std::min<int64_t>(n0 + nb, (t + 1) * OCg) - t * OCg;
-            int32_t* dst = acc + (oh * g.OW + ow) * g.OC + grp * OCg;
-            const float* src = src_row + t * OCg - n0;
-            for (int64_t j = j0; j < j1; ++j) dst[j] += static_cast<int32_t>(src[j]);
+            add_run(acc + (oh * g.OW + ow) * g.OC + grp * OCg + j0, src_row + t * OCg - n0 + j0,
+                    j1 - j0);
+        }
+        if (++iw == g.W) {
+            iw = 0;
+            ++ih;
         }
     }
 }
@@ -68,6 +121,82 @@ void epilogue_int8(const int32_t* acc, const int32_t* off, const float* mult, co
         float q = qt::round_even(static_cast<float>(acc[o] + off[o]) * mult[o] + add[o]) + zp;
         q = q < qmin ? qmin : (q > 127.0f ? 127.0f : q);
         out[o * oc] = static_cast<int8_t>(q);
+    }
+}
+
+// Output pixels [0, pixels) of an image whose output is dense in the accumulator's order
+// (channels innermost, pixel after pixel: an int8 result, a 2-d float one), written as one
+// flat run. The per-channel arrays are repeated to a whole number of pixels of at least 64
+// elements, so the inner loop is a plain elementwise one over contiguous arrays whatever
+// the channel count (two channels per pixel made a loop of two). Each element's float
+// operations are epilogue_int8's / epilogue_float's, in the same order.
+struct Flat {
+    int64_t width;  // elements a repeat holds: whole pixels, at least 64
+    std::vector<int32_t> off;
+    std::vector<float> a, b;  // int8: mult, add; float: scale, bias
+    Flat(int64_t OC, const int32_t* off_, const float* a_, const float* b_) {
+        width = OC * ((64 + OC - 1) / OC);
+        off.resize(static_cast<size_t>(width));
+        a.resize(off.size());
+        b.resize(off.size());
+        for (int64_t j = 0; j < width; ++j) {
+            const int64_t o = j % OC;
+            off[static_cast<size_t>(j)] = off_[o];
+            a[static_cast<size_t>(j)] = a_[o];
+            b[static_cast<size_t>(j)] = b_ ? b_[o] : 0.0f;
+        }
+    }
+};
+
+void flat_int8(const Flat& f, const int32_t* __restrict acc, int64_t n, float zp, float qmin,
+               int8_t* __restrict out) {
+    const int32_t* __restrict off = f.off.data();
+    const float* __restrict mult = f.a.data();
+    const float* __restrict add = f.b.data();
+    for (int64_t base = 0; base < n; base += f.width) {
+        const int64_t m = n - base < f.width ? n - base : f.width;
+        for (int64_t j = 0; j < m; ++j) {
+            float q = qt::round_even(static_cast<float>(acc[base + j] + off[j]) * mult[j] +
+                                     add[j]) +
+                      zp;
+            q = q < qmin ? qmin : (q > 127.0f ? 127.0f : q);
+            out[base + j] = static_cast<int8_t>(q);
+        }
+    }
+}
+
+void flat_float(const Flat& f, bool bias, const int32_t* __restrict acc, int64_t n,
+                float* __restrict out) {
+    const int32_t* __restrict off = f.off.data();
+    const float* __restrict scale = f.a.data();
+    const float* __restrict add = f.b.data();
+    for (int64_t base = 0; base < n; base += f.width) {
+        const int64_t m = n - base < f.width ? n - base : f.width;
+        if (bias)
+            for (int64_t j = 0; j < m; ++j)
+                out[base + j] = static_cast<float>(acc[base + j] + off[j]) * scale[j] + add[j];
+        else
+            for (int64_t j = 0; j < m; ++j)
+                out[base + j] = static_cast<float>(acc[base + j] + off[j]) * scale[j];
+    }
+}
+
+// A float result whose channels are rows of pixels (the 1-d [N, O, L] layout): channel by
+// channel, the pixels written contiguously.
+void rows_float(const int32_t* acc, const int32_t* off, const float* scale, const float* bias,
+                int64_t OC, int64_t pixels, float* out, int64_t oc) {
+    for (int64_t o = 0; o < OC; ++o) {
+        float* __restrict dst = out + o * oc;
+        const int32_t k = off[o];
+        const float s = scale[o];
+        if (bias) {
+            const float b = bias[o];
+            for (int64_t p = 0; p < pixels; ++p)
+                dst[p] = static_cast<float>(acc[p * OC + o] + k) * s + b;
+        } else {
+            for (int64_t p = 0; p < pixels; ++p)
+                dst[p] = static_cast<float>(acc[p * OC + o] + k) * s;
+        }
     }
 }
 
@@ -109,6 +238,8 @@ void qt_conv_transpose(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
         mult[o] = scale[o] * inv;
         add[o] = bias ? bias[o] * inv : 0.0f;
     }
+    const Taps taps(g);
+    const Flat flat = out_f ? Flat(OC, out_off, scale, bias) : Flat(OC, out_off, mult.data(), add.data());
     for (int64_t n = 0; n < batch; ++n) {
         std::fill(acc.begin(), acc.end(), 0);
         for (int64_t p0 = 0; p0 < P; p0 += panel) {
@@ -126,22 +257,35 @@ void qt_conv_transpose(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
                         qt::Epilogue ep{og + n0, ones.data() + n0, nullptr, cols.data(),
                                         nullptr, ldc, 0.0f, 0.0f, -128.0f, 127.0f};
                         qt::gemm_u8s8(rows, nb, Kp, a.data(), Kp, wg + n0 * Kp, ep);
-                        scatter(g, grp, cols.data(), ldc, p0, rows, n0, nb, acc.data());
+                        scatter(g, taps, grp, cols.data(), ldc, p0, rows, n0, nb, acc.data());
                     }
                     wg += Np * Kp;
                     og += N;
                 }
             }
         }
+        int8_t* const image_q = out_q ? out_q + n * on : nullptr;
+        float* const image_f = out_f ? out_f + n * on : nullptr;
+        if (oc == 1 && ow_s == OC && (OH == 1 || oh_s == OW * OC)) {  // dense, channels innermost
+            if (out_f)
+                flat_float(flat, bias != nullptr, acc.data(), OH * OW * OC, image_f);
+            else
+                flat_int8(flat, acc.data(), OH * OW * OC, zp, qmin, image_q);
+            continue;
+        }
+        if (out_f && OH == 1 && ow_s == 1) {  // the 1-d float layout [N, O, L]
+            rows_float(acc.data(), out_off, scale, bias, OC, OW, image_f, oc);
+            continue;
+        }
         for (int64_t oh = 0; oh < OH; ++oh)
             for (int64_t ow = 0; ow < OW; ++ow) {
                 const int32_t* src = acc.data() + (oh * OW + ow) * OC;
-                const int64_t base = n * on + oh * oh_s + ow * ow_s;
+                const int64_t base = oh * oh_s + ow * ow_s;
                 if (out_f)
-                    epilogue_float(src, out_off, scale, bias, OC, out_f + base, oc);
+                    epilogue_float(src, out_off, scale, bias, OC, image_f + base, oc);
                 else
                     epilogue_int8(src, out_off, mult.data(), add.data(), OC, zp, qmin,
-                                  out_q + base, oc);
+                                  image_q + base, oc);
             }
     }
 } QT_CATCH

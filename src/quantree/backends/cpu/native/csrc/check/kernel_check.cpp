@@ -306,11 +306,11 @@ Run conv_case(int kind) {  // 0 plain, 1 grouped, 2 depthwise
 // A transposed convolution (1-d as height 1), its weight packed per group and per chunk of
 // at most 512 input channels (conv_transpose.cpp); sometimes more than 512 channels a group.
 Run conv_transpose_case() {
-    static const int64_t sizes[] = {1, 2, 3, 5, 7}, chans[] = {1, 2, 3, 5, 17};
+    static const int64_t sizes[] = {1, 2, 3, 5, 7, 150}, chans[] = {1, 2, 3, 5, 17, 40};
     const bool wide = rnd() % 8 == 0;
-    const int64_t batch = 1 + rnd() % 2, H = wide ? 1 : pick(sizes, 5), W = pick(sizes, 5);
+    const int64_t batch = 1 + rnd() % 2, H = wide ? 1 : pick(sizes, 5), W = pick(sizes, 6);
     const int64_t groups = wide ? 1 : 1 + rnd() % 3;
-    const int64_t C = (wide ? 520 : pick(chans, 5)) * groups, OC = pick(chans, 5) * groups;
+    const int64_t C = (wide ? 520 : pick(chans, 5)) * groups, OC = pick(chans, 6) * groups;
     const int64_t KH = H == 1 ? 1 : 1 + rnd() % 3, KW = 1 + rnd() % 4;
     const int64_t sh = 1 + rnd() % 3, sw = 1 + rnd() % 3, dh = 1 + rnd() % 2, dw = 1 + rnd() % 2;
     const int64_t ph = rnd() % 2, pw = rnd() % 2, oph = rnd() % sh, opw = rnd() % sw;
@@ -333,12 +333,16 @@ Run conv_transpose_case() {
     auto sc = f32(OC, 1e-4f, 1e-2f), bias = f32(OC, -1.0f, 1.0f);
     const int64_t relu = rnd() % 2, with_bias = rnd() % 2;
     const bool flt = rnd() % 2 == 0;
+    // the output's layout: channels innermost (the flat epilogue), or channels outermost
+    // ([N, O, L] of a 1-d float result: rows_float; [N, O, H, W]: the per-pixel epilogue)
+    const bool planar = rnd() % 3 == 0;
+    const int64_t oc = planar ? OH * OW : 1, oh_s = planar ? OW : OW * OC, ow_s = planar ? 1 : OC;
     return [=] {
         Out o(batch * OH * OW * OC, flt);
         qt_conv_transpose(x.data(), batch, C, H, W, OC, groups, KH, KW, sh, sw, ph, pw, dh, dw,
                           OH, OW, w.data(), col_off.data(), out_off.data(), sc.data(),
-                          with_bias ? bias.data() : nullptr, o.qp(), o.fp(), OH * OW * OC, 1,
-                          OW * OC, OC, 20.0f, 2.0f, static_cast<int>(relu));
+                          with_bias ? bias.data() : nullptr, o.qp(), o.fp(), OH * OW * OC, oc,
+                          oh_s, ow_s, 20.0f, 2.0f, static_cast<int>(relu));
         return o.bytes();
     };
 }
