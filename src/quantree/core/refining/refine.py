@@ -222,6 +222,7 @@ def _input_moments(
 ) -> dict[str, InputMoments]:
     """Run a copy of ``reference`` with a recorder before each layer's input."""
     probe = copy.deepcopy(reference)
+    _fold_constant_dequantizes(probe)
     found = {n.name: n for n in probe.graph.nodes}
     moments: dict[str, InputMoments] = {}
     recurrent: dict[str, RecurrentInputs] = {}
@@ -244,6 +245,25 @@ def _input_moments(
         for batch in calibration:
             probe(*as_args(batch))
     return moments
+
+
+def _fold_constant_dequantizes(probe: fx.GraphModule) -> None:
+    """Each dequantize of a constant in ``probe`` replaced by its float result, computed once:
+    the probe runs every calibration batch, and dequantizing each weight and table again per
+    batch was most of its time on a transformer (a token table is the largest constant)."""
+    for node in list(probe.graph.nodes):
+        if node.op != "call_function" or node.target not in DEQUANTIZE:
+            continue
+        inputs = [a for a in node.args if isinstance(a, fx.Node)]
+        if not inputs or any(a.op != "get_attr" for a in inputs):
+            continue
+        args = [_attr(probe, str(a.target)) if isinstance(a, fx.Node) else a for a in node.args]
+        name = f"_refine_constant_{node.name}"
+        probe.register_buffer(name, node.target(*args, **node.kwargs))
+        with probe.graph.inserting_before(node):
+            node.replace_all_uses_with(probe.graph.get_attr(name))
+        probe.graph.erase_node(node)
+    probe.graph.eliminate_dead_code()
 
 
 def _quantized(
