@@ -1117,6 +1117,6 @@ def _symbolic(
     for i, x in enumerate(inputs):
         for dim, d in enumerate(shapes[x][0]):
             a, b = _linear(d) or (0, 0)
-            if b > 0:
+            if b > 0 and a >= 0:  # the call checks a >= 0 (program_checks.symbol)
                 return slots, [i, dim, a, b]
     return None
