@@ -145,7 +145,7 @@ def zoo_like_rows(name: str, model: nn.Module, sample: Callable, modes: list[qt.
     anchor_cell = "-"
     if anchor:
         try:
-            ao, _, _, _ = torchao_variant(Case(model, sample), calib)
+            ao = torchao_variant(Case(model, sample), calib)[0]
             anchor_cell = f"{score(ao):.1f} dB"
         except Exception as err:
             anchor_cell = f"fails: {type(err).__name__}"

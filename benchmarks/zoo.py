@@ -2,7 +2,7 @@
 
     python benchmarks/zoo.py                      # every model
     python benchmarks/zoo.py --models bert,gpt2 --runs 30 --anchor none
-    python benchmarks/zoo.py --models bert --extra int8_tables,refine   # rows beside the default
+    python benchmarks/zoo.py --models bert --extra int8_tables,no_refine  # rows beside the default
 
 Random weights, nothing downloaded. Per model: batch norm statistics warmed on data, 16
 calibration batches, 8 held-out inputs. Columns: input-dependent SQNR of the outputs against
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import time
 import types
 import warnings
 from collections.abc import Callable
@@ -355,11 +356,14 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}".strip().splitlines()[0][:160]
 
 
-EXTRA_VARIANTS: dict[str, tuple[dict, bool]] = {
-    "int8_tables": ({"embedding_dtype": qt.QDtype.INT8}, False),  # the default before h-embed27
-    "refine": ({}, True),  # qt.refine with default Refine() after convert
+EXTRA_VARIANTS: dict[str, tuple[dict, qt.Refine | str | None]] = {
+    "int8_tables": ({"embedding_dtype": qt.QDtype.INT8}, "auto"),  # the default before h-embed27
+    "refine": ({}, qt.Refine()),  # qt.refine with default Refine() after convert, on any graph
+    "no_refine": ({}, None),  # never refined (the default before h-zoo27 on transformers)
 }
-"""Rows ``--extra`` adds beside the default quantree row: Int8Quantizer options, refine."""
+"""Rows ``--extra`` adds beside the default quantree row: Int8Quantizer options, and
+``qt.quantize``'s ``refine`` (``"auto"``: its default, refined where the graph is
+transformer-like)."""
 
 
 def quantree_variant(
@@ -367,21 +371,23 @@ def quantree_variant(
     calib: list[tuple],
     mode: qt.RecurrentMode,
     options: dict | None = None,
-    refine: bool = False,
+    refine: qt.Refine | str | None = "auto",
 ):
+    start = time.process_time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", qt.QuantreeWarning)
         lowered = qt.quantize(
             case.model, calib[0], calib,
             quantizer=qt.Int8Quantizer(recurrent=mode, **(options or {})),
-            backend=CPU, progress=False, refine=qt.Refine() if refine else None,
+            backend=CPU, progress=False, refine=refine,
         )  # fmt: skip
+    seconds = time.process_time() - start
     notes = [str(w.message) for w in caught if issubclass(w.category, qt.QuantreeWarning)]
     try:
         size = saved_size(case.model, lowered, calib[0]).render()
     except Exception as err:  # a lowered model that does not save is a result, not a crash
         size = f"save fails: {one_line(err)}"
-    return lowered, float_ops(lowered), notes, size
+    return lowered, float_ops(lowered), notes, size, seconds
 
 
 def unshare_activation_partitions(gm: torch.fx.GraphModule) -> None:
@@ -488,7 +494,7 @@ def torchao_variant(case: Case, calib: list[tuple]):
     with torch.no_grad():
         for args in calib:
             prepared(*args)
-    return torch.compile(convert_pt2e(prepared)), None, [], None
+    return torch.compile(convert_pt2e(prepared)), None, [], None, None
 
 
 def run_model(name: str, args: argparse.Namespace) -> list[dict]:
@@ -529,7 +535,7 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
         row: dict = {"model": name, "variant": variant}
         rows.append(row)
         try:
-            qmodel, left, notes, row["size"] = make()
+            qmodel, left, notes, row["size"], row["quantize_s"] = make()
             with torch.no_grad():
                 row["sqnr"] = input_dependent_sqnr(ref, outputs(qmodel, held))
         except Exception as err:
@@ -551,12 +557,12 @@ def run_model(name: str, args: argparse.Namespace) -> list[dict]:
 def render(rows: list[dict]) -> str:
     lines = [
         "| model | variant | ratio to float (ms) | CPU-time ratio | input-dep. SQNR "
-        "| ops left in float (lowered) | saved size (x int8 weight bytes) |",
-        "|---|---|---|---|---|---|---|",
+        "| ops left in float (lowered) | saved size (x int8 weight bytes) | quantize (CPU s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['variant']} | fails: {r['error']} | | | | |")
+            lines.append(f"| {r['model']} | {r['variant']} | fails: {r['error']} | | | | | |")
             continue
         timed = "ms" in r
         ratio = "not timed"
@@ -567,9 +573,10 @@ def render(rows: list[dict]) -> str:
         ops = "n/a" if r.get("left") is None else f"{sum(left.values())}: {ops}"
         cpu = f"{r['cpu'] / r['float_cpu']:.2f}x" if timed else "-"
         size = r.get("size") or "n/a"
+        secs = "-" if r.get("quantize_s") is None else f"{r['quantize_s']:.1f}"
         lines.append(
             f"| {r['model']} | {r['variant']} | {ratio} | {cpu} | {r['sqnr']:.1f} dB | {ops} "
-            f"| {size} |"
+            f"| {size} | {secs} |"
         )
     return "\n".join(lines)
 

@@ -22,6 +22,7 @@ from quantree.core.refining.refine import Refine
 from quantree.core.refining.refine import refine as refine_weights
 from quantree.core.stages import TRAINED_KEY
 from quantree.core.training.qat import prepare_qat as core_prepare_qat
+from quantree.recipes.activation_points import transformer_like
 from quantree.recipes.int8 import Int8Quantizer
 from quantree.recipes.pt2e import as_quantizer, is_pt2e_quantizer
 from quantree.recurrent.capture import capture
@@ -31,6 +32,27 @@ from quantree.tools.mixed_precision import META_KEY, mixed_precision
 
 BACKEND_NAMES = ("auto", "reference", "cpu")
 """``auto``: the fastest backend this machine runs (``quantree.backends.fastest``)."""
+
+AUTO_REFINE = "auto"
+"""``quantize``'s default ``refine``: ``Refine()`` where :func:`auto_refine` says it pays."""
+
+
+def auto_refine(captured: fx.GraphModule, calibration: Iterable[Any]) -> Refine | None:
+    """``Refine()`` for a transformer-like graph (``recipes.activation_points.transformer_like``)
+    calibrated on a collection in one process; None elsewhere.
+
+    There the recipe quantizes only what weights read, on int16 inputs, so the int8
+    weights' rounding is most of the error left, and that is what refine re-chooses (GPT-2
+    gained about 3 dB, under torchao's figure without it); the layers are linears, whose
+    statistics are a few ``in x in`` sums, so it costs about one more calibration pass. On a
+    CNN the int8 activations are the larger error and a convolution's patches make its
+    statistics costly (ResNet-18: ten times the quantize time), so refine stays opt-in there.
+    An iterator cannot be run twice, and a process's shard would give each process its own
+    integers (refine does not merge across processes): neither is refined by default.
+    (Figures: benchmarks/README.md, "h-zoo27".)"""
+    if iter(calibration) is calibration or in_process_group():  # type: ignore[comparison-overlap]
+        return None
+    return Refine() if transformer_like(captured.graph) else None
 
 
 def resolve_backend(backend: Backend | str | None) -> Backend:
@@ -119,7 +141,7 @@ def quantize(
     progress: bool = True,
     unobserved: Unobserved = Unobserved.ERROR,
     fold_loops: bool | None = None,
-    refine: Refine | None = None,
+    refine: Refine | str | None = AUTO_REFINE,
     target_sqnr: float | None = None,
 ) -> fx.GraphModule:
     """Quantize ``model`` in one call.
@@ -139,14 +161,22 @@ def quantize(
     that export unrolled back into one loop (by default where its step is a recurrent cell).
     ``refine`` (a :class:`quantree.Refine`)
     re-chooses weight integers and biases after convert (:func:`quantree.refine`; it runs
-    ``calibration`` a second time, so that must be a collection, not an iterator). Every
+    ``calibration`` a second time, so that must be a collection, not an iterator); by default
+    (``'auto'``) ``Refine()`` on transformer-like graphs (:func:`auto_refine`), ``None``
+    never. Every
     argument is checked before the model is
     captured. ``target_sqnr`` (dB) widens the fewest points to int16 or float to meet it on
     held-out calibration batches (:func:`quantree.mixed_precision`, whose result the model's
     ``meta["quantree_mixed_precision"]`` holds); it takes argument tuples only.
     """
+    if refine != AUTO_REFINE and not (refine is None or isinstance(refine, Refine)):
+        raise QuantreeError(
+            f"refine must be a quantree.Refine, None or {AUTO_REFINE!r}, got "
+            f"{type(refine).__name__}"
+        )
+    explicit = refine if isinstance(refine, Refine) else None
     if target_sqnr is not None:
-        if example_kwargs or dynamic_shapes is not None or refine is not None or fold_loops:
+        if example_kwargs or dynamic_shapes is not None or explicit is not None or fold_loops:
             raise QuantreeError(
                 "target_sqnr works with positional example_args and calibration tuples, "
                 "without example_kwargs, dynamic_shapes, refine or fold_loops; call "
@@ -171,9 +201,9 @@ def quantize(
             f"quantizer must be a Quantizer (e.g. quantree.Int8Quantizer()) or a pt2e "
             f"Quantizer, got {type(quantizer).__name__}"
         )
-    if refine is not None and (not isinstance(refine, Refine) or iter(calibration) is calibration):
+    if explicit is not None and iter(calibration) is calibration:
         raise QuantreeError(
-            "refine must be a quantree.Refine and calibration a collection it can run again "
+            "refine runs calibration a second time: pass a collection it can run again "
             "(a list of batches, not an iterator)"
         )
     if not isinstance(unobserved, Unobserved):
@@ -191,8 +221,9 @@ def quantize(
         prepared = prepare(captured, quantizer or Int8Quantizer())
         calibrate(prepared, calibration, progress=progress)
         reference = convert(prepared, unobserved=unobserved)
-        if refine is not None:
-            reference = refine_weights(prepared, reference, calibration, refine)
+        chosen = auto_refine(captured, calibration) if refine == AUTO_REFINE else explicit
+        if chosen is not None:
+            reference = refine_weights(prepared, reference, calibration, chosen)
         return captured, attach_reference(core_lower.lower(reference, resolved), reference)
 
     # by default every Python loop over time is folded where its lowered step runs natively
@@ -222,4 +253,13 @@ def _say(said: list[warnings.WarningMessage]) -> None:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
-__all__ = ["BACKEND_NAMES", "lower", "prepare", "prepare_qat", "quantize", "resolve_backend"]
+__all__ = [
+    "AUTO_REFINE",
+    "BACKEND_NAMES",
+    "auto_refine",
+    "lower",
+    "prepare",
+    "prepare_qat",
+    "quantize",
+    "resolve_backend",
+]
