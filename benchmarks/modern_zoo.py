@@ -282,6 +282,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20, help="timed interleaved rounds")
     parser.add_argument("--anchor", choices=("auto", "all", "none"), default="all")
     parser.add_argument("--warnings", action="store_true", help="print QuantreeWarnings")
+    parser.add_argument(
+        "--extra", default="", help=f"extra quantree rows: {', '.join(zoo.EXTRA_VARIANTS)}"
+    )
     args = parser.parse_args()
     one_thread()
     warnings.filterwarnings("ignore", category=UserWarning)
