@@ -42,11 +42,11 @@ def auto_refine(captured: fx.GraphModule, calibration: Iterable[Any]) -> Refine 
     calibrated on a collection in one process; None elsewhere.
 
     There the recipe quantizes only what weights read, on int16 inputs, so the int8
-    weights' rounding is most of the error left, and that is what refine re-chooses (GPT-2
-    gained about 3 dB, under torchao's figure without it); the layers are linears, whose
-    statistics are a few ``in x in`` sums, so it costs about one more calibration pass. On a
-    CNN the int8 activations are the larger error and a convolution's patches make its
-    statistics costly (ResNet-18: ten times the quantize time), so refine stays opt-in there.
+    weights' rounding is most of the error left, and that is what refine re-chooses; the
+    layers are linears, whose statistics are a few ``in x in`` sums, so it costs about one
+    more calibration pass. On a CNN the int8 activations are the larger error and a
+    convolution's patches make its statistics costly (many times the quantize time), so
+    refine stays opt-in there.
     An iterator cannot be run twice, and a process's shard would give each process its own
     integers (refine does not merge across processes): neither is refined by default.
     (Figures: benchmarks/README.md, "h-zoo27".)"""
