@@ -80,24 +80,17 @@ def fold_and_free(
     if not steps or scans:
         return gm
     leaves, spec = tree_flatten((example_args, example_kwargs))
-    candidates = [
-        (i, d)
-        for i, leaf in enumerate(leaves)
-        if isinstance(leaf, torch.Tensor)
-        for d in range(leaf.dim())
-        if leaf.shape[d] in steps
-    ][:MAX_TRIES]
-    for index, dim in candidates:
+    for index, dim, chunk in _candidates(leaves, steps):
         longer = list(leaves)
         x = leaves[index]
-        longer[index] = torch.cat([x, x.narrow(dim, 0, 1)], dim)
+        longer[index] = torch.cat([x, x.narrow(dim, 0, chunk)], dim)  # one step (chunk) more
         args2, kwargs2 = tree_unflatten(longer, spec)
         try:
             gm2 = recapture(args2, kwargs2)
         except Exception:  # a dimension the model does not let vary
             continue
         fold_loops(gm2, min_steps, min_windows=min_windows)
-        freed = _generalise(gm, gm2, index, dim, x.shape[dim])
+        freed = _generalise(gm, gm2, index, dim, x.shape[dim] // chunk, chunk)
         if freed is not None and _same(freed, gm2, args2, kwargs2):
             return freed
     warnings.warn(
@@ -110,11 +103,33 @@ def fold_and_free(
     return gm
 
 
+def _candidates(leaves: list[Any], steps: set[int]) -> list[tuple[int, int, int]]:
+    """``(input, dimension, chunk)`` that may hold the loops' time: a dimension as long as a
+    loop's steps (one element a step), then one a multiple of them (a chunkwise loop, a
+    Python ``for`` over ``T // chunk`` windows: ``chunk`` elements a step)."""
+    exact, chunked = [], []
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        for d in range(leaf.dim()):
+            size = leaf.shape[d]
+            if size in steps:
+                exact.append((i, d, 1))
+            else:
+                chunks = [size // n for n in sorted(steps) if n > 1 and size % n == 0]
+                chunked += [(i, d, c) for c in chunks if c > 1]
+    return (exact + chunked)[:MAX_TRIES]
+
+
 def _generalise(
-    gm: fx.GraphModule, gm2: fx.GraphModule, index: int, dim: int, length: int
+    gm: fx.GraphModule, gm2: fx.GraphModule, index: int, dim: int, length: int, chunk: int = 1
 ) -> fx.GraphModule | None:
     """A copy of ``gm`` whose integers that differ in ``gm2`` (captured one step longer)
-    are computed from input ``index``'s dimension ``dim``; None where the graphs differ."""
+    are computed from input ``index``'s dimension ``dim``; None where the graphs differ.
+    ``length`` is the captured steps; a step is ``chunk`` elements of that dimension, so the
+    freed graph checks at run time that the dimension is a multiple of ``chunk`` (the chunk
+    loop export unrolled covered whole chunks; the model's own code may take another path
+    for a remainder, which this graph does not hold)."""
     from quantree.core.graphs import copy_graph_module
 
     nodes, nodes2 = list(gm.graph.nodes), list(gm2.graph.nodes)
@@ -147,9 +162,11 @@ def _generalise(
     if index >= len(placeholders):
         return None
     source = placeholders[index]
-    with graph.inserting_after(placeholders[-1]):
+    with graph.inserting_before(placeholders[-1].next):  # in order, after the inputs
         size = graph.call_function(torch.ops.aten.sym_size.int, (source, dim))
-    size.meta["val"] = length
+        size.meta["val"] = length * chunk
+        if chunk > 1:
+            size = _chunk_count(graph, size, chunk, length, _input_name(source, index, dim))
     renumbered = [n for n in new_nodes if n.op != "call_module" or n.target != "_guards_fn"]
     kept = [n for n in nodes if n.op != "call_module" or n.target != "_guards_fn"]
     position = {n: k for k, n in enumerate(kept)}
@@ -170,6 +187,10 @@ def _generalise(
     symbol = _length_symbol(nodes, length)
     if symbol is not None:
         size.meta["val"] = symbol
+        if chunk > 1:  # the dimension read, its remainder, the check of it
+            raw, rest = size.args[0], size.args[0].args[0]  # type: ignore[union-attr]
+            raw.meta["val"] = symbol * chunk  # type: ignore[union-attr]
+            rest.meta["val"] = (symbol * chunk) % chunk  # type: ignore[union-attr]
         for i, (a, b) in enumerate(zip(nodes, nodes2, strict=True)):
             if a in position:
                 node = renumbered[position[a]]
@@ -179,10 +200,34 @@ def _generalise(
                 if i in edits:  # the sizes computed from the symbol
                     for arg in tree_flatten((node.args, node.kwargs))[0]:
                         if isinstance(arg, fx.Node) and arg.target in (operator.mul, operator.add):
-                            arg.meta["val"] = _eval_size(arg, symbol, size)
+                            _eval_size(arg, symbol, size)
     graph.lint()
     freed.recompile()
     return freed
+
+
+def _input_name(source: fx.Node, index: int, dim: int) -> str:
+    return f"input {index} ({source.name}) dimension {dim}"
+
+
+def _chunk_count(graph: fx.Graph, size: fx.Node, chunk: int, length: int, where: str) -> fx.Node:
+    """``size // chunk``, after an ``_assert_scalar`` that ``size % chunk == 0`` whose message
+    names the guard, the captured length and the fix (ops a saved model may hold)."""
+    rest = graph.call_function(operator.mod, (size, chunk))
+    rest.meta["val"] = 0
+    whole = graph.call_function(operator.eq, (rest, 0))
+    whole.meta["val"] = True
+    message = (
+        f"quantree: a loop folded from {length} unrolled chunks of {chunk} was captured at "
+        f"{length * chunk} along {where}; it runs at multiples of {chunk} only (guard: "
+        f"length % {chunk} == 0), and the model's own code may compute a remainder another "
+        "way. Run at a multiple of the chunk, or capture (quantize) at the length you run at."
+    )
+    check = graph.call_function(torch.ops.aten._assert_scalar.default, (whole, message))
+    check.meta["val"] = None
+    count = graph.call_function(operator.floordiv, (size, chunk))
+    count.meta["val"] = length
+    return count
 
 
 def _length_symbol(nodes: list[fx.Node], length: int) -> Any:
@@ -226,13 +271,28 @@ def _symbolic_val(val: Any, longer: Any, symbol: Any, length: int) -> Any:
     mode = val.fake_mode if hasattr(val, "fake_mode") else None
     if mode is None:
         return val
-    with mode:
-        return torch.empty(shape, dtype=val.dtype, device=val.device)
+    strides = _symbolic_strides(val, longer, symbol, length)
+    with mode:  # the capture's layout kept: a pass that reads strides sees the real ones
+        return torch.empty_strided(shape, strides, dtype=val.dtype, device=val.device)
+
+
+def _symbolic_strides(
+    val: torch.Tensor, longer: torch.Tensor, symbol: Any, length: int
+) -> list[Any]:
+    """``val``'s strides, each that grew by ``k`` in ``longer`` as ``k * symbol + c`` (a
+    stride over a dimension that follows the length); a stride that did not grow kept."""
+    out: list[Any] = []
+    for x, y in zip(val.stride(), longer.stride(), strict=True):
+        if type(x) is int and type(y) is int and x != y:
+            out.append(symbol * (y - x) + (x - (y - x) * length))
+        else:
+            out.append(x)
+    return out
 
 
 def _eval_size(node: fx.Node, symbol: Any, size: fx.Node) -> Any:
-    """A size node's value in terms of ``symbol`` (``size`` is the symbol itself), set on the
-    nodes it is computed from as well."""
+    """A size node's value in terms of ``symbol`` (``size`` is the symbol itself), set as its
+    ``val`` and on the nodes it is computed from."""
     a, b = node.args
     x: Any = symbol if a is size else _eval_size(a, symbol, size) if isinstance(a, fx.Node) else a
     value = x * b if node.target is operator.mul else x + b
