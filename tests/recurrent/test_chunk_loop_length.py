@@ -136,3 +136,19 @@ def test_a_freed_value_keeps_the_captured_strides_with_the_length_in_them():
 def _hint(size: int | torch.SymInt) -> int:
     """The example value of a size, without ``int()``'s guard (which pins the symbol)."""
     return size.node.hint if isinstance(size, torch.SymInt) else size
+
+
+def test_a_chunk_loop_keeps_its_captured_length_unless_freeing_chunks_is_asked():
+    """``free_chunks=False`` (``quantize``'s default trial: the captured length's speed) keeps
+    the chunk loop at its 4 captured chunks and says so once; ``True`` frees it."""
+    model = ChunkScan(4).eval()
+    x = torch.randn(1, 16, 5)
+    with pytest.warns(qt.QuantreeWarning, match="fold_loops=True"):
+        fixed = qt.capture(model, (x,), fold_loops=True, free_chunks=False, dynamic_batch=False)
+    freed = qt.capture(model, (x,), fold_loops=True, free_chunks=True, dynamic_batch=False)
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(fixed(x), model(x), strict=True))
+        y = torch.randn(1, 32, 5)
+        assert all(torch.equal(a, b) for a, b in zip(freed(y), model(y), strict=True))
+        with pytest.raises(Exception):  # noqa: B017 (export's own shape guard)
+            fixed(y)

@@ -49,9 +49,16 @@ def fold_and_free(
     min_steps: int = AUTO_MIN_STEPS,
     every_loop: bool = True,
     min_windows: int = AUTO_MIN_WINDOWS,
+    free_chunks: bool = True,
 ) -> fx.GraphModule:
     """Fold ``gm``'s unrolled loops of at least ``min_steps`` steps (in place) and free their
     length where it can be shown.
+
+    ``free_chunks=False`` frees only loops of one element a step: a chunk loop (``chunk``
+    elements a step) then keeps its captured length. Freed, its graph's sizes are multiples
+    of a symbol, which the CPU backend's region programs hold in fewer places (a transposed
+    or 5-d value whose symbolic size is not its first) than the captured sizes, so the
+    freed model costs more at the captured length.
 
     ``every_loop=False`` (``quantree.capture``'s default) folds only loops whose step is a
     recurrent cell, which lower to one native program; a model with any other loop over time
@@ -80,7 +87,7 @@ def fold_and_free(
     if not steps or scans:
         return gm
     leaves, spec = tree_flatten((example_args, example_kwargs))
-    for index, dim, chunk in _candidates(leaves, steps):
+    for index, dim, chunk in _candidates(leaves, steps, free_chunks):
         longer = list(leaves)
         x = leaves[index]
         longer[index] = torch.cat([x, x.narrow(dim, 0, chunk)], dim)  # one step (chunk) more
@@ -96,14 +103,17 @@ def fold_and_free(
     warnings.warn(
         f"{', '.join(made)}: the loop(s) folded from the unrolled time steps run only at the "
         f"captured length ({', '.join(map(str, sorted(steps)))} steps): the graph around them "
-        "could not be shown to work at another length. Capture at the length you run at.",
+        "could not be shown to work at another length. Capture at the length you run at"
+        + ("." if free_chunks else " (a loop over chunks is freed with fold_loops=True)."),
         QuantreeWarning,
         stacklevel=4,
     )
     return gm
 
 
-def _candidates(leaves: list[Any], steps: set[int]) -> list[tuple[int, int, int]]:
+def _candidates(
+    leaves: list[Any], steps: set[int], chunks: bool = True
+) -> list[tuple[int, int, int]]:
     """``(input, dimension, chunk)`` that may hold the loops' time: a dimension as long as a
     loop's steps (one element a step), then one a multiple of them (a chunkwise loop, a
     Python ``for`` over ``T // chunk`` windows: ``chunk`` elements a step)."""
@@ -115,9 +125,9 @@ def _candidates(leaves: list[Any], steps: set[int]) -> list[tuple[int, int, int]
             size = leaf.shape[d]
             if size in steps:
                 exact.append((i, d, 1))
-            else:
-                chunks = [size // n for n in sorted(steps) if n > 1 and size % n == 0]
-                chunked += [(i, d, c) for c in chunks if c > 1]
+            elif chunks:
+                found = [size // n for n in sorted(steps) if n > 1 and size % n == 0]
+                chunked += [(i, d, c) for c in found if c > 1]
     return (exact + chunked)[:MAX_TRIES]
 
 
