@@ -15,8 +15,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import quantree as qt
 from quantree.backends.fastest import reference_of
-from quantree.recurrent.unrolled.free import _length_symbol, _symbolic_val
 from quantree.recurrent.unrolled.step_loop import StepLoop
+from quantree.recurrent.unrolled.symbolic import length_symbol, symbolic_val
 
 
 class ChunkScan(nn.Module):
@@ -113,7 +113,7 @@ def test_a_quantized_chunk_loop_runs_at_other_lengths_as_its_reference_graph():
 
 
 def test_a_freed_value_keeps_the_captured_strides_with_the_length_in_them():
-    """``_symbolic_val`` of a transposed ``[B, T, D] -> [B, D, T]`` value (strides
+    """``symbolic_val`` of a transposed ``[B, T, D] -> [B, D, T]`` value (strides
     ``(T D, 1, D)``): the strides follow the length symbol; the layout is not made
     contiguous. A contiguous value stays contiguous."""
     mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -123,13 +123,13 @@ def test_a_freed_value_keeps_the_captured_strides_with_the_length_in_them():
         dense, dense2 = torch.empty(2, 3, 16), torch.empty(2, 3, 17)
     node = torch.fx.Graph().placeholder("x")
     node.meta["val"] = val
-    symbol = _length_symbol([node], 16)
+    symbol = length_symbol([node], 16)
     assert symbol is not None
     s = symbol.node.expr
-    got = _symbolic_val(val, longer, symbol, 16)
+    got = symbolic_val(val, longer, symbol, 16)
     assert [_hint(x) for x in got.stride()] == [48, 1, 3]
     assert got.stride()[0].node.expr == 3 * s and got.shape[2].node.expr == s
-    got = _symbolic_val(dense, dense2, symbol, 16)
+    got = symbolic_val(dense, dense2, symbol, 16)
     assert [_hint(x) for x in got.stride()] == [48, 16, 1] and got.stride()[1].node.expr == s
 
 
