@@ -26,9 +26,12 @@ class ChunkScan(nn.Module):
     to a ``[B, H, (nc + 1) D, E]`` buffer slice by slice, and the inter-chunk result used by
     elementwise math over the whole sequence after the loop."""
 
-    def __init__(self, chunk: int, heads: int = 2, d: int = 3, e: int = 4) -> None:
+    def __init__(
+        self, chunk: int, heads: int = 2, d: int = 3, e: int = 4, saveable: bool = False
+    ) -> None:
         super().__init__()
         self.chunk, self.heads, self.d, self.e = chunk, heads, d, e
+        self.saveable = saveable  # log(sigmoid): log_sigmoid is not in the saved vocabulary
         self.k = nn.Linear(5, heads * d)
         self.v = nn.Linear(5, heads * e)
         self.gate = nn.Linear(5, heads)
@@ -40,7 +43,9 @@ class ChunkScan(nn.Module):
         nc = t // chunk
         k = self.k(x).reshape(b, t, h, d).transpose(1, 2)  # [B, H, T, D]
         v = self.v(x).reshape(b, t, h, e).transpose(1, 2)
-        g = nn.functional.logsigmoid(self.gate(x)).transpose(1, 2).reshape(b, h, nc, chunk)
+        gate = self.gate(x)
+        log_gate = gate.sigmoid().log() if self.saveable else nn.functional.logsigmoid(gate)
+        g = log_gate.transpose(1, 2).reshape(b, h, nc, chunk)
         decay = g.sum(-1).exp()  # [B, H, nc]
         states = torch.zeros(b, h, (nc + 1) * d, e)
         c = torch.zeros(b, h, d, e)
@@ -152,3 +157,26 @@ def test_a_chunk_loop_keeps_its_captured_length_unless_freeing_chunks_is_asked()
         assert all(torch.equal(a, b) for a, b in zip(freed(y), model(y), strict=True))
         with pytest.raises(Exception):  # noqa: B017 (export's own shape guard)
             fixed(y)
+
+
+def test_a_saved_freed_chunk_loop_runs_at_other_multiples_after_load(tmp_path):
+    """``save`` re-exports the lowered model: the freed sizes and the chunk check go with it,
+    so the loaded model gives the lowered model's bits at 8, 16 and 32 steps (captured at 16)
+    and refuses 17."""
+    from quantree.backends import load, save
+
+    torch.manual_seed(0)
+    model = ChunkScan(4, saveable=True).eval()
+    x = torch.randn(1, 16, 5)
+    data = [(torch.randn(1, 16, 5),) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)
+        low = qt.quantize(model, (x,), data, backend="cpu", progress=False, fold_loops=True)
+    save(low, tmp_path / "chunks.pt2", (x,))
+    back = load(tmp_path / "chunks.pt2")
+    for length in (8, 16, 32):
+        y = torch.randn(1, length, 5)
+        with torch.no_grad():
+            assert all(torch.equal(a, b) for a, b in zip(back(y), low(y), strict=True)), length
+    with pytest.raises(Exception, match="% 4 == 0"):
+        back(torch.randn(1, 17, 5))
