@@ -198,10 +198,10 @@ def _generalise(
     symbol = length_symbol(nodes, length)
     if symbol is not None:
         size.meta["val"] = symbol
-        if chunk > 1:  # the dimension read, its remainder, the check of it
-            raw, rest = size.args[0], size.args[0].args[0]  # type: ignore[union-attr]
-            raw.meta["val"] = symbol * chunk  # type: ignore[union-attr]
-            rest.meta["val"] = (symbol * chunk) % chunk  # type: ignore[union-attr]
+        if chunk > 1:  # the dimension read (its remainder by the chunk is 0 for any symbol)
+            raw = size.args[0]
+            assert isinstance(raw, fx.Node)
+            raw.meta["val"] = symbol * chunk
         for i, (a, b) in enumerate(zip(nodes, nodes2, strict=True)):
             if a in position:
                 node = renumbered[position[a]]
