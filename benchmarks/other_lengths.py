@@ -2,12 +2,16 @@
 
     cd benchmarks && PYTHONPATH=../src:. python other_lengths.py mamba,mamba2,ligru
     cd benchmarks && PYTHONPATH=../src:. python other_lengths.py mamba2,xlstm --dynamic
+    cd benchmarks && PYTHONPATH=../src:. python other_lengths.py xlstm --fold --calibrate 512
 
 Issue 29's line "a recurrence captured at length 64 runs at 17 and 512". Each model is
 quantized once at the zoo's 64 tokens with the CPU backend (``--dynamic``: with
 ``dynamic_shapes`` marking the batch and token dimensions ``Dim.AUTO``), then run at each
-length against float (plain SQNR of the output). ``scan_lengths.py`` times the lengths but
-quantizes again where the 64-token model refuses one; this script says the refusal.
+length against float (plain SQNR of the output). ``--fold``: ``fold_loops=True`` (which also
+frees a loop over chunks); ``--calibrate 512``: the calibration batches at 512 tokens (the
+capture stays at 64), since a range calibrated on 64 tokens need not cover 512.
+``scan_lengths.py`` times the lengths but quantizes again where the 64-token model refuses
+one; this script says the refusal.
 """
 
 from __future__ import annotations
@@ -36,19 +40,20 @@ def at(args: tuple, length: int) -> tuple:
     )
 
 
-def run(name: str, dynamic: bool) -> None:
+def run(name: str, dynamic: bool, fold: bool | None = None, calibrate: int = 64) -> None:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     case = modern_zoo.build(name)
     model = case.model.eval()
-    calib = [case.sample(gen) for _ in range(8)]
+    calib = [at(case.sample(gen), calibrate) for _ in range(8)]
     held = case.sample(gen)
     first = next(iter(inspect.signature(model.forward).parameters))
     time_dim = 1 if calib[0][0].dim() == 2 else 2
     shapes = {first: {0: Dim.AUTO, time_dim: Dim.AUTO}} if dynamic else None
     try:
-        low = qt.quantize(model, calib[0], calib, backend=CPU, progress=False,
-                          dynamic_shapes=shapes)  # fmt: skip
+        low = qt.quantize(model, case.sample(torch.Generator().manual_seed(1)), calib,
+                          backend=CPU, progress=False, dynamic_shapes=shapes,
+                          fold_loops=fold)  # fmt: skip
     except Exception as err:
         print(f"{name}: quantize fails: {type(err).__name__}: {str(err)[:300]}", flush=True)
         return
@@ -66,9 +71,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", help="comma-separated modern_zoo names")
     parser.add_argument("--dynamic", action="store_true", help="capture with dynamic_shapes")
+    parser.add_argument("--fold", action="store_true", help="fold_loops=True")
+    parser.add_argument("--calibrate", type=int, default=64, help="calibration tokens")
     args = parser.parse_args()
     for name in args.models.split(","):
-        run(name, args.dynamic)
+        run(name, args.dynamic, True if args.fold else None, args.calibrate)
     print(load_note(), f"torch {torch.__version__}, one thread")
 
 

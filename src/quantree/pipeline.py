@@ -158,7 +158,8 @@ def quantize(
     the reference graph it came from, so ``qt.export_onnx`` takes either. ``unobserved`` says
     what becomes of tensors calibration never saw (an error naming them, or float with one
     warning). ``fold_loops`` (as for :func:`quantree.capture`) folds a Python loop over time
-    that export unrolled back into one loop (by default where its step is a recurrent cell).
+    that export unrolled back into one loop (by default where its step is a recurrent cell;
+    ``True`` also frees a loop over chunks of its captured length).
     ``refine`` (a :class:`quantree.Refine`)
     re-chooses weight integers and biases after convert (:func:`quantree.refine`; it runs
     ``calibration`` a second time, so that must be a collection, not an iterator); by default
@@ -209,7 +210,9 @@ def quantize(
     if not isinstance(unobserved, Unobserved):
         raise QuantreeError(f"unobserved must be a quantree.Unobserved, got {unobserved!r}")
 
-    def quantized(fold: bool | None) -> tuple[fx.GraphModule, fx.GraphModule]:
+    def quantized(
+        fold: bool | None, free_chunks: bool | None = None
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
         captured = capture(
             model,
             example_args,
@@ -217,6 +220,7 @@ def quantize(
             dynamic_shapes=dynamic_shapes,
             dynamic_batch=dynamic_batch,
             fold_loops=fold,
+            free_chunks=free_chunks,
         )
         prepared = prepare(captured, quantizer or Int8Quantizer())
         calibrate(prepared, calibration, progress=progress)
@@ -236,7 +240,7 @@ def quantize(
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         try:
-            captured, lowered = quantized(True)
+            captured, lowered = quantized(True, free_chunks=False)  # the default's speed
         except Exception:  # whatever fails folded is said by the default's own run
             return quantized(None)[1]
     if not any(isinstance(m, StepLoop) and not is_cell_step(m) for m in captured.modules()):

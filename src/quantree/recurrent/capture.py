@@ -31,6 +31,7 @@ def capture(
     dynamic_shapes: Any = None,
     dynamic_batch: bool = True,
     fold_loops: bool | None = None,
+    free_chunks: bool | None = None,
 ) -> fx.GraphModule:
     """Export ``model`` to an ATen ``GraphModule`` (see ``quantree.core.capture.export_graph``).
 
@@ -48,6 +49,10 @@ def capture(
     the loop runs at any length. By default (``None``) only loops whose step is a recurrent
     cell are folded (they run as one native program); a model with another loop keeps it
     unrolled, with one warning. ``fold_loops=True`` folds every loop, ``False`` none.
+    A loop over chunks (a Python ``for`` over ``T // chunk`` windows: xLSTM's chunkwise
+    mLSTM) is freed of its length when ``free_chunks`` (by default when ``fold_loops=True``):
+    it then runs at every multiple of its chunk, a little slower at the captured length than
+    the loop captured at a fixed length.
     """
     if not isinstance(model, torch.nn.Module):  # the core's capture says what to pass
         return core.export_graph(model, example_args, example_kwargs)
@@ -73,7 +78,9 @@ def capture(
                 warnings.simplefilter("ignore")
                 return _capture(model, args, kwargs, dynamic_shapes, dynamic_batch, recurrent)[0]
 
-        gm = fold_and_free(gm, example_args, example_kwargs, again, every_loop=bool(fold_loops))
+        chunks = fold_loops is True if free_chunks is None else free_chunks
+        gm = fold_and_free(gm, example_args, example_kwargs, again, every_loop=bool(fold_loops),
+                           free_chunks=chunks)  # fmt: skip
     return gm
 
 

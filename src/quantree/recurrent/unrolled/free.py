@@ -26,6 +26,7 @@ from quantree.recurrent.decompose import drop_export_guards
 from quantree.recurrent.unrolled.fold import fold_loops, is_cell_step
 from quantree.recurrent.unrolled.higher_order import fold_scans
 from quantree.recurrent.unrolled.step_loop import StepLoop
+from quantree.recurrent.unrolled.symbolic import eval_size, length_symbol, symbolic_val
 
 Recapture = Callable[[tuple[Any, ...], Mapping[str, Any] | None], fx.GraphModule]
 AUTO_MIN_STEPS = 8
@@ -49,9 +50,16 @@ def fold_and_free(
     min_steps: int = AUTO_MIN_STEPS,
     every_loop: bool = True,
     min_windows: int = AUTO_MIN_WINDOWS,
+    free_chunks: bool = True,
 ) -> fx.GraphModule:
     """Fold ``gm``'s unrolled loops of at least ``min_steps`` steps (in place) and free their
     length where it can be shown.
+
+    ``free_chunks=False`` frees only loops of one element a step: a chunk loop (``chunk``
+    elements a step) then keeps its captured length. Freed, its graph's sizes are multiples
+    of a symbol, which the CPU backend's region programs hold in fewer places (a transposed
+    or 5-d value whose symbolic size is not its first) than the captured sizes, so the
+    freed model costs more at the captured length.
 
     ``every_loop=False`` (``quantree.capture``'s default) folds only loops whose step is a
     recurrent cell, which lower to one native program; a model with any other loop over time
@@ -80,41 +88,59 @@ def fold_and_free(
     if not steps or scans:
         return gm
     leaves, spec = tree_flatten((example_args, example_kwargs))
-    candidates = [
-        (i, d)
-        for i, leaf in enumerate(leaves)
-        if isinstance(leaf, torch.Tensor)
-        for d in range(leaf.dim())
-        if leaf.shape[d] in steps
-    ][:MAX_TRIES]
-    for index, dim in candidates:
+    for index, dim, chunk in _candidates(leaves, steps, free_chunks):
         longer = list(leaves)
         x = leaves[index]
-        longer[index] = torch.cat([x, x.narrow(dim, 0, 1)], dim)
+        longer[index] = torch.cat([x, x.narrow(dim, 0, chunk)], dim)  # one step (chunk) more
         args2, kwargs2 = tree_unflatten(longer, spec)
         try:
             gm2 = recapture(args2, kwargs2)
         except Exception:  # a dimension the model does not let vary
             continue
         fold_loops(gm2, min_steps, min_windows=min_windows)
-        freed = _generalise(gm, gm2, index, dim, x.shape[dim])
+        freed = _generalise(gm, gm2, index, dim, x.shape[dim] // chunk, chunk)
         if freed is not None and _same(freed, gm2, args2, kwargs2):
             return freed
     warnings.warn(
         f"{', '.join(made)}: the loop(s) folded from the unrolled time steps run only at the "
         f"captured length ({', '.join(map(str, sorted(steps)))} steps): the graph around them "
-        "could not be shown to work at another length. Capture at the length you run at.",
+        "could not be shown to work at another length. Capture at the length you run at"
+        + ("." if free_chunks else " (a loop over chunks is freed with fold_loops=True)."),
         QuantreeWarning,
         stacklevel=4,
     )
     return gm
 
 
+def _candidates(
+    leaves: list[Any], steps: set[int], chunks: bool = True
+) -> list[tuple[int, int, int]]:
+    """``(input, dimension, chunk)`` that may hold the loops' time: a dimension as long as a
+    loop's steps (one element a step), then one a multiple of them (a chunkwise loop, a
+    Python ``for`` over ``T // chunk`` windows: ``chunk`` elements a step)."""
+    exact, chunked = [], []
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        for d in range(leaf.dim()):
+            size = leaf.shape[d]
+            if size in steps:
+                exact.append((i, d, 1))
+            elif chunks:
+                found = [size // n for n in sorted(steps) if n > 1 and size % n == 0]
+                chunked += [(i, d, c) for c in found if c > 1]
+    return (exact + chunked)[:MAX_TRIES]
+
+
 def _generalise(
-    gm: fx.GraphModule, gm2: fx.GraphModule, index: int, dim: int, length: int
+    gm: fx.GraphModule, gm2: fx.GraphModule, index: int, dim: int, length: int, chunk: int = 1
 ) -> fx.GraphModule | None:
     """A copy of ``gm`` whose integers that differ in ``gm2`` (captured one step longer)
-    are computed from input ``index``'s dimension ``dim``; None where the graphs differ."""
+    are computed from input ``index``'s dimension ``dim``; None where the graphs differ.
+    ``length`` is the captured steps; a step is ``chunk`` elements of that dimension, so the
+    freed graph checks at run time that the dimension is a multiple of ``chunk`` (the chunk
+    loop export unrolled covered whole chunks; the model's own code may take another path
+    for a remainder, which this graph does not hold)."""
     from quantree.core.graphs import copy_graph_module
 
     nodes, nodes2 = list(gm.graph.nodes), list(gm2.graph.nodes)
@@ -147,9 +173,11 @@ def _generalise(
     if index >= len(placeholders):
         return None
     source = placeholders[index]
-    with graph.inserting_after(placeholders[-1]):
+    with graph.inserting_before(placeholders[-1].next):  # in order, after the inputs
         size = graph.call_function(torch.ops.aten.sym_size.int, (source, dim))
-    size.meta["val"] = length
+        size.meta["val"] = length * chunk
+        if chunk > 1:
+            size = _chunk_count(graph, size, chunk, length, _input_name(source, index, dim))
     renumbered = [n for n in new_nodes if n.op != "call_module" or n.target != "_guards_fn"]
     kept = [n for n in nodes if n.op != "call_module" or n.target != "_guards_fn"]
     position = {n: k for k, n in enumerate(kept)}
@@ -167,77 +195,50 @@ def _generalise(
                     value.meta["val"] = length * slope + offset
                 leaves[p] = value
         node.args, node.kwargs = tree_unflatten(leaves, spec)
-    symbol = _length_symbol(nodes, length)
+    symbol = length_symbol(nodes, length)
     if symbol is not None:
         size.meta["val"] = symbol
+        if chunk > 1:  # the dimension read (its remainder by the chunk is 0 for any symbol)
+            raw = size.args[0]
+            assert isinstance(raw, fx.Node)
+            raw.meta["val"] = symbol * chunk
         for i, (a, b) in enumerate(zip(nodes, nodes2, strict=True)):
             if a in position:
                 node = renumbered[position[a]]
-                node.meta["val"] = _symbolic_val(
+                node.meta["val"] = symbolic_val(
                     a.meta.get("val"), b.meta.get("val"), symbol, length
                 )
                 if i in edits:  # the sizes computed from the symbol
                     for arg in tree_flatten((node.args, node.kwargs))[0]:
                         if isinstance(arg, fx.Node) and arg.target in (operator.mul, operator.add):
-                            arg.meta["val"] = _eval_size(arg, symbol, size)
+                            eval_size(arg, symbol, size)
     graph.lint()
     freed.recompile()
     return freed
 
 
-def _length_symbol(nodes: list[fx.Node], length: int) -> Any:
-    """A new size symbol standing for the freed length, in the capture's shape environment:
-    the node values then say which sizes follow the length (a region program compiled from
-    them reads it at run time instead of fixing the captured one). None where the capture has
-    no shape environment."""
-    from torch._guards import detect_fake_mode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic
-
-    mode = detect_fake_mode([n.meta.get("val") for n in nodes])
-    env = getattr(mode, "shape_env", None)
-    if env is None:
-        return None
-    from torch._dynamo.source import ConstantSource
-
-    source = ConstantSource(f"quantree_length_{len(env.var_to_val)}")
-    sym = env.create_symbol(length, source=source, dynamic_dim=DimDynamic.DYNAMIC)
-    return env.create_symintnode(sym, hint=length, source=source)
+def _input_name(source: fx.Node, index: int, dim: int) -> str:
+    return f"input {index} ({source.name}) dimension {dim}"
 
 
-def _symbolic_val(val: Any, longer: Any, symbol: Any, length: int) -> Any:
-    """``val`` with each size that grew by ``k`` in ``longer`` (captured one step longer) as
-    ``k * symbol + c``; ``val`` itself where the two differ otherwise."""
-    if isinstance(val, (tuple, list)) and isinstance(longer, (tuple, list)):
-        if len(val) != len(longer):
-            return val
-        pairs = zip(val, longer, strict=True)
-        return type(val)(_symbolic_val(v, w, symbol, length) for v, w in pairs)
-    if not isinstance(val, torch.Tensor) or not isinstance(longer, torch.Tensor):
-        return val
-    if val.dim() != longer.dim() or val.shape == longer.shape:
-        return val
-    shape: list[Any] = []
-    for x, y in zip(val.shape, longer.shape, strict=True):
-        if not (type(x) is int and type(y) is int) or x == y:
-            shape.append(x)
-            continue
-        slope = y - x
-        shape.append(symbol * slope + (x - slope * length))
-    mode = val.fake_mode if hasattr(val, "fake_mode") else None
-    if mode is None:
-        return val
-    with mode:
-        return torch.empty(shape, dtype=val.dtype, device=val.device)
-
-
-def _eval_size(node: fx.Node, symbol: Any, size: fx.Node) -> Any:
-    """A size node's value in terms of ``symbol`` (``size`` is the symbol itself), set on the
-    nodes it is computed from as well."""
-    a, b = node.args
-    x: Any = symbol if a is size else _eval_size(a, symbol, size) if isinstance(a, fx.Node) else a
-    value = x * b if node.target is operator.mul else x + b
-    node.meta["val"] = value
-    return value
+def _chunk_count(graph: fx.Graph, size: fx.Node, chunk: int, length: int, where: str) -> fx.Node:
+    """``size // chunk``, after an ``_assert_scalar`` that ``size % chunk == 0`` whose message
+    names the guard, the captured length and the fix (ops a saved model may hold)."""
+    rest = graph.call_function(operator.mod, (size, chunk))
+    rest.meta["val"] = 0
+    whole = graph.call_function(operator.eq, (rest, 0))
+    whole.meta["val"] = True
+    message = (
+        f"quantree: a loop folded from {length} unrolled chunks of {chunk} was captured at "
+        f"{length * chunk} along {where}; it runs at multiples of {chunk} only (guard: "
+        f"length % {chunk} == 0), and the model's own code may compute a remainder another "
+        "way. Run at a multiple of the chunk, or capture (quantize) at the length you run at."
+    )
+    check = graph.call_function(torch.ops.aten._assert_scalar.default, (whole, message))
+    check.meta["val"] = None
+    count = graph.call_function(operator.floordiv, (size, chunk))
+    count.meta["val"] = length
+    return count
 
 
 def _same(freed: fx.GraphModule, gm2: fx.GraphModule, args: tuple[Any, ...], kwargs: Any) -> bool:
