@@ -274,8 +274,8 @@ def test_conv16_binds_its_constants_and_equals_the_op(geometry) -> None:
             assert torch.equal(call(x, *head, *consts), op(x, *head, *consts)), name
             assert call.binding.bound
     short = torch.randn(1, c, 2)  # a span far beyond the input: the op's conv2d route
-    far = (*consts[:8], [3000], [3000], consts[10], groups)
-    assert not stages_in_bounds(short, [k], [3000], [3000], [d])
+    far = (*consts[:8], [5000], [5000], consts[10], groups)
+    assert not stages_in_bounds(short, [k], [5000], [5000], [d])
     assert torch.equal(call(short, *head, *far), op(short, *head, *far))
     x4 = torch.randn(1, c, 3, 5)
     geometry_2d = (*consts[:7], [k, 1], [s, 1], [p[0], 0], [d, 1], groups)
