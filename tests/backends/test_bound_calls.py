@@ -244,3 +244,43 @@ def test_each_input_shape_keeps_its_own_kernel_call(lowered) -> None:
     assert convs and all(len(b.plans) == 2 for b in convs)
     convs[0].unbind()
     assert convs[0].plans == {}
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [(8, 2, 3, 1, [1], 2, 1), (2, 16, 1, 1, [0], 1, 1), (16, 32, 4, 2, [1, 2], 1, 1),
+     (24, 24, 3, 1, [2], 2, 24)],
+    ids=["small", "pointwise", "gemm", "depthwise"],
+)  # fmt: skip
+def test_conv16_binds_its_constants_and_equals_the_op(geometry) -> None:
+    """A 1-d ``conv16`` is bound per node: equal to the checked op on every layout and
+    length (tap by tap, GEMM and depthwise routes alike), a shrunk constant refused, a
+    geometry reaching far beyond its input and a 2-d input run as the op."""
+    from test_conv1d_layout import inputs, layer
+
+    from quantree.backends.cpu.native.bound_calls import BoundConv16
+    from quantree.backends.cpu.native.direct import IMPLEMENTATIONS
+    from quantree.backends.cpu.ops.conv1d import stages_in_bounds
+
+    c, o, k, s, p, d, groups = geometry
+    w, hi_off, hi_scale, bias = layer(c, o, k, groups)
+    _, lo_off, lo_scale, _ = layer(c, o, k, groups, seed=2)
+    op = torch.ops.quantree.conv16.default
+    call = BoundCall(op, IMPLEMENTATIONS["conv16"], None, BoundConv16)
+    consts = (w, hi_off, hi_scale, lo_off, lo_scale, bias, o, [k], [s], p, [d], groups)
+    head = (4.0 / 32767, -32768, 32767)
+    for length in (257, 40):
+        for name, x in inputs(2, c, length, torch.float32).items():
+            assert torch.equal(call(x, *head, *consts), op(x, *head, *consts)), name
+            assert call.binding.bound
+    short = torch.randn(1, c, 2)  # a span far beyond the input: the op's conv2d route
+    far = (*consts[:8], [5000], [5000], consts[10], groups)
+    assert not stages_in_bounds(short, [k], [5000], [5000], [d])
+    assert torch.equal(call(short, *head, *far), op(short, *head, *far))
+    x4 = torch.randn(1, c, 3, 5)
+    geometry_2d = (*consts[:7], [k, 1], [s, 1], [p[0], 0], [d, 1], groups)
+    if len(p) == 1:
+        assert torch.equal(call(x4, *head, *geometry_2d), op(x4, *head, *geometry_2d))
+    x = torch.randn(1, c, 50)
+    with pytest.raises(NativeArgumentError, match="weight"):
+        call(x, *head, _smaller(w), *consts[1:])

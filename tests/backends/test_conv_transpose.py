@@ -20,6 +20,7 @@ import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu.native.checks import NativeArgumentError
 from quantree.backends.cpu.ops.conv_transpose import packed_transposed_weight
+from quantree.backends.cpu.ops.wide import split16
 
 from support import batches, run
 
@@ -180,6 +181,83 @@ def test_kernel_exact_on_random_geometry(
         y = expected.float() * (scale * 2.0).reshape(view) + (bias * 2.0).reshape(view)
         q = (torch.round(y) + 3).clamp(3, 127).to(torch.int8)
         assert torch.equal(got, q)
+
+
+OP16 = torch.ops.quantree.conv_transpose16.default
+
+
+def _two_int8_calls(x, x_scale, w, hi_col, lo_col, offset, hi_scale, scale, bias, n, geometry,
+                    groups):  # fmt: skip
+    """The int16 input as its two int8 planes, each through the int8 kernel (whose sums the
+    test above checks), the float results added: what conv_transpose16 computes."""
+    hi, lo = split16(x, x_scale, -32768, 32767)
+    zeros = torch.zeros(n, dtype=torch.int32)
+    y = OP(hi, w, hi_col, zeros, hi_scale, None, n, *geometry, groups, 0.0, 0, False)
+    y += OP(lo, w, lo_col, offset, scale, bias, n, *geometry, groups, 0.0, 0, False)
+    return y
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dims=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 2]),
+    cin=st.integers(1, 9),
+    cout=st.integers(1, 5),
+    kernel=st.integers(1, 8),
+    stride=st.integers(1, 4),
+    padding=st.integers(0, 3),
+    dilation=st.integers(1, 2),
+    extra=st.integers(0, 3),
+    size=st.integers(1, 12),
+    layout=st.sampled_from(["contiguous", "channels_last", "sliced"]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_int16_input_equals_its_two_planes(
+    dims, groups, cin, cout, kernel, stride, padding, dilation, extra, size, layout, bias, seed
+):  # fmt: skip
+    """conv_transpose16 quantizes and splits its float input inside and sums both planes in
+    one call: equal bit for bit to the two int8 calls on the planes, on every layout (read
+    through its strides) and with inputs beyond the int16 range (clamped)."""
+    g = torch.Generator().manual_seed(seed)
+    output_padding = extra % max(stride, dilation)
+    padding = min(padding, dilation * (kernel - 1))
+    assume((size - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding >= 0)
+    c, n = cin * groups, cout * groups
+    shape = (2, 2 * c if layout == "sliced" else c, *([size] * dims))
+    x = torch.randn(shape, generator=g) * 4
+    if layout == "channels_last":
+        x = x.transpose(1, -1).contiguous().transpose(1, -1)
+    elif layout == "sliced":
+        x = x[:, ::2]
+    w = torch.randint(-127, 128, (c, cout, *([kernel] * dims)), dtype=torch.int8, generator=g)
+    packed, hi_col = packed_transposed_weight(w, groups, 0)
+    _, lo_col = packed_transposed_weight(w, groups, -128)
+    offset = torch.randint(-1000, 1000, (n,), dtype=torch.int32, generator=g)
+    scale = torch.rand(n, generator=g) * 1e-3
+    b = torch.randn(n, generator=g) if bias else None
+    geometry = ([kernel] * dims, [stride] * dims, [padding] * dims, [output_padding] * dims,
+                [dilation] * dims)  # fmt: skip
+    args = (3.0 / 32767, packed, hi_col, lo_col, offset, scale * 256, scale, b, n)
+    want = _two_int8_calls(x, *args, geometry, groups)
+    got = OP16(x, args[0], -32768, 32767, *args[1:], *geometry, groups)
+    assert got.shape == want.shape and got.stride() == want.stride()
+    assert torch.equal(got, want)
+
+
+def test_int16_input_over_chunks_equals_its_two_planes():
+    """More than 512 input channels a group: both planes reduce chunk by chunk."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 600, 3, 2, generator=g)
+    w = torch.randint(-127, 128, (600, 5, 3, 3), dtype=torch.int8, generator=g)
+    packed, hi_col = packed_transposed_weight(w, 1, 0)
+    _, lo_col = packed_transposed_weight(w, 1, -128)
+    scale = torch.rand(5, generator=g) * 1e-4
+    args = (1e-4, packed, hi_col, lo_col, torch.arange(5, dtype=torch.int32), scale * 256,
+            scale, torch.randn(5, generator=g), 5)  # fmt: skip
+    geometry = ([3, 3], [2, 2], [0, 0], [1, 0], [1, 1])
+    want = _two_int8_calls(x, *args, geometry, 1)
+    assert torch.equal(OP16(x, args[0], -32768, 32767, *args[1:], *geometry, 1), want)
 
 
 def test_bad_arguments_refused():

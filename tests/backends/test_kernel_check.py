@@ -83,6 +83,7 @@ KERNELS = {
     "max_pool2d", "softmax", "binary", "lookup", "quantize", "dequantize", "quantize16",
     "rnn_lstm", "rnn_gru", "rnn_tanh", "rnn_relu", "cell_loop_tanh", "cell_loop_relu",
     "rnn_stack_lstm", "rnn_stack_relu", "rnn_packed_lstm", "rnn_packed_relu", "conv_transpose",
+    "conv_transpose16",
 }  # fmt: skip
 FLOAT_GATES = {
     "rnn_lstm", "rnn_gru", "rnn_tanh", "cell_loop_tanh", "rnn_stack_lstm", "rnn_packed_lstm",

@@ -9,14 +9,17 @@ lowered model follows the reference within 35 dB, computes exactly the reference
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import quantree as qt
 from quantree.backends import CPU, load, save
+from quantree.backends.cpu.native.checks import NativeArgumentError
 
 aten = torch.ops.aten
+PAD_LAST = torch.ops.quantree.pad_last.default
 
 
 class Padded(nn.Module):
@@ -40,7 +43,9 @@ def _lowered(fill: float = 0.0):
 
 def _pads(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [
-        n for n in gm.graph.nodes if n.target in (aten.pad.default, aten.constant_pad_nd.default)
+        n
+        for n in gm.graph.nodes
+        if n.target in (aten.pad.default, aten.constant_pad_nd.default, PAD_LAST)
     ]
 
 
@@ -52,6 +57,7 @@ def test_pads_read_int8_codes() -> None:
         source = pad.args[0]
         assert "quantree" in str(source.target)  # the int8 conv, no dequantize between
         assert all("quantree" in str(u.target) for u in pad.users)
+    assert pads[0].target == pads[1].target == PAD_LAST  # reflect, replicate: native
     assert pads[2].target == aten.constant_pad_nd.default
     with torch.no_grad():
         for args in data:
@@ -67,6 +73,29 @@ def test_the_pad_computes_the_reference_codes() -> None:
         assert torch.equal(F.pad(x, (2, 1), mode=mode), want.int_repr())
     want = torch.quantize_per_tensor(F.pad(as_float, (0, 3)), scale, zp, torch.qint8)
     assert torch.equal(aten.constant_pad_nd(x, [0, 3], zp), want.int_repr())
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided", "2-d"])
+def test_the_native_pad_equals_aten_on_every_layout(layout) -> None:
+    """``quantree.pad_last`` copies codes: equal to ATen's pad element for element, through
+    the input's strides, contiguous out; calls it does not take (negative pads, pads ATen
+    refuses, other modes) are ATen's, its errors named by the op."""
+    x = torch.randint(-128, 128, (2, 5, 9), dtype=torch.int8)
+    if layout == "channels_last":
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    elif layout == "strided":
+        x = torch.randint(-128, 128, (2, 5, 18), dtype=torch.int8)[..., ::2]
+    elif layout == "2-d":
+        x = x[0]
+    for mode in ("reflect", "replicate", "circular"):
+        for pad in ([0, 0], [6, 0], [1, 3], [0, 8], [-1, 2], [3, -2]):
+            want = aten.pad.default(x, pad, mode)
+            got = PAD_LAST(x, pad, mode)
+            assert torch.equal(got, want) and got.is_contiguous(), (mode, pad)
+    for pad in ([9, 0], [0, 12]):  # reflect needs pads below the length: ATen's error
+        with pytest.raises(NativeArgumentError, match="Padding size should be less"):
+            PAD_LAST(x, pad, "reflect")
+    assert torch.equal(PAD_LAST(x, [12, 1], "replicate"), aten.pad.default(x, [12, 1], "replicate"))
 
 
 def test_a_pad_of_another_constant_stays_float() -> None:

@@ -41,6 +41,7 @@ from torch import Tensor
 from quantree.backends.cpu.native import checks as check
 from quantree.backends.cpu.native.args import NativeArgs
 from quantree.backends.cpu.native.packing import packed_depth
+from quantree.backends.cpu.ops.conv1d import run_conv16, stages_in_bounds, takes_small
 from quantree.backends.cpu.ops.gemm import (
     Conv2dPlan,
     LinearPlan,
@@ -232,6 +233,38 @@ class BoundConv1d(BoundConv2d):
         return out.squeeze(2)
 
 
+class BoundConv16(Binding):
+    """``conv16(x, x_scale, quant_min, quant_max, weight, hi_offset, hi_scale, lo_offset,
+    lo_scale, bias, out_channels, kernel, stride, padding, dilation, groups)`` of a 1-d ``x``
+    with C channels (its length only sizes the output); a 2-d one runs the op."""
+
+    positions = (4, 5, 6, 7, 8, 9)
+    axis = 1
+
+    def verdict(self, args: tuple[Any, ...]) -> Any:
+        x, _, _, _, weight, hi_offset, hi_scale, lo_offset, lo_scale, bias = args[:10]
+        oc, kernel, stride, padding, dilation, groups = args[10:]
+        if x.dim() != 3:
+            return None
+        check.conv1d(kernel, stride, padding, dilation)
+        check.positive("conv16", "x_scale", args[1])
+        check.conv1d_strided(x.float(), True, weight, hi_offset, hi_scale, lo_offset, lo_scale,
+                             bias, oc, kernel, stride, padding, dilation, 0, groups)  # fmt: skip
+        depth = 0 if groups == int(x.shape[1]) == oc else packed_depth(weight)
+        return takes_small(int(x.shape[1]), oc, kernel, groups), depth
+
+    def run(self, args: tuple[Any, ...], pointers: tuple[int | None, ...], derived: Any) -> Any:
+        x, x_scale, qmin, qmax = args[:4]
+        kernel, stride, padding, dilation = args[11:15]
+        if derived is None or not stages_in_bounds(x, kernel, stride, padding, dilation):
+            return self.fallback(*args)
+        if x.dtype is not torch.float32:
+            x = x.float()
+        small, depth = derived
+        return run_conv16(x, x_scale, qmin, qmax, small, depth, pointers, args[10], kernel,
+                          stride, padding, dilation, args[15])  # fmt: skip
+
+
 class BoundMaxPool2d(Binding):
     """``max_pool2d(x, kernel, stride, padding, dilation, ceil_mode)``: no constant tensors;
     the geometry lists are checked once (x int8 ``[N, C, H, W]``: any sizes)."""
@@ -251,6 +284,7 @@ BINDINGS: dict[str, Callable[[Callable[..., Any]], Binding]] = {
     "linear16": BoundLinear16,
     "conv2d": BoundConv2d,
     "conv1d": BoundConv1d,
+    "conv16": BoundConv16,
     "max_pool2d": BoundMaxPool2d,
 }
 """The ops a lowered graph binds per node (``direct.py``), by name."""

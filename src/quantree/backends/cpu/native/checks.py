@@ -535,15 +535,18 @@ CONV_TRANSPOSE_CHUNK = 512
 def conv_transpose(x: Tensor, weight: Tensor, col_offset: Tensor, offset: Tensor,
                    scale: Tensor, bias: Tensor | None, out_channels: int, kernel: list[int],
                    stride: list[int], padding: list[int], output_padding: list[int],
-                   dilation: list[int], groups: int) -> None:  # fmt: skip
-    """x int8 [N, C, L] or [N, C, H, W] on the CPU (copied dense by the caller); geometry
+                   dilation: list[int], groups: int,
+                   wide: tuple[Tensor, Tensor] | None = None) -> None:  # fmt: skip
+    """x int8 [N, C, L] or [N, C, H, W] on the CPU (copied dense by the caller), or with
+    ``wide`` (the low plane's column offsets, the high plane's scale) float32 of any strides
+    quantized to int16 inside (``conv_transpose16``); geometry
     in range with one padding per dimension and ``0 <= output_padding < max(stride,
     dilation)`` (torch's rule), an output size of at least 0; groups dividing C and
     out_channels; the weight and column offsets as ``packed_transposed_weight`` makes them:
     per group and chunk of ``CONV_TRANSPOSE_CHUNK`` input channels, ``ceil(N / 16) * 16 * Kp``
     bytes and N offsets, N = taps * out_channels / groups."""
-    op = "conv_transpose"
-    dtype_of(op, "x", x, I8)
+    op = "conv_transpose" if wide is None else "conv_transpose16"
+    dtype_of(op, "x", x, I8 if wide is None else F32)
     rank = len(kernel)
     if rank not in (1, 2) or x.dim() != rank + 2 or not x.is_cpu:
         raise fail(op, f"x of shape {tuple(x.shape)} on {x.device} for a {rank}-d kernel: the "
@@ -589,6 +592,9 @@ def conv_transpose(x: Tensor, weight: Tensor, col_offset: Tensor, offset: Tensor
     vector(op, "col_offset", col_offset, I32, groups * len(depths) * n)
     vector(op, "offset", offset, I32, out_channels)
     vector(op, "scale", scale, F32, out_channels)
+    if wide is not None:
+        vector(op, "lo_col_offset", wide[0], I32, groups * len(depths) * n)
+        vector(op, "hi_scale", wide[1], F32, out_channels)
     if bias is not None:
         vector(op, "bias", bias, F32, out_channels)
 

@@ -24,6 +24,7 @@ from quantree.backends.cpu.ops import elementwise as elementwise_op
 from quantree.backends.cpu.ops import embedding as embedding_op
 from quantree.backends.cpu.ops import gemm as gemm_op
 from quantree.backends.cpu.ops import group_norm as group_norm_op
+from quantree.backends.cpu.ops import pad as pad_op
 from quantree.backends.cpu.ops import pool as pool_op
 from quantree.backends.cpu.ops import program as program_op
 from quantree.backends.cpu.ops import rnn as rnn_op
@@ -45,6 +46,7 @@ from quantree.backends.cpu.ops.elementwise import (
 from quantree.backends.cpu.ops.embedding import embedding_rows
 from quantree.backends.cpu.ops.gemm import conv1d, conv2d, linear, matmul
 from quantree.backends.cpu.ops.group_norm import group_norm
+from quantree.backends.cpu.ops.pad import pad_last
 from quantree.backends.cpu.ops.pool import avg_pool2d, max_pool2d, mean_hw
 from quantree.backends.cpu.ops.program import program
 from quantree.backends.cpu.ops.rnn import PER_LAYER, RNN_KINDS, rnn
@@ -67,6 +69,7 @@ OPS = (
     gemm_op,
     group_norm_op,
     nibbles,
+    pad_op,
     pool_op,
     program_op,
     program_loop_op,
@@ -104,6 +107,7 @@ __all__ = [
     "matmul",
     "max_pool2d",
     "mean_hw",
+    "pad_last",
     "program",
     "quantize",
     "rnn",

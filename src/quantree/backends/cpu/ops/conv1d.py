@@ -151,12 +151,32 @@ def conv16_small(
         x = x.float()
     check.conv1d_strided(x, True, weight, offset, scale, lo_offset, lo_scale, bias,
                          out_channels, kernel, stride, padding, dilation, 0, 1)  # fmt: skip
+    pointers = (ptr(weight), ptr(offset), ptr(scale), ptr(lo_offset), ptr(lo_scale), ptr(bias))
+    return run_conv16(x, x_scale, qmin, qmax, True, packed_depth(weight), pointers, out_channels,
+                      kernel, stride, padding, dilation, 1)  # fmt: skip
+
+
+def run_conv16(
+    x: Tensor, x_scale: float, qmin: int, qmax: int, small: bool, depth: int,
+    pointers: tuple[int | None, ...], out_channels: int, kernel: list[int], stride: list[int],
+    padding: list[int], dilation: list[int], groups: int,
+) -> Tensor:  # fmt: skip
+    """A float ``[N, C, L]`` conv16 whose arguments passed ``check.conv1d_strided`` (wide) and
+    ``stages_in_bounds``: tap by tap (``small``, ``takes_small``) or the GEMM route, with the
+    addresses of weight, offset, scale, lo_offset, lo_scale and bias, and the weight's packed
+    ``depth`` (0 for a depthwise one). The op and its per-node binding both end here."""
     out = empty_output(x, out_channels, kernel, stride, padding, dilation, False)
     n, c, length = x.shape
-    kernels().qt_conv1d16_small(
-        x.data_ptr(), *x.stride(), n, c, length, 1.0 / x_scale, float(qmin), float(qmax),
-        out_channels, kernel[0], stride[0], padding[0], dilation[0], out.shape[2],
-        packed_depth(weight), ptr(weight), ptr(offset), ptr(scale), ptr(lo_offset),
-        ptr(lo_scale), ptr(bias), out.data_ptr(), *out.stride(),
+    if small:
+        kernels().qt_conv1d16_small(
+            x.data_ptr(), *x.stride(), n, c, length, 1.0 / x_scale, float(qmin), float(qmax),
+            out_channels, kernel[0], stride[0], padding[0], dilation[0], out.shape[2], depth,
+            *pointers, out.data_ptr(), *out.stride(),
+        )  # fmt: skip
+        return out
+    kernels().qt_conv1d(
+        None, x.data_ptr(), *x.stride(), n, c, length, 0, 1.0 / x_scale, float(qmin),
+        float(qmax), out_channels, groups, kernel[0], stride[0], padding[0], dilation[0],
+        out.shape[2], depth, *pointers, None, out.data_ptr(), *out.stride(), 0.0, 0.0, 0,
     )  # fmt: skip
     return out

@@ -17,10 +17,11 @@ from quantree.backends.cpu.native.loader import F32, I64, INT, PTR, ptr
 from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import pack, zero_point_offset
 from quantree.backends.cpu.native.registry import inverse, op
-from quantree.backends.cpu.ops.wide import split16
 
 SIGNATURES: dict[str, list[type]] = {
     "qt_conv_transpose": [PTR, *[I64] * 16, *[PTR] * 7, *[I64] * 4, F32, F32, INT],
+    "qt_conv_transpose16": [PTR, *[I64] * 8, F32, F32, F32, *[I64] * 12, *[PTR] * 8,
+                            *[I64] * 4],
 }  # fmt: skip
 """The C entry points this op calls (``native/csrc``), by their ctypes argument types."""
 kernels = native_kernels(SIGNATURES)
@@ -181,27 +182,42 @@ def conv_transpose16(
     """Float ``x`` quantized to int16 (``x_scale``, zero point 0), transposed-convolved with
     an int8 weight: the float result of ``conv_transpose(dq16(q16(x)), dq(W), dq(b))``.
 
-    As ``ops/wide.py``'s conv16: the int16 codes as two int8 planes, the kernel run once per
-    plane (the hi plane on ``hi_scale`` = 256 x the accumulator's scale, zero point 0; the lo
-    plane on ``scale``, zero point -128, with the int32 ``offset`` and the float bias), the
-    two float results added. 2 x the int8 layer's work: on ConvTasNet's decoder an int8
-    input there was the model's largest error (benchmarks/README.md, "CNNs against torchao
-    + Inductor").
+    As ``ops/wide.py``'s conv16: the int16 codes as two int8 planes, each summed as the int8
+    kernel sums its input, in one native call (the hi plane on ``hi_scale`` = 256 x the
+    accumulator's scale, zero point 0; the lo plane on ``scale``, zero point -128, with the
+    int32 ``offset`` and the float bias), the two float results added. 2 x the int8 layer's
+    work: on ConvTasNet's decoder an int8 input there was the model's largest error
+    (benchmarks/README.md, "CNNs against torchao + Inductor").
     """
-    geometry = (kernel, stride, padding, output_padding, dilation, groups)
-    # the planes made channels-last, as the kernel reads them: one float copy here instead
-    # of one int8 copy per plane in ``conv_transpose``
-    if x.dim() == 3 and x.stride(1) != 1:
-        x = x.transpose(1, 2).contiguous().transpose(1, 2)
-    elif x.dim() == 4:
-        x = x.contiguous(memory_format=torch.channels_last)
-    hi, lo = split16(x, x_scale, quant_min, quant_max)
-    zeros = torch.zeros(out_channels, dtype=torch.int32)
-    y = conv_transpose(hi, weight, hi_col_offset, zeros, hi_scale, None, out_channels,
-                       *geometry, 0.0, 0, False)  # fmt: skip
-    y += conv_transpose(lo, weight, lo_col_offset, offset, scale, bias, out_channels,
-                        *geometry, 0.0, 0, False)  # fmt: skip
-    return y
+    # one native call for both planes (``qt_conv_transpose16``): the input is quantized and
+    # split panel by panel as it lies, no plane tensors, and the two sums meet in its epilogue
+    if x.dtype != torch.float32:
+        x = x.float()
+    check.conv_transpose(x, weight, hi_col_offset, offset, scale, bias, out_channels, kernel,
+                         stride, padding, output_padding, dilation, groups,
+                         wide=(lo_col_offset, hi_scale))  # fmt: skip
+    check.positive("conv_transpose16", "x_scale", x_scale)
+    size = output_size(list(x.shape[2:]), kernel, stride, padding, output_padding, dilation)
+    out = empty_output(x, out_channels, size, False)
+    if out.numel() == 0:
+        return out
+    if x.dim() == 3:
+        n, c, length = x.shape
+        sizes = [1, length, 1, kernel[0], 1, stride[0], 0, padding[0], 1, dilation[0], 1, size[0]]
+        x_strides = [x.stride(0), x.stride(1), 0, x.stride(2)]
+        strides = [out.stride(0), out.stride(1), 0, out.stride(2)]
+    else:
+        n, c = x.shape[:2]
+        sizes = [*x.shape[2:], *kernel, *stride, *padding, *dilation, *size]
+        x_strides, strides = list(x.stride()), list(out.stride())
+    h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow = sizes
+    kernels().qt_conv_transpose16(
+        x.data_ptr(), *x_strides, n, c, h, w, 1.0 / x_scale, float(quant_min), float(quant_max),
+        out_channels, groups, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, ptr(weight),
+        ptr(hi_col_offset), ptr(lo_col_offset), ptr(offset), ptr(hi_scale), ptr(scale), ptr(bias),
+        out.data_ptr(), *strides,
+    )  # fmt: skip
+    return out
 
 
 @torch.library.register_fake("quantree::conv_transpose16")

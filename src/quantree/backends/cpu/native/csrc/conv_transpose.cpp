@@ -200,6 +200,61 @@ void rows_float(const int32_t* acc, const int32_t* off, const float* scale, cons
     }
 }
 
+// The scatter-GEMM loop shared by the int8 and the int16 (two byte plane) forms: per image,
+// panel of input pixels, group and chunk of input channels, `fill` writes each plane's uint8
+// GEMM operand (rows x Kp, as to_u8 writes an int8 input), the GEMM of plane i with column
+// offsets col_off[i] is scattered into accumulator i, and once the image is summed `finish`
+// writes its output from the accumulators.
+template <int Planes, class Fill, class Finish>
+void transposed(const Geometry& g, int64_t batch, const int8_t* w,
+                const int32_t* const (&col_off)[Planes], Fill fill, Finish finish) {
+    const int64_t Cg = g.C / g.groups, OCg = g.OC / g.groups, N = g.KH * g.KW * OCg;
+    const int64_t P = g.H * g.W;
+    const int64_t chunks = Cg > 0 ? (Cg + CHUNK - 1) / CHUNK : 0;
+    const int64_t Np = (N + 15) / 16 * 16;
+    const int64_t panel = P < PANEL ? P : PANEL;
+    std::vector<int32_t> acc[Planes];
+    for (auto& a : acc) a.resize(static_cast<size_t>(g.OH * g.OW * g.OC));
+    const int64_t Kp_max = (std::min<int64_t>(Cg, CHUNK) + 3) / 4 * 4;
+    std::vector<uint8_t> a[Planes];
+    uint8_t* ap[Planes];
+    for (int i = 0; i < Planes; ++i) {
+        a[i].resize(static_cast<size_t>(panel * Kp_max));
+        ap[i] = a[i].data();
+    }
+    const int64_t ldc = N < BLOCK ? N : BLOCK;
+    std::vector<float> cols(static_cast<size_t>(panel * ldc));
+    const std::vector<float> ones(static_cast<size_t>(N), 1.0f);
+    const Taps taps(g);
+    for (int64_t n = 0; n < batch; ++n) {
+        for (auto& v : acc) std::fill(v.begin(), v.end(), 0);
+        for (int64_t p0 = 0; p0 < P; p0 += panel) {
+            const int64_t rows = P - p0 < panel ? P - p0 : panel;
+            const int8_t* wg = w;
+            int64_t og = 0;
+            for (int64_t grp = 0; grp < g.groups; ++grp) {
+                for (int64_t k = 0; k < chunks; ++k) {
+                    const int64_t Kc = std::min<int64_t>(CHUNK, Cg - k * CHUNK);
+                    const int64_t Kp = (Kc + 3) / 4 * 4;
+                    fill(n, p0, rows, grp * Cg + k * CHUNK, Kc, Kp, ap);
+                    for (int i = 0; i < Planes; ++i)
+                        for (int64_t n0 = 0; n0 < N; n0 += BLOCK) {
+                            const int64_t nb = N - n0 < BLOCK ? N - n0 : BLOCK;
+                            qt::Epilogue ep{col_off[i] + og + n0, ones.data() + n0, nullptr,
+                                            cols.data(), nullptr, ldc, 0.0f, 0.0f, -128.0f, 127.0f};
+                            qt::gemm_u8s8(rows, nb, Kp, ap[i], Kp, wg + n0 * Kp, ep);
+                            scatter(g, taps, grp, cols.data(), ldc, p0, rows, n0, nb,
+                                    acc[i].data());
+                        }
+                    wg += Np * Kp;
+                    og += N;
+                }
+            }
+        }
+        finish(n, acc);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -222,48 +277,21 @@ void qt_conv_transpose(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
                        int64_t ow_s, float inv, float zp, int relu) try {
     const Geometry g{C, H, W, OC, groups, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW};
     if (batch <= 0 || OC <= 0 || OH <= 0 || OW <= 0) return;
-    const int64_t Cg = C / groups, OCg = OC / groups, N = KH * KW * OCg, P = H * W;
-    const int64_t chunks = Cg > 0 ? (Cg + CHUNK - 1) / CHUNK : 0;
-    const int64_t Np = (N + 15) / 16 * 16;
-    const int64_t panel = P < PANEL ? P : PANEL;
-    std::vector<int32_t> acc(static_cast<size_t>(OH * OW * OC));
-    const int64_t Kp_max = (std::min<int64_t>(Cg, CHUNK) + 3) / 4 * 4;
-    std::vector<uint8_t> a(static_cast<size_t>(panel * Kp_max));
-    const int64_t ldc = N < BLOCK ? N : BLOCK;
-    std::vector<float> cols(static_cast<size_t>(panel * ldc));
-    const std::vector<float> ones(static_cast<size_t>(N), 1.0f);
+    const int64_t P = H * W;
     const float qmin = relu ? (zp > -128.0f ? zp : -128.0f) : -128.0f;
     std::vector<float> mult(static_cast<size_t>(OC)), add(mult.size());
     for (int64_t o = 0; o < OC; ++o) {  // conv's Requant (layers.cpp)
         mult[o] = scale[o] * inv;
         add[o] = bias ? bias[o] * inv : 0.0f;
     }
-    const Taps taps(g);
     const Flat flat = out_f ? Flat(OC, out_off, scale, bias) : Flat(OC, out_off, mult.data(), add.data());
-    for (int64_t n = 0; n < batch; ++n) {
-        std::fill(acc.begin(), acc.end(), 0);
-        for (int64_t p0 = 0; p0 < P; p0 += panel) {
-            const int64_t rows = P - p0 < panel ? P - p0 : panel;
-            const int8_t* xp = x + (n * P + p0) * C;
-            const int8_t* wg = w;
-            const int32_t* og = col_off;
-            for (int64_t grp = 0; grp < groups; ++grp) {
-                for (int64_t k = 0; k < chunks; ++k) {
-                    const int64_t Kc = std::min<int64_t>(CHUNK, Cg - k * CHUNK);
-                    const int64_t Kp = (Kc + 3) / 4 * 4;
-                    qt::to_u8(xp + grp * Cg + k * CHUNK, rows, Kc, C, a.data(), Kp);
-                    for (int64_t n0 = 0; n0 < N; n0 += BLOCK) {
-                        const int64_t nb = N - n0 < BLOCK ? N - n0 : BLOCK;
-                        qt::Epilogue ep{og + n0, ones.data() + n0, nullptr, cols.data(),
-                                        nullptr, ldc, 0.0f, 0.0f, -128.0f, 127.0f};
-                        qt::gemm_u8s8(rows, nb, Kp, a.data(), Kp, wg + n0 * Kp, ep);
-                        scatter(g, taps, grp, cols.data(), ldc, p0, rows, n0, nb, acc.data());
-                    }
-                    wg += Np * Kp;
-                    og += N;
-                }
-            }
-        }
+    const int32_t* const offs[1] = {col_off};
+    const auto fill = [&](int64_t n, int64_t p0, int64_t rows, int64_t c0, int64_t Kc,
+                          int64_t Kp, uint8_t* const* a) {
+        qt::to_u8(x + (n * P + p0) * C + c0, rows, Kc, C, a[0], Kp);
+    };
+    const auto finish = [&](int64_t n, const std::vector<int32_t>(&accs)[1]) {
+        const std::vector<int32_t>& acc = accs[0];
         int8_t* const image_q = out_q ? out_q + n * on : nullptr;
         float* const image_f = out_f ? out_f + n * on : nullptr;
         if (oc == 1 && ow_s == OC && (OH == 1 || oh_s == OW * OC)) {  // dense, channels innermost
@@ -271,11 +299,11 @@ void qt_conv_transpose(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
                 flat_float(flat, bias != nullptr, acc.data(), OH * OW * OC, image_f);
             else
                 flat_int8(flat, acc.data(), OH * OW * OC, zp, qmin, image_q);
-            continue;
+            return;
         }
         if (out_f && OH == 1 && ow_s == 1) {  // the 1-d float layout [N, O, L]
             rows_float(acc.data(), out_off, scale, bias, OC, OW, image_f, oc);
-            continue;
+            return;
         }
         for (int64_t oh = 0; oh < OH; ++oh)
             for (int64_t ow = 0; ow < OW; ++ow) {
@@ -287,7 +315,73 @@ void qt_conv_transpose(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
                     epilogue_int8(src, out_off, mult.data(), add.data(), OC, zp, qmin,
                                   image_q + base, oc);
             }
-    }
+    };
+    transposed<1>(g, batch, w, offs, fill, finish);
+} QT_CATCH
+
+// The int16-input form in one call: float x [N, C, H, W] (any element strides sn, sc, sh_, sw_;
+// a 1-d input is H = 1) quantized to int16 q = clamp(round(x * x_inv), qmin, qmax) as the two
+// byte planes hi = q >> 8 (zero point 0, column offsets hi_col_off) and lo = (q & 255) - 128
+// (zero point -128, lo_col_off), each summed exactly as qt_conv_transpose sums an int8 input,
+// on one weight. Float out: float(acc_hi) * hi_scale[o] + (float(acc_lo + out_off[o]) *
+// scale[o] (+ bias[o])), the float operations of the two int8 calls' float results added
+// (what the two-call route computed), so the two are equal bit for bit.
+void qt_conv_transpose16(const float* x, int64_t sn, int64_t sc, int64_t sxh, int64_t sxw,
+                         int64_t batch, int64_t C, int64_t H, int64_t W, float x_inv, float qmin,
+                         float qmax, int64_t OC, int64_t groups, int64_t KH, int64_t KW,
+                         int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,
+                         int64_t OH, int64_t OW, const int8_t* w, const int32_t* hi_col_off,
+                         const int32_t* lo_col_off, const int32_t* out_off,
+                         const float* hi_scale, const float* scale, const float* bias,
+                         float* out, int64_t on, int64_t oc, int64_t oh_s, int64_t ow_s) try {
+    const Geometry g{C, H, W, OC, groups, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW};
+    if (batch <= 0 || OC <= 0 || OH <= 0 || OW <= 0) return;
+    const int32_t* const offs[2] = {hi_col_off, lo_col_off};
+    const auto fill = [&](int64_t n, int64_t p0, int64_t rows, int64_t c0, int64_t Kc,
+                          int64_t Kp, uint8_t* const* a) {
+        uint8_t* __restrict hi = a[0];
+        uint8_t* __restrict lo = a[1];
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t k = Kc; k < Kp; ++k) hi[r * Kp + k] = lo[r * Kp + k] = 0;
+        int64_t ih = p0 / W, iw = p0 % W;
+        for (int64_t r = 0; r < rows; ++r) {  // pixel by pixel: runs along a row of the image
+            const float* src = x + sn * n + sxh * ih + sxw * iw + sc * c0;
+            for (int64_t k = 0; k < Kc; ++k) {
+                const int32_t q =
+                    static_cast<int32_t>(qt::quantize_value(src[sc * k], x_inv, 0.0f, qmin, qmax));
+                hi[r * Kp + k] = static_cast<uint8_t>((q >> 8) + 128);
+                lo[r * Kp + k] = static_cast<uint8_t>(q & 255);
+            }
+            if (++iw == W) {
+                iw = 0;
+                ++ih;
+            }
+        }
+    };
+    const auto finish = [&](int64_t n, const std::vector<int32_t>(&accs)[2]) {
+        const int32_t* ah = accs[0].data();
+        const int32_t* al = accs[1].data();
+        float* const image = out + n * on;
+        for (int64_t o = 0; o < OC; ++o) {
+            const float s_hi = hi_scale[o], s_lo = scale[o], b = bias ? bias[o] : 0.0f;
+            const int32_t k = out_off[o];
+            float* dst = image + o * oc;
+            for (int64_t oh = 0; oh < OH; ++oh) {
+                const int32_t* h = ah + oh * OW * OC + o;
+                const int32_t* l = al + oh * OW * OC + o;
+                float* d = dst + oh * oh_s;
+                if (bias)
+                    for (int64_t ow = 0; ow < OW; ++ow)
+                        d[ow * ow_s] = static_cast<float>(h[ow * OC]) * s_hi +
+                                       (static_cast<float>(l[ow * OC] + k) * s_lo + b);
+                else
+                    for (int64_t ow = 0; ow < OW; ++ow)
+                        d[ow * ow_s] = static_cast<float>(h[ow * OC]) * s_hi +
+                                       static_cast<float>(l[ow * OC] + k) * s_lo;
+            }
+        }
+    };
+    transposed<2>(g, batch, w, offs, fill, finish);
 } QT_CATCH
 
 }  // extern "C"

@@ -6,7 +6,8 @@ its sequence to whole chunks with zeros. The recipe puts a pad's output on its i
 (``recipes/padding.py``), so the padded tensor holds input codes only, and zero where the
 fill is 0.0, which every affine grid holds exactly (the zero point). ATen pads int8 tensors
 in every mode, so the rule reads the int8 input and pads it: no dequantize, float pad and
-quantize between two int8 kernels.
+quantize between two int8 kernels; a reflect or replicate pad runs as ``quantree.pad_last``
+(``ops/pad.py``: one copy per row, where ATen loops per element; other calls go to ATen).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from quantree.backends.cpu import ops  # noqa: F401  (registers torch.ops.quantree.*)
 from quantree.backends.patterns import activation, is_int8_per_tensor, replace
 from quantree.core.lower import LoweringContext
 from quantree.recipes.padding import pad_fill
 
 aten = torch.ops.aten
+quantree_ops = torch.ops.quantree
 
 
 def lower_pad(ctx: LoweringContext, node: fx.Node) -> bool:
@@ -38,7 +41,7 @@ def lower_pad(ctx: LoweringContext, node: fx.Node) -> bool:
     with ctx.gm.graph.inserting_before(node):
         if fill is None:
             mode: Any = node.kwargs.get("mode", node.args[2] if len(node.args) > 2 else "reflect")
-            padded = ctx.gm.graph.call_function(aten.pad.default, (x.node, pad, mode))
+            padded = ctx.gm.graph.call_function(quantree_ops.pad_last.default, (x.node, pad, mode))
         else:
             padded = ctx.gm.graph.call_function(
                 aten.constant_pad_nd.default, (x.node, pad, x.zero_point)

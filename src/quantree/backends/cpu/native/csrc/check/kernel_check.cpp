@@ -64,6 +64,12 @@ void qt_conv_transpose(const int8_t*, int64_t, int64_t, int64_t, int64_t, int64_
                        int64_t, int64_t, const int8_t*, const int32_t*, const int32_t*,
                        const float*, const float*, int8_t*, float*, int64_t, int64_t, int64_t,
                        int64_t, float, float, int);
+void qt_conv_transpose16(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, float, float, float, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, const int8_t*, const int32_t*, const int32_t*, const int32_t*,
+                         const float*, const float*, const float*, float*, int64_t, int64_t,
+                         int64_t, int64_t);
 void qt_max_pool2d(const int8_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int8_t*);
 void qt_rnn_layer(int, int64_t, int64_t, int64_t, int64_t, int, const int8_t*, float, float,
@@ -347,6 +353,53 @@ Run conv_transpose_case() {
     };
 }
 
+// The int16-input form (conv_transpose.cpp's qt_conv_transpose16): a float input read through
+// its strides (contiguous [N, C, H, W] or channels-last), quantized and split into two byte
+// planes, both GEMMs per panel and one float epilogue.
+Run conv_transpose16_case() {
+    static const int64_t sizes[] = {1, 2, 3, 5, 7, 150}, chans[] = {1, 2, 3, 5, 17, 40};
+    const bool wide = rnd() % 8 == 0;
+    const int64_t batch = 1 + rnd() % 2, H = wide ? 1 : pick(sizes, 5), W = pick(sizes, 6);
+    const int64_t groups = wide ? 1 : 1 + rnd() % 3;
+    const int64_t C = (wide ? 520 : pick(chans, 5)) * groups, OC = pick(chans, 6) * groups;
+    const int64_t KH = H == 1 ? 1 : 1 + rnd() % 3, KW = 1 + rnd() % 8;
+    const int64_t sh = 1 + rnd() % 3, sw = 1 + rnd() % 4, dh = 1 + rnd() % 2, dw = 1 + rnd() % 2;
+    const int64_t ph = rnd() % 2, pw = rnd() % 2, oph = rnd() % sh, opw = rnd() % sw;
+    const int64_t OH = (H - 1) * sh - 2 * ph + dh * (KH - 1) + oph + 1;
+    const int64_t OW = (W - 1) * sw - 2 * pw + dw * (KW - 1) + opw + 1;
+    if (OH < 1 || OW < 1) return conv_transpose16_case();
+    const int64_t Cg = C / groups, N = KH * KW * (OC / groups);
+    std::vector<int8_t> w;
+    std::vector<int32_t> hi_off, lo_off;
+    for (int64_t g = 0; g < groups; ++g)
+        for (int64_t k0 = 0; k0 < Cg; k0 += 512) {
+            const int64_t Kc = Cg - k0 < 512 ? Cg - k0 : 512;
+            auto part = packed(N, Kc);
+            w.insert(w.end(), part.begin(), part.end());
+            auto a = i32(N, 3000), b = i32(N, 3000);
+            hi_off.insert(hi_off.end(), a.begin(), a.end());
+            lo_off.insert(lo_off.end(), b.begin(), b.end());
+        }
+    auto x = f32(batch * C * H * W, -40.0f, 40.0f);  // beyond the int16 range too (clamped)
+    const bool last = rnd() % 2 == 0;  // channels-last input, else contiguous
+    const int64_t sn = C * H * W, sc = last ? 1 : H * W, sxh = last ? W * C : W,
+                  sxw = last ? C : 1;
+    auto out_off = i32(OC, 3000);
+    auto hs = f32(OC, 1e-3f, 1e-1f), sc_lo = f32(OC, 1e-4f, 1e-2f), bias = f32(OC, -1.0f, 1.0f);
+    const int64_t with_bias = rnd() % 2;
+    const bool planar = rnd() % 2 == 0;
+    const int64_t oc = planar ? OH * OW : 1, oh_s = planar ? OW : OW * OC, ow_s = planar ? 1 : OC;
+    return [=] {
+        Out o(batch * OH * OW * OC, true);
+        qt_conv_transpose16(x.data(), sn, sc, sxh, sxw, batch, C, H, W, 1.0f / 0.001f, -32768.0f,
+                            32767.0f, OC, groups, KH, KW, sh, sw, ph, pw, dh, dw, OH, OW,
+                            w.data(), hi_off.data(), lo_off.data(), out_off.data(), hs.data(),
+                            sc_lo.data(), with_bias ? bias.data() : nullptr, o.fp(),
+                            OH * OW * OC, oc, oh_s, ow_s);
+        return o.bytes();
+    };
+}
+
 Run matmul_case() {
     const int64_t batch = 1 + rnd() % 3, M = 1 + rnd() % 9, K = 1 + rnd() % 40, N = 1 + rnd() % 35;
     auto a = i8(batch * M * K), b = i8(batch * K * N);
@@ -612,7 +665,7 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         {"rnn_relu", false, {}}, {"cell_loop_tanh", true, {}}, {"cell_loop_relu", false, {}},
         {"rnn_stack_lstm", true, {}}, {"rnn_stack_relu", false, {}},
         {"rnn_packed_lstm", true, {}}, {"rnn_packed_relu", false, {}},
-        {"conv_transpose", false, {}},
+        {"conv_transpose", false, {}}, {"conv_transpose16", false, {}},
     };
     for (int i = 0; i < few; ++i) {
         all[0].cases.push_back(linear_case());
@@ -627,6 +680,7 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         all[20].cases.push_back(rnn_stack_case(0, true));
         all[21].cases.push_back(rnn_stack_case(3, true));
         all[22].cases.push_back(conv_transpose_case());
+        all[23].cases.push_back(conv_transpose16_case());
     }
     return all;
 }
