@@ -1,0 +1,122 @@
+// 1-d convolutions with int16 weights (per output channel) reading an int8 or int16
+// activation: the portable path and the entry point every path shares.
+//
+// Why: a layer whose 8-bit weights are its accuracy bound (Conformer's convolution module:
+// each uniform-initialised kernel at the ~48 dB of 8-bit codes, its output added to the
+// residual unscaled) gains 2-9 dB from 16-bit weights, and ran as a float conv on
+// dequantized weights, slower than the float model. Here the input is quantized as the
+// reference's quantize op rounds it (v = q - zero point, 0 where the padding reads), split
+// into its high byte (v >> 8, in [-128, 127]) and low byte (v & 255, in [0, 255]), and each
+// plane's products with the int16 weights are summed in int32: a pair of products is under
+// 2^24, so blocks of 128 pairs never overflow (AVX2's vpmaddwd reads such pairs). The sum
+// 256 * hi + lo is exact in a double, so every path gives the same sums, then one float
+// epilogue in one order: float(sum) * scale[o] (+ bias[o]). The result differs from the
+// reference's float conv of dequantized values only by the float conv's own rounding.
+#include <cstdint>
+#include <vector>
+
+#include "qt_kernels.h"
+
+namespace qt {
+
+void w16_panel_portable(const int16_t* colh, const int16_t* coll, int64_t R2, int64_t P8,
+                        const int16_t* w, int64_t Rp, int64_t nO, double* dsum) {
+    for (int64_t o = 0; o < nO; ++o)
+        for (int64_t p = 0; p < P8; ++p) {
+            int64_t s = 0;
+            for (int64_t j = 0; j < R2; ++j)
+                for (int64_t t = 0; t < 2; ++t) {
+                    const int64_t at = (j * P8 + p) * 2 + t;
+                    const int64_t v = 256 * static_cast<int64_t>(colh[at]) + coll[at];
+                    s += v * w[o * Rp + 2 * j + t];
+                }
+            dsum[o * P8 + p] = static_cast<double>(s);
+        }
+}
+
+}  // namespace qt
+
+namespace {
+
+constexpr int64_t PANEL = 64;  // output positions per panel (a multiple of 8)
+
+}  // namespace
+
+extern "C" {
+
+// Float x [N, C, L] (any strides) quantized to q = clamp(round(x * x_inv) + zp, qmin, qmax)
+// (qmin - zp and qmax - zp int16 values), convolved with int16 weights w [OC][Rp] (row o:
+// its group's (channel, tap) products in the order c * K + k, zero from (C / groups) * K to
+// the even Rp): out[n][o][l] = float(sum) * scale[o] (+ bias[o]), float, through its strides.
+void qt_conv1d_w16(const float* x, int64_t sn, int64_t sc, int64_t sl, int64_t batch, int64_t C,
+                   int64_t L, float x_inv, float zp, float qmin, float qmax, int64_t OC,
+                   int64_t groups, int64_t K, int64_t stride, int64_t pad, int64_t dil,
+                   int64_t OL, const int16_t* w, int64_t Rp, const float* scale,
+                   const float* bias, float* out, int64_t on, int64_t oc, int64_t ol) try {
+    if (batch <= 0 || OC <= 0 || OL <= 0) return;
+    const int64_t Cg = C / groups, OCg = OC / groups, R = Cg * K, R2 = (R + 1) / 2;
+    const int64_t span = (OL - 1) * stride + (K - 1) * dil + 1;
+    const int64_t Lp = span > pad + L ? span : pad + L;  // a padded input row
+    const int32_t zero = static_cast<int32_t>(zp);
+    std::vector<int16_t> qh(static_cast<size_t>(C * Lp)), ql(qh.size());
+    std::vector<int16_t> colh(static_cast<size_t>(R2 * PANEL * 2)), coll(colh.size());
+    std::vector<double> dsum(static_cast<size_t>(OCg * PANEL));
+    for (int64_t n = 0; n < batch; ++n) {
+        for (int64_t c = 0; c < C; ++c) {
+            int16_t* h = qh.data() + c * Lp;
+            int16_t* lo = ql.data() + c * Lp;
+            const float* xc = x + sn * n + sc * c;
+            for (int64_t i = 0; i < Lp; ++i) {
+                const int64_t pos = i - pad;
+                if (pos < 0 || pos >= L) {
+                    h[i] = lo[i] = 0;
+                    continue;
+                }
+                const int32_t v =
+                    static_cast<int32_t>(qt::quantize_value(xc[sl * pos], x_inv, zp, qmin, qmax)) -
+                    zero;
+                h[i] = static_cast<int16_t>(v >> 8);
+                lo[i] = static_cast<int16_t>(v & 255);
+            }
+        }
+        for (int64_t g = 0; g < groups; ++g)
+            for (int64_t p0 = 0; p0 < OL; p0 += PANEL) {
+                const int64_t np = OL - p0 < PANEL ? OL - p0 : PANEL, P8 = (np + 7) / 8 * 8;
+                for (int64_t j = 0; j < R2; ++j)
+                    for (int64_t t = 0; t < 2; ++t) {
+                        int16_t* ch = colh.data() + j * P8 * 2 + t;
+                        int16_t* cl = coll.data() + j * P8 * 2 + t;
+                        const int64_t r = 2 * j + t;
+                        int64_t p = 0;
+                        if (r < R) {
+                            const int64_t at = (g * Cg + r / K) * Lp + (r % K) * dil + p0 * stride;
+                            const int16_t* h = qh.data() + at;
+                            const int16_t* lo = ql.data() + at;
+                            for (; p < np; ++p) {
+                                ch[2 * p] = h[p * stride];
+                                cl[2 * p] = lo[p * stride];
+                            }
+                        }
+                        for (; p < P8; ++p) ch[2 * p] = cl[2 * p] = 0;
+                    }
+                qt::kernels.w16_panel(colh.data(), coll.data(), R2, P8, w + g * OCg * Rp, Rp, OCg,
+                                      dsum.data());
+                for (int64_t o = 0; o < OCg; ++o) {
+                    const int64_t oo = g * OCg + o;
+                    const float s = scale[oo];
+                    const double* d = dsum.data() + o * P8;
+                    float* dst = out + on * n + oc * oo + ol * p0;
+                    if (bias) {
+                        const float b = bias[oo];
+                        for (int64_t p = 0; p < np; ++p)
+                            dst[ol * p] = static_cast<float>(d[p]) * s + b;
+                    } else {
+                        for (int64_t p = 0; p < np; ++p) dst[ol * p] = static_cast<float>(d[p]) * s;
+                    }
+                }
+            }
+    }
+}
+QT_CATCH
+
+}  // extern "C"
