@@ -61,20 +61,43 @@ void qt_conv1d_w16(const float* x, int64_t sn, int64_t sc, int64_t sl, int64_t b
     std::vector<int16_t> qh(static_cast<size_t>(C * Lp)), ql(qh.size());
     std::vector<int16_t> colh(static_cast<size_t>(R2 * PANEL * 2)), coll(colh.size());
     std::vector<double> dsum(static_cast<size_t>(OCg * PANEL));
+    std::vector<int16_t> zeros(static_cast<size_t>(PANEL * stride));
     for (int64_t n = 0; n < batch; ++n) {
-        for (int64_t c = 0; c < C; ++c) {
+        if (sc == 1 && sl != 1) {  // channels innermost: read in memory order
+            for (int64_t c = 0; c < C; ++c) {
+                for (int64_t i = 0; i < pad; ++i) qh[c * Lp + i] = ql[c * Lp + i] = 0;
+                for (int64_t i = pad + L; i < Lp; ++i) qh[c * Lp + i] = ql[c * Lp + i] = 0;
+            }
+            for (int64_t i = 0; i < L; ++i) {
+                const float* xi = x + sn * n + sl * i;
+                for (int64_t c = 0; c < C; ++c) {
+                    const int32_t v =
+                        static_cast<int32_t>(qt::quantize_value(xi[c], x_inv, zp, qmin, qmax)) - zero;
+                    qh[c * Lp + pad + i] = static_cast<int16_t>(v >> 8);
+                    ql[c * Lp + pad + i] = static_cast<int16_t>(v & 255);
+                }
+            }
+        }
+        for (int64_t c = 0; c < C && !(sc == 1 && sl != 1); ++c) {
             int16_t* h = qh.data() + c * Lp;
             int16_t* lo = ql.data() + c * Lp;
             const float* xc = x + sn * n + sc * c;
-            for (int64_t i = 0; i < Lp; ++i) {
-                const int64_t pos = i - pad;
-                if (pos < 0 || pos >= L) {
-                    h[i] = lo[i] = 0;
-                    continue;
+            for (int64_t i = 0; i < pad; ++i) h[i] = lo[i] = 0;
+            for (int64_t i = pad + L; i < Lp; ++i) h[i] = lo[i] = 0;
+            h += pad;
+            lo += pad;
+            if (sl == 1) {  // contiguous rows: vectorized
+                for (int64_t i = 0; i < L; ++i) {
+                    const int32_t v =
+                        static_cast<int32_t>(qt::quantize_value(xc[i], x_inv, zp, qmin, qmax)) - zero;
+                    h[i] = static_cast<int16_t>(v >> 8);
+                    lo[i] = static_cast<int16_t>(v & 255);
                 }
+                continue;
+            }
+            for (int64_t i = 0; i < L; ++i) {
                 const int32_t v =
-                    static_cast<int32_t>(qt::quantize_value(xc[sl * pos], x_inv, zp, qmin, qmax)) -
-                    zero;
+                    static_cast<int32_t>(qt::quantize_value(xc[sl * i], x_inv, zp, qmin, qmax)) - zero;
                 h[i] = static_cast<int16_t>(v >> 8);
                 lo[i] = static_cast<int16_t>(v & 255);
             }
@@ -82,23 +105,36 @@ void qt_conv1d_w16(const float* x, int64_t sn, int64_t sc, int64_t sl, int64_t b
         for (int64_t g = 0; g < groups; ++g)
             for (int64_t p0 = 0; p0 < OL; p0 += PANEL) {
                 const int64_t np = OL - p0 < PANEL ? OL - p0 : PANEL, P8 = (np + 7) / 8 * 8;
-                for (int64_t j = 0; j < R2; ++j)
+                for (int64_t j = 0; j < R2; ++j) {
+                    // the pair's two rows (a row past the depth reads zeros)
+                    const int16_t* rows[4];
                     for (int64_t t = 0; t < 2; ++t) {
-                        int16_t* ch = colh.data() + j * P8 * 2 + t;
-                        int16_t* cl = coll.data() + j * P8 * 2 + t;
                         const int64_t r = 2 * j + t;
-                        int64_t p = 0;
-                        if (r < R) {
-                            const int64_t at = (g * Cg + r / K) * Lp + (r % K) * dil + p0 * stride;
-                            const int16_t* h = qh.data() + at;
-                            const int16_t* lo = ql.data() + at;
-                            for (; p < np; ++p) {
-                                ch[2 * p] = h[p * stride];
-                                cl[2 * p] = lo[p * stride];
-                            }
-                        }
-                        for (; p < P8; ++p) ch[2 * p] = cl[2 * p] = 0;
+                        const int64_t at =
+                            r < R ? (g * Cg + r / K) * Lp + (r % K) * dil + p0 * stride : 0;
+                        rows[2 * t] = r < R ? qh.data() + at : zeros.data();
+                        rows[2 * t + 1] = r < R ? ql.data() + at : zeros.data();
                     }
+                    int16_t* ch = colh.data() + j * P8 * 2;
+                    int16_t* cl = coll.data() + j * P8 * 2;
+                    const int16_t *h0 = rows[0], *l0 = rows[1], *h1 = rows[2], *l1 = rows[3];
+                    if (stride == 1) {  // interleaving two contiguous runs: vectorized
+                        for (int64_t p = 0; p < np; ++p) {
+                            ch[2 * p] = h0[p];
+                            ch[2 * p + 1] = h1[p];
+                            cl[2 * p] = l0[p];
+                            cl[2 * p + 1] = l1[p];
+                        }
+                    } else {
+                        for (int64_t p = 0; p < np; ++p) {
+                            ch[2 * p] = h0[p * stride];
+                            ch[2 * p + 1] = h1[p * stride];
+                            cl[2 * p] = l0[p * stride];
+                            cl[2 * p + 1] = l1[p * stride];
+                        }
+                    }
+                    for (int64_t p = 2 * np; p < 2 * P8; ++p) ch[p] = cl[p] = 0;
+                }
                 qt::kernels.w16_panel(colh.data(), coll.data(), R2, P8, w + g * OCg * Rp, Rp, OCg,
                                       dsum.data());
                 for (int64_t o = 0; o < OCg; ++o) {
