@@ -190,7 +190,8 @@ def weighted_inputs_rules(
     def weighted(node: fx.Node) -> Annotation:
         reads = image_act if image_act is not None and _packet(node) is aten.conv2d else act
         one_d = conv1d_weight is not None and _packet(node) is aten.conv1d
-        return weighted_annotation(node, reads, conv1d_weight if one_d else weight, None)
+        wgt = conv1d_weight if one_d and conv1d_weight is not None else weight
+        return weighted_annotation(node, reads, wgt, None)
 
     def transposed(node: fx.Node) -> Annotation | None:
         """As the convolutions: a 2-d transposed convolution reads ``image_act``, a 1-d one
