@@ -138,3 +138,15 @@ def test_the_recipe_widens_conv1d_weights_and_the_backend_runs_them_natively(mod
     assert sqnr(ref_out, low_out) > 90
     # 16-bit weights: the layer's error was its 8-bit weights' (measured 80.2 vs 46.5 dB)
     assert sqnr(ref, low_out) > sqnr(ref, narrow_out) + 10
+
+
+def test_saves_and_loads_bit_equal(model_data, tmp_path):
+    from quantree.backends import load, save
+
+    model, calib, x = model_data
+    with torch.no_grad():
+        lowered = qt.quantize(model, calib[0], calib, progress=False)
+        path = tmp_path / "w16.pt2"
+        save(lowered, path, calib[0])
+        loaded = load(path)
+        assert torch.equal(loaded(x), lowered(x))
