@@ -142,8 +142,12 @@ void qt_conv1d_w16(const float* x, int64_t sn, int64_t sc, int64_t sl, int64_t b
                     const float s = scale[oo];
                     const double* d = dsum.data() + o * P8;
                     float* dst = out + on * n + oc * oo + ol * p0;
-                    if (bias) {
-                        const float b = bias[oo];
+                    const float b = bias ? bias[oo] : 0.0f;
+                    if (ol == 1 && bias) {  // a contiguous row: vectorized
+                        for (int64_t p = 0; p < np; ++p) dst[p] = static_cast<float>(d[p]) * s + b;
+                    } else if (ol == 1) {
+                        for (int64_t p = 0; p < np; ++p) dst[p] = static_cast<float>(d[p]) * s;
+                    } else if (bias) {
                         for (int64_t p = 0; p < np; ++p)
                             dst[ol * p] = static_cast<float>(d[p]) * s + b;
                     } else {
