@@ -2,11 +2,11 @@
 
 ``kernel_check`` builds random GEMMs (odd sizes, every epilogue, 16-bit operands split in
 two planes, weights reaching -128, operands at the ends of their ranges) and random cases of
-every other exported kernel (linear, the three convolutions, matmul, max pooling, softmax,
-binary, lookup, quantize / dequantize / quantize16, the recurrent layer in each cell kind with
-projection, int16 feedback and int16 input, the whole stacked op padded and packed, a
-cells-mode program), runs them on the portable
-path, then on every other path the CPU has, and compares the output bytes. Here it runs
+every other exported kernel (linear, the three convolutions, the int16-weight 1-d one,
+matmul, max pooling, softmax, binary, lookup, quantize / dequantize / quantize16, the
+recurrent layer in each cell kind with projection, int16 feedback and int16 input, the
+whole stacked op padded and packed, a cells-mode program), runs them on the portable path,
+then on every other path the CPU has, and compares the output bytes. Here it runs
 natively (the x86 paths this CPU has), and cross-compiled for aarch64 under ``qemu-aarch64``:
 ``-cpu max`` (NEON and the dot product) and ``-cpu cortex-a53`` (NEON only). The aarch64 test
 needs ``g++-aarch64-linux-gnu`` and ``qemu-user``; it is skipped, saying so, where they are
@@ -83,7 +83,7 @@ KERNELS = {
     "max_pool2d", "softmax", "binary", "lookup", "quantize", "dequantize", "quantize16",
     "rnn_lstm", "rnn_gru", "rnn_tanh", "rnn_relu", "cell_loop_tanh", "cell_loop_relu",
     "rnn_stack_lstm", "rnn_stack_relu", "rnn_packed_lstm", "rnn_packed_relu", "conv_transpose",
-    "conv_transpose16",
+    "conv_transpose16", "conv1d_w16",
 }  # fmt: skip
 FLOAT_GATES = {
     "rnn_lstm", "rnn_gru", "rnn_tanh", "cell_loop_tanh", "rnn_stack_lstm", "rnn_packed_lstm",

@@ -166,12 +166,15 @@ def weighted_inputs_rules(
     points: ActivationPoints,
     float_ops: tuple[Target, ...],
     image_act: QuantSpec | None = None,
+    conv1d_weight: QuantSpec | None = None,
 ) -> tuple[Rule, ...]:
     """Rules that, where ``points`` says so, replace the EVERY_OP annotations of the recipe:
     ``float_ops`` (the recipe's elementwise, normalisation and data-movement ops) stay float.
     ``image_act`` (default ``act``) is what a 2-d convolution reads: a wide ``act`` costs a
     convolution one kernel pass per byte of its input, where a linear's dual pass reads its
     weight once (see ``quantree.recipes.weighted_input_spec``).
+
+    ``conv1d_weight`` (default ``weight``) is the weight spec of a 1-d convolution.
 
     Placed after the recipe's own rules; where they return None the recipe's rule applies.
     """
@@ -186,7 +189,9 @@ def weighted_inputs_rules(
 
     def weighted(node: fx.Node) -> Annotation:
         reads = image_act if image_act is not None and _packet(node) is aten.conv2d else act
-        return weighted_annotation(node, reads, weight, None)
+        one_d = conv1d_weight is not None and _packet(node) is aten.conv1d
+        wgt = conv1d_weight if one_d and conv1d_weight is not None else weight
+        return weighted_annotation(node, reads, wgt, None)
 
     def transposed(node: fx.Node) -> Annotation | None:
         """As the convolutions: a 2-d transposed convolution reads ``image_act``, a 1-d one

@@ -283,6 +283,9 @@ class Int8Quantizer(Quantizer):
     native kernel reads and writes the int16 sequences as byte planes and floats. INT8 by
     default while ONNX Runtime's integer LSTM (``OnnxTarget.ONNXRUNTIME``) refuses a 16-bit
     input; benchmarks/README.md, branch ``lstmb1``).
+    ``conv1d_weight_dtype``: the weights of 1-d convolutions that read a 16-bit input
+    (``WEIGHTED_INPUTS``); None (the default) INT16 unless ``weight``, ``activation`` or
+    ``reduce_range`` is given (``wide_weight``), INT8 the weight spec.
     ``reduce_range``: weights on [-63, 63] (7 bits, ONNX Runtime's ``reduce_range``), for a
     model deployed to ONNX Runtime on x86 CPUs without VNNI, whose int8 kernels saturate on
     full-range weights (``quantree.backends.onnx.ort_kernels``); other runtimes and the CPU
@@ -312,6 +315,7 @@ class Int8Quantizer(Quantizer):
         embedding_dtype: QDtype | None = None,
         recurrent_sequence_dtype: QDtype = QDtype.INT8,
         reduce_range: bool = False,
+        conv1d_weight_dtype: QDtype | None = None,
         rules: tuple[Rule, ...] = (),
     ) -> None:
         if not isinstance(recurrent, RecurrentMode):
@@ -357,10 +361,24 @@ class Int8Quantizer(Quantizer):
             if recurrent_sequence_dtype is QDtype.INT16 and activation is None
             else None
         )
+        if conv1d_weight_dtype not in (None, QDtype.INT8, QDtype.INT16):
+            raise QuantreeError(
+                f"conv1d_weight_dtype must be None (int16 where a 1-d convolution reads int16), "
+                f"QDtype.INT8 or QDtype.INT16, got {conv1d_weight_dtype!r}"
+            )
+        default_widths = weight is None and activation is None and not reduce_range
+        wide_conv1d = conv1d_weight_dtype is QDtype.INT16 or (
+            conv1d_weight_dtype is None and default_widths
+        )
         recipe = int8_rules(
             act, wgt, share_recurrent_state, split_layers, table, sequence
         ) + weighted_inputs_rules(
-            weighted_act, wgt, activations, FLOAT_UNDER_WEIGHTED_INPUTS, image_act
+            weighted_act,
+            wgt,
+            activations,
+            FLOAT_UNDER_WEIGHTED_INPUTS,
+            image_act,
+            wide_weight(wgt) if wide_conv1d and weighted_act.dtype is QDtype.INT16 else None,
         )
         if recurrent is RecurrentMode.CELLS:
             cell_state = cell_state_spec(cell_state_dtype or CELL_INTERNALS, act)
@@ -376,6 +394,17 @@ class Int8Quantizer(Quantizer):
             )
         recipe = tuple(off_infinities(on_floats(rule)) for rule in recipe)
         super().__init__((*recipe, *rules))  # the user's rules as given
+
+
+def wide_weight(weight: QuantSpec) -> QuantSpec:
+    """``weight`` at 16 bits (same axis and observer), for the layers whose 8-bit weights are
+    their accuracy bound: a 1-d convolution reading a 16-bit input (``conv1d_weight_dtype``).
+    There the input's rounding is 2**8 times finer than the weights', so the weights are
+    the layer's error, and Conformer's convolution module (its output added to the residual
+    unscaled) was most of the model's; the CPU backend runs such a layer natively
+    (``quantree.backends.cpu.ops.conv1d_w16``) at the cost of the int16-input kernel it
+    replaces (figures: benchmarks/README.md, "h-conf27")."""
+    return dataclasses.replace(weight, dtype=QDtype.INT16, quant_min=None, quant_max=None)
 
 
 REDUCED_WEIGHT_MAX = 63

@@ -43,6 +43,7 @@ from quantree.backends.cpu.passes.simulated import simulated_ops, warn_simulated
 from quantree.backends.cpu.rules.cat import lower_cat
 from quantree.backends.cpu.rules.composite.global_norm import lower_global_norm
 from quantree.backends.cpu.rules.composite.glu import lower_glu
+from quantree.backends.cpu.rules.conv1d_w16 import lower_conv1d_w16
 from quantree.backends.cpu.rules.conv_transpose import lower_conv_transpose
 from quantree.backends.cpu.rules.cumsum import lower_cumsum
 from quantree.backends.cpu.rules.embedding import lower_embedding
@@ -207,6 +208,7 @@ def cpu_backend(hidden_bits: int = 8, attention: bool = True, speed_check: bool 
         lower_cell,
         lower_linear,
         lower_wide,
+        lower_conv1d_w16,
         lower_embedding,
         lower_conv2d,
         lower_conv_transpose,

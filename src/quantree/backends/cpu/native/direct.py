@@ -26,6 +26,7 @@ from quantree.backends.cpu.ops import (
     avg_pool2d,
     binary,
     conv1d,
+    conv1d_w16,
     conv2d,
     conv16,
     conv_transpose,
@@ -52,10 +53,10 @@ from quantree.backends.cpu.ops.rnn_packed import PackedRnnRunner
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
-    for fn in (attention, avg_pool2d, binary, cell_loop, conv1d, conv2d, conv16, conv_transpose,
-               conv_transpose16, dequantize, embedding_rows, glu, group_norm, linear, linear16,
-               lookup, matmul, max_pool2d, mean_hw, pad_last, program, quantize, rnn, rnn_cell,
-               softmax)
+    for fn in (attention, avg_pool2d, binary, cell_loop, conv1d, conv1d_w16, conv2d, conv16,
+               conv_transpose, conv_transpose16, dequantize, embedding_rows, glu, group_norm,
+               linear, linear16, lookup, matmul, max_pool2d, mean_hw, pad_last, program,
+               quantize, rnn, rnn_cell, softmax)
 }  # fmt: skip
 """Each ``torch.ops.quantree.<name>``'s CPU implementation, by name (read only)."""
 PER_NODE: dict[str, Callable[[], Callable[..., Any]]] = {

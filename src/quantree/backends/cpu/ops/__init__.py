@@ -18,6 +18,7 @@ from quantree.backends.cpu.cells import program as cell_loop
 from quantree.backends.cpu.cells import program_loop as program_loop_op
 from quantree.backends.cpu.ops import affine as affine_op
 from quantree.backends.cpu.ops import conv1d as conv1d_op
+from quantree.backends.cpu.ops import conv1d_w16 as conv1d_w16_op
 from quantree.backends.cpu.ops import conv_transpose as conv_transpose_op
 from quantree.backends.cpu.ops import cumsum as cumsum_op
 from quantree.backends.cpu.ops import elementwise as elementwise_op
@@ -34,6 +35,7 @@ from quantree.backends.cpu.ops import wide as wide_op
 from quantree.backends.cpu.ops.affine import channel_affine
 from quantree.backends.cpu.ops.composite import attention as attention_op
 from quantree.backends.cpu.ops.composite.attention import attention
+from quantree.backends.cpu.ops.conv1d_w16 import conv1d_w16
 from quantree.backends.cpu.ops.conv_transpose import conv_transpose, conv_transpose16
 from quantree.backends.cpu.ops.elementwise import (
     binary,
@@ -61,6 +63,7 @@ OPS = (
     attention_op,
     cell_loop,
     conv1d_op,
+    conv1d_w16_op,
     conv_transpose_op,
     cumsum_op,
     derived_ops,
@@ -91,6 +94,7 @@ __all__ = [
     "channel_affine",
     "conv16",
     "conv1d",
+    "conv1d_w16",
     "conv2d",
     "conv_transpose",
     "conv_transpose16",

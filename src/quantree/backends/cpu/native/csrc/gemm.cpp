@@ -239,6 +239,7 @@ int qt_select_isa(int cap) {
         kernels.narrow = narrow_avx2;
     }
     if (isa != PORTABLE) kernels.rows_epilogue = rows_epilogue_avx2;
+    if (isa != PORTABLE) kernels.w16_panel = w16_panel_avx2;  // conv1d_w16_avx2.cpp
 #elif defined(__aarch64__)
     // ASIMD is part of every aarch64 CPU; the dot product (sdot) is optional (ARMv8.2+)
     if (isa == NEONDOT) {

@@ -197,6 +197,20 @@ void planes16_portable(const float*, int64_t, int64_t, float, uint8_t*, uint8_t*
 using Round16Fn = void (*)(float* y, int64_t n, float inv, float scale);
 void round16_portable(float*, int64_t, float, float);
 
+// int16-weight 1-d convolutions (conv1d_w16.cpp): the exact sums of one panel. colh / coll
+// hold R2 pairs of im2col rows of P8 positions, [R2][P8][2] int16, the high (v >> 8) and low
+// (v & 255) bytes of each input value v; w holds nO weight rows of stride Rp (pairs along
+// the rows, zero past the group's depth). dsum[o * P8 + p] = sum_r w[o][r] * v[r][p], exact
+// (a double holds every such sum), on every path.
+using W16PanelFn = void (*)(const int16_t* colh, const int16_t* coll, int64_t R2, int64_t P8,
+                            const int16_t* w, int64_t Rp, int64_t nO, double* dsum);
+void w16_panel_portable(const int16_t*, const int16_t*, int64_t, int64_t, const int16_t*,
+                        int64_t, int64_t, double*);
+#if defined(__x86_64__)
+void w16_panel_avx2(const int16_t*, const int16_t*, int64_t, int64_t, const int16_t*, int64_t,
+                    int64_t, double*);
+#endif
+
 struct Kernels {
     GemmFn gemm;
     CellFn cell;
@@ -209,6 +223,7 @@ struct Kernels {
     RowsEpilogueFn rows_epilogue = rows_epilogue_portable;
     Planes16Fn planes16 = planes16_portable;
     Round16Fn round16 = round16_portable;
+    W16PanelFn w16_panel = w16_panel_portable;
 };
 extern Kernels kernels;  // set by qt_select_isa (the portable path until then)
 

@@ -2,7 +2,7 @@
 // taken from the plain C++ gemm_reference, which x86-64's SSE2 portable GEMM must equal
 // too), bit for bit, on random shapes (odd sizes included): the GEMM (every epilogue kind, with and without a low
 // plane, and with weights prepared for the path: gemm_prepared) and every exported kernel built on it or beside it (linear, conv2d plain / grouped /
-// depthwise, transposed, matmul, max_pool2d, softmax, binary, lookup, quantize, dequantize, quantize16,
+// depthwise, transposed, 1-d with int16 weights, matmul, max_pool2d, softmax, binary, lookup, quantize, dequantize, quantize16,
 // the recurrent layer in each cell kind with projection, int16 feedback and int16 input,
 // the whole stacked op on a padded batch and on a packed sequence, and a cells-mode
 // program). Built from the library's sources by
@@ -89,6 +89,10 @@ void qt_rnn(const QtRnnPlan*, int64_t, int64_t, const int8_t*, const float*, flo
 void qt_rnn_packed(const QtRnnPlan*, int64_t, int64_t, const int64_t*, const int8_t*,
                    const float*, float, const int8_t*, const int8_t*, int8_t*, float*, int8_t*,
                    int8_t*, const float*);
+void qt_conv1d_w16(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                   float, float, float, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, const int16_t*, int64_t, const float*, const float*, float*, int64_t,
+                   int64_t, int64_t);
 void qt_cell_loop(const float*, float*, int64_t, int, float**, int64_t, const int64_t*,
                   const int64_t*, int64_t, int64_t, const int64_t*, const float*, int64_t,
                   void**);
@@ -654,6 +658,43 @@ Run cell_loop_case(bool tanh) {
     };
 }
 
+// int16 weights (extremes included) on an int8 input with a zero point or a symmetric int16
+// one, every group form, depths past one int32 block (128 pairs), strided input reads.
+Run conv1d_w16_case() {
+    static const int64_t chans[] = {1, 2, 3, 5, 17, 40, 300};
+    const bool wide = rnd() % 2 == 0, depthwise = rnd() % 3 == 0;
+    const int64_t batch = 1 + rnd() % 2, L = 1 + rnd() % 150;
+    int64_t groups = 1 + rnd() % 3, Cg = pick(chans, 7), OCg = 1 + rnd() % 9;
+    if (depthwise) Cg = 1, groups = 1 + rnd() % 40;
+    const int64_t C = Cg * groups, OC = OCg * groups;
+    const int64_t K = 1 + rnd() % 7, stride = 1 + rnd() % 3, dil = 1 + rnd() % 2, pad = rnd() % 4;
+    if (L + 2 * pad < dil * (K - 1) + 1) return conv1d_w16_case();
+    const int64_t OL = (L + 2 * pad - dil * (K - 1) - 1) / stride + 1, R = Cg * K;
+    const int64_t Rp = (R + 1) / 2 * 2;
+    std::vector<int16_t> w(static_cast<size_t>(OC * Rp), 0);
+    const int extreme = static_cast<int>(rnd() % 4);
+    for (int64_t o = 0; o < OC; ++o)
+        for (int64_t r = 0; r < R; ++r)
+            w[o * Rp + r] = static_cast<int16_t>(
+                extreme == 1 ? -32768 : (extreme == 2 ? 32767 : static_cast<int32_t>(rnd() % 65536) - 32768));
+    const bool channels_last = rnd() % 2 == 0;  // x read through [N, L, C] strides
+    const int64_t sn = C * L, sc = channels_last ? 1 : L, sl = channels_last ? C : 1;
+    auto x = f32(batch * C * L, wide ? -40.0f : -3.0f, wide ? 40.0f : 3.0f);
+    const float inv = wide ? 1000.0f : 50.0f, zp = wide ? 0.0f : static_cast<float>(rnd() % 256) - 128.0f;
+    const float qmin = wide ? -32768.0f : -128.0f, qmax = wide ? 32767.0f : 127.0f;
+    auto sc_o = f32(OC, 1e-9f, 1e-6f), bias = f32(OC, -1.0f, 1.0f);
+    const bool with_bias = rnd() % 2 == 0;
+    return [=] {
+        std::vector<float> out(static_cast<size_t>(batch * OC * OL));
+        qt_conv1d_w16(x.data(), sn, sc, sl, batch, C, L, inv, zp, qmin, qmax, OC, groups, K,
+                      stride, pad, dil, OL, w.data(), Rp, sc_o.data(),
+                      with_bias ? bias.data() : nullptr, out.data(), OC * OL, OL, 1);
+        std::vector<uint8_t> r;
+        append(r, out);
+        return r;
+    };
+}
+
 std::vector<Kernel> kernels_beyond_gemm(int cases) {
     const int few = cases / 4 > 4 ? cases / 4 : 4;
     std::vector<Kernel> all = {
@@ -666,6 +707,7 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         {"rnn_stack_lstm", true, {}}, {"rnn_stack_relu", false, {}},
         {"rnn_packed_lstm", true, {}}, {"rnn_packed_relu", false, {}},
         {"conv_transpose", false, {}}, {"conv_transpose16", false, {}},
+        {"conv1d_w16", false, {}},
     };
     for (int i = 0; i < few; ++i) {
         all[0].cases.push_back(linear_case());
@@ -681,6 +723,7 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         all[21].cases.push_back(rnn_stack_case(3, true));
         all[22].cases.push_back(conv_transpose_case());
         all[23].cases.push_back(conv_transpose16_case());
+        all[24].cases.push_back(conv1d_w16_case());
     }
     return all;
 }
