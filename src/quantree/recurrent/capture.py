@@ -51,8 +51,8 @@ def capture(
     unrolled, with one warning. ``fold_loops=True`` folds every loop, ``False`` none.
     A loop over chunks (a Python ``for`` over ``T // chunk`` windows: xLSTM's chunkwise
     mLSTM) is freed of its length when ``free_chunks`` (by default when ``fold_loops=True``):
-    it then runs at every multiple of its chunk, a little slower at the captured length than
-    the loop captured at a fixed length.
+    it then runs at every multiple of its chunk, slower at the captured length than the loop
+    captured at a fixed length (its region programs split around the freed sizes).
     """
     if not isinstance(model, torch.nn.Module):  # the core's capture says what to pass
         return core.export_graph(model, example_args, example_kwargs)
@@ -79,8 +79,9 @@ def capture(
                 return _capture(model, args, kwargs, dynamic_shapes, dynamic_batch, recurrent)[0]
 
         chunks = fold_loops is True if free_chunks is None else free_chunks
-        gm = fold_and_free(gm, example_args, example_kwargs, again, every_loop=bool(fold_loops),
-                           free_chunks=chunks)  # fmt: skip
+        gm = fold_and_free(
+            gm, example_args, example_kwargs, again, every_loop=bool(fold_loops), free_chunks=chunks
+        )
     return gm
 
 
