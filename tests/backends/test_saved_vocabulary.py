@@ -71,6 +71,37 @@ def test_float_ops_outside_models_keep_save_and_load_bit_equal(tmp_path) -> None
         assert torch.equal(load(tmp_path / "shifted.pt2")(x), low(x))
 
 
+class Distances(nn.Module):
+    """Float ops torch.export keeps whole that models write between layers: gates in log
+    space (xLSTM), normalized features and their distances, a channel shuffle, a sort."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv1d(4, 8, 3, padding=1), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [2, 4, 16]
+        y = self.conv(x)
+        y = F.logsigmoid(y) + F.normalize(y, dim=1) + F.channel_shuffle(y, 2)
+        y = y + F.cosine_similarity(y, y.flip(-1), dim=1)[:, None, :]
+        y = y + torch.cdist(y, y)[..., :8].repeat(1, 1, 2) + torch.std_mean(y, -1)[0][..., None]
+        y = y + torch.outer(y[0, 0], y[0, 1])[:8][None] + torch.argsort(y, -1) / 16
+        return self.fc(y)
+
+
+def test_float_ops_models_write_between_layers_save_and_load_bit_equal(tmp_path) -> None:
+    low, x = _quantized(Distances())
+    kept = {
+        str(n.target)
+        for n in torch.export.export(Distances().eval(), (x,)).graph.nodes
+        if n.op == "call_function"
+    }
+    for name in ("log_sigmoid", "linalg_vector_norm", "cdist", "argsort", "outer", "std_mean"):
+        assert any(t.startswith(f"aten.{name}.") for t in kept), name  # the ops under test
+    save(low, tmp_path / "distances.pt2", (x,))
+    with torch.no_grad():
+        assert torch.equal(load(tmp_path / "distances.pt2")(x), low(x))
+
+
 def test_a_model_load_would_refuse_is_refused_by_save_and_the_fix_it_names_works(tmp_path):
     torch.manual_seed(0)
     model = Median()

@@ -69,13 +69,17 @@ ATEN_COMPOSITE = _names(
     upsample_linear1d upsample_nearest3d upsample_trilinear3d _upsample_nearest_exact1d
     _upsample_nearest_exact2d adaptive_avg_pool3d logcumsumexp cummax cummin prelu
     _prelu_kernel reshape_as view_as
+    log_sigmoid linalg_vector_norm cosine_similarity cdist std_mean channel_shuffle outer
+    argsort
     """
 )
 """ATen ops quantree's capture keeps or its lowering emits beyond the Core ATen opset
 (composites torch.export preserves: ``linear``, ``conv2d``, ``lstm``, ``layer_norm``...),
 and outside models' float ops between quantized layers (``roll`` in shifted-window
-attention, ``im2col`` from ``F.unfold``, ``glu``): functional, deterministic, and taking only
-tensors and numbers, with every size checked by ATen and charged on fake tensors at load."""
+attention, ``im2col`` from ``F.unfold``, ``glu``; ``log_sigmoid`` in xLSTM's gates,
+``linalg_vector_norm`` from ``F.normalize``, ``cdist``, ``argsort``): functional,
+deterministic, and taking only tensors and numbers, with every size checked by ATen and
+charged on fake tensors at load."""
 ATEN_REFUSED = _names(
     """
     as_strided as_strided_copy as_strided_scatter set resize resize_as empty_strided
