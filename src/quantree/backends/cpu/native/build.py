@@ -15,10 +15,12 @@ sources is never used.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -70,6 +72,13 @@ SANITIZERS: dict[str, tuple[str, ...]] = {
 }
 """Flags of the sanitizer builds (``QUANTREE_NATIVE_SANITIZE``), compile and link: checks,
 not speed, so -O1 (it builds faster and reports exact lines)."""
+
+
+OBJECT_CACHE = "QUANTREE_NATIVE_OBJECT_CACHE"
+"""An environment variable naming a directory where compiled objects are kept, keyed by their
+whole compile command and the bytes it reads (unset: none is kept). The test suite sets it
+for its run, so the many builds it exercises (fresh caches, rebuilds, other marches) compile
+each distinct object once; every build still links its own library."""
 
 
 class BuildError(RuntimeError):
@@ -142,15 +151,39 @@ def compile_objects(
     jobs += [(path, base) for path in more]
     objects: list[str] = []
     running: list[tuple[list[str], subprocess.Popen[str]]] = []
+    kept: list[tuple[Path, Path]] = []
+    cache = os.environ.get(OBJECT_CACHE)
     for source, flags in jobs:
         obj = outdir / (source.stem + ".o")
-        cmd = [compiler, *FLAGS, *extra, digest, *flags, "-c", str(source), "-o", str(obj)]
-        running.append((cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
+        cmd = [compiler, *FLAGS, *extra, digest, *flags, "-c", str(source)]
         objects.append(str(obj))
+        if cache:
+            stored = Path(cache) / (object_key(cmd, source) + ".o")
+            if stored.is_file():
+                shutil.copyfile(stored, obj)
+                continue
+            kept.append((obj, stored))
+        cmd += ["-o", str(obj)]
+        running.append((cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
         if len(running) >= max(2, os.cpu_count() or 1):
             wait_all(running)
     wait_all(running)
+    for obj, stored in kept:  # whole objects only: written aside, then renamed into place
+        with contextlib.suppress(OSError):
+            partial = stored.with_suffix(f".{os.getpid()}.part")
+            stored.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(obj, partial)
+            os.replace(partial, stored)
     return objects
+
+
+def object_key(cmd: list[str], source: Path) -> str:
+    """What an object depends on: its command (compiler, flags, the kernel sources' digest)
+    and the source and headers beside it (a test's extra source is not in that digest)."""
+    digest = hashlib.sha256("\0".join(cmd).encode())
+    for path in (source, *sorted(source.parent.glob("*.h"))):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:32]
 
 
 def compile_library(
