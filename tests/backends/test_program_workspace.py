@@ -8,6 +8,7 @@ exactly; its operands, copied by ``STRIDED`` in rows of 16 floats, keep their bi
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,3 +99,46 @@ def test_operands_copied_in_rows_of_16_floats_keep_their_bits():
     c, b = (t * 1.0 for t in ex)
     ref = _k_order(c.permute(0, 2, 1, 3), b.permute(0, 2, 3, 1))
     assert torch.equal(gm(*ex), ref)
+
+
+def test_rms_norm_rows_sum_their_squares_in_eight_double_partial_sums_exactly():
+    """``RMS_NORM``: element j's square into partial sum j % 8 (in double, in order), the
+    eight added pairwise, then ``x * (1 / sqrt(mean + eps)) * w`` in float32; rows of 133
+    values (a 5-value tail), weighted and not."""
+
+    class Norms(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(133))
+
+        def forward(self, x):
+            y = x * 1.0
+            return F.rms_norm(y, [133], self.w, 1e-5), F.rms_norm(y + 1.0, [133], None, 1e-6)
+
+    def eight_sums(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """Row by row in Python doubles and numpy float32 scalars (the same formula in torch
+        ops gave one row's factor an ulp apart: its scalar ops round their own way)."""
+        out = []
+        for row in x.tolist():
+            part = [0.0] * 8
+            for j, v in enumerate(row):
+                part[j % 8] += v * v
+            total = ((part[0] + part[4]) + (part[1] + part[5])) + (
+                (part[2] + part[6]) + (part[3] + part[7])
+            )
+            mean = np.float32(total / len(row)) + np.float32(eps)
+            out.append(np.float32(1.0) / np.sqrt(mean))
+        y = x * torch.tensor(out, dtype=torch.float32)[:, None]
+        return y if w is None else w * y
+
+    torch.manual_seed(3)
+    module = Norms()
+    ex = (torch.randn(6, 133) * 4,)
+    gm, want, code = _fused(module, ex)
+    assert [c[0] for c in code].count(11) == 2  # RMS_NORM
+    got = gm(*ex)
+    with torch.no_grad():
+        assert torch.equal(got[0], eight_sums(ex[0] * 1.0, module.w, 1e-5))
+        assert torch.equal(got[1], eight_sums(ex[0] * 1.0 + 1.0, None, 1e-6))
+    for g, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-5)
