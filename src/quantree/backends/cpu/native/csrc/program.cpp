@@ -44,9 +44,14 @@ void qt_program_run(void** inputs, const int64_t* in_slots, int64_t n_in, void**
     // megabyte's page faults and zeroing; benchmarks/README.md, branch h-bertln).
     thread_local std::vector<char> ws;
     thread_local std::vector<uint8_t> u8;
+    // Owners whose instruction spans do not meet share bytes: a chunked scan's program at
+    // 512 tokens makes ~60 values of up to 0.5 MB, of which a few are live at once, and a
+    // workspace of them all streamed every instruction's operands through the last cache.
+    const auto lives = program_lives(table.data(), n_slots, NSR, code, n_code, in_slots, n_in,
+                                     out_slots, n_out);
     const std::vector<Slot> s = lay_out(
         ws, table.data(), n_slots, NSR, [](const int64_t* d) { return d[5]; }, &outside,
-        false);
+        false, &lives);
     int64_t scratch = 0;
     for (int64_t n = 0; n < n_code; ++n) {
         const int64_t* c = code + NI * n;

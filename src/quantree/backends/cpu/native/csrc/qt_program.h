@@ -12,7 +12,10 @@
 // on that path alone, so every program made before keeps its bits) is plain C++ with no ISA dispatch, so it gives the same bits on every path.
 #pragma once
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdint>
+#include <utility>
 #include <cstring>
 #include <vector>
 
@@ -109,19 +112,43 @@ struct Slot {
 // ``clear``: the workspace starts zeroed (a cell loop's state starts at zero); without it
 // ``ws`` is only grown, its old bytes kept (a region program writes every value before it
 // reads it, and its caller reuses one buffer per thread).
+// ``lives`` (if given): per owner slot, the first and last instruction that may touch it (a
+// region program's, ``program_lives``); owners whose spans do not meet share bytes, so the
+// workspace holds the values live at once instead of every value the program makes.
 template <class Rows>
 inline std::vector<Slot> lay_out(std::vector<char>& ws, const int64_t* slots, int64_t n_slots,
                                  int fields, Rows rows,
-                                 const std::vector<char*>* outside = nullptr, bool clear = true) {
+                                 const std::vector<char*>* outside = nullptr, bool clear = true,
+                                 const std::vector<std::pair<int64_t, int64_t>>* lives = nullptr) {
     std::vector<int64_t> start(static_cast<size_t>(n_slots));
     int64_t bytes = 0;
+    struct Held { int64_t first, last, at, bytes; };
+    std::vector<Held> held;  // owners placed so far (with ``lives``)
     for (int64_t i = 0; i < n_slots; ++i) {
         const int64_t* d = slots + fields * i;
         if (outside && (*outside)[d[1]]) {
             start[i] = d[1] == i ? 0 : start[d[1]] + d[2];
         } else if (d[1] == i) {
-            start[i] = bytes;
-            bytes += (rows(d) * d[4] * (d[0] == 0 ? 4 : 1) + 63) / 64 * 64;
+            const int64_t need = (rows(d) * d[4] * (d[0] == 0 ? 4 : 1) + 63) / 64 * 64;
+            if (!lives) {
+                start[i] = bytes;
+                bytes += need;
+                continue;
+            }
+            // first fit: the lowest offset no owner whose span meets this one's covers
+            const auto [first, last] = (*lives)[static_cast<size_t>(i)];
+            int64_t at = 0;
+            for (bool moved = true; moved;) {
+                moved = false;
+                for (const Held& h : held)
+                    if (h.first <= last && first <= h.last && h.at < at + need && at < h.at + h.bytes) {
+                        at = h.at + h.bytes;
+                        moved = true;
+                    }
+            }
+            held.push_back({first, last, at, need});
+            start[i] = at;
+            bytes = at + need > bytes ? at + need : bytes;
         } else {
             start[i] = start[d[1]] + d[2];
         }
@@ -138,6 +165,31 @@ inline std::vector<Slot> lay_out(std::vector<char>& ws, const int64_t* slots, in
         s[i] = Slot{base + start[i], rows(d), d[3], d[4], d[0] == 0 ? 4 : 1};
     }
     return s;
+}
+
+// Per owner slot of a region program, the span of instructions that may touch it: every
+// field of an instruction naming a slot index is taken as a touch of that slot's owner (some
+// fields are sizes or constant indices: a span only grows, never misses a use); an input
+// (copied in before the code) starts at -1, an output (copied out after it) and an owner
+// no instruction names last to the end. ``table``: the resolved slot records (NSR fields).
+inline std::vector<std::pair<int64_t, int64_t>> program_lives(
+    const int64_t* table, int64_t n_slots, int64_t fields, const int64_t* code, int64_t n_code,
+    const int64_t* in_slots, int64_t n_in, const int64_t* out_slots, int64_t n_out) {
+    std::vector<std::pair<int64_t, int64_t>> lives(static_cast<size_t>(n_slots),
+                                                   {INT64_MAX, INT64_MIN});
+    auto touch = [&](int64_t k, int64_t n) {
+        if (k < 0 || k >= n_slots) return;
+        auto& l = lives[static_cast<size_t>(table[fields * k + 1])];
+        l.first = n < l.first ? n : l.first;
+        l.second = n > l.second ? n : l.second;
+    };
+    for (int64_t n = 0; n < n_code; ++n)
+        for (int f = 1; f < NI; ++f) touch(code[NI * n + f], n);
+    for (int64_t i = 0; i < n_in; ++i) touch(in_slots[i], -1);
+    for (int64_t i = 0; i < n_out; ++i) touch(out_slots[i], n_code);
+    for (auto& l : lives)
+        if (l.first > l.second) l = {-1, n_code};
+    return lives;
 }
 
 // Row kernels with restrict pointers, so that the compiler vectorizes them (the workspace is
@@ -254,6 +306,45 @@ static inline void float_matmul(const Slot& a, const Slot& b, const Slot& d, int
     // scan's einsums as [16, 16] @ [16, 16] spent most of their time in those stores).
     for (int64_t t = 0; t < batch; ++t) {
         int64_t m = 0;
+        // four rows by 16 columns: eight independent sums in flight, each w loaded once for
+        // four rows (two rows' four sums waited on the add's latency: the SSD's [16, 16] @
+        // [16, 16] and [33, 33] @ [33, 256] products ran at about a third of the adders' rate)
+        for (; m + 4 <= M && N >= 16; m += 4) {
+            const float* x0 = a.f(t * M + m);
+            const float* x1 = a.f(t * M + m + 1);
+            const float* x2 = a.f(t * M + m + 2);
+            const float* x3 = a.f(t * M + m + 3);
+            int64_t j = 0;
+            for (; j + 16 <= N; j += 16) {
+                V8 p0 = {}, p1 = {}, q0 = {}, q1 = {}, r0 = {}, r1 = {}, u0 = {}, u1 = {};
+                for (int64_t k = 0; k < K; ++k) {
+                    const float* w = b.f(t * K + k) + j;
+                    const V8 w0 = load8(w), w1 = load8(w + 8);
+                    p0 += x0[k] * w0;
+                    p1 += x0[k] * w1;
+                    q0 += x1[k] * w0;
+                    q1 += x1[k] * w1;
+                    r0 += x2[k] * w0;
+                    r1 += x2[k] * w1;
+                    u0 += x3[k] * w0;
+                    u1 += x3[k] * w1;
+                }
+                const V8* rows[4][2] = {{&p0, &p1}, {&q0, &q1}, {&r0, &r1}, {&u0, &u1}};
+                for (int i = 0; i < 4; ++i) {
+                    float* y = d.f(t * M + m + i) + j;
+                    std::memcpy(y, rows[i][0], 32);
+                    std::memcpy(y + 8, rows[i][1], 32);
+                }
+            }
+            for (; j < N; ++j) {  // the last N % 16 columns, one sum each, as the rows below
+                const float* xs[4] = {x0, x1, x2, x3};
+                for (int i = 0; i < 4; ++i) {
+                    float acc = 0.0f;
+                    for (int64_t k = 0; k < K; ++k) acc += xs[i][k] * b.f(t * K + k)[j];
+                    d.f(t * M + m + i)[j] = acc;
+                }
+            }
+        }
         for (; m + 2 <= M && N >= 8; m += 2) {  // two rows: four independent sums in flight
             const float* x0 = a.f(t * M + m);
             const float* x1 = a.f(t * M + m + 1);
@@ -437,6 +528,12 @@ static inline void strided_copy(const Slot& a, const Slot& d, const int64_t* siz
                 out += size[2] * size[3] * e;
                 continue;
             }
+            if (stride[3] == 1 && size[3] * e == 64) {  // rows of 16 floats (a chunked
+                // scan's heads of 16): a copy of constant size, no memcpy call per row
+                for (int64_t i2 = 0; i2 < size[2]; ++i2, out += 64)
+                    std::memcpy(out, x0 + i2 * stride[2] * e, 64);
+                continue;
+            }
             for (int64_t i2 = 0; i2 < size[2]; ++i2) {
                 const char* x = x0 + i2 * stride[2] * e;
                 if (stride[3] == 1) {
@@ -553,11 +650,18 @@ static inline void layer_norm_row(const float* __restrict a, float* __restrict o
 
 // RMSNorm over the last dimension as the five ATen ops compute it (pow, mean, add eps,
 // rsqrt, mul; then the weight): x * (1 / sqrt(mean(x^2) + eps)) * w, the mean summed in
-// double (ATen's float reduction differs by rounding only).
+// double (ATen's float reduction differs by rounding only), in eight partial sums (element
+// j into sum j % 8, then added pairwise): one running sum waited on the add's latency for
+// every element, about a cycle and a half each (a gated norm of [512, 128] per chunked scan).
 static inline void rms_norm_row(const float* __restrict a, float* __restrict out, int64_t n,
                                 const float* w, float eps) {
-    double sq = 0.0;
-    for (int64_t j = 0; j < n; ++j) sq += static_cast<double>(a[j]) * a[j];
+    double part[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; ++l) part[l] += static_cast<double>(a[j + l]) * a[j + l];
+    for (int l = 0; j < n; ++j, ++l) part[l] += static_cast<double>(a[j]) * a[j];
+    const double sq = ((part[0] + part[4]) + (part[1] + part[5])) +
+                      ((part[2] + part[6]) + (part[3] + part[7]));
     const float r = 1.0f / std::sqrt(static_cast<float>(sq / static_cast<double>(n)) + eps);
     if (w) {
         for (int64_t j = 0; j < n; ++j) out[j] = w[j] * (a[j] * r);
