@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu.native.direct import DirectCall
-from quantree.backends.cpu.ops.rnn import rnn
+from quantree.backends.cpu.ops.recurrent.rnn import rnn
 
 
 class Packed(nn.Module):

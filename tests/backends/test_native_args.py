@@ -23,7 +23,7 @@ import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu.native.checks import NativeArgumentError
 from quantree.backends.cpu.native.direct import DirectCall
-from quantree.backends.cpu.ops.rnn import RnnRunner
+from quantree.backends.cpu.ops.recurrent.rnn import RnnRunner
 
 ops = torch.ops.quantree
 CPU_DIR = Path(qt.__file__).parent / "backends" / "cpu"

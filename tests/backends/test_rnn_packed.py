@@ -29,8 +29,8 @@ from quantree.backends.cpu.native.checks import NativeArgumentError
 from quantree.backends.cpu.native.direct import DirectCall
 from quantree.backends.cpu.native.packing import pack, row_sums
 from quantree.backends.cpu.ops.elementwise import dequantize, quantize
-from quantree.backends.cpu.ops.rnn import RnnRunner
-from quantree.backends.cpu.ops.rnn_packed import PackedRnnRunner
+from quantree.backends.cpu.ops.recurrent.rnn import RnnRunner
+from quantree.backends.cpu.ops.recurrent.rnn_packed import PackedRnnRunner
 
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 

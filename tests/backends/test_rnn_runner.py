@@ -19,7 +19,7 @@ import quantree as qt
 from quantree.backends import CPU
 from quantree.backends.cpu.native.direct import DirectCall
 from quantree.backends.cpu.ops.elementwise import dequantize, quantize
-from quantree.backends.cpu.ops.rnn import RnnRunner
+from quantree.backends.cpu.ops.recurrent.rnn import RnnRunner
 
 
 class Output(nn.Module):

@@ -154,7 +154,7 @@ def test_an_int8_output_read_only_by_its_dequantize_is_written_float(monkeypatch
     """The layer's int8 output read only through a dequantize on its grid (here a linear
     whose input is int16 under WEIGHTED_INPUTS, as in DPRNN: it reads float) becomes the
     kernel's float output: one op fewer, the same bits
-    (``rules/recurrent.float_outputs_read_by_dequantize``)."""
+    (``rules/recurrent/layers.float_outputs_read_by_dequantize``)."""
     import quantree.backends.cpu.backend as cpu_backend
 
     torch.manual_seed(0)

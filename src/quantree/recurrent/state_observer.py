@@ -4,7 +4,7 @@ A moving-average observer trades the extremes for a range that ignores rare outl
 an ordinary activation that costs the clipped values once. A hidden state is different: what
 a layer outputs at step t is what step t + 1 reads. Whole mode's native kernel requantizes
 the fed-back h at every step on a grid covering the output sequence's, the initial and the
-returned state's ranges (``backends/cpu/rules/recurrent.py``), and cells mode's ``hidden``
+returned state's ranges (``backends/cpu/rules/recurrent/layers.py``), and cells mode's ``hidden``
 point is the state ``h_prev`` reads, so a clipped h feeds its error into every later step.
 And h has no outliers to be robust against: an LSTM's or tanh RNN's lies in (-1, 1), a GRU's
 within its initial state's bound; larger inputs just drive it towards the bound.

@@ -51,11 +51,6 @@ from quantree.backends.cpu.rules.linear import lower_conv2d, lower_linear
 from quantree.backends.cpu.rules.masked_fill import lower_masked_fill
 from quantree.backends.cpu.rules.movement.pad import lower_pad
 from quantree.backends.cpu.rules.norm import lower_batch_norm, lower_group_norm
-from quantree.backends.cpu.rules.packed_sequence import (
-    lower_gather,
-    lower_metadata_reads,
-    lower_packing,
-)
 from quantree.backends.cpu.rules.pool import lower_avg_pool, lower_mean
 from quantree.backends.cpu.rules.qdq import (
     lower_binary,
@@ -66,11 +61,16 @@ from quantree.backends.cpu.rules.qdq import (
     lower_softmax,
     native_quantize_dequantize,
 )
-from quantree.backends.cpu.rules.recurrent import (
+from quantree.backends.cpu.rules.recurrent.cells import lower_cell
+from quantree.backends.cpu.rules.recurrent.layers import (
     float_outputs_read_by_dequantize,
     recurrent_rule,
 )
-from quantree.backends.cpu.rules.recurrent_cell import lower_cell
+from quantree.backends.cpu.rules.recurrent.packed_sequence import (
+    lower_gather,
+    lower_metadata_reads,
+    lower_packing,
+)
 from quantree.backends.cpu.rules.views import lower_view_chain
 from quantree.backends.cpu.rules.wide import lower_wide
 from quantree.backends.cpu.speed_check import FLOAT_COSTS_KEY, check_speed, note_float_costs

@@ -15,7 +15,7 @@ in int8 in ExecuTorch:
   runtime running the ``.pte`` links quantree's kernel library (Python: ``kernels.load``,
   which ``run_executorch`` does; C++: docs/deployment-executorch.md).
 
-The layer is lowered by the CPU backend's own rule (``rules/recurrent.lower_recurrent``:
+The layer is lowered by the CPU backend's own rule (``rules/recurrent/layers.lower_recurrent``:
 the same pattern, packed weights, grids of the inner and fed-back states, fused float
 input and output), then its ``quantree.rnn`` node is re-expressed as ``quantree_et::rnn``
 (time-major, a batch-first layer transposed around it). The rest of the graph is left to
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from quantree.backends.cpu.rules.recurrent import lower_recurrent
+from quantree.backends.cpu.rules.recurrent.layers import lower_recurrent
 from quantree.backends.executorch.rnn_op import KINDS, RNN
 from quantree.core.lower import Backend, LoweringContext
 from quantree.recurrent.call import PADDED_OPS

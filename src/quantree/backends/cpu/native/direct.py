@@ -48,8 +48,8 @@ from quantree.backends.cpu.ops import (
     rnn_cell,
     softmax,
 )
-from quantree.backends.cpu.ops.rnn import RnnRunner
-from quantree.backends.cpu.ops.rnn_packed import PackedRnnRunner
+from quantree.backends.cpu.ops.recurrent.rnn import RnnRunner
+from quantree.backends.cpu.ops.recurrent.rnn_packed import PackedRnnRunner
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn

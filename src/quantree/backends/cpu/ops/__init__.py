@@ -28,9 +28,6 @@ from quantree.backends.cpu.ops import group_norm as group_norm_op
 from quantree.backends.cpu.ops import pad as pad_op
 from quantree.backends.cpu.ops import pool as pool_op
 from quantree.backends.cpu.ops import program as program_op
-from quantree.backends.cpu.ops import rnn as rnn_op
-from quantree.backends.cpu.ops import rnn_cell as rnn_cell_op
-from quantree.backends.cpu.ops import rnn_packed as rnn_packed_op
 from quantree.backends.cpu.ops import wide as wide_op
 from quantree.backends.cpu.ops.affine import channel_affine
 from quantree.backends.cpu.ops.composite import attention as attention_op
@@ -51,9 +48,12 @@ from quantree.backends.cpu.ops.group_norm import group_norm
 from quantree.backends.cpu.ops.pad import pad_last
 from quantree.backends.cpu.ops.pool import avg_pool2d, max_pool2d, mean_hw
 from quantree.backends.cpu.ops.program import program
-from quantree.backends.cpu.ops.rnn import PER_LAYER, RNN_KINDS, rnn
-from quantree.backends.cpu.ops.rnn_cell import rnn_cell
-from quantree.backends.cpu.ops.rnn_packed import rnn_packed_sequence
+from quantree.backends.cpu.ops.recurrent import rnn as rnn_op
+from quantree.backends.cpu.ops.recurrent import rnn_cell as rnn_cell_op
+from quantree.backends.cpu.ops.recurrent import rnn_packed as rnn_packed_op
+from quantree.backends.cpu.ops.recurrent.rnn import PER_LAYER, RNN_KINDS, rnn
+from quantree.backends.cpu.ops.recurrent.rnn_cell import rnn_cell
+from quantree.backends.cpu.ops.recurrent.rnn_packed import rnn_packed_sequence
 from quantree.backends.cpu.ops.wide import conv16, linear16
 from quantree.backends.cpu.saved import derived_ops, nibbles
 from quantree.backends.cpu.saved.derived_ops import derived_bias, derived_offset, derived_scale

@@ -225,7 +225,7 @@ void rnn_out(KernelRuntimeContext& ctx, Span<EValue*> stack) {
     plan.y_s = f(4), plan.y_z = f(5), plan.h_s = f(6), plan.h_z = f(7), plan.c_s = f(8);
     plan.c_z = f(9), plan.inner_fb = f(10), plan.last_s = f(11), plan.last_z = f(12);
     plan.last_fb = f(13);
-    // the final states are quantized with 1 / scale, as quantize (and ops/rnn.py) compute it
+    // the final states are quantized with 1 / scale, as quantize (and ops/recurrent/rnn.py) compute it
     plan.hn_inv = static_cast<float>(1.0 / q[14]), plan.hn_z = f(15);
     plan.cn_inv = static_cast<float>(1.0 / q[16]), plan.cn_z = f(17);
     plan.params = pointers.data();

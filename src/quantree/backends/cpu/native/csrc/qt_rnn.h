@@ -7,7 +7,7 @@
 
 extern "C" {
 
-// Everything constant about one lowered recurrent op, laid out once by ops/rnn.py (a
+// Everything constant about one lowered recurrent op, laid out once by ops/recurrent/rnn.py (a
 // ctypes.Structure): a call then passes one pointer and the activations, not ~40 converted
 // arguments per layer and direction.
 struct QtRnnPlan {

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from quantree.backends.cpu.native.registry import op
-from quantree.backends.cpu.ops.rnn import RnnRunner
+from quantree.backends.cpu.ops.recurrent.rnn import RnnRunner
 
 
 @op(

@@ -14,7 +14,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from quantree.backends.cpu.ops import rnn_cell as ops_rnn_cell  # noqa: F401  (registers the op)
+from quantree.backends.cpu.ops.recurrent import rnn_cell as ops_rnn_cell  # noqa: F401  (registers the op)
 from quantree.backends.cpu.saved.derived import bias_recipe, derived_constant, packed_and_sums
 from quantree.backends.patterns import (
     Activation,

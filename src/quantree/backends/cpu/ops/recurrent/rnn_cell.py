@@ -18,7 +18,7 @@ from quantree.backends.cpu.native.loader import kernels as native_kernels
 from quantree.backends.cpu.native.packing import packed_depth
 from quantree.backends.cpu.native.registry import op
 from quantree.backends.cpu.ops.elementwise import dequantize, quantize
-from quantree.backends.cpu.ops.rnn import RNN_KINDS
+from quantree.backends.cpu.ops.recurrent.rnn import RNN_KINDS
 
 SIGNATURES: dict[str, list[type]] = {
     "qt_rnn_layer": [INT, I64, I64, I64, I64, INT, PTR, F32, F32, PTR, I64, PTR,
