@@ -115,6 +115,9 @@ def model_data():
     return model, calib, torch.randn(2, 40, 16)
 
 
+WIDE = qt.Int8Quantizer(conv1d_weight_dtype=QDtype.INT16)
+
+
 def targets(gm) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 
@@ -123,12 +126,11 @@ def test_the_recipe_widens_conv1d_weights_and_the_backend_runs_them_natively(mod
     model, calib, x = model_data
     with torch.no_grad():
         ref = model(x)
-        reference = qt.quantize(model, calib[0], calib, backend=None, progress=False)
-        lowered = qt.quantize(model, calib[0], calib, progress=False)
-        narrow = qt.quantize(
-            model, calib[0], calib, progress=False,
-            quantizer=qt.Int8Quantizer(conv1d_weight_dtype=QDtype.INT8),
-        )  # fmt: skip
+        reference = qt.quantize(
+            model, calib[0], calib, quantizer=WIDE, backend=None, progress=False
+        )
+        lowered = qt.quantize(model, calib[0], calib, quantizer=WIDE, progress=False)
+        narrow = qt.quantize(model, calib[0], calib, progress=False)  # the default
         ref_out, low_out, narrow_out = reference(x), lowered(x), narrow(x)
     weights = [n for n in reference.graph.nodes if "dequantize_per_channel" in str(n.target)]
     assert any(n.args[-1] == torch.int16 for n in weights)
@@ -145,7 +147,7 @@ def test_saves_and_loads_bit_equal(model_data, tmp_path):
 
     model, calib, x = model_data
     with torch.no_grad():
-        lowered = qt.quantize(model, calib[0], calib, progress=False)
+        lowered = qt.quantize(model, calib[0], calib, quantizer=WIDE, progress=False)
         path = tmp_path / "w16.pt2"
         save(lowered, path, calib[0])
         loaded = load(path)

@@ -284,8 +284,10 @@ class Int8Quantizer(Quantizer):
     default while ONNX Runtime's integer LSTM (``OnnxTarget.ONNXRUNTIME``) refuses a 16-bit
     input; benchmarks/README.md, branch ``lstmb1``).
     ``conv1d_weight_dtype``: the weights of 1-d convolutions that read a 16-bit input
-    (``WEIGHTED_INPUTS``); None (the default) INT16 unless ``weight``, ``activation`` or
-    ``reduce_range`` is given (``wide_weight``), INT8 the weight spec.
+    (``WEIGHTED_INPUTS``); INT16 widens them (``wide_weight``: Conformer's convolution
+    module), None (the default) or INT8 keeps the weight spec. Not the default: on HDemucs
+    the widened reference graph itself lost accuracy, not yet explained (benchmarks/README.md,
+    "Stop 38").
     ``reduce_range``: weights on [-63, 63] (7 bits, ONNX Runtime's ``reduce_range``), for a
     model deployed to ONNX Runtime on x86 CPUs without VNNI, whose int8 kernels saturate on
     full-range weights (``quantree.backends.onnx.ort_kernels``); other runtimes and the CPU
@@ -363,13 +365,10 @@ class Int8Quantizer(Quantizer):
         )
         if conv1d_weight_dtype not in (None, QDtype.INT8, QDtype.INT16):
             raise QuantreeError(
-                f"conv1d_weight_dtype must be None (int16 where a 1-d convolution reads int16), "
-                f"QDtype.INT8 or QDtype.INT16, got {conv1d_weight_dtype!r}"
+                f"conv1d_weight_dtype must be None (the weight spec), QDtype.INT8 or "
+                f"QDtype.INT16, got {conv1d_weight_dtype!r}"
             )
-        default_widths = weight is None and activation is None and not reduce_range
-        wide_conv1d = conv1d_weight_dtype is QDtype.INT16 or (
-            conv1d_weight_dtype is None and default_widths
-        )
+        wide_conv1d = conv1d_weight_dtype is QDtype.INT16
         recipe = int8_rules(
             act, wgt, share_recurrent_state, split_layers, table, sequence
         ) + weighted_inputs_rules(
