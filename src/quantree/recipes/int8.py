@@ -285,9 +285,9 @@ class Int8Quantizer(Quantizer):
     input; benchmarks/README.md, branch ``lstmb1``).
     ``conv1d_weight_dtype``: the weights of 1-d convolutions that read a 16-bit input
     (``WEIGHTED_INPUTS``); INT16 widens them (``wide_weight``: Conformer's convolution
-    module), None (the default) or INT8 keeps the weight spec. Not the default: on HDemucs
-    the widened reference graph itself lost accuracy, not yet explained (benchmarks/README.md,
-    "Stop 38").
+    module), None (the default) or INT8 keeps the weight spec. Not the default: a bias's
+    int32 scale is then the product of two 16-bit scales, and HDemucs' biases saturated
+    (benchmarks/README.md, "Stop 38").
     ``reduce_range``: weights on [-63, 63] (7 bits, ONNX Runtime's ``reduce_range``), for a
     model deployed to ONNX Runtime on x86 CPUs without VNNI, whose int8 kernels saturate on
     full-range weights (``quantree.backends.onnx.ort_kernels``); other runtimes and the CPU
