@@ -96,7 +96,9 @@ def independent_sqnrs(
     return {
         name: math.inf
         if noise[name] == 0
-        else 10 * math.log10(max(signal[name], 1e-30) / noise[name])
+        else -math.inf
+        if signal[name] == 0
+        else 10 * math.log10(signal[name] / noise[name])
         for name in signal
     }
 
@@ -152,20 +154,19 @@ def assert_rows_match(
 ) -> dict[str, float]:
     """Every root-scope row of ``comparison`` within ``bound_db`` of the independent SQNR;
     returns the independent figures. Two figures both above 100 dB count as equal: both say
-    the tensor is exact up to float rounding, whose size is not what either measures; two
-    both below -100 dB too: the float tensor is zero (a fresh attention's in-projection bias
-    that bias correction moved), and the figure is the noise over a floor on the signal,
-    which a sum and a mean of squares place differently."""
+    the tensor is exact up to float rounding, whose size is not what either measures. A zero
+    float tensor with noise (a fresh attention's in-projection bias that bias correction
+    moved) is -inf in both."""
     measured = independent_sqnrs(float_gm, quantized, comparison.rows, batches)
     off = []
     for r in comparison.rows:
         if r.name not in measured:
             continue
         want, got = measured[r.name], r.sqnr_db
-        if (math.isinf(want) and math.isinf(got)) or (math.isnan(want) and math.isnan(got)):
-            continue  # both exact; or both NaN (a -inf mask: its energy is not a number)
-        both_exact, both_zero = want > 100 and got > 100, want < -100 and got < -100
-        if not (abs(want - got) <= bound_db or both_exact or both_zero):
+        if want == got or (math.isnan(want) and math.isnan(got)):
+            continue  # both exact, both a zero float tensor (-inf); or both NaN (a -inf mask)
+        both_exact = want > 100 and got > 100
+        if not (abs(want - got) <= bound_db or both_exact):
             off.append(f"{r.name}: compare {got:.2f} dB, independent {want:.2f} dB")
     assert not off, "\n".join(off)
     return measured

@@ -215,3 +215,22 @@ def test_lone_tensors_and_no_data() -> None:
     assert lone.batches == 2 and lone.outputs
     empty = qt.compare(model, converted, [])
     assert empty.rows == () and empty.batches == 0
+
+
+def test_a_zero_float_tensor_reads_as_float_zero_not_a_decibel_figure() -> None:
+    """Noise over a zero signal has no dB value: it was printed as a finite -250 dB that moved
+    3 dB between a sum and a mean of the same squares."""
+    from quantree.tools.comparison import TensorRow
+    from quantree.tools.metrics import sqnr_text
+
+    assert qt.sqnr(torch.zeros(4), torch.full((4,), 1e-3)) == -math.inf
+    assert qt.sqnr(torch.zeros(4), torch.zeros(4)) == math.inf
+    assert qt.sqnr(torch.ones(4), torch.full((4,), 1.1)) == pytest.approx(20.0, abs=1e-5)
+    row = TensorRow(
+        name="attn.in_proj_bias", node="b", path=(), kind=RowKind.WEIGHT, op="aten.linear",
+        quantization="int32", shape=(4,), signal=0.0, noise=1e-6, order=0,
+    )  # fmt: skip
+    assert row.sqnr_db == -math.inf and sqnr_text(row.sqnr_db) == "float 0"
+    table = qt.Comparison(rows=(row,), batches=1).render()
+    assert table.splitlines()[-1].endswith("float 0")
+    assert [sqnr_text(v) for v in (math.inf, 12.34)] == ["exact", "12.3"]

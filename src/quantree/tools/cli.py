@@ -41,6 +41,7 @@ from quantree.tools.files import (
     program_module,
     save_program,
 )
+from quantree.tools.metrics import sqnr_text
 
 EXIT_QUANTIZE_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -250,7 +251,7 @@ def _write_report(
     )
     worst = comparison.rows[0] if comparison.rows else None
     if worst is not None:
-        print(f"worst tensor: {worst.name} at {worst.sqnr_db:.1f} dB")
+        print(f"worst tensor: {worst.name} at {sqnr_text(worst.sqnr_db)} dB")
     print(f"report: {written.resolve()}")
 
 

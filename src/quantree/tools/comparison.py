@@ -7,12 +7,12 @@ report, the CLI) read these types without the matching machinery.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from quantree.core.values import Path
 from quantree.tools.matching import OUTPUT, VALUE, WEIGHT
+from quantree.tools.metrics import sqnr_from_energies, sqnr_text
 from quantree.tools.time_steps import render_steps
 from quantree.tools.unmatched import Unmatched, render_unmatched
 
@@ -54,9 +54,7 @@ class TensorRow:
 
     @property
     def sqnr_db(self) -> float:
-        if self.noise == 0.0:
-            return math.inf
-        return 10.0 * math.log10(max(self.signal, 1e-30) / self.noise)
+        return sqnr_from_energies(self.signal, self.noise)
 
     def record(self) -> dict[str, Any]:
         return {
@@ -110,7 +108,7 @@ class Comparison:
             shape = "x".join(str(s) for s in r.shape) or "scalar"
             lines.append(
                 f"{r.name:<{width}}  {r.op:<{opw}}  {r.quantization:<18}  {shape:<16}  "
-                + (f"{r.sqnr_db:7.1f}" if math.isfinite(r.sqnr_db) else "  exact")
+                + f"{sqnr_text(r.sqnr_db):>7}"
                 + (" *" if r.clamped is not None else "")
             )
         if limit is not None and len(self.rows) > limit:

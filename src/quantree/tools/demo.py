@@ -35,6 +35,7 @@ from quantree.recurrent.capture import capture
 from quantree.tools.compare import Comparison, compare
 from quantree.tools.inspection import summary
 from quantree.tools.measure import latencies_ms, model_bytes, torch_threads
+from quantree.tools.metrics import sqnr_from_energies
 from quantree.workloads import batches, bits_per_char, load_charlm, load_corpus
 
 BATCH, SEQ = 16, 128
@@ -189,7 +190,7 @@ def _output_sqnr_db(
         got = got[0] if isinstance(got, tuple) else got
         signal += float(want.double().square().sum())
         noise += float((want.double() - got.double()).square().sum())
-    return math.inf if noise == 0.0 else 10.0 * math.log10(max(signal, 1e-30) / noise)
+    return sqnr_from_energies(signal, noise)
 
 
 def run_demo(

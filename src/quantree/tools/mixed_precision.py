@@ -35,6 +35,7 @@ from quantree.core.quantizer import Quantizer
 from quantree.recipes.int8 import A16W8Quantizer, Int8Quantizer
 from quantree.recipes.mixed import MixedQuantizer, PointKey, Precision
 from quantree.recurrent.capture import capture
+from quantree.tools.metrics import sqnr_from_energies
 
 META_KEY = "quantree_mixed_precision"
 """``GraphModule.meta`` key of the reference graph: the :class:`MixedPrecision` result."""
@@ -102,7 +103,7 @@ def output_sqnr(
     worst = math.inf
     for s, n in zip(signal, noise, strict=True):
         if n > 0.0:
-            worst = min(worst, 10.0 * math.log10(max(s, 1e-30) / n))
+            worst = min(worst, sqnr_from_energies(s, n))
     return worst
 
 

@@ -27,6 +27,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from quantree.tools.compare import Comparison, RowKind
+from quantree.tools.metrics import sqnr_text
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _SQNR_AXIS_DB = 80.0
@@ -63,7 +64,7 @@ def sqnr_bars(sqnrs: Sequence[float]) -> tuple[list[float], float]:
     """
     finite = [v for v in sqnrs if math.isfinite(v)]
     cap = min(max(finite, default=60.0), _SQNR_AXIS_DB) + 10.0
-    return [min(v, cap) for v in sqnrs], cap
+    return [min(max(v, 0.0), cap) for v in sqnrs], cap
 
 
 def sqnr_chart(comparison: Comparison, title: str = "per-tensor SQNR", limit: int = 40) -> bytes:
@@ -78,8 +79,7 @@ def sqnr_chart(comparison: Comparison, title: str = "per-tensor SQNR", limit: in
     ax.set_yticks(positions, [r.name for r in rows], fontsize=8)
     ax.invert_yaxis()
     for y, r in zip(positions, rows, strict=True):
-        text = "exact" if not math.isfinite(r.sqnr_db) else f"{r.sqnr_db:.1f}"
-        ax.text(values[y], y, f" {text}", va="center", fontsize=7)
+        ax.text(values[y], y, f" {sqnr_text(r.sqnr_db)}", va="center", fontsize=7)
     cut = any(r.sqnr_db > cap for r in rows)
     ax.set_xlabel("SQNR (dB), higher is better" + (f"; bars end at {cap:.0f} dB" if cut else ""))
     ax.set_xlim(0, cap * 1.12)
@@ -198,9 +198,7 @@ def downsampled(
     k = max(1, math.ceil(len(steps) / points))
     xs, ys = [], []
     for start in range(0, len(steps), k):
-        ratios = [
-            10.0 ** (-v / 10.0) if math.isfinite(v) else 0.0 for v in steps[start : start + k]
-        ]
+        ratios = [0.0 if v == math.inf else 10.0 ** (-v / 10.0) for v in steps[start : start + k]]
         mean = sum(ratios) / len(ratios)
         xs.append(start + (len(ratios) - 1) / 2.0)
         ys.append(-10.0 * math.log10(mean) if mean > 0.0 else math.nan)
@@ -381,17 +379,17 @@ class Report:
         for layer, lines in layers.items():
             self.svg(steps_chart(layer, lines), f"{layer}: SQNR per time step")
             for variant, series, steps in lines:
-                finite = [(v, t) for t, v in enumerate(steps) if math.isfinite(v)]
-                worst = min(finite, default=(math.inf, 0))
+                noisy = [(v, t) for t, v in enumerate(steps) if v != math.inf]
+                worst = min(noisy, default=(math.inf, 0))
                 rows.append(
                     (
                         layer,
                         variant,
                         series,
                         len(steps),
-                        _db(steps[0]),
-                        _db(steps[-1]),
-                        f"{_db(worst[0])} at t{worst[1]}",
+                        sqnr_text(steps[0]),
+                        sqnr_text(steps[-1]),
+                        f"{sqnr_text(worst[0])} at t{worst[1]}",
                     )
                 )
         self.table(["layer", "variant", "series", "steps", "first dB", "last dB", "worst dB"], rows)
@@ -408,7 +406,7 @@ class Report:
                     r.op,
                     r.quantization,
                     "x".join(map(str, r.shape)),
-                    "exact" if not math.isfinite(r.sqnr_db) else f"{r.sqnr_db:.1f}",
+                    sqnr_text(r.sqnr_db),
                 )
                 for r in comparison.rows
             ],
@@ -434,10 +432,6 @@ class Report:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(self.html(), encoding="utf-8")
         return target.resolve()
-
-
-def _db(value: float) -> str:
-    return "exact" if not math.isfinite(value) else f"{value:.1f}"
 
 
 def embedded_svgs(page: str) -> list[str]:

@@ -7,7 +7,6 @@ apart for a given model, and a single SQNR over the whole sequence hides it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -17,6 +16,7 @@ from quantree.core.values import Path
 from quantree.recurrent.call import RECURRENT_OPS, RecurrentCall
 from quantree.recurrent.loop import CellLoop, RecurrentCells
 from quantree.recurrent.split_layers import SPLIT_LAYER_KEY
+from quantree.tools.metrics import sqnr_from_energies
 
 STATE_POINTS = ("hidden", "cell")
 """The named points of a cell body that the loop carries to the next step (docs/recurrent.md)."""
@@ -86,10 +86,7 @@ def step_energies(
 
 
 def step_sqnrs(signal: torch.Tensor, noise: torch.Tensor) -> tuple[float, ...]:
-    return tuple(
-        math.inf if float(n) == 0.0 else 10.0 * math.log10(max(float(s), 1e-30) / float(n))
-        for s, n in zip(signal, noise, strict=True)
-    )
+    return tuple(sqnr_from_energies(float(s), float(n)) for s, n in zip(signal, noise, strict=True))
 
 
 def call_sqnrs(signal: list[float], noise: list[float], reverse: bool) -> tuple[float, ...]:

@@ -19,6 +19,7 @@ import torch.fx as fx
 from quantree.tools.commands.model_source import is_factory, load_factory
 from quantree.tools.compare import Comparison, compare
 from quantree.tools.files import BadFile, load_calibration, load_program, program_module
+from quantree.tools.metrics import sqnr_text
 
 
 def _float_model(spec: str) -> torch.nn.Module:
@@ -74,7 +75,7 @@ def report_command(args: argparse.Namespace) -> int:
     )
     worst = comparison.rows[0] if comparison.rows else None
     if worst is not None:
-        print(f"worst tensor: {worst.name} at {worst.sqnr_db:.1f} dB")
+        print(f"worst tensor: {worst.name} at {sqnr_text(worst.sqnr_db)} dB")
     print(f"report: {written.resolve()}")
     return 0
 
