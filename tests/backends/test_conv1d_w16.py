@@ -13,6 +13,7 @@ from quantree.backends.cpu.native.checks import NativeArgumentError
 from quantree.backends.cpu.native.loader import ISA_NAMES, isa_cap, library
 from quantree.backends.cpu.ops.conv1d_w16 import conv1d_w16, packed_w16
 from quantree.core.specs import QDtype
+from quantree.tools.inspection import INT16_WEIGHT_KERNEL, op_statuses, summary
 
 W16 = torch.ops.quantree.conv1d_w16.default
 
@@ -136,6 +137,9 @@ def test_the_recipe_widens_conv1d_weights_and_the_backend_runs_them_natively(mod
     assert any(n.args[-1] == torch.int16 for n in weights)
     assert targets(lowered).count(str(W16)) == 3
     assert str(W16) not in targets(narrow)
+    statuses = [o.status for o in op_statuses(lowered) if o.op == str(W16)]
+    assert statuses == [INT16_WEIGHT_KERNEL] * 3  # inspect says the weights are 16-bit
+    assert f"{INT16_WEIGHT_KERNEL} 3" in summary(lowered)
     # the native op follows the reference graph (a float conv of the same dequantized values)
     assert sqnr(ref_out, low_out) > 90
     # 16-bit weights: the layer's error was its 8-bit weights' (measured 80.2 vs 46.5 dB)

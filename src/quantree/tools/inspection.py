@@ -64,14 +64,19 @@ class QuantPoint:
 INT8_KERNEL = "int8 kernel"  # a backend's native op: reads and writes integer tensors
 # a native linear/conv whose input is int16 (quantized inside the op, int8 weights)
 INT16_KERNEL = "int16-input kernel"
+# a native 1-d conv with int16 weights (int8 or int16 input): 16-bit products, exact int32 sums
+INT16_WEIGHT_KERNEL = "int16-weight kernel"
 INT8_MOVE = "int8 data movement"  # transpose/view/... of int8 values: exact on the integers
 INT8_CONSTANT = "int8 constant"  # a tensor made from nothing (zeros) and quantized
 SIMULATED = "simulated (q/dq)"  # a float op between dequantize and quantize
 PARTLY_FLOAT = "partly float"
 NATIVE_FLOAT = "float, native program"  # a backend program or kernel computing float ops
 FLOAT = "float"
-INT8_STATUSES = (INT8_KERNEL, INT16_KERNEL, INT8_MOVE, INT8_CONSTANT, SIMULATED)
+INT8_STATUSES = (
+    INT8_KERNEL, INT16_KERNEL, INT16_WEIGHT_KERNEL, INT8_MOVE, INT8_CONSTANT, SIMULATED
+)  # fmt: skip
 _INT16_INPUT_OPS = ("quantree.linear16.default", "quantree.conv16.default")
+_INT16_WEIGHT_OPS = ("quantree.conv1d_w16.default",)
 _FLOAT_KERNEL_OPS = {  # float in, float out
     "quantree.group_norm.default": "group_norm",
     "quantree.attention.default": "attention",
@@ -368,6 +373,8 @@ def op_statuses(gm: fx.GraphModule) -> list[OpStatus]:
             status, native = NATIVE_FLOAT, False
         elif lowered and _op_name(n) in _INT16_INPUT_OPS:
             status, native = INT16_KERNEL, True
+        elif lowered and _op_name(n) in _INT16_WEIGHT_OPS:
+            status, native = INT16_WEIGHT_KERNEL, True
         elif lowered:
             status, native = INT8_KERNEL, True
         elif (
@@ -452,7 +459,9 @@ def summary(gm: fx.GraphModule, title: str = "model") -> str:
         + f", {len(left)} computing in float",
         f"run natively on int8: {sum(o.native for o in ops)} of {len(ops)} op(s) "
         f"({INT8_KERNEL} {by_status[INT8_KERNEL]}, "
-        + (f"{INT16_KERNEL} {by_status[INT16_KERNEL]}, " if by_status[INT16_KERNEL] else "")
+        + "".join(
+            f"{s} {by_status[s]}, " for s in (INT16_KERNEL, INT16_WEIGHT_KERNEL) if by_status[s]
+        )
         + f"{INT8_MOVE} {sum(o.native and o.status == INT8_MOVE for o in ops)})",
     ]
     if points:
