@@ -180,3 +180,43 @@ def test_a_saved_freed_chunk_loop_runs_at_other_multiples_after_load(tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(back(y), low(y), strict=True)), length
     with pytest.raises(Exception, match="% 4 == 0"):
         back(torch.randn(1, 17, 5))
+
+
+def test_a_call_at_another_length_names_the_loop_and_following_the_fix_runs_it():
+    """The model's own loop fixes the length, so ``dynamic_shapes`` (the generic fix) would
+    not free it: the error names the loop and ``fold_loops=True``, which does."""
+    torch.manual_seed(3)
+    model = ChunkScan(4, saveable=True).eval()
+    data = [(torch.randn(1, 16, 5),) for _ in range(3)]
+    longer = torch.randn(1, 20, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)
+        pinned = qt.quantize(model, data[0], data, progress=False)
+        with pytest.raises(qt.QuantreeError) as raised:
+            pinned(longer)
+        text = str(raised.value)
+        assert "dimension 1 was fixed at capture" in text
+        assert "4 chunks of 4" in text and "fold_loops=True" in text
+        assert "dynamic_shapes=" not in text  # the advice that would not work
+        freed = qt.quantize(model, data[0], data, progress=False, fold_loops=True)
+        with torch.no_grad():
+            got, want = freed(longer), model(longer)
+    assert got[0].shape == want[0].shape == (1, 20, 5)
+    assert qt.sqnr(want[0], got[0]) > 20
+
+
+def test_a_dimension_captured_dynamic_that_the_code_constrains_is_not_sent_back_to_dynamic():
+    """Captured with ``dynamic_shapes``, the loop still guards ``T // 4 == 4``: the error said
+    to capture dynamic, which the user had done."""
+    model = ChunkScan(4, saveable=True).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)
+        gm = qt.capture(
+            model, (torch.randn(1, 16, 5),), dynamic_shapes={"x": {1: torch.export.Dim.AUTO}}
+        )
+    with pytest.raises(qt.QuantreeError) as raised:
+        gm(torch.randn(1, 20, 5))
+    text = str(raised.value)
+    assert "dimension 1 (size 20) was captured dynamic, but the model's code constrains it" in text
+    assert "dynamic_shapes=" not in text
+    assert gm(torch.randn(1, 16, 5))[0].shape == (1, 16, 5)  # a size the condition allows

@@ -10,6 +10,7 @@ their failure.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from quantree.core.errors import QuantreeError
 
 GUARDS = "_guards_fn"
 _EXPLAINED = "_quantree_explained"
+_FIXED_BY_CODE = "_quantree_fixed_by_code"
 
 M = TypeVar("M", bound=torch.nn.Module)
 Shape = tuple[int | None, ...]  # None: a dimension the capture left dynamic
@@ -50,9 +52,9 @@ def explain_shape_guards(module: M) -> M:
     if call is None:
         return module
     names = _argument_names(module)
-    inputs = [
-        (names.get(a.name, a.name), _captured(a)) for a in call.args if isinstance(a, fx.Node)
-    ]
+    nodes = [a for a in call.args if isinstance(a, fx.Node)]
+    inputs = [(names.get(a.name, a.name), _captured(a)) for a in nodes]
+    position = {a.name: i for i, a in enumerate(nodes)}
     check = guard.forward
 
     def forward(*args: Any) -> Any:
@@ -63,7 +65,12 @@ def explain_shape_guards(module: M) -> M:
                 raise
             text = str(error)
             condition = text.removeprefix("Guard failed: ").splitlines()[0]
-            raise ShapeGuardFailed(shape_message(inputs, args, text), condition) from error
+            notes = {
+                (position[node], dim): note
+                for (node, dim), note in getattr(guard, _FIXED_BY_CODE, {}).items()
+                if node in position
+            }
+            raise ShapeGuardFailed(shape_message(inputs, args, text, notes), condition) from error
 
     guard.forward = forward
     setattr(guard, _EXPLAINED, True)
@@ -159,12 +166,52 @@ def _text(shape: Sequence[int | None]) -> str:
     return "(" + ", ".join("*" if d is None else str(d) for d in shape) + ")"
 
 
+def note_fixed_by_code(module: torch.nn.Module, placeholder: str, dim: int, note: str) -> None:
+    """Say why an input's (``placeholder``'s) dimension ``dim`` is fixed and what frees it, for
+    the error a call at another size raises in place of the ``dynamic_shapes`` fix.
+
+    A capture pass that finds the model's own code fixing a size (a Python loop unrolled over
+    it) knows what ``dynamic_shapes`` cannot: export would specialise the size again. Kept
+    on the guard, which every copy of the module shares with the wrapper that reads it.
+    """
+    guard = getattr(module, GUARDS, None)
+    if guard is None:
+        return
+    notes = guard.__dict__.setdefault(_FIXED_BY_CODE, {})
+    notes[(placeholder, dim)] = note
+
+
+def _constrained_dims(
+    guard: str, inputs: Sequence[tuple[str, Shape | None]], args: Sequence[Any]
+) -> list[tuple[int, int, int]]:
+    """``(input, dimension, size)`` the failed guard condition reads that the capture left
+    dynamic: the model's code, not the capture, limits them."""
+    found = []
+    for name, dim in dict.fromkeys(re.findall(r"(\w+)\.size\(\)\[(\d+)\]", guard)):
+        for i, ((input_name, captured), arg) in enumerate(zip(inputs, args, strict=False)):
+            d = int(dim)
+            if (
+                input_name == name
+                and captured is not None
+                and d < len(captured)
+                and captured[d] is None
+                and isinstance(arg, torch.Tensor)
+                and d < arg.dim()
+            ):
+                found.append((i, d, int(arg.shape[d])))
+    return found
+
+
 def shape_message(
-    inputs: Sequence[tuple[str, Shape | None]], args: Sequence[Any], guard: str
+    inputs: Sequence[tuple[str, Shape | None]],
+    args: Sequence[Any],
+    guard: str,
+    notes: dict[tuple[int, int], str] | None = None,
 ) -> str:
-    """Each input whose shape differs from its captured one, and the ``dynamic_shapes`` fix."""
-    parts, fixes = [], []
-    for (name, captured), arg in zip(inputs, args, strict=False):
+    """Each input whose shape differs from its captured one, and the fix: ``dynamic_shapes``,
+    or what ``notes`` says frees a dimension the model's code fixes."""
+    parts, fixes, noted = [], [], []
+    for index, ((name, captured), arg) in enumerate(zip(inputs, args, strict=False)):
         if captured is None or not isinstance(arg, torch.Tensor):
             continue
         got = tuple(arg.shape)
@@ -180,20 +227,42 @@ def shape_message(
         fixed = [
             d for d, (g, c) in enumerate(zip(got, captured, strict=True)) if c not in (g, None)
         ]
-        if fixed:
-            parts.append(
-                f"input '{name}' has shape {_text(got)}, captured with {_text(captured)}: "
-                f"dimension {', '.join(map(str, fixed))} was fixed at capture"
-            )
+        if not fixed:
+            continue
+        parts.append(
+            f"input '{name}' has shape {_text(got)}, captured with {_text(captured)}: "
+            f"dimension {', '.join(map(str, fixed))} was fixed at capture"
+        )
+        by_code = {d: (notes or {}).get((index, d)) for d in fixed}
+        noted += [n for n in dict.fromkeys(by_code.values()) if n and n not in noted]
+        unexplained = [d for d in fixed if not by_code[d]]
+        if unexplained:
             # Dim.AUTO where a length may have a lower bound (a conv needs its kernel's size);
             # the dimensions that vary already are named too: dynamic_shapes replaces them
-            free = sorted({*fixed, *(d for d, c in enumerate(captured) if c is None)})
+            free = sorted({*unexplained, *(d for d, c in enumerate(captured) if c is None)})
             dims = ", ".join(
                 f"{d}: {BATCH_DIM if d == 0 and d in fixed else 'torch.export.Dim.AUTO'}"
                 for d in free
             )
             fixes.append(f"{name!r}: {{{dims}}}")
+    if not parts:
+        constrained = _constrained_dims(guard, inputs, args)
+        noted = [n for n in dict.fromkeys((notes or {}).get(k[:2]) for k in constrained) if n]
+        where = "; ".join(
+            f"input '{inputs[i][0]}' dimension {d} (size {size}) was captured dynamic, but the "
+            "model's code constrains it"
+            for i, d, size in constrained
+        )
+        if noted:
+            return f"{where} ({guard}). " + " ".join(noted)
+        if constrained:
+            return (
+                f"{where} ({guard}): dynamic_shapes cannot free what the code fixes. Run at a "
+                "size the condition allows, or capture (quantize) at the size you run at"
+            )
     what = "; ".join(parts) or "an input's shape is not one the model was captured for"
+    if noted and not fixes:
+        return f"{what} ({guard}). " + " ".join(noted)
     fix = (
         f"dynamic_shapes={{{', '.join(fixes)}}}"
         if fixes
@@ -204,4 +273,5 @@ def shape_message(
         f"qt.quantize(model, example_args, data, {fix}) (qt.capture takes the same); for a "
         "saved .pt2, quantize the float model again with it"
         + (CHANNEL_NOTE if any(not f.endswith(f"{{0: {BATCH_DIM}}}") for f in fixes) else "")
+        + "".join(f" {n}" for n in noted)
     )

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from quantree.core.capturing.shape_guards import note_fixed_by_code
 from quantree.core.errors import QuantreeWarning
 from quantree.recurrent.decompose import drop_export_guards
 from quantree.recurrent.unrolled.fold import fold_loops, is_cell_step
@@ -73,6 +74,7 @@ def fold_and_free(
     made = fold_loops(gm, min_steps, before_first_fold=keep, min_windows=min_windows)
     general = [n for n in made if not is_cell_step(gm.get_submodule(n))]
     if before and general:
+        _note_fixed_lengths(before[0], leaves_of(example_args, example_kwargs), made, gm)
         warnings.warn(
             f"quantree.capture left {len(general)} Python loop(s) over time unrolled (fixed to "
             "the captured length): their steps are not recurrent cells, which a folded loop "
@@ -101,6 +103,7 @@ def fold_and_free(
         freed = _generalise(gm, gm2, index, dim, x.shape[dim] // chunk, chunk)
         if freed is not None and _same(freed, gm2, args2, kwargs2):
             return freed
+    _note_fixed_lengths(gm, leaves, made, gm, tried_steps=True, tried_chunks=free_chunks)
     warnings.warn(
         f"{', '.join(made)}: the loop(s) folded from the unrolled time steps run only at the "
         f"captured length ({', '.join(map(str, sorted(steps)))} steps): the graph around them "
@@ -110,6 +113,50 @@ def fold_and_free(
         stacklevel=4,
     )
     return gm
+
+
+def leaves_of(args: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> list[Any]:
+    return tree_flatten((args, kwargs))[0]
+
+
+def _note_fixed_lengths(
+    module: fx.GraphModule,
+    leaves: list[Any],
+    made: list[str],
+    folded: fx.GraphModule,
+    tried_steps: bool = False,
+    tried_chunks: bool = False,
+) -> None:
+    """Tell ``module``'s shape guard which input dimensions look like a loop's length, so a
+    call at another length says what frees it: ``dynamic_shapes`` cannot, export unrolls
+    the model's loop at whatever length it traces. ``tried_steps`` / ``tried_chunks``: freeing
+    loops of one element / of a chunk a step was tried and failed (only capturing at the
+    length run at is left)."""
+    steps = {m.steps_captured for n in made if isinstance(m := folded.get_submodule(n), StepLoop)}
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    for index, dim, chunk in _candidates(leaves, steps):
+        if index >= len(placeholders):
+            continue
+        length = leaves[index].shape[dim]
+        loop = (
+            f"a Python loop over it in {length // chunk} chunks of {chunk}"
+            if chunk > 1
+            else f"a Python loop over its {length} steps"
+        )
+        runs = f"any multiple of {chunk}" if chunk > 1 else "any length"
+        fix = (
+            "capture (quantize) at the length you run at: the folded loop could not be shown "
+            "to run at another length"
+            if (tried_chunks if chunk > 1 else tried_steps)
+            else f"pass fold_loops=True to qt.quantize (or qt.capture) to fold it into one loop "
+            f"that runs at {runs} where the graph around it allows (it warns where not), or "
+            "capture at the length you run at"
+        )
+        note = (
+            f"The model's code runs {loop}, which torch.export unrolled at the captured "
+            f"length (dynamic_shapes cannot free it: export unrolls the loop again); {fix}."
+        )
+        note_fixed_by_code(module, placeholders[index].name, dim, note)
 
 
 def _candidates(
