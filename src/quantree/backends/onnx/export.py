@@ -99,6 +99,11 @@ def export_onnx(
     kwargs = dict(example_kwargs or {})
     if dynamic_shapes is None:
         dynamic_shapes = captured_dynamic_shapes(ref, example_args, kwargs)
+    # ONNX tensors have no strides; a guard torch.export writes for a non-contiguous example
+    # failed inside torch.onnx's decomposition ('NoneType' object has no attribute 'size').
+    example_args, kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.contiguous(), (example_args, kwargs)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
