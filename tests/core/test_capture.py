@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -49,3 +50,31 @@ def test_one_tensor_given_for_two_inputs_captures_two_inputs() -> None:
     a, b = torch.randn(2, 3), torch.randn(2, 3)
     assert torch.equal(gm(a, b), a - b)
     assert torch.equal(example, kept)
+
+
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 20)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
+
+
+@pytest.mark.parametrize("view", ["slice", "transpose"])
+def test_an_example_that_is_a_view_captures_a_model_plain_tensors_can_call(view) -> None:
+    """torch.export guarded the example's ``_base`` (``tokens._base.size()[1] != 8``): every
+    call with a plain tensor failed with a raw AttributeError, and so did re-export (ONNX,
+    ExecuTorch)."""
+    torch.manual_seed(0)
+    model = Tokens().eval()
+    longer = torch.randint(0, 20, (4, 16))
+    example = longer[:, :8] if view == "slice" else longer[:8].t()
+    assert example._base is not None
+    gm = qt.capture(model, (example,))
+    fresh = torch.randint(0, 20, tuple(example.shape))
+    assert torch.equal(gm(fresh), model(fresh))
+    assert torch.equal(gm(example), model(example))
+    torch.export.export(gm, (fresh,))  # re-export traces the guard too
+    assert example._base is longer  # the user's tensor is untouched

@@ -149,8 +149,11 @@ def unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[
 
     torch.export (2.13) traces inputs that alias as one: ``model(x, x)`` is captured as a
     graph that reads its last such input for all of them, which computes wrong (silently)
-    once the inputs differ. The copies hold the same values; the user's tensors are not
-    touched.
+    once the inputs differ. A view (a slice of a longer batch) is copied too: export guards
+    on the example's ``_base`` (``t._base.size()[1] != 8``), a check every later call with a
+    plain tensor failed with a raw ``AttributeError``. The copies hold the same values (and
+    the strides of a dense view: a channels-last example stays channels-last); the user's
+    tensors are not touched.
     """
     seen: set[tuple[torch.device, int]] = set()
 
@@ -158,7 +161,7 @@ def unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[
         if not isinstance(x, torch.Tensor) or x.layout != torch.strided:
             return x
         key = (x.device, x.untyped_storage().data_ptr())
-        if key in seen and x.numel():
+        if (key in seen and x.numel()) or x._base is not None:
             return x.clone()
         seen.add(key)
         return x

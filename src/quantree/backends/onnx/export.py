@@ -28,6 +28,7 @@ from quantree.backends.fastest import reference_of
 from quantree.backends.onnx.int4_weights import has_int4_weights, int4_initializers, int4_opset
 from quantree.backends.onnx.ort_kernels import ort_int8_saturates, saturating_ops
 from quantree.backends.onnx.target import OnnxTarget, finish_export
+from quantree.core.capture import unaliased
 from quantree.core.errors import QuantreeError, QuantreeWarning
 from quantree.core.graphs import copy_graph_module, nested_graphs
 from quantree.core.qdq import DEQUANTIZE_OPS, QUANTIZE_OPS, QUANTIZE_PER_TENSOR
@@ -99,11 +100,9 @@ def export_onnx(
     kwargs = dict(example_kwargs or {})
     if dynamic_shapes is None:
         dynamic_shapes = captured_dynamic_shapes(ref, example_args, kwargs)
-    # ONNX tensors have no strides; a guard torch.export writes for a non-contiguous example
-    # failed inside torch.onnx's decomposition ('NoneType' object has no attribute 'size').
-    example_args, kwargs = pytree.tree_map_only(
-        torch.Tensor, lambda t: t.contiguous(), (example_args, kwargs)
-    )
+    # a view as example: export guards its _base, which torch.onnx's decomposition then
+    # failed on ('NoneType' object has no attribute 'size')
+    example_args, kwargs = unaliased(example_args, kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
