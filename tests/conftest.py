@@ -4,6 +4,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 # Shared helpers (support.py) live here; test folders mirror the package below it.
@@ -25,6 +26,17 @@ def pytest_configure(config):
         return
     _OBJECTS.append(tempfile.mkdtemp(prefix="quantree-test-objects-"))
     os.environ[OBJECT_CACHE] = _OBJECTS[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (pyproject's addopts) hands out the heaviest files first
+    (``heaviest_first.py``); any other ``--dist`` is xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from heaviest_first import HeaviestFirst
+
+    return HeaviestFirst(config, log)
 
 
 def pytest_unconfigure(config):

@@ -16,6 +16,7 @@ states are compared like the output.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -96,7 +97,10 @@ CASES = {
 }
 
 
+@functools.cache
 def _quantized(case: str, padding_value: float = 0.0, target: qt.OnnxTarget = qt.OnnxTarget.QDQ):
+    """The case's model, its reference graph, example and held-out batches: quantized once
+    per file and read by several tests (``export_onnx`` and the rewrite copy the graph)."""
     torch.manual_seed(0)
     build, enforce_sorted = CASES[case]
     model = Packed(build(), enforce_sorted, padding_value).eval()
@@ -316,7 +320,7 @@ def test_rewritten_graph_computes_the_reference_exactly_in_pytorch(case):
     from quantree.backends.onnx.recurrent import rewrite_recurrent
     from quantree.core.graphs import copy_graph_module
 
-    _, ref, _, held_out = _quantized(case)
+    _, ref, _, held_out = _quantized(case, target=qt.OnnxTarget.QDQ)  # the qdq case's cache key
     gm = copy_graph_module(ref)
     assert rewrite_recurrent(gm) == 2  # one per layer
     targets = {n.target for n in gm.graph.nodes}
