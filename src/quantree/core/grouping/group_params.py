@@ -15,6 +15,7 @@ import torch.fx as fx
 from quantree.core.errors import QuantreeError
 from quantree.core.grouping.sharing import Group
 from quantree.core.observing.qparams import at_scale_floor, fixed_qparams
+from quantree.core.observing.threads import one_intra_op_thread
 from quantree.core.specs import Derivation, FixedSpec, QParams
 from quantree.core.stages import OBSERVER_KEY
 
@@ -40,8 +41,9 @@ def resolve_params(groups: dict[int, Group], gm: fx.GraphModule) -> dict[int, QP
         done[gid] = params
         return params
 
-    for gid in groups:
-        visit(gid, ())
+    with one_intra_op_thread():  # small tensors: see observing/threads.py
+        for gid in groups:
+            visit(gid, ())
     return done
 
 
