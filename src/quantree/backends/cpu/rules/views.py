@@ -24,15 +24,18 @@ from quantree.backends.cpu.rules.cat import on_grid
 from quantree.backends.cpu.rules.qdq import MOVEMENT
 from quantree.backends.patterns import Activation, activation, is_int8_per_tensor, replace
 from quantree.core.lower import LoweringContext, Quantized
+from quantree.core.qdq import QUANTIZE_OPS, params_of
 
 aten = torch.ops.aten
 
 
 def view_chain(
     ctx: LoweringContext, node: fx.Node
-) -> tuple[Activation, list[fx.Node], Quantized] | None:
-    """The int8 input, the views from ``node`` on (each read once by the next) and the int8
-    quantize that reads the last of them."""
+) -> tuple[Activation, list[fx.Node], Quantized, list[fx.Node]] | None:
+    """The int8 input, the views from ``node`` on (each read once by the next), the int8
+    quantize that reads the last of them and the other quantizes reading it with the very
+    same arguments (convert writes one per use: Encodec's slice after each transposed conv
+    is quantized twice, for the shortcut and for the ELU's table)."""
     if node.target not in MOVEMENT:
         return None
     x = activation(ctx, node.args[0])
@@ -44,10 +47,29 @@ def view_chain(
         if nxt.args[0] is not chain[-1]:
             break
         chain.append(nxt)
-    q = ctx.quantized_output(chain[-1])
-    if q is None or not is_int8_per_tensor(q.params):
+    users = list(chain[-1].users)
+    first = users[0] if users else None
+    if first is None or any(
+        u.target not in QUANTIZE_OPS
+        or u.target != first.target
+        or u.args[1:] != first.args[1:]
+        or u.kwargs != first.kwargs
+        for u in users
+    ):
         return None
-    return x, chain, q
+    q = Quantized(first, params_of(first, ctx.gm))
+    if not is_int8_per_tensor(q.params):
+        return None
+    return x, chain, q, users[1:]
+
+
+def replace_all(
+    ctx: LoweringContext, q: Quantized, same: list[fx.Node], new: fx.Node, chain: list[fx.Node]
+) -> None:
+    """Every quantize of the chain's end routed to ``new``, then the dead chain erased."""
+    for other in same:
+        replace(ctx, other, new, (other,))
+    replace(ctx, q.node, new, (q.node, *reversed(chain)))
 
 
 def views_on_int8(ctx: LoweringContext, source: fx.Node, chain: list[fx.Node]) -> fx.Node:
@@ -65,13 +87,13 @@ def lower_view_chain(ctx: LoweringContext, node: fx.Node) -> bool:
     found = view_chain(ctx, node)
     if found is None:
         return False
-    x, chain, q = found
+    x, chain, q, same = found
     if len(chain) < 2 or (float(q.params.scale), int(q.params.zero_point)) != (
         x.scale,
         x.zero_point,
     ):
         return False
-    replace(ctx, q.node, views_on_int8(ctx, x.node, chain), (q.node, *reversed(chain)))
+    replace_all(ctx, q, same, views_on_int8(ctx, x.node, chain), chain)
     return True
 
 
@@ -81,10 +103,10 @@ def lower_requantized_views(ctx: LoweringContext, node: fx.Node) -> bool:
     found = view_chain(ctx, node)
     if found is None:
         return False
-    x, chain, q = found
+    x, chain, q, same = found
     if (float(q.params.scale), int(q.params.zero_point)) == (x.scale, x.zero_point):
         return False  # lower_view_chain / lower_movement
     moved = views_on_int8(ctx, x.node, chain)
     requantized = on_grid(ctx, Activation(moved, x.scale, x.zero_point), q, chain[-1])
-    replace(ctx, q.node, requantized, (q.node, *reversed(chain)))
+    replace_all(ctx, q, same, requantized, chain)
     return True
