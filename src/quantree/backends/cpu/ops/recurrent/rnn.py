@@ -18,7 +18,8 @@ from quantree.backends.cpu.native.registry import contracted, op
 
 SIGNATURES: dict[str, list[type]] = {
     "qt_rnn": [PTR, I64, I64, PTR, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR],
-    "qt_rnn_batch_first": [PTR, I64, I64, PTR, I64, I64, F32, PTR, PTR, PTR, PTR, PTR],
+    "qt_rnn_batch_first": [PTR, I64, I64, PTR, I64, I64, I64, F32, PTR, PTR, PTR, PTR,
+                           PTR],
     "qt_rnn_packed": [PTR, I64, I64, PTR, PTR, PTR, F32, PTR, PTR, PTR, PTR, PTR,
                       PTR, PTR],
 }  # fmt: skip
@@ -207,7 +208,7 @@ class RnnRunner:
         a = NativeArgs("rnn")  # every address below points into a tensor ``a`` holds
         xs = a.strided_input("x", x, torch.float32, 3)
         kernels().qt_rnn_batch_first(
-            self.address, steps, batch, xs, x.stride(1), x.stride(0), self.x_inv,
+            self.address, steps, batch, xs, x.stride(1), x.stride(0), x.stride(2), self.x_inv,
             a.input("h_0", hx[0], torch.int8) if hx else None,
             a.input("c_0", hx[1], torch.int8) if hx and lstm else None,
             a.output("y", out), a.output("h_n", h_n), a.optional_output("c_n", c_n),
@@ -338,9 +339,9 @@ class RnnRunner:
 
 
 def reads_rows(x: Tensor) -> bool:
-    """Whether ``qt_rnn_batch_first`` reads ``x`` as it is: a float32 [B, T, K] whose
-    feature dimension is contiguous (any batch and time strides)."""
-    return x.dim() == 3 and x.dtype == torch.float32 and (x.stride(2) == 1 or x.shape[2] == 1)
+    """Whether ``qt_rnn_batch_first`` reads ``x`` as it is: a float32 [B, T, K], any
+    strides (DPRNN's chunks are a permuted channels-first map: K the slowest)."""
+    return x.dim() == 3 and x.dtype == torch.float32
 
 
 def batch_size(x: Tensor) -> int:
