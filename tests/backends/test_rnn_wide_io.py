@@ -176,3 +176,43 @@ def test_an_int8_output_read_only_by_its_dequantize_is_written_float(monkeypatch
     with torch.no_grad():
         for (x,) in test:
             assert torch.equal(low(x), before(x))
+
+
+@pytest.mark.parametrize("dtype", [qt.QDtype.INT8, qt.QDtype.INT16], ids=["int8", "int16"])
+def test_batch_first_rows_read_through_strides_equal_the_time_major_op(dtype, monkeypatch):
+    """A batch-first float input is read through its strides and the batch-first float
+    output written dense (``qt_rnn_batch_first``): the bits of the time-major op on a
+    transposed contiguous copy, for a permuted view (DPRNN's chunks), a sliced one and a
+    contiguous one."""
+    torch.manual_seed(2)
+    model = Seq(nn.LSTM(8, 12, batch_first=True, bidirectional=True)).eval()
+    data = batches((3, 7, 8), n=4)
+    _, low = lowered(model, data, dtype)
+    (node,) = rnn_nodes(low)
+    args = list(node.args)
+    assert args[7] is True and args[11:13] == [True, True]  # batch_first, float in and out
+    consts = [getattr(low, str(p.target)) for p in args[3]]
+    kind, _, hx, _, hidden, layers, bidir, _, qparams, *rest = args
+    maps = torch.randn(1, 8, 5, 9)  # [batch, features, chunk, n_chunks]
+    views = {
+        "permuted": maps.permute(0, 3, 2, 1).reshape(9, 5, 8),  # a view (batch 1)
+        "sliced": torch.randn(5, 11, 8)[:, 2:9],
+        "contiguous": torch.randn(6, 4, 8),
+    }
+    assert views["permuted"].stride(2) != 1  # the features are the slowest dimension
+    from quantree.backends.cpu.ops.recurrent import rnn as rnn_op
+
+    taken = []
+    strided = rnn_op.RnnRunner.batch_first
+    monkeypatch.setattr(
+        rnn_op.RnnRunner, "batch_first", lambda self, *a: taken.append(1) or strided(self, *a)
+    )
+    for name, x in views.items():
+        assert name == "contiguous" or not x.is_contiguous()
+        got = RNN(kind, x, hx, consts, hidden, layers, bidir, True, qparams, *rest)
+        time_major = x.transpose(0, 1).contiguous()
+        want = RNN(kind, time_major, hx, consts, hidden, layers, bidir, False, qparams, *rest)
+        assert got[0].shape == (x.shape[0], x.shape[1], 24)
+        assert torch.equal(got[0], want[0].transpose(0, 1)), name
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]), name
+    assert len(taken) == len(views)  # every batch-first call took the strided entry

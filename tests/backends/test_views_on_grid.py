@@ -49,3 +49,61 @@ def test_view_of_int8_map_needs_no_requantization(keep):
         for args in data:
             for want, got in zip(leaves(ref(*args)), leaves(low(*args)), strict=True):
                 assert torch.equal(want, got)
+
+
+class PaddedSlice(nn.Module):
+    """Encodec's padded conv input: ``pad(x, (k - 1, extra))[..., :end]`` into a conv, or
+    views that move the values (a permute and a transpose back)."""
+
+    def __init__(self, moved: bool, twice: bool = False) -> None:
+        super().__init__()
+        self.first = nn.Conv1d(4, 8, 3)
+        self.second = nn.Conv1d(8, 8, 3)
+        self.other = nn.Conv1d(8, 8, 1) if twice else None
+        self.moved = moved
+
+    def forward(self, x):
+        y = F.pad(self.first(x), (2, 1), mode="reflect")[..., : x.shape[-1] - 1]
+        if self.moved:
+            y = y.permute(0, 2, 1).transpose(1, 2)
+        out = self.second(y)
+        return out if self.other is None else (out, self.other(y))
+
+
+def regrid_view_outputs(ref: torch.fx.GraphModule) -> int:
+    """Moves every quantize that reads a view onto another grid (as a refined conv input
+    grid does), returning how many: the lowering must follow whatever grids convert made."""
+    views = {torch.ops.aten.slice.Tensor, torch.ops.aten.transpose.int}
+    moved = 0
+    for node in ref.graph.nodes:
+        if node.target == torch.ops.quantized_decomposed.quantize_per_tensor.default:
+            src = node.args[0]
+            if isinstance(src, torch.fx.Node) and src.target in views:
+                node.args = (src, float(node.args[1]) * 1.37, int(node.args[2]) + 3, *node.args[3:])
+                moved += 1
+    ref.recompile()
+    return moved
+
+
+@pytest.mark.parametrize(
+    ("moved", "twice"),
+    [(False, False), (True, False), (False, True)],
+    ids=["slice", "slice_permute_transpose", "read_twice"],
+)
+def test_views_onto_another_grid_are_an_int8_view_and_a_table(moved, twice):
+    """``dq -> views -> q`` on another grid: the views on int8 and one requantizing table,
+    no float copy, one table for two quantizes of the same arguments (a view read by two
+    convs); equal to the reference bit for bit (the table is made with its q/dq)."""
+    torch.manual_seed(0)
+    data = batches((2, 4, 24), n=4)
+    _, ref = run(PaddedSlice(moved, twice).eval(), data)
+    assert regrid_view_outputs(ref) == (2 if twice else 1)
+    low = qt.lower(ref, CPU)
+    targets = [n.target for n in low.graph.nodes if n.op == "call_function"]
+    assert targets.count(native.lookup.default) == 1
+    assert targets.count(native.quantize.default) == 1  # the model's input only
+    assert targets.count(native.dequantize.default) == (2 if twice else 1)  # the outputs'
+    with torch.no_grad():
+        for args in data:
+            for want, got in zip(leaves(ref(*args)), leaves(low(*args)), strict=True):
+                assert torch.equal(want, got)

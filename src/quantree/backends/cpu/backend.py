@@ -71,7 +71,7 @@ from quantree.backends.cpu.rules.recurrent.packed_sequence import (
     lower_metadata_reads,
     lower_packing,
 )
-from quantree.backends.cpu.rules.views import lower_view_chain
+from quantree.backends.cpu.rules.views import lower_requantized_views, lower_view_chain
 from quantree.backends.cpu.rules.wide import lower_wide
 from quantree.backends.cpu.speed_check import FLOAT_COSTS_KEY, check_speed, note_float_costs
 from quantree.core.errors import QuantreeWarning
@@ -214,6 +214,7 @@ def cpu_backend(hidden_bits: int = 8, attention: bool = True, speed_check: bool 
         lower_conv_transpose,
         lower_view_chain,
         lower_movement,
+        lower_requantized_views,
         lower_pad,
         lower_gather,
         lower_packing,

@@ -61,6 +61,14 @@ class NativeArgs:
         self.held.append(t)
         return t.data_ptr()
 
+    def strided_input(self, name: str, t: Tensor, dtype: torch.dtype, rank: int) -> int:
+        """The address of ``t``'s first element, for a kernel that is given ``t``'s strides
+        and reads it through them (never past its elements, all of which lie in ``t``'s
+        storage); ``t`` held, not copied."""
+        self.check(name, t, dtype, rank)
+        self.held.append(t)
+        return t.data_ptr()
+
     def output(self, name: str, t: Tensor) -> int:
         """The address of an output the op allocated: written in place, so never copied."""
         self.check(name, t, None, None)

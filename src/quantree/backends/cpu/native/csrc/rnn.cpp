@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -476,6 +477,35 @@ void qt_rnn_packed(const QtRnnPlan* p, int64_t T, int64_t B, const int64_t* batc
                    const float* inner_steps) try {
     rnn_stack(p, T, B, batch_sizes, x, x_float, x_inv, h0, c0, y, y_float, hn, cn,
               inner_steps);
+} QT_CATCH
+
+// qt_rnn on batch-first float rows, as a batch_first nn.LSTM reads and writes them: x_float
+// element (b, t, k) at b * sb + t * st + k * sk (the caller's view, read through its strides:
+// a permuted map needs no copy first), y_float dense [B, T, dirs * width]. The rows are moved
+// to and from time-major order here (a memcpy per row where sk is 1) and qt_rnn runs on
+// them: the same values in the same order, so the same bits as a transposed contiguous copy
+// in and out (two torch copies and an allocation fewer per call).
+void qt_rnn_batch_first(const QtRnnPlan* p, int64_t T, int64_t B, const float* x_float,
+                        int64_t st, int64_t sb, int64_t sk, float x_inv, const int8_t* h0,
+                        const int8_t* c0, float* y_float, int8_t* hn, int8_t* cn) try {
+    const int64_t K = p->K, width = p->dirs * (p->P ? p->P : p->H);
+    const auto xt = aligned_buffer<float>(T * B * K);
+    const auto yt = aligned_buffer<float>(T * B * width);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t b = 0; b < B; ++b) {
+            const float* src = x_float + t * st + b * sb;
+            float* dst = xt.get() + (t * B + b) * K;
+            if (sk == 1)
+                std::memcpy(dst, src, static_cast<size_t>(K) * sizeof(float));
+            else
+                for (int64_t k = 0; k < K; ++k) dst[k] = src[k * sk];
+        }
+    rnn_stack(p, T, B, nullptr, nullptr, xt.get(), x_inv, h0, c0, nullptr, yt.get(), hn, cn,
+              nullptr);
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t)
+            std::memcpy(y_float + (b * T + t) * width, yt.get() + (t * B + b) * width,
+                        static_cast<size_t>(width) * sizeof(float));
 } QT_CATCH
 
 }  // extern "C"

@@ -18,6 +18,8 @@ from quantree.backends.cpu.native.registry import contracted, op
 
 SIGNATURES: dict[str, list[type]] = {
     "qt_rnn": [PTR, I64, I64, PTR, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR],
+    "qt_rnn_batch_first": [PTR, I64, I64, PTR, I64, I64, I64, F32, PTR, PTR, PTR, PTR,
+                           PTR],
     "qt_rnn_packed": [PTR, I64, I64, PTR, PTR, PTR, F32, PTR, PTR, PTR, PTR, PTR,
                       PTR, PTR],
 }  # fmt: skip
@@ -157,6 +159,8 @@ class RnnRunner:
         self.ensure(key, params, qparams)
         dirs = 2 if bidirectional else 1
         width = proj_size or hidden
+        if batch_first and float_input and float_output and reads_rows(x) and inner_steps is None:
+            return self.batch_first(kind, x, hx, num_layers, dirs, width, hidden)
         inp = x.transpose(0, 1) if batch_first else x
         inp = (inp.float() if float_input else inp).contiguous()
         lstm = kind == "lstm"
@@ -180,6 +184,35 @@ class RnnRunner:
             kernels().qt_rnn_packed(self.address, steps, batch, None, x8, xf, self.x_inv, h0,
                                     c0, y8, yf, hn, cn, pinned)  # fmt: skip
         out = out.transpose(0, 1).contiguous() if batch_first else out
+        return out, h_n, x.new_empty((0,)) if c_n is None else c_n
+
+    def batch_first(
+        self,
+        kind: str,
+        x: Tensor,
+        hx: list[Tensor],
+        num_layers: int,
+        dirs: int,
+        width: int,
+        hidden: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """A batch-first float input read through its strides and a batch-first float output
+        written dense (``qt_rnn_batch_first``): no transposed copy in or out."""
+        lstm = kind == "lstm"
+        batch, steps = x.shape[0], x.shape[1]
+        check.rnn_call(x, hx, True, lstm, num_layers * dirs * batch * width,
+                       num_layers * dirs * batch * hidden)  # fmt: skip
+        out = torch.empty(batch, steps, dirs * width)
+        h_n = torch.empty(num_layers * dirs, batch, width, dtype=torch.int8)
+        c_n = torch.empty(num_layers * dirs, batch, hidden, dtype=torch.int8) if lstm else None
+        a = NativeArgs("rnn")  # every address below points into a tensor ``a`` holds
+        xs = a.strided_input("x", x, torch.float32, 3)
+        kernels().qt_rnn_batch_first(
+            self.address, steps, batch, xs, x.stride(1), x.stride(0), x.stride(2), self.x_inv,
+            a.input("h_0", hx[0], torch.int8) if hx else None,
+            a.input("c_0", hx[1], torch.int8) if hx and lstm else None,
+            a.output("y", out), a.output("h_n", h_n), a.optional_output("c_n", c_n),
+        )  # fmt: skip
         return out, h_n, x.new_empty((0,)) if c_n is None else c_n
 
     @contracted("rnn_packed_sequence")
@@ -303,6 +336,12 @@ class RnnRunner:
         # aliases of the checked storages: while they live no other tensor can be allocated
         # at a checked address, so an unchanged address is the checked memory
         self.keep = (held, pointers, depth, [p.detach() for p in params])
+
+
+def reads_rows(x: Tensor) -> bool:
+    """Whether ``qt_rnn_batch_first`` reads ``x`` as it is: a float32 [B, T, K], any
+    strides (DPRNN's chunks are a permuted channels-first map: K the slowest)."""
+    return x.dim() == 3 and x.dtype == torch.float32
 
 
 def batch_size(x: Tensor) -> int:
