@@ -89,7 +89,7 @@ class _Layer:
     label: str  # the node's name; a recurrent matrix's adds which ("lstm w_hh dir 0")
     node: fx.Node
     weight: fx.Node  # the dequantize of the integer weight
-    bias: fx.Node | None  # the dequantize of the int32 bias, if any
+    bias: fx.Node | None  # the dequantize of the int32 bias, or a float bias convert kept
     float_weight: torch.Tensor
     conv: tuple[list[int], list[int], list[int], list[int]] | None
     key: str = ""  # a recurrent matrix's input in its op's ``RecurrentInputs``
@@ -156,6 +156,16 @@ def _integer_constant(node: Any) -> bool:
     )
 
 
+def _bias(node: Any) -> fx.Node | None:
+    """The bias refine may move: an integer constant of its own, or a float one of its own
+    (convert keeps a bias float where its integer range cannot hold it)."""
+    if _integer_constant(node):
+        return node  # type: ignore[no-any-return]
+    if isinstance(node, fx.Node) and node.op == "get_attr" and len(node.users) == 1:
+        return node
+    return None
+
+
 def _layers(
     prepared: fx.GraphModule, reference: fx.GraphModule
 ) -> tuple[list[_Layer], list[RefinedLayer]]:
@@ -208,7 +218,7 @@ def _layers(
                 node.name,
                 node,
                 weight,
-                bias if _integer_constant(bias) else None,
+                _bias(bias),
                 _attr(prepared, str(source.target)).detach(),
                 conv,
                 groups=groups,
@@ -318,7 +328,6 @@ def _refine_layer(
     after = error(q)
     corrected = False
     if options.bias_correction and layer.bias is not None:
-        b_target, b_ints, b_scale, _, b_min, b_max = _quantized(result, layer.bias)
         delta = w_float - (q - z) * s
         shift = torch.zeros(out, dtype=torch.float64)
         spread = torch.zeros(out, dtype=torch.float64)
@@ -328,10 +337,24 @@ def _refine_layer(
             spread[rows] = ((delta[rows] @ covariance) * delta[rows]).sum(1).clamp(min=0.0)
         spread = spread / stats.rows
         shift = torch.where(shift.abs() > 2 * spread.sqrt(), shift, torch.zeros_like(shift))
-        moved = torch.clamp(b_ints.double() + torch.round(shift / b_scale.double()), b_min, b_max)
-        _set_attr(result, b_target, moved.to(b_ints.dtype))
+        _move_bias(result, layer.bias, shift)
         corrected = True
     return RefinedLayer(layer.label, before, after, rounded, corrected)
+
+
+def _move_bias(result: fx.GraphModule, bias: fx.Node, shift: torch.Tensor) -> None:
+    """Add ``shift`` to the bias: in float to a float one; on its grid to an integer one,
+    except in the channels it would push past the integer range (left as they were: a
+    clamped bias is further off than an uncorrected one)."""
+    if bias.op == "get_attr":
+        value = _attr(result, str(bias.target))
+        with torch.no_grad():
+            value.copy_((value.double() + shift.reshape(value.shape)).to(value.dtype))
+        return
+    b_target, b_ints, b_scale, _, b_min, b_max = _quantized(result, bias)
+    moved = b_ints.double() + torch.round(shift / b_scale.double())
+    moved = torch.where((moved >= b_min) & (moved <= b_max), moved, b_ints.double())
+    _set_attr(result, b_target, moved.to(b_ints.dtype))
 
 
 def _recurrent_layers(
@@ -362,7 +385,7 @@ def _recurrent_layers(
                     f"{node.name} w_{which} dir {d}",
                     node,
                     weight,
-                    bias if _integer_constant(bias) else None,
+                    _bias(bias),
                     _attr(prepared, str(source.target)).detach(),
                     None,
                     "ih" if which == "ih" else f"hh{d}",
