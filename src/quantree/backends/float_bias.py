@@ -57,10 +57,10 @@ def beyond_int32(layer: fx.Node) -> bool:
     return bool(value.detach().double().abs().max() / grid > INT32_MAX)
 
 
-def bias_apart(gm: fx.GraphModule) -> list[str]:
+def bias_apart(gm: fx.GraphModule) -> list[fx.Node]:
     """Move each bias :func:`beyond_int32` finds out of its layer, into a float ``add`` after
     it: the layer is then no ``dq -> op -> q`` pattern a runtime fuses with its bias, and
-    adds the same float bias the reference does. Returns the layers' names."""
+    adds the same float bias the reference does. Returns the layers."""
     moved = []
     for node in list(gm.graph.nodes):
         if not beyond_int32(node):
@@ -79,7 +79,7 @@ def bias_apart(gm: fx.GraphModule) -> list[str]:
         added.meta = {**node.meta}
         node.replace_all_uses_with(added, delete_user_cb=lambda user, new=added: user is not new)
         node.args = (*node.args[:2], None, *node.args[3:])
-        moved.append(node.name)
+        moved.append(node)
     if moved:
         gm.graph.eliminate_dead_code()
         gm.graph.lint()

@@ -47,6 +47,7 @@ import torch.fx as fx
 
 from quantree.backends.executorch.recurrent import lower_layers
 from quantree.backends.float_bias import beyond_int32, bias_apart
+from quantree.core.errors import QuantreeError
 from quantree.core.graphs import copy_graph_module, drop_attr, fetch_attr, register_constant
 from quantree.core.qdq import DEQUANTIZE_PER_TENSOR, QUANTIZE_PER_TENSOR, is_dequantize
 
@@ -233,12 +234,26 @@ def own_storage(gm: fx.GraphModule) -> int:
     return copied
 
 
+def refuse_conv1d(layers: list[fx.Node]) -> None:
+    """A 1-d convolution whose bias int32 cannot hold runs in fp32 on an int8 input, which
+    XNNPACK fails to compile (its squeeze around the 2-d kernel): said here, by name."""
+    for layer in layers:
+        if layer.target in (aten.conv1d.default, aten.conv1d.padding):
+            raise QuantreeError(
+                f"node {layer.name} ({layer.target}): its bias is float in the reference graph "
+                "(int32 cannot hold it on the grid input scale x weight scale), so XNNPACK "
+                "would run this 1-d convolution in fp32 on an int8 input, which it cannot "
+                "compile. Give the layer a wider input or weight range (so its int32 bias "
+                "fits), or export with qt.export_onnx"
+            )
+
+
 def to_xnnpack_dialect(ref: fx.GraphModule) -> fx.GraphModule:
     """A copy of the reference graph ``ref`` whose q/dq patterns are XNNPACK's (see above)."""
     gm = copy_graph_module(ref)
     own_storage(gm)
     lower_recurrent(gm)
-    bias_apart(gm)
+    refuse_conv1d(bias_apart(gm))
     fold_wide_dequantize(gm)
     fold_fp32_weights(gm)
     fold_constant_dequantize(gm)
