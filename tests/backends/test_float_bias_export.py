@@ -48,7 +48,6 @@ def _reference(conv: type[nn.Module], shape: tuple[int, ...]) -> tuple[torch.fx.
         ref = qt.convert(prepared)
     layers = [n for n in ref.graph.nodes if n.name in ("linear", "conv1d", "conv2d")]
     assert len(layers) == 2 and all(n.args[2].op == "get_attr" for n in layers)  # kept float
-    )
     return ref, data[0]
 
 
