@@ -157,13 +157,9 @@ def _integer_constant(node: Any) -> bool:
 
 
 def _bias(node: Any) -> fx.Node | None:
-    """The bias refine may move: an integer constant of its own, or a float one of its own
-    (convert keeps a bias float where its integer range cannot hold it)."""
-    if _integer_constant(node):
-        return node  # type: ignore[no-any-return]
-    if isinstance(node, fx.Node) and node.op == "get_attr" and len(node.users) == 1:
-        return node
-    return None
+    """A bias refine may move: an integer or float constant (a too-wide bias) of its own."""
+    own_float = isinstance(node, fx.Node) and node.op == "get_attr" and len(node.users) == 1
+    return node if _integer_constant(node) or own_float else None  # type: ignore[no-any-return]
 
 
 def _layers(
@@ -343,13 +339,9 @@ def _refine_layer(
 
 
 def _move_bias(result: fx.GraphModule, bias: fx.Node, shift: torch.Tensor) -> None:
-    """Add ``shift`` to the bias: in float to a float one; on its grid to an integer one,
-    except in the channels it would push past the integer range (left as they were: a
-    clamped bias is further off than an uncorrected one)."""
+    """``shift`` added to the bias: in float, or on its grid in the channels it keeps in range."""
     if bias.op == "get_attr":
-        value = _attr(result, str(bias.target))
-        with torch.no_grad():
-            value.copy_((value.double() + shift.reshape(value.shape)).to(value.dtype))
+        _attr(result, str(bias.target)).data.add_(shift.reshape(-1).float())
         return
     b_target, b_ints, b_scale, _, b_min, b_max = _quantized(result, bias)
     moved = b_ints.double() + torch.round(shift / b_scale.double())
