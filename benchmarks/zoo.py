@@ -360,7 +360,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, qt.Refine | str | None]] = {
     "int8_tables": ({"embedding_dtype": qt.QDtype.INT8}, "auto"),  # the default before h-embed27
     "refine": ({}, qt.Refine()),  # qt.refine with default Refine() after convert, on any graph
     "no_refine": ({}, None),  # never refined (the default before h-zoo27 on transformers)
-    "int16_conv1d": ({"conv1d_weight_dtype": qt.QDtype.INT16}, "auto"),  # h-conf27, opt-in
+    "int16_conv1d": ({"conv1d_weight_dtype": qt.QDtype.INT16}, "auto"),  # the default (h-bias32)
+    "int8_conv1d": ({"conv1d_weight_dtype": qt.QDtype.INT8}, "auto"),  # the default before h-bias32
 }
 """Rows ``--extra`` adds beside the default quantree row: Int8Quantizer options, and
 ``qt.quantize``'s ``refine`` (``"auto"``: its default, refined where the graph is

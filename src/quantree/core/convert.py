@@ -33,6 +33,7 @@ from quantree.core.grouping.group_params import (
     vanishing_groups,
     with_dependents,
 )
+from quantree.core.grouping.overflow import describe_overflow, kept_float_warning, overflow
 from quantree.core.grouping.sharing import Group
 from quantree.core.normalizing.fold import own_written_state
 from quantree.core.observing.grouped import GROUP_SIZE_KEY
@@ -44,7 +45,7 @@ from quantree.core.qdq import (
     QUANTIZE_PER_TENSOR,
     quantize_tensor,
 )
-from quantree.core.specs import QDtype, QParams
+from quantree.core.specs import Derivation, QDtype, QParams
 from quantree.core.stages import (
     CONVERTED,
     DEQUANTIZED_GROUP_KEY,
@@ -83,6 +84,7 @@ class _Rewriter:
         self.params = params
         self.groups = groups
         self.cache: dict[tuple[fx.Node, int], fx.Node] = {}
+        self.kept_float: list[str] = []  # derived constants that would not fit: see below
 
     def _qparam_args(self, p: QParams, after: fx.Node) -> tuple[tuple[Any, ...], fx.Node]:
         """Scale/zero-point arguments; per-channel ones become buffers read after ``after``."""
@@ -104,6 +106,12 @@ class _Rewriter:
             return self.cache[key]
         p = self.params[gid]
         _check_fits(p, source, self.groups[gid])
+        if source.op == "get_attr" and isinstance(self.groups[gid].spec, Derivation):
+            too_wide = self._too_wide(source, p, gid)
+            if too_wide:  # kept float: the q op would clamp it (``grouping/overflow.py``)
+                self.kept_float.append(too_wide)
+                self.cache[key] = source
+                return source
         graph = self.gm.graph
         bounds = (p.quant_min, p.quant_max, p.dtype.torch_dtype)
         q_op, dq_op = (
@@ -131,6 +139,13 @@ class _Rewriter:
         dequantized.meta[DEQUANTIZED_GROUP_KEY] = gid
         self.cache[key] = dequantized
         return dequantized
+
+    def _too_wide(self, source: fx.Node, p: QParams, gid: int) -> str:
+        """Why the derived constant ``source`` cannot take ``p``'s integers, or ''."""
+        found = overflow(fetch_attr(self.gm, str(source.target)), p)
+        if found is None:
+            return ""
+        return describe_overflow(source, found, p, self.groups[gid].label)
 
 
 def _check_fits(p: QParams, source: fx.Node, group: Group) -> None:
@@ -174,7 +189,12 @@ def convert(
     if trained:  # the learned parameters stand where the observers stood
         prepared = as_prepared(prepared)
     floated: list[str] = []
-    gm, vanishing = _convert(prepared, floated if unobserved is Unobserved.FLOAT else None)
+    kept_float: list[str] = []
+    gm, vanishing = _convert(
+        prepared, floated if unobserved is Unobserved.FLOAT else None, kept_float
+    )
+    if kept_float:
+        warnings.warn(kept_float_warning(kept_float), QuantreeWarning, stacklevel=2)
     if floated:
         warnings.warn(
             f"quantree left in float what calibration never observed: {'; '.join(floated)}",
@@ -199,11 +219,12 @@ def convert(
 
 
 def _convert(
-    prepared: fx.GraphModule, floated: list[str] | None = None
+    prepared: fx.GraphModule, floated: list[str] | None = None, kept_float: list[str] | None = None
 ) -> tuple[fx.GraphModule, list[str]]:
     """convert, and the labels of the groups whose calibrated scale is at the floor.
 
     With ``floated`` (a list), unobserved groups stay float and are described in it.
+    Derived constants kept float because they would not fit are described in ``kept_float``.
     """
     groups = require_stage(
         prepared,
@@ -220,7 +241,7 @@ def _convert(
     else:
         check_calibrated(prepared, groups)
     gm = own_written_state(copy_graph_module(prepared))
-    vanishing = _convert_nested(gm, floated)
+    vanishing = _convert_nested(gm, floated, kept_float)
     observers = [g.observer for g in groups.values() if g.observer is not None]
     groups = {gid: g for gid, g in groups.items() if gid not in drop}
     params = resolve_params(groups, gm)
@@ -240,6 +261,8 @@ def _convert(
                 {Value(node, p): g for p, g in info.output_groups.items() if g not in drop}
             )
     rewriter = _Rewriter(gm, params, groups)
+    if kept_float is not None:
+        rewriter.kept_float = kept_float
     for node in list(graph.nodes):
         info = node_quant(node)
         for use in list(input_uses(node)):
@@ -263,12 +286,14 @@ def _convert(
     return gm, vanishing
 
 
-def _convert_nested(gm: fx.GraphModule, floated: list[str] | None) -> list[str]:
+def _convert_nested(
+    gm: fx.GraphModule, floated: list[str] | None, kept_float: list[str] | None
+) -> list[str]:
     """Convert each prepared graph nested in ``gm``'s modules, on a private path to it."""
     vanishing: list[str] = []
     for name, body in nested_graphs(gm).items():
         if body.meta.get(STAGE_KEY) == PREPARED:
-            converted, inner = _convert(body, floated)
+            converted, inner = _convert(body, floated, kept_float)
             replace_submodule(gm, name, converted)
             vanishing += [f"{name} {label}" for label in inner]
     return vanishing

@@ -39,8 +39,9 @@ def quantize_tensor(x: torch.Tensor, p: QParams) -> torch.Tensor:
     """``x`` as integers on ``p``'s grid, with the same arithmetic as the graph's q op.
 
     int32 saturates: the q op clamps in float32, where ``2**31 - 1`` rounds up to ``2**31``,
-    which its cast wraps to ``-2**31``; a positive value past the range (a bias whose derived
-    scale is tiny, as one derived from a zero initial state's) is kept at the top instead.
+    which its cast wraps to ``-2**31``; a positive value past the range is kept at the top
+    instead. (convert does not clamp a derived bias this way: one past its range stays float,
+    ``grouping/overflow.py``.)
     """
     if p.group_size is not None:
         return quantize_grouped(x, p.scale, p.group_size)

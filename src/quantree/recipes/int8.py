@@ -284,10 +284,11 @@ class Int8Quantizer(Quantizer):
     default while ONNX Runtime's integer LSTM (``OnnxTarget.ONNXRUNTIME``) refuses a 16-bit
     input; benchmarks/README.md, branch ``lstmb1``).
     ``conv1d_weight_dtype``: the weights of 1-d convolutions that read a 16-bit input
-    (``WEIGHTED_INPUTS``); INT16 widens them (``wide_weight``: Conformer's convolution
-    module), None (the default) or INT8 keeps the weight spec. Not the default: a bias's
-    int32 scale is then the product of two 16-bit scales, and HDemucs' biases saturated
-    (benchmarks/README.md, "Stop 38").
+    (``WEIGHTED_INPUTS``); INT16 (the default) widens them (``wide_weight``: Conformer's
+    convolution module), None or INT8 keeps the weight spec. A bias's int32 scale is then the
+    product of two 16-bit scales, which an ordinary bias can pass: convert keeps such a bias
+    float with a warning rather than clamp it (HDemucs' clamped biases cost it 14 dB before;
+    benchmarks/README.md, "Stop 38" and "h-bias32").
     ``reduce_range``: weights on [-63, 63] (7 bits, ONNX Runtime's ``reduce_range``), for a
     model deployed to ONNX Runtime on x86 CPUs without VNNI, whose int8 kernels saturate on
     full-range weights (``quantree.backends.onnx.ort_kernels``); other runtimes and the CPU
@@ -317,7 +318,7 @@ class Int8Quantizer(Quantizer):
         embedding_dtype: QDtype | None = None,
         recurrent_sequence_dtype: QDtype = QDtype.INT8,
         reduce_range: bool = False,
-        conv1d_weight_dtype: QDtype | None = None,
+        conv1d_weight_dtype: QDtype | None = QDtype.INT16,
         rules: tuple[Rule, ...] = (),
     ) -> None:
         if not isinstance(recurrent, RecurrentMode):

@@ -11,7 +11,9 @@ this pass changes so the numbers stay the reference's:
   quantize it themselves on that grid (with the int32 dequantize left in front of the bias
   the lowered program computes wrong numbers), and a dequantize of int32 has no out-variant
   kernel in ExecuTorch's portable or quantized libraries. Each such dequantize is folded to
-  its float value: XNNPACK re-quantizes it to the integers it came from.
+  its float value: XNNPACK re-quantizes it to the integers it came from. A bias convert kept
+  float because int32 cannot hold it on that grid (``backends/float_bias.py``) would be cut
+  by XNNPACK's quantization: its layer runs in fp32, as the next item says.
 - **Weights of layers XNNPACK cannot run as int8.** XNNPACK's static int8 conv/linear is
   ``dq(int8 act) -> op(dq(int8 weight)) [-> relu|hardtanh] -> q(int8)``. A layer whose input
   is int16 (the w8a16 recipe for transformers), or whose output is not quantized (only
@@ -44,6 +46,8 @@ import torch
 import torch.fx as fx
 
 from quantree.backends.executorch.recurrent import lower_layers
+from quantree.backends.float_bias import beyond_int32, bias_apart
+from quantree.core.errors import QuantreeError
 from quantree.core.graphs import copy_graph_module, drop_attr, fetch_attr, register_constant
 from quantree.core.qdq import DEQUANTIZE_PER_TENSOR, QUANTIZE_PER_TENSOR, is_dequantize
 
@@ -106,6 +110,8 @@ def is_xnnpack_int8(layer: fx.Node) -> bool:
     if not _is_int8_per_tensor(act, DEQUANTIZE_PER_TENSOR):
         return False
     if not (is_dequantize(weight) and weight.args[-1] == torch.int8):  # type: ignore[union-attr]
+        return False
+    if beyond_int32(layer):  # XNNPACK would quantize its float bias to int32 and clamp it
         return False
     if len(layer.users) != 1:
         return False
@@ -228,11 +234,26 @@ def own_storage(gm: fx.GraphModule) -> int:
     return copied
 
 
+def refuse_conv1d(layers: list[fx.Node]) -> None:
+    """A 1-d convolution whose bias int32 cannot hold runs in fp32 on an int8 input, which
+    XNNPACK fails to compile (its squeeze around the 2-d kernel): said here, by name."""
+    for layer in layers:
+        if layer.target in (aten.conv1d.default, aten.conv1d.padding):
+            raise QuantreeError(
+                f"node {layer.name} ({layer.target}): its bias is float in the reference graph "
+                "(int32 cannot hold it on the grid input scale x weight scale), so XNNPACK "
+                "would run this 1-d convolution in fp32 on an int8 input, which it cannot "
+                "compile. Give the layer a wider input or weight range (so its int32 bias "
+                "fits), or export with qt.export_onnx"
+            )
+
+
 def to_xnnpack_dialect(ref: fx.GraphModule) -> fx.GraphModule:
     """A copy of the reference graph ``ref`` whose q/dq patterns are XNNPACK's (see above)."""
     gm = copy_graph_module(ref)
     own_storage(gm)
     lower_recurrent(gm)
+    refuse_conv1d(bias_apart(gm))
     fold_wide_dequantize(gm)
     fold_fp32_weights(gm)
     fold_constant_dequantize(gm)

@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from quantree.backends.fastest import reference_of
+from quantree.backends.float_bias import bias_apart
 from quantree.backends.onnx.int4_weights import has_int4_weights, int4_initializers, int4_opset
 from quantree.backends.onnx.ort_kernels import ort_int8_saturates, saturating_ops
 from quantree.backends.onnx.target import OnnxTarget, finish_export
@@ -97,6 +98,7 @@ def export_onnx(
 
     gm = copy_graph_module(ref)
     rewrite_recurrent(gm)
+    bias_apart(gm)  # a float bias ONNX Runtime would quantize to int32 and clamp
     kwargs = dict(example_kwargs or {})
     if dynamic_shapes is None:
         dynamic_shapes = captured_dynamic_shapes(ref, example_args, kwargs)

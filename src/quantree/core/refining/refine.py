@@ -89,7 +89,7 @@ class _Layer:
     label: str  # the node's name; a recurrent matrix's adds which ("lstm w_hh dir 0")
     node: fx.Node
     weight: fx.Node  # the dequantize of the integer weight
-    bias: fx.Node | None  # the dequantize of the int32 bias, if any
+    bias: fx.Node | None  # the dequantize of the int32 bias, or a float bias convert kept
     float_weight: torch.Tensor
     conv: tuple[list[int], list[int], list[int], list[int]] | None
     key: str = ""  # a recurrent matrix's input in its op's ``RecurrentInputs``
@@ -156,6 +156,12 @@ def _integer_constant(node: Any) -> bool:
     )
 
 
+def _bias(node: Any) -> fx.Node | None:
+    """A bias refine may move: an integer or float constant (a too-wide bias) of its own."""
+    own_float = isinstance(node, fx.Node) and node.op == "get_attr" and len(node.users) == 1
+    return node if _integer_constant(node) or own_float else None  # type: ignore[no-any-return]
+
+
 def _layers(
     prepared: fx.GraphModule, reference: fx.GraphModule
 ) -> tuple[list[_Layer], list[RefinedLayer]]:
@@ -208,7 +214,7 @@ def _layers(
                 node.name,
                 node,
                 weight,
-                bias if _integer_constant(bias) else None,
+                _bias(bias),
                 _attr(prepared, str(source.target)).detach(),
                 conv,
                 groups=groups,
@@ -318,7 +324,6 @@ def _refine_layer(
     after = error(q)
     corrected = False
     if options.bias_correction and layer.bias is not None:
-        b_target, b_ints, b_scale, _, b_min, b_max = _quantized(result, layer.bias)
         delta = w_float - (q - z) * s
         shift = torch.zeros(out, dtype=torch.float64)
         spread = torch.zeros(out, dtype=torch.float64)
@@ -328,10 +333,20 @@ def _refine_layer(
             spread[rows] = ((delta[rows] @ covariance) * delta[rows]).sum(1).clamp(min=0.0)
         spread = spread / stats.rows
         shift = torch.where(shift.abs() > 2 * spread.sqrt(), shift, torch.zeros_like(shift))
-        moved = torch.clamp(b_ints.double() + torch.round(shift / b_scale.double()), b_min, b_max)
-        _set_attr(result, b_target, moved.to(b_ints.dtype))
+        _move_bias(result, layer.bias, shift)
         corrected = True
     return RefinedLayer(layer.label, before, after, rounded, corrected)
+
+
+def _move_bias(result: fx.GraphModule, bias: fx.Node, shift: torch.Tensor) -> None:
+    """``shift`` added to the bias: in float, or on its grid in the channels it keeps in range."""
+    if bias.op == "get_attr":
+        _attr(result, str(bias.target)).data.add_(shift.reshape(-1).float())
+        return
+    b_target, b_ints, b_scale, _, b_min, b_max = _quantized(result, bias)
+    moved = b_ints.double() + torch.round(shift / b_scale.double())
+    moved = torch.where((moved >= b_min) & (moved <= b_max), moved, b_ints.double())
+    _set_attr(result, b_target, moved.to(b_ints.dtype))
 
 
 def _recurrent_layers(
@@ -362,7 +377,7 @@ def _recurrent_layers(
                     f"{node.name} w_{which} dir {d}",
                     node,
                     weight,
-                    bias if _integer_constant(bias) else None,
+                    _bias(bias),
                     _attr(prepared, str(source.target)).detach(),
                     None,
                     "ih" if which == "ih" else f"hh{d}",

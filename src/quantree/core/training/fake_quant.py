@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from quantree.core.errors import QuantreeError
+from quantree.core.grouping.overflow import overflow
 from quantree.core.observing.observers import Observer
 from quantree.core.observing.qparams import SCALE_FLOOR, half_exact
 from quantree.core.specs import Derivation, FixedSpec, QParams, QuantSpec
@@ -249,7 +250,12 @@ class DerivedFakeQuant(FakeQuant):
         return self.derivation.derive(sources)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fake_quantize_ste(x, self.live_params()) if bool(self.started) else x
+        if not bool(self.started):
+            return x
+        p = self.live_params()
+        if isinstance(x, nn.Parameter) and overflow(x, p) is not None:
+            return x  # a bias its range cannot hold: convert keeps it float, so does training
+        return fake_quantize_ste(x, p)
 
     def qparams(self) -> QParams:
         p = self.live_params()
