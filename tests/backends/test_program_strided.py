@@ -244,3 +244,27 @@ def test_a_large_exp_runs_as_vector_rows_within_rounding_and_exp_of_minus_inf_is
     assert torch.equal(got == 0, want == 0) or bool((got[want == 0] == 0).all())
     assert got[0, 0, 0] == 0 and got[0, 0, 1] == 0
     torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-37)
+
+
+def test_a_large_softplus_runs_as_vector_rows_within_rounding():
+    """A softplus of more than ``region_math.VECTOR_SOFTPLUS`` values (FLOAT_UNARY kind 13):
+    within 1e-6 relative of ATen's over [-100, 40] (log1p's small values too) but for results
+    under float's normal range (0 there, as kind 12's exp below -87.3), x itself above 20, 0
+    for -inf, NaN for NaN; a smaller one keeps libm's kind (9: libm's exp and log1p)."""
+
+    class Softplus(nn.Module):
+        def forward(self, x):
+            return nn.functional.softplus(x * 1.0)
+
+    x = torch.linspace(-100.0, 40.0, 8 * 41 * 13).reshape(8, 41, 13)
+    x[0, 0, :6] = torch.tensor([-torch.inf, torch.nan, 20.0, 20.5, -1e-8, 1e-8])
+    gm, want, code, _ = _fused(Softplus(), (x,))
+    assert [c[3] for c in code.tolist() if c[0] == 8] == [13]
+    got = gm(x)
+    assert got[0, 0, 0] == 0 and bool(got[0, 0, 1].isnan())
+    assert torch.equal(got[x > 20], x[x > 20])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1.2e-38, equal_nan=True)
+    small = torch.randn(4, 8, 16)
+    gm, want, code, _ = _fused(Softplus(), (small,))
+    assert [c[3] for c in code.tolist() if c[0] == 8] == [9]
+    torch.testing.assert_close(gm(small), want, rtol=1e-6, atol=0.0)

@@ -141,3 +141,49 @@ def test_a_masked_attention_ends_the_masks_infinities() -> None:
                for a in out_linear.all_input_nodes[:2])  # fmt: skip
     x = _data(9)[-1]
     assert _sqnr(model(*x), ref(*x)) > 30
+
+
+class TimeStepLimit(nn.Module):
+    """Mamba-2's time step: ``clamp(softplus(dt), 0, inf)`` (``time_step_limit`` defaults to
+    ``(0.0, inf)``), then products the next linear reads."""
+
+    def __init__(self, low: float = 0.0, high: float = float("inf")) -> None:
+        super().__init__()
+        self.dt = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+        self.low, self.high = low, high
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = torch.clamp(nn.functional.softplus(self.dt(x)), self.low, self.high)
+        return self.out(dt * x)
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "carries"),
+    [
+        (0.0, float("inf"), False),
+        (-float("inf"), 1.0, False),
+        (-float("inf"), float("inf"), False),
+        (float("inf"), float("inf"), True),
+        (0.0, -float("inf"), True),
+        (0.0, float("nan"), True),
+    ],
+)
+def test_an_infinite_clamp_bound_writes_no_infinity(low: float, high: float, carries: bool) -> None:
+    """A bound of +inf above (-inf below) never binds; +inf below, -inf above or NaN does
+    write a non-finite value."""
+    gm = torch.export.export(TimeStepLimit(low, high).eval(), _data(1)[0]).module()
+    found = {str(n.target) for n in carrying_infinities(gm.graph)}
+    assert any("clamp" in t for t in found) == carries
+    assert any("linear" in t or "mul" in t for t in found) == carries
+
+
+def test_the_linear_after_an_unbounded_clamp_is_quantized() -> None:
+    model = TimeStepLimit().eval()
+    calib = _data(8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", qt.QuantreeWarning)
+        ref = qt.quantize(model, calib[0], calib, backend=qt.REFERENCE, progress=False)
+    assert not [w for w in caught if "by design" in str(w.message)]
+    out_linear = [n for n in ref.graph.nodes if "linear" in str(n.target)][-1]
+    assert "dequantize" in str(out_linear.args[0].target)

@@ -65,10 +65,35 @@ def _non_finite(value: object) -> bool:
     return isinstance(value, float) and not math.isfinite(value)
 
 
+CLAMPS = (aten.clamp, aten.clamp_min, aten.clamp_max)
+"""Ops whose non-finite scalars are bounds: ``clamp(x, 0, inf)`` (Mamba-2's time-step limit
+by default) writes no infinity, only a bound that could never hold (min +inf, max -inf)
+or a NaN bound can."""
+
+
+_BOUNDS = {aten.clamp: ("min", "max"), aten.clamp_min: ("min",), aten.clamp_max: ("max",)}
+
+
+def _clamp_writes_non_finite(node: fx.Node) -> bool:
+    packet: Any = getattr(node.target, "overloadpacket", None)
+    names = _BOUNDS.get(packet, ())
+    bounds = dict(zip(names, node.args[1:], strict=False))
+    bounds.update({k: v for k, v in node.kwargs.items() if k in names})
+    low, high = bounds.get("min"), bounds.get("max")
+    if not all(b is None or isinstance(b, int | float) for b in (low, high)):
+        return any(_non_finite(a) for a in tree_leaves([*node.args[1:], *node.kwargs.values()]))
+    return any(
+        isinstance(b, float) and (math.isnan(b) or b == bad)
+        for b, bad in ((low, math.inf), (high, -math.inf))
+    )
+
+
 def _writes_non_finite(node: fx.Node) -> bool:
     packet = getattr(node.target, "overloadpacket", None)
     if packet not in SOURCES:
         return False
+    if packet in CLAMPS:
+        return _clamp_writes_non_finite(node)
     scalars = [*node.args[1:], *node.kwargs.values()]
     if packet in (aten.full, aten.scalar_tensor):
         scalars = [*node.args, *node.kwargs.values()]

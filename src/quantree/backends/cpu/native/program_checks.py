@@ -46,7 +46,7 @@ ATTENTION = 15  # float softmax(q k^T * scale + mask) v, heads as column blocks 
 TRANSPOSE, ROW_SUM = 20, 21  # each batch's [R, C] as [C, R]; a float row's sum
 CUMSUM, TRI_FILL, STRIDED = 22, 23, 24  # running sums; a triangular fill; a strided copy
 STRIDED_DIMS = 4  # sizes c[3..6], strides c[7..10]
-KINDS = {BINARY: 2, FLOAT_BINARY: 5, FLOAT_UNARY: 12, FLOAT_SCALAR: 8}
+KINDS = {BINARY: 2, FLOAT_BINARY: 5, FLOAT_UNARY: 13, FLOAT_SCALAR: 8}
 """The largest kind (``c[4]``, ``c[3]`` for unary and scalar ops) each opcode's runner knows."""
 DTYPES = (F32, I8)
 SIZES = (4, 1)

@@ -176,6 +176,7 @@ def float_ops_of_code(code: torch.Tensor) -> collections.Counter[str]:
     more = {v: k.__name__.split(".")[0] for k, v in MORE_UNARY.items()}
     more |= {v: k.__name__.split(".")[0] for k, v in region_math.UNARY_KINDS.items()}
     more[region_math.VECTOR_EXP_KIND] = "exp"
+    more[region_math.VECTOR_SOFTPLUS_KIND] = "softplus"
     binary |= {v: k for k, v in region_math.BINARY_KINDS.items()}
     scalar = {v: k.__name__.split(".")[0] for k, v in region_math.SCALAR_KINDS.items()}
     for row in code.reshape(-1, NI).tolist():

@@ -560,33 +560,82 @@ static inline void strided_copy(const Slot& a, const Slot& d, const int64_t* siz
 // element by element loop (a chunked scan's segment sums at 512 tokens), the same bits on
 // every path (the compiler's vector extension, no fused multiply-add).
 typedef int32_t I8x __attribute__((vector_size(32)));
+static inline V8 exp8(const V8 src) {
+    const V8 lo = src < -87.3f ? V8{} - 87.3f : src;  // NaN compares false: kept
+    const V8 x = lo > 88.7f ? V8{} + 88.7f : lo;
+    const V8 t = x * 1.44269504088896f;
+    const I8x k = __builtin_convertvector(t + (t < 0.0f ? V8{} - 0.5f : V8{} + 0.5f), I8x);
+    const V8 nf = __builtin_convertvector(k, V8);
+    V8 r = x - nf * 0.693145751953125f;
+    r = r - nf * 1.428606765330187045e-06f;
+    V8 p = V8{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + (r + 1.0f);
+    const I8x bits = (k + 127) << 23;
+    V8 scale;
+    std::memcpy(&scale, &bits, 32);
+    const V8 y = p * scale;
+    return src < -87.3f ? V8{} : y;
+}
+
 static inline void exp_rows(const float* a, float* out, int64_t n) {
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        V8 x = load8(a + j);
-        const V8 lo = x < -87.3f ? V8{} - 87.3f : x;  // NaN compares false: kept
-        x = lo > 88.7f ? V8{} + 88.7f : lo;
-        const V8 t = x * 1.44269504088896f;
-        const I8x k = __builtin_convertvector(t + (t < 0.0f ? V8{} - 0.5f : V8{} + 0.5f), I8x);
-        const V8 nf = __builtin_convertvector(k, V8);
-        V8 r = x - nf * 0.693145751953125f;
-        r = r - nf * 1.428606765330187045e-06f;
-        V8 p = V8{} + 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * (r * r) + (r + 1.0f);
-        const I8x bits = (k + 127) << 23;
-        V8 scale;
-        std::memcpy(&scale, &bits, 32);
-        V8 y = p * scale;
-        const V8 src = load8(a + j);
-        y = src < -87.3f ? V8{} : y;
+        const V8 y = exp8(load8(a + j));
         std::memcpy(out + j, &y, 32);
     }
     for (; j < n; ++j) out[j] = std::exp(a[j]);
+}
+
+// softplus (beta 1, threshold 20) of eight lanes: x above 20, else log1p(exp(x)) as
+// log(u) * e / (u - 1) with u = 1 + e (e where u rounds to 1), log(u) cephes' logf on the
+// mantissa in [sqrt(1/2), sqrt(2)) (about 1 ulp) plus the exponent times ln 2. FLOAT_UNARY
+// kind 13: softplus too large for libm's exp and log1p per element (Mamba-2's time steps,
+// [tokens, heads]), the same bits on every path as exp8's.
+static inline void softplus_rows(const float* a, float* out, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const V8 x = load8(a + j);
+        const V8 e = exp8(x);
+        const V8 u = e + 1.0f;
+        I8x ub;
+        std::memcpy(&ub, &u, 32);
+        I8x k = ((ub >> 23) & 0xff) - 126;
+        I8x mb = (ub & 0x007fffff) | 0x3f000000;  // mantissa in [1/2, 1)
+        V8 m;
+        std::memcpy(&m, &mb, 32);
+        const auto small = m < 0.707106781186547524f;
+        k = small ? k - 1 : k;
+        m = small ? m + m : m;
+        const V8 f = m - 1.0f;
+        const V8 z = f * f;
+        V8 p = V8{} + 7.0376836292e-2f;
+        p = p * f - 1.1514610310e-1f;
+        p = p * f + 1.1676998740e-1f;
+        p = p * f - 1.2420140846e-1f;
+        p = p * f + 1.4249322787e-1f;
+        p = p * f - 1.6668057665e-1f;
+        p = p * f + 2.0000714765e-1f;
+        p = p * f - 2.4999993993e-1f;
+        p = p * f + 3.3333331174e-1f;
+        const V8 kf = __builtin_convertvector(k, V8);
+        V8 y = p * f * z;
+        y = y + kf * -2.12194440e-4f;
+        y = y - 0.5f * z;
+        V8 lg = f + y;
+        lg = lg + kf * 0.693359375f;
+        const V8 um1 = u - 1.0f;
+        const V8 safe = um1 == 0.0f ? V8{} + 1.0f : um1;
+        V8 r = um1 == 0.0f ? e : lg * (e / safe);
+        r = x > 20.0f ? x : r;
+        r = x != x ? x : r;  // NaN in, NaN out
+        std::memcpy(out + j, &r, 32);
+    }
+    for (; j < n; ++j) out[j] = a[j] > 20.0f ? a[j] : std::log1p(std::exp(a[j]));
 }
 
 static inline void float_unary_row(int64_t kind, const float* a, float* out, int64_t n) {
@@ -623,6 +672,8 @@ static inline void float_unary_row(int64_t kind, const float* a, float* out, int
         for (int64_t j = 0; j < n; ++j) out[j] = 1.0f / std::sqrt(a[j]);
     } else if (kind == 12) {
         exp_rows(a, out, n);
+    } else if (kind == 13) {
+        softplus_rows(a, out, n);
     } else {  // abs
         for (int64_t j = 0; j < n; ++j) out[j] = std::fabs(a[j]);
     }

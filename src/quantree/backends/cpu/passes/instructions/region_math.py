@@ -56,6 +56,11 @@ VECTOR_EXP, VECTOR_EXP_KIND = 12288, 12
 """An ``exp`` of more values than this runs as eight-lane rows (``FLOAT_UNARY`` kind 12, equal
 to libm's up to about 1 ulp, 0 below -87.3): libm's element by element loop was the largest
 single cost left in Mamba-2's programs at 512 tokens. Smaller ones keep libm's bits."""
+VECTOR_SOFTPLUS, VECTOR_SOFTPLUS_KIND = 2048, 13
+"""A ``softplus`` of more values than this runs as eight-lane rows (kind 13: kind 12's exp,
+cephes' log, within a few ulps of ATen's; x above 20 as is): libm's exp and log1p per element
+cost Mamba-2's program at 512 tokens as much as its time steps' other ops together. Smaller
+ones keep libm's bits."""
 SWAPS = (aten.transpose.int, aten.permute.default)
 
 Shape = tuple[tuple[Any, ...], torch.dtype]
@@ -295,6 +300,8 @@ def emit(
         kind = UNARY_KINDS[n.target]  # type: ignore[index]
         if n.target == aten.exp.default and _values(shapes[n]) > VECTOR_EXP:
             kind = VECTOR_EXP_KIND
+        if n.target == aten.softplus.default and _values(shapes[n]) > VECTOR_SOFTPLUS:
+            kind = VECTOR_SOFTPLUS_KIND
         p.emit([FLOAT_UNARY, dst, slot[a[0]], kind], [])
     elif n.target in BINARY_KINDS:  # flag 1 (2): b (a) is a column, one value per row
         flag = 1 if shapes[a[1]] != shapes[n] else 2 if shapes[a[0]] != shapes[n] else 0
