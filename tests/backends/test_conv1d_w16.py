@@ -4,6 +4,8 @@ recipe's choice (int16 weights where a 1-d convolution reads int16)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -159,3 +161,31 @@ def test_saves_and_loads_bit_equal(model_data, tmp_path):
         save(lowered, path, calib[0])
         loaded = load(path)
         assert torch.equal(loaded(x), lowered(x))
+
+
+def test_a_bias_16_bit_scales_cannot_hold_stays_float_and_the_suggested_fix_makes_it_int32():
+    """16-bit input x 16-bit weight scales: an ordinary bias passes int32 (HDemucs' clamped
+    biases cost it 14 dB). convert keeps it float and says to give the layer 8-bit weights;
+    following that, the bias is int32 again and nothing is kept float."""
+    torch.manual_seed(1)
+    model = ConvModule().eval()
+    with torch.no_grad():
+        model.pointwise.bias.fill_(50.0)
+    calib = [(torch.randn(2, 40, 16),) for _ in range(4)]
+
+    def bias_kinds(quantizer: qt.Int8Quantizer) -> tuple[list[str], list[object]]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ref = qt.quantize(model, calib[0], calib, quantizer=quantizer, backend=None,
+                              progress=False)  # fmt: skip
+        said = [str(w.message) for w in caught if "derived constant(s) float" in str(w.message)]
+        (conv,) = [n for n in ref.graph.nodes if n.name == "conv1d"]
+        bias = conv.args[2]
+        return said, [bias.op, bias.args[-1] if bias.op == "call_function" else None]
+
+    said, kind = bias_kinds(WIDE)
+    assert len(said) == 1 and "pointwise_bias" in said[0]
+    assert "conv1d_weight_dtype=QDtype.INT8" in said[0]
+    assert kind[0] == "get_attr"  # float
+    said, kind = bias_kinds(NARROW)  # the fix the warning names
+    assert not said and kind == ["call_function", torch.int32]
