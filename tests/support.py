@@ -131,3 +131,15 @@ def selective_scan(decay: torch.Tensor, drive: torch.Tensor, x: torch.Tensor) ->
         state = decay[:, :, t] * state + drive[:, :, t]
         ys.append(torch.matmul(state, x[:, t, 2:5, None])[:, :, 0])
     return torch.stack(ys, -1)
+
+
+class Tokens(torch.nn.Module):
+    """Token ids -> embedding -> linear: an integer input that is often a slice of a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 8)
+        self.head = torch.nn.Linear(8, 20)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))

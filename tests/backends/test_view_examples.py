@@ -9,19 +9,10 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 import quantree as qt
 
-
-class Tokens(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(20, 8)
-        self.head = nn.Linear(8, 20)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(tokens))
+from support import Tokens
 
 
 @pytest.fixture(scope="module")

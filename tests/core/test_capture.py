@@ -8,6 +8,8 @@ from torch import nn
 
 import quantree as qt
 
+from support import Tokens
+
 
 class VarArgs(nn.Module):
     """``forward(self, *inputs)``: one parameter holding every input."""
@@ -50,16 +52,6 @@ def test_one_tensor_given_for_two_inputs_captures_two_inputs() -> None:
     a, b = torch.randn(2, 3), torch.randn(2, 3)
     assert torch.equal(gm(a, b), a - b)
     assert torch.equal(example, kept)
-
-
-class Tokens(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(20, 8)
-        self.head = nn.Linear(8, 20)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(tokens))
 
 
 @pytest.mark.parametrize("view", ["slice", "transpose"])
