@@ -27,6 +27,7 @@ WIDE = qt.Int8Quantizer(activations=qt.ActivationPoints.WEIGHTED_INPUTS)
 WIDE_IMAGES = qt.Int8Quantizer(
     activations=qt.ActivationPoints.WEIGHTED_INPUTS,
     activation=qt.QuantSpec(qt.QDtype.INT16, symmetric=True),
+    conv1d_weight_dtype=qt.QDtype.INT8,  # int8 weights: the int16-input kernels (conv16)
 )  # 2-d convolutions read int16 too (the default keeps them int8)
 REL = 1e-5
 CHAIN_REL = 1e-4

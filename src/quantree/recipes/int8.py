@@ -404,6 +404,8 @@ def wide_weight(weight: QuantSpec) -> QuantSpec:
     unscaled) was most of the model's; the CPU backend runs such a layer natively
     (``quantree.backends.cpu.ops.conv1d_w16``) at the cost of the int16-input kernel it
     replaces (figures: benchmarks/README.md, "h-conf27")."""
+    if weight.dtype is not QDtype.INT8 or weight.group_size is not None or weight.range[1] < 127:
+        return weight  # 4-bit, grouped or 7-bit weights were asked for: never widened
     return dataclasses.replace(weight, dtype=QDtype.INT16, quant_min=None, quant_max=None)
 
 
