@@ -2,9 +2,8 @@
 
 A range choice works on a histogram of a few thousand bins and a few thousand candidate
 ranges: torch splits ``searchsorted`` and indexing of that size across its thread pool, and
-waking the pool costs more than the work. On a loaded 2-core machine each such op took 7 ms
-on two threads against 0.25 ms on one, and quantizing a small CNN took 1.2 s of CPU against
-0.25 s (benchmarks/README.md, "Stop 39"). The caller's setting is restored afterwards.
+waking the pool costs more than the work, far more on a loaded machine (figures:
+benchmarks/README.md, "Stop 39"). The caller's setting is restored afterwards.
 """
 
 from __future__ import annotations
