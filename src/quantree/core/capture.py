@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_map
 
 from quantree.core.capturing.data_dependent import export_on_example_values
+from quantree.core.capturing.float64 import refuse_float64
 from quantree.core.capturing.frozen import parameters_without_grad
 from quantree.core.capturing.input_trees import batch_spec, register_dataclasses
 from quantree.core.capturing.keyword_inputs import named_keywords, respelled_shapes
@@ -67,6 +68,7 @@ def export_graph(
             f"capture takes a torch.nn.Module, got {type(model).__name__}; for a saved program "
             "pass torch.export.load(path).module()"
         )
+    refuse_float64(model)
     was_training = model.training
     if not isinstance(model, fx.GraphModule):  # a saved program's module has no train mode
         warn_train_mode(model, stacklevel=4)

@@ -13,6 +13,7 @@ from typing import Any
 import torch.fx as fx
 from torch._ops import OpOverload, OpOverloadPacket
 
+from quantree.core.errors import QuantreeError
 from quantree.core.points import POINT_KEY, Point
 from quantree.core.values import module_scope
 
@@ -57,6 +58,42 @@ class Rule:
     targets: tuple[Target, ...]
     annotate: AnnotateFn
     scope: str | None = None
+
+    def __post_init__(self) -> None:
+        """Checked here because a wrong target (an op's name as a string) matches nothing:
+        the rule would do nothing, silently. One target alone is taken as a 1-tuple."""
+        targets: Any = self.targets
+        if isinstance(targets, (OpOverload, OpOverloadPacket, Point, str)) or (
+            callable(targets) and not isinstance(targets, (tuple, list))
+        ):
+            targets = (targets,)
+        if not isinstance(targets, (tuple, list)) or not targets:
+            raise QuantreeError(
+                f"Rule targets must be a tuple of ops, got {targets!r}; e.g. "
+                "Rule((torch.ops.aten.mul.Tensor,), annotate)"
+            )
+        for target in targets:
+            if isinstance(target, str):
+                raise QuantreeError(
+                    f"Rule target {target!r} is a string, which matches no node: give the op, "
+                    f"e.g. torch.ops.aten.{target} (every overload) or "
+                    f"torch.ops.aten.{target}.<overload>, or qt.Point({target!r}) for a named "
+                    "point"
+                )
+            if not (isinstance(target, (OpOverload, OpOverloadPacket, Point)) or callable(target)):
+                raise QuantreeError(
+                    f"Rule target {target!r} is a {type(target).__name__}, not an op: give "
+                    "an OpOverload, its packet, a qt.Point or a callable the graph calls"
+                )
+        object.__setattr__(self, "targets", tuple(targets))
+        if not callable(self.annotate):
+            raise QuantreeError(
+                f"Rule annotate must be a function of a node, got {type(self.annotate).__name__}"
+            )
+        if self.scope is not None and not isinstance(self.scope, str):
+            raise QuantreeError(
+                f"Rule scope must be a module's qualified name (a str), got {self.scope!r}"
+            )
 
     def matches(self, node: fx.Node) -> bool:
         if not self.matches_target(node):

@@ -52,8 +52,15 @@ def tensor_meta(node: fx.Node) -> Any:
     return node.meta.get("val")
 
 
+QUANTIZABLE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+"""The float dtypes the reference graph's q/dq ops read (pt2e's ``quantized_decomposed``
+ops compute in float32 and refuse float64). A float64 tensor is not a quantization point: a
+model computes one on purpose (a rotary table, positions), and its q op would raise."""
+
+
 def is_float_tensor(meta: Any) -> bool:
-    return isinstance(meta, torch.Tensor) and meta.is_floating_point()
+    """A tensor quantree may quantize: float32, bfloat16 or float16."""
+    return isinstance(meta, torch.Tensor) and meta.dtype in QUANTIZABLE_FLOATS
 
 
 @dataclass(frozen=True)

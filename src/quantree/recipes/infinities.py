@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from quantree.core.errors import QuantreeWarning
 from quantree.core.quantizer import Annotation, Rule
 from quantree.core.specs import DerivedSpec, SharedSpec
-from quantree.core.values import Use, Value, is_float_tensor, tensor_meta
+from quantree.core.values import Use, Value, tensor_meta
 
 aten = torch.ops.aten
 
@@ -112,7 +112,10 @@ def _constant_non_finite(node: fx.Node) -> bool:
 
 
 def _float_output(node: fx.Node) -> bool:
-    return any(is_float_tensor(leaf) for leaf in tree_leaves(tensor_meta(node)))
+    """Any float leaf, float64 included: an infinity carried in float64 reaches the float32
+    values cast from it."""
+    leaves = tree_leaves(tensor_meta(node))
+    return any(isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in leaves)
 
 
 def carrying_infinities(graph: fx.Graph) -> set[fx.Node]:

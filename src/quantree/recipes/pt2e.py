@@ -115,9 +115,10 @@ class Pt2eQuantizer(Quantizer):
                 f"the pt2e quantizer {name} failed on the graph: {error}"
             ) from error
         annotations = translate_annotations(gm)
-        if not annotations:
+        # a rule matches calls only: an annotated get_attr (a weight) is read by its call
+        targets = tuple(dict.fromkeys(n.target for n in annotations if n.op == "call_function"))
+        if not targets:
             return gm, Quantizer((*self.before, *self.after))
-        targets = tuple(dict.fromkeys(n.target for n in annotations))
         rule = Rule(targets, lambda node: annotations.get(node))  # type: ignore[arg-type]
         return gm, Quantizer((*self.before, rule, *self.after))
 

@@ -49,6 +49,19 @@ def _where(node: fx.Node) -> str:
     return f"node {node.name} ({node.target})"
 
 
+def _kind(meta: object) -> str:
+    """Why a tensor cannot be a quantization point, in words."""
+    dtype = getattr(meta, "dtype", None)
+    if dtype is None:
+        return f"a {type(meta).__name__}, not a tensor"
+    if dtype.is_floating_point:
+        return (
+            f"{dtype}: the q/dq ops read float32, bfloat16 or float16 (a float64 model: "
+            "model.float() with float32 inputs)"
+        )
+    return f"{dtype}, not a float tensor: only float tensors are quantized"
+
+
 def _output_specs(node: fx.Node, annotation: Annotation) -> dict[Key, Spec]:
     meta = tensor_meta(node)
     if annotation.outputs is None:
@@ -69,8 +82,7 @@ def _output_specs(node: fx.Node, annotation: Annotation) -> dict[Key, Spec]:
         if not is_float_tensor(value.meta):
             raise QuantreeError(
                 f"annotation of {_where(node)}: output {list(path)} is "
-                f"{getattr(value.meta, 'dtype', type(value.meta).__name__)}, not a float "
-                "tensor; give it None"
+                f"{_kind(value.meta)}; give it None (it stays as it is)"
             )
         specs[value] = spec
     return specs
@@ -86,8 +98,8 @@ def _input_specs(node: fx.Node, annotation: Annotation) -> dict[Key, Spec]:
         use = Use.of(node, tuple(arg_path))
         if not is_float_tensor(use.value.meta):
             raise QuantreeError(
-                f"annotation of {_where(node)}: input {list(arg_path)} is not a float tensor; "
-                "only float tensors are quantized"
+                f"annotation of {_where(node)}: input {list(arg_path)} is "
+                f"{_kind(use.value.meta)}; give it None (it stays as it is)"
             )
         specs[use] = spec
     return specs
