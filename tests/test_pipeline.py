@@ -102,6 +102,12 @@ def test_keyword_example_inputs_and_args_kwargs_calibration_pairs():
         assert torch.equal(one_call(x, y=y), stepwise(x, y=y))
     with pytest.raises(qt.QuantreeError, match=r"batch 0 has keyword argument\(s\) none.*\['y'\]"):
         qt.calibrate(prepared, [(x,)], progress=False)
+    # the fix it names: (args, kwargs) pairs
+    with pytest.raises(
+        qt.QuantreeError, match=r"\(args, kwargs\) pair, e\.g\. \[\(\(x,\), \{'y': \.\.\.\}\)\]"
+    ):
+        qt.calibrate(prepared, [(x,)], progress=False)
+    qt.calibrate(prepared, [((x,), {"y": y})], progress=False)
 
 
 class _LstmHead(nn.Module):

@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 
 import quantree.core.lower as core_lower
+from quantree.backends.cpu.saved.pickling import refuse_pickling
 from quantree.backends.fastest import attach_reference
 from quantree.core.calibrate import calibrate, check_calibration_data
 from quantree.core.convert import Unobserved, convert
@@ -191,7 +192,7 @@ def quantize(
         )
         if isinstance(lowered, fx.GraphModule):
             lowered.meta[META_KEY] = chosen
-        return lowered
+        return refuse_pickling(lowered)
     resolved = resolve_backend(backend)
     # in a process group a shard may be empty; calibrate checks that some process had data
     check_calibration_data(calibration, allow_empty=in_process_group())
@@ -228,7 +229,8 @@ def quantize(
         chosen = auto_refine(captured, calibration) if refine == AUTO_REFINE else explicit
         if chosen is not None:
             reference = refine_weights(prepared, reference, calibration, chosen)
-        return captured, attach_reference(core_lower.lower(reference, resolved), reference)
+        lowered = attach_reference(core_lower.lower(reference, resolved), reference)
+        return captured, refuse_pickling(lowered)
 
     # by default every Python loop over time is folded where its lowered step runs natively
     # (quantree.recurrent.unrolled): tried folded, kept unrolled where a step would run op by

@@ -127,7 +127,10 @@ def _check_arity(spec: TreeSpec, call: Call, index: int) -> None:
             index,
             f"has keyword argument(s) {sorted(kwargs) or 'none'}, the program takes "
             f"{names or 'none'}",
-            "pass exactly the keyword arguments the model was captured with",
+            "pass exactly the keyword arguments the model was captured with, each batch an "
+            f"(args, kwargs) pair, e.g. [((x,), {{{', '.join(repr(n) + ': ...' for n in names)}}})]"
+            if names and not kwargs
+            else "pass exactly the keyword arguments the model was captured with",
         )
 
 

@@ -73,6 +73,7 @@ from quantree.backends.cpu.rules.recurrent.packed_sequence import (
 )
 from quantree.backends.cpu.rules.views import lower_requantized_views, lower_view_chain
 from quantree.backends.cpu.rules.wide import lower_wide
+from quantree.backends.cpu.saved.pickling import refuse_pickling
 from quantree.backends.cpu.speed_check import FLOAT_COSTS_KEY, check_speed, note_float_costs
 from quantree.core.errors import QuantreeWarning
 from quantree.core.graphs import nested_graphs, replace_submodule
@@ -125,7 +126,8 @@ def finish(
         warn_float_ops(lean, "the CPU backend", named=set(simulated_ops(gm)))
         if speed_check:
             check_speed(lean, priced)
-    return run_chains_natively(read_buffers_directly(bind_flat_inputs(call_directly(lean))))
+    done = run_chains_natively(read_buffers_directly(bind_flat_inputs(call_directly(lean))))
+    return refuse_pickling(done) if nested is not None else done
 
 
 def lower_nested(gm: fx.GraphModule, backend: Backend) -> None:

@@ -34,6 +34,7 @@ from quantree.backends.cpu.saved.compact import drop_provenance, one_name_per_te
 from quantree.backends.cpu.saved.deflate import deflate_descriptions
 from quantree.backends.cpu.saved.derived import fold_recipes
 from quantree.backends.cpu.saved.derived_export import as_recipes
+from quantree.backends.cpu.saved.pickling import refuse_pickling
 from quantree.backends.cpu.saved.pooled import pool_small_tensors
 from quantree.backends.cpu.saved.reader import (  # the one safe way to read a .pt2
     load_program,
@@ -139,7 +140,7 @@ def load(path: str | Path, *, memory_budget: int | None = None) -> torch.nn.Modu
     fold_saved_recipes(module, path, budget, program.example_inputs)
     compute_once_per_shape(module)  # a runtime form, not saved: made again here
     module = read_buffers_directly(bind_flat_inputs(call_directly(module)))
-    return explain_shape_guards(run_chains_natively(module))
+    return refuse_pickling(explain_shape_guards(run_chains_natively(module)))
 
 
 def fold_saved_recipes(
