@@ -299,3 +299,20 @@ def test_saving_into_a_missing_directory_is_told_to_create_it_and_that_works(tmp
     os.makedirs(path.parent, exist_ok=True)  # the fix, as the message spells it
     save(lowered, path, EXAMPLE)
     torch.testing.assert_close(load(path)(*EXAMPLE), lowered(*EXAMPLE), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("runtime", ["onnx", "executorch"])
+def test_exporting_into_a_missing_directory_is_told_before_the_export(tmp_path, runtime) -> None:
+    """The exports failed with the writer's raw ``FileNotFoundError`` after all their work."""
+    import os
+
+    pytest.importorskip("onnx" if runtime == "onnx" else "executorch")
+    export = qt.export_onnx if runtime == "onnx" else qt.export_executorch
+    lowered = qt.quantize(_conv(), EXAMPLE, DATA, progress=False, backend="cpu")
+    path = tmp_path / "not" / "there" / "model.file"
+    with pytest.raises(qt.QuantreeError, match=r"does not exist.*os\.makedirs\(directory"):
+        export(lowered, EXAMPLE, path)
+    with pytest.raises(qt.QuantreeError, match="it is a directory"):
+        export(lowered, EXAMPLE, tmp_path)
+    os.makedirs(path.parent, exist_ok=True)  # the fix, as the message spells it
+    assert export(lowered, EXAMPLE, path) == path and path.stat().st_size > 0

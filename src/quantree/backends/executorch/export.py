@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from quantree.backends.destination import writable_destination
 from quantree.backends.executorch import kernels
 from quantree.backends.executorch.dialect import fp32_layers, to_xnnpack_dialect
 from quantree.core.errors import QuantreeError, QuantreeWarning
@@ -188,8 +189,8 @@ def export_executorch(
 
     ``example_args`` fix the program's input shapes (the ``.pte`` is static). The file is
     written whole or not at all. Returns ``path``."""
+    target = writable_destination(path, "export ExecuTorch")
     lowered = lower_executorch(model, example_args, example_kwargs=example_kwargs)
-    target = Path(path)
     partial = target.with_name(f".{target.name}.partial")
     partial.write_bytes(lowered.buffer)
     os.replace(partial, target)

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from quantree.backends.destination import writable_destination
 from quantree.backends.fastest import reference_of
 from quantree.backends.float_bias import bias_apart
 from quantree.backends.onnx.int4_weights import has_int4_weights, int4_initializers, int4_opset
@@ -74,6 +75,7 @@ def export_onnx(
     Returns the path written.
     """
     _require_onnx()
+    writable_destination(path, "export ONNX")
     if isinstance(ref, fx.GraphModule):
         ref = reference_of(ref) or ref  # what qt.quantize and qt.lower lowered keeps its reference
     if not isinstance(ref, fx.GraphModule) or ref.meta.get(STAGE_KEY) != CONVERTED:

@@ -40,6 +40,7 @@ from quantree.backends.cpu.saved.reader import (  # the one safe way to read a .
     load_program,
     program_module,
 )
+from quantree.backends.destination import writable_destination
 from quantree.core.capture import export_batch_dynamic
 from quantree.core.capturing.shape_guards import explain_shape_guards
 from quantree.core.errors import QuantreeError
@@ -56,15 +57,7 @@ def save(
     """Export ``lowered`` with ``example_args`` to ``path``: the first dimension of each
     input stays dynamic where the lowered graph allows it (``dynamic_batch=False``: every
     dimension fixed to the example's)."""
-    # checked before exporting (which takes seconds to minutes), so a wrong path fails at once
-    # and not with torch's archive writer's error after the work is done
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise QuantreeError(
-            f"cannot save to {str(path)[:200]!r}: its directory {str(parent)[:200]!r} does not "
-            "exist; create it first (os.makedirs(directory, exist_ok=True)) or give a path in "
-            "an existing directory"
-        )
+    writable_destination(path, "save")  # before the export's minutes, not after
     write_program(saved_program(lowered, example_args, dynamic_batch), path)
 
 
