@@ -87,6 +87,13 @@ void lookup_portable(const int8_t* table, const int8_t* __restrict x, int8_t* __
 
 Kernels kernels{gemm_portable, cell_portable, activation_portable};
 
+// No early exit: a fold the compiler vectorizes (byte compares), one pass over the weight.
+bool within7(const int8_t* B, int64_t n) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; ++i) bad |= (B[i] > 63) | (B[i] < -63);
+    return bad == 0;
+}
+
 }  // namespace qt
 
 static int active_isa = qt::PORTABLE;
@@ -230,6 +237,7 @@ int qt_select_isa(int cap) {
     } else if (isa == AVX2) {
         kernels = Kernels{gemm_avx2, cell_avx2, activation_avx2, prepare_avx2, gemm_avx2_prepared,
                           lookup_avx2};
+        kernels.gemm_w7 = gemm_avx2_w7;  // 7-bit weights: `vpmaddubsw`, exact for them
     }
     if (isa == AVX512VNNI) {  // the narrow-group convolution's paths (conv_narrow_*.cpp)
         kernels.narrow_prepare = narrow_prepare_vnni;
