@@ -223,6 +223,15 @@ void QT_VNNI256_NAME(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
         const int64_t r1 = r0 + panel < M ? r0 + panel : M;
         for (int64_t nb = 0; nb < nblocks; ++nb) {
             const int8_t* b = B + nb * kq * 64;
+#if defined(QT_VNNI256_AVX2)
+            // the column constants loaded once per block (isa_avx2.cpp's panel epilogue): at
+            // a first convolution's K = 28 the general epilogue cost a fifth of the call
+            const x86_256::PanelEpilogue pe[2] = {
+                {ep, nb * 16, N - nb * 16 < 8 ? N - nb * 16 : 8},
+                {ep, nb * 16 + 8, N - nb * 16 - 8 < 8 ? N - nb * 16 - 8 : 8}};
+            const bool fast = !A_lo && pe[0].kind != x86_256::PanelEpilogue::GENERAL &&
+                              (nb * 16 + 8 >= N || pe[1].kind != x86_256::PanelEpilogue::GENERAL);
+#endif
             for (int64_t r = r0, m = 0; r < r1; r += m) {
                 // 7 or 8 rows left are 4 + 3 or 4 + 4, as in the AVX2 path
                 const int64_t left = r1 - r;
@@ -234,6 +243,15 @@ void QT_VNNI256_NAME(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
                 }
                 alignas(32) __m256i s[12];
                 tile16_n(static_cast<int>(A_lo ? 2 * m : m), rows, b, kq, s);
+#if defined(QT_VNNI256_AVX2)
+                if (fast) {
+                    for (int i = 0; i < m; ++i) {
+                        pe[0].row(r + i, s[2 * i], nullptr);
+                        if (nb * 16 + 8 < N) pe[1].row(r + i, s[2 * i + 1], nullptr);
+                    }
+                    continue;
+                }
+#endif
                 for (int i = 0; i < m; ++i) {
                     for (int h = 0; h < 2; ++h) {
                         const int64_t n0 = nb * 16 + 8 * h;
