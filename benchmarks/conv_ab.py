@@ -43,9 +43,7 @@ def main() -> None:
     parser.add_argument("--models", default="cnn,resnet18,mobilenet_v2,squeezenet")
     parser.add_argument("--no-shapes", action="store_true", help="the models only")
     parser.add_argument("--runs", type=int, default=15)
-    parser.add_argument(
-        "--reduce-range", action="store_true", help="both trees with 7-bit weights"
-    )
+    parser.add_argument("--reduce-range", action="store_true", help="both trees with 7-bit weights")
     args = parser.parse_args()
     one_thread()
     warnings.simplefilter("ignore")

@@ -12,6 +12,16 @@
 // the speed is then keeping the multiply ports fed: B is widened once per panel of rows
 // (not per tile), so the inner loop has no shuffle, and 6 rows x 8 columns keep 12
 // accumulators in registers.
+//
+// Two GEMMs, chosen by the weights: this one for any int8 weight, and isa_avx2_w7.cpp's for
+// weights proven within [-63, 63] (Int8Quantizer(reduce_range=True); qt::within7 on the
+// packed bytes, Kernels::gemm_w7). For those 7-bit weights `vpmaddubsw` cannot saturate
+// (2 x 255 x 63 < 2^15), so fbgemm's 3 instructions are exact there: the same 2 multiplies
+// per 32 multiply-adds as here, but both operands read as the packed bytes, with no int16
+// copy of A per call nor int16 panels of B (half the bytes through the loads and the cache,
+// and no widening pass). Full-range weights never reach it: one `vpmaddubsw` pair would
+// saturate and the sums would differ (the kernel check's witness). Figures: benchmarks/
+// README.md, "h-u8s8".
 #include <immintrin.h>
 
 #include <algorithm>
