@@ -87,10 +87,18 @@ void lookup_portable(const int8_t* table, const int8_t* __restrict x, int8_t* __
 
 Kernels kernels{gemm_portable, cell_portable, activation_portable};
 
-// No early exit: a fold the compiler vectorizes (byte compares), one pass over the weight.
+// 64 bytes at a time, a fold the compiler vectorizes (byte compares), leaving at the first
+// block past 7 bits: a 7-bit weight is read once, a full-range one (the default recipe)
+// mostly within its first blocks, not whole on every call.
 bool within7(const int8_t* B, int64_t n) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        int bad = 0;
+        for (int j = 0; j < 64; ++j) bad |= (B[i + j] > 63) | (B[i + j] < -63);
+        if (bad) return false;
+    }
     int bad = 0;
-    for (int64_t i = 0; i < n; ++i) bad |= (B[i] > 63) | (B[i] < -63);
+    for (; i < n; ++i) bad |= (B[i] > 63) | (B[i] < -63);
     return bad == 0;
 }
 
