@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--models", default="cnn,resnet18,mobilenet_v2,squeezenet")
     parser.add_argument("--no-shapes", action="store_true", help="the models only")
     parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--reduce-range", action="store_true", help="both trees with 7-bit weights")
     args = parser.parse_args()
     one_thread()
     warnings.simplefilter("ignore")
@@ -65,8 +66,11 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for label, model, calib in cases:
             kw = {"progress": False, "dynamic_batch": False}
-            base = qtbase.quantize(model, calib[0], calib, backend=base_cpu, **kw)
-            new = qt.quantize(model, calib[0], calib, backend=CPU, **kw)
+            rr = {"reduce_range": True} if args.reduce_range else {}
+            base = qtbase.quantize(model, calib[0], calib, backend=base_cpu,
+                                   quantizer=qtbase.Int8Quantizer(**rr), **kw)  # fmt: skip
+            new = qt.quantize(model, calib[0], calib, backend=CPU,
+                              quantizer=qt.Int8Quantizer(**rr), **kw)  # fmt: skip
             x = calib[0]
             with torch.inference_mode():
                 equal = torch.equal(base(*x), new(*x))

@@ -54,10 +54,15 @@ def interleaved(calls: dict[str, Callable[[], object]], runs: int) -> dict[str, 
     return {k: statistics.median(v) for k, v in ms.items()}
 
 
-def first_node_call(model: nn.Module, x: torch.Tensor, word: str) -> Callable[[], object]:
-    """quantree's lowered node for the model's first layer, on the input it receives."""
+def first_node_call(
+    model: nn.Module, x: torch.Tensor, word: str, reduce_range: bool = False
+) -> Callable[[], object]:
+    """quantree's lowered node for the model's first layer, on the input it receives
+    (``reduce_range``: with 7-bit weights, ``Int8Quantizer(reduce_range=True)``)."""
     calib = [(torch.randn_like(x),) for _ in range(2)]
-    low = qt.quantize(model, (x,), calib, backend=CPU, progress=False, dynamic_batch=False)
+    quantizer = qt.Int8Quantizer(reduce_range=reduce_range)
+    low = qt.quantize(model, (x,), calib, quantizer=quantizer, backend=CPU, progress=False,
+                      dynamic_batch=False)  # fmt: skip
     seen: dict[fx.Node, object] = {}
 
     class Recorder(fx.Interpreter):
@@ -77,10 +82,11 @@ def int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale.reshape(shape)).to(torch.int8), scale
 
 
-def conv_row(cin: int, cout: int, size: int, k: int, s: int, runs: int) -> str:
+def conv_row(cin: int, cout: int, size: int, k: int, s: int, runs: int, r7: bool = False) -> str:
     model = nn.Sequential(nn.Conv2d(cin, cout, k, s, k // 2), nn.ReLU()).eval()
     x = torch.randn(1, cin, size, size)
     ours = first_node_call(model, x, "conv2d")
+    ours7 = first_node_call(model, x, "conv2d", reduce_range=True) if r7 else None
     wq, w_scale = int8_weight(model[0].weight.detach())
     bias, x_scale = model[0].bias.detach(), float(x.abs().max() / 127)
     geometry = ([s, s], [k // 2, k // 2], [1, 1], 1)
@@ -97,11 +103,16 @@ def conv_row(cin: int, cout: int, size: int, k: int, s: int, runs: int) -> str:
         return conv(a, x_scale, 128, packed, w_scale, w_zp, bias, *geometry, 0.05, -128,
                     torch.int8, "relu", [], "")  # fmt: skip
 
-    ms = interleaved(
-        {"q": ours, "o": lambda: onednn(q8, True), "c": lambda: onednn(u8, False)}, runs
-    )
+    calls = {"q": ours, "o": lambda: onednn(q8, True), "c": lambda: onednn(u8, False)}
+    if ours7 is not None:
+        calls["r"] = ours7
+    ms = interleaved(calls, runs)
     label = f"conv {cin}->{cout}, {size}x{size}, k{k} s{s}"
-    return f"| {label} | {ms['q']:.3f} | {ms['o']:.3f} ({ms['o'] / ms['q']:.2f}) | {ms['c']:.3f} |"
+    r7_cell = f" {ms['r']:.3f} ({ms['r'] / ms['q']:.2f}) |" if ours7 is not None else ""
+    return (
+        f"| {label} | {ms['q']:.3f} |{r7_cell} {ms['o']:.3f} ({ms['o'] / ms['q']:.2f}) "
+        f"| {ms['c']:.3f} |"
+    )
 
 
 def linear_row(m: int, k: int, n: int, runs: int) -> str:
@@ -131,15 +142,20 @@ def linear_row(m: int, k: int, n: int, runs: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument(
+        "--r7", action="store_true", help="a column of quantree with 7-bit weights (convs)"
+    )
+    parser.add_argument("--convs-only", action="store_true")
     args = parser.parse_args()
     one_thread()
     warnings.simplefilter("ignore")
-    print("| layer | quantree ms | oneDNN ms, int8 in/out (ratio) | oneDNN core ms |")
-    print("|---|---|---|---|")
+    r7_head = " quantree 7-bit weights ms (ratio) |" if args.r7 else ""
+    print(f"| layer | quantree ms |{r7_head} oneDNN ms, int8 in/out (ratio) | oneDNN core ms |")
+    print("|---|---|" + ("---|" if args.r7 else "") + "---|---|")
     with torch.no_grad():  # not inference_mode: see benchmarks/README.md
         for shape in CONVS:
-            print(conv_row(*shape, args.runs), flush=True)
-        for m, k, n in LINEARS:
+            print(conv_row(*shape, args.runs, args.r7), flush=True)
+        for m, k, n in [] if args.convs_only else LINEARS:
             print(linear_row(m, k, n, args.runs), flush=True)
     print(f"\n{load_note()}; torch {torch.__version__}; one thread, process CPU time")
 

@@ -223,6 +223,15 @@ def peer_quantree_s16(model: nn.Module, calib: list[tuple], folder: Path) -> Cal
     return lambda args: lowered(*args)
 
 
+def peer_quantree_r7(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
+    """quantree with 7-bit weights (``Int8Quantizer(reduce_range=True)``): on AVX2 without
+    VNNI its convs and linears take the `vpmaddubsw` GEMM (csrc/isa_avx2_w7.cpp)."""
+    quantizer = qt.Int8Quantizer(reduce_range=True)
+    lowered = qt.quantize(model, calib[0], calib, quantizer=quantizer, backend=CPU,
+                          progress=False)  # fmt: skip
+    return lambda args: lowered(*args)
+
+
 def peer_et(model: nn.Module, calib: list[tuple], folder: Path) -> Call:
     from executorch_runtime import et_int8
 
@@ -313,6 +322,7 @@ PEER_BUILDERS: dict[str, Callable[[nn.Module, list[tuple], Path], Call]] = {
     "quantree_aten_norms": peer_quantree_aten_norms,
     "quantree_h16": peer_quantree_h16,
     "quantree_s16": peer_quantree_s16,
+    "quantree_r7": peer_quantree_r7,
     "et": peer_et,
     "ov": peer_ov,
     "ov_qt": peer_ov_qt,

@@ -5,7 +5,9 @@ two planes, weights reaching -128, operands at the ends of their ranges) and ran
 every other exported kernel (linear, the three convolutions, the int16-weight 1-d one,
 matmul, max pooling, softmax, binary, lookup, quantize / dequantize / quantize16, the
 recurrent layer in each cell kind with projection, int16 feedback and int16 input, the
-whole stacked op padded and packed, a cells-mode program), runs them on the portable path,
+whole stacked op padded and packed, a cells-mode program; GEMMs, linears and grouped convs
+with 7-bit weights at -63 / 63 on activations at 0 / 255, and GEMMs whose weights are 7-bit
+but for one byte), runs them on the portable path,
 then on every other path the CPU has, and compares the output bytes. Here it runs
 natively (the x86 paths this CPU has), and cross-compiled for aarch64 under ``qemu-aarch64``:
 ``-cpu max`` (NEON and the dot product) and ``-cpu cortex-a53`` (NEON only). The aarch64 test
@@ -89,12 +91,13 @@ KERNELS = {
     "max_pool2d", "softmax", "binary", "lookup", "quantize", "dequantize", "quantize16",
     "rnn_lstm", "rnn_gru", "rnn_tanh", "rnn_relu", "cell_loop_tanh", "cell_loop_relu",
     "rnn_stack_lstm", "rnn_stack_relu", "rnn_packed_lstm", "rnn_packed_relu", "conv_transpose",
-    "conv_transpose16", "conv1d_w16",
+    "conv_transpose16", "conv1d_w16", "gemm_w7", "gemm_8bit_twin", "linear_w7", "conv2d_w7",
 }  # fmt: skip
 FLOAT_GATES = {
     "rnn_lstm", "rnn_gru", "rnn_tanh", "cell_loop_tanh", "rnn_stack_lstm", "rnn_packed_lstm",
 }  # fmt: skip
 PORTABLE = 0  # qt::Isa
+AVX2 = 1  # qt::AVX2: the one path with a GEMM of its own for 7-bit weights (Kernels::gemm_w7)
 AVX512 = 3  # qt::AVX512VNNI: its vector kernels alone (qt_amx(0))
 AMX = 8  # the AVX-512 VNNI path with every product of 16 rows and more on AMX tiles (qt_amx(2))
 
@@ -166,6 +169,12 @@ def test_native_paths_equal_portable(baseline_check):
     assert found, out.stdout
     for path, kernels in found.items():
         check_path(path, kernels, out.stdout)
+    # 7-bit weights (gemm_w7, linear_w7, conv2d_w7, -63 / 63 on 0 / 255) equal the portable
+    # bytes above; the weights one byte past them (gemm_8bit_twin) too, and that proves they
+    # never reach the AVX2 path's 7-bit GEMM: forced onto them, it gives other bits.
+    witness = re.findall(r"path (\d+) w7_gemm_on_8bit_weights differs (\d+) of (\d+)", out.stdout)
+    assert {int(p) for p, _, _ in witness} == {AVX2} & set(found), out.stdout
+    assert all(int(n) > 0 for _, n, _ in witness), out.stdout
     if AMX in found:  # the tiles' integer sums are exact: the vector path's bytes, every kernel
         got = digests(out.stdout)
         on_tiles = {k.split()[2]: v for k, v in got.items() if k.startswith(f"path {AMX} ")}

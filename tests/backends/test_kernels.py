@@ -92,6 +92,50 @@ def test_grouped_conv2d_over_many_panels_is_exact(groups, c, size):
     assert torch.equal(q.contiguous(), expect)
 
 
+def seven_bit_conv(weight: torch.Tensor, x: torch.Tensor, zp: int) -> None:
+    """A 3x3 conv of 40 channels over 3 im2col panels: the exact integer sums, and the same
+    requantized (a power-of-two scale: exact) with a fused relu."""
+    oc = weight.shape[0]
+    flat = weight.permute(0, 2, 3, 1).reshape(oc, -1)
+    geometry = ([3, 3], [1, 1], [1, 1], [1, 1])
+    want = torch.nn.functional.conv2d(
+        torch.nn.functional.pad(x.float() - zp, (1, 1, 1, 1)), weight.float()
+    )
+    args = (pack(flat), zero_point_offset(flat, zp), torch.ones(oc), None, oc, *geometry, zp)
+    got = quantree_ops.conv2d(x, *args, 0.0, 0, False)
+    assert torch.equal(got.contiguous(), want)
+    q = quantree_ops.conv2d(x, *args, 2.0**-10, -7, True)
+    expect = torch.clamp(torch.round(want * 2.0**10) - 7, -7, 127).to(torch.int8)
+    assert torch.equal(q.contiguous(), expect)
+
+
+def test_seven_bit_weights_are_exact():
+    """Weights within [-63, 63] (``Int8Quantizer(reduce_range=True)``) reach the AVX2 path's
+    `vpmaddubsw` GEMM (csrc/isa_avx2_w7.cpp), exact for them: at its largest pair sums
+    (weights -63 / 63 on inputs -128 / 127, read as 0 / 255) the conv and the linear give the
+    exact integer results."""
+    torch.manual_seed(7)
+    x = torch.where(torch.rand(1, 40, 27, 27) < 0.5, 127, -128).to(torch.int8)
+    w = torch.where(torch.rand(40, 40, 3, 3) < 0.5, 63, -63).to(torch.int8)
+    w[::3] = random_int8(*w[::3].shape, low=-63, high=64)
+    seven_bit_conv(w, x, -128)  # every padded tap reads 0 after the flip: 255 x 63 pairs
+    seven_bit_conv(w, random_int8(2, 40, 27, 27), 5)
+    xl, wl = x.reshape(-1, 27)[:37].contiguous(), w.reshape(-1, 9)[:33].repeat(1, 3)
+    got = quantree_ops.linear(xl, pack(wl), zero_point_offset(wl, 0), torch.ones(33), None, 33,
+                              0.0, 0, False)  # fmt: skip
+    assert torch.equal(got, (xl.float() @ wl.float().t()))
+
+
+@pytest.mark.parametrize("wide", [127, -128, 64])
+def test_one_eight_bit_weight_keeps_the_exact_gemm(wide):
+    """One weight past [-63, 63] among 63s keeps the whole conv off the 7-bit GEMM: with 127
+    beside 63 on inputs of 255, `vpmaddubsw` would saturate (255 x 190 > 2^15) and the
+    sums would differ."""
+    w = torch.full((40, 40, 3, 3), 63, dtype=torch.int8)
+    w[17, 11, 1, 1] = wide
+    seven_bit_conv(w, torch.full((1, 40, 27, 27), 127, dtype=torch.int8), -128)
+
+
 def test_pack_layout():
     w = torch.arange(20 * 6, dtype=torch.int32).reshape(20, 6).remainder(127).to(torch.int8)
     p = pack(w)

@@ -292,7 +292,11 @@ class Int8Quantizer(Quantizer):
     ``reduce_range``: weights on [-63, 63] (7 bits, ONNX Runtime's ``reduce_range``), for a
     model deployed to ONNX Runtime on x86 CPUs without VNNI, whose int8 kernels saturate on
     full-range weights (``quantree.backends.onnx.ort_kernels``); other runtimes and the CPU
-    backend are exact at 8 bits, where it only costs accuracy. ``rules``
+    backend are exact at 8 bits. On x86 CPUs with AVX2 and no VNNI it also speeds up the CPU
+    backend's convolutions and linears (a `vpmaddubsw` kernel, exact for 7-bit weights only,
+    chosen from the packed weight's range; benchmarks/README.md, "h-u8s8"), at the accuracy
+    the halved weight grid costs: measure both on the model. Elsewhere it only costs
+    accuracy. ``rules``
     are added last and so take precedence.
     """
 

@@ -36,6 +36,7 @@ X86_ISA_SOURCES: dict[str, tuple[str, ...]] = {
     "program_avx2.cpp": ("-march=x86-64-v3",),
     "isa_avxvnni.cpp": ("-march=x86-64-v3", "-mavxvnni"),
     "isa_avx2.cpp": ("-march=x86-64-v3",),
+    "isa_avx2_w7.cpp": ("-march=x86-64-v3",),
     "conv_narrow_vnni.cpp": ("-march=x86-64-v4", "-mavx512vnni"),
     "conv_narrow_avx2.cpp": ("-march=x86-64-v3",),
     "conv1d_w16_avx2.cpp": ("-march=x86-64-v3",),

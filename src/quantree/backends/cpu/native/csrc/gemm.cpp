@@ -87,6 +87,21 @@ void lookup_portable(const int8_t* table, const int8_t* __restrict x, int8_t* __
 
 Kernels kernels{gemm_portable, cell_portable, activation_portable};
 
+// 64 bytes at a time, a fold the compiler vectorizes (byte compares), leaving at the first
+// block past 7 bits: a 7-bit weight is read once, a full-range one (the default recipe)
+// mostly within its first blocks, not whole on every call.
+bool within7(const int8_t* B, int64_t n) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        int bad = 0;
+        for (int j = 0; j < 64; ++j) bad |= (B[i + j] > 63) | (B[i + j] < -63);
+        if (bad) return false;
+    }
+    int bad = 0;
+    for (; i < n; ++i) bad |= (B[i] > 63) | (B[i] < -63);
+    return bad == 0;
+}
+
 }  // namespace qt
 
 static int active_isa = qt::PORTABLE;
@@ -230,6 +245,7 @@ int qt_select_isa(int cap) {
     } else if (isa == AVX2) {
         kernels = Kernels{gemm_avx2, cell_avx2, activation_avx2, prepare_avx2, gemm_avx2_prepared,
                           lookup_avx2};
+        kernels.gemm_w7 = gemm_avx2_w7;  // 7-bit weights: `vpmaddubsw`, exact for them
     }
     if (isa == AVX512VNNI) {  // the narrow-group convolution's paths (conv_narrow_*.cpp)
         kernels.narrow_prepare = narrow_prepare_vnni;

@@ -3,6 +3,12 @@
 // EVEX in the AVX-512 file, so that the AVX-VNNI path can run (and be tested) on AVX-512
 // VNNI CPUs too. Define QT_VNNI256_NAME, the function's name, before including.
 //
+// With QT_VNNI256_AVX2 defined instead (isa_avx2_w7.cpp), each `vpdpbusd` is AVX2's three
+// instructions: `vpmaddubsw` (u8 x s8 pairs into int16, saturating), `vpmaddwd` by ones
+// (pairs of those into int32) and `vpaddd`. That is exact only for weights within
+// [-63, 63] (2 x 255 x 63 < 2^15): the AVX2 path reaches it through Kernels::gemm_w7 for
+// such weights alone (qt::within7), never for a full int8 weight.
+//
 // A packed block (16 columns x 4 k, 64 bytes) is two registers of 8 columns each, so every
 // accumulator lane is one output column: no folding at the end.
 #include <algorithm>
@@ -14,7 +20,14 @@ namespace {
 
 inline void dpbusd256(__m256i& acc, __m256i a, __m256i b) {
     // inline asm keeps each accumulator in its register (see isa_avx512.cpp)
-#if defined(QT_VNNI256_VEX)
+#if defined(QT_VNNI256_AVX2)
+    __m256i t;
+    asm("vpmaddubsw %3, %2, %1\n\t"
+        "vpmaddwd %4, %1, %1\n\t"
+        "vpaddd %1, %0, %0"
+        : "+x"(acc), "=&x"(t)
+        : "x"(a), "x"(b), "x"(_mm256_set1_epi16(1)));
+#elif defined(QT_VNNI256_VEX)
     asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
 #else
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
@@ -91,6 +104,22 @@ void tile16(const uint8_t* const* a, const int8_t* b, int64_t kq, __m256i* s) {
         const int8_t* bp = b;
         const uint8_t* q0 = a[0];
         const uint8_t* q3 = a[3];
+#if defined(QT_VNNI256_AVX2)
+        // 12 accumulators, 2 weight registers, the broadcast and one product take all 16
+        // registers: the ones of `vpmaddwd` are read from memory (an L1 load, not a port
+        // the multiplies need).
+        alignas(32) static const int16_t ones16[16] = {1, 1, 1, 1, 1, 1, 1, 1,
+                                                       1, 1, 1, 1, 1, 1, 1, 1};
+        const int16_t* ones = ones16;
+#define QT_ROW6(addr, u, v)                                  \
+    "vpbroadcastd " addr ", %%ymm14\n\t"                     \
+    "vpmaddubsw %%ymm12, %%ymm14, %%ymm15\n\t"               \
+    "vpmaddwd (%[ones]), %%ymm15, %%ymm15\n\t"               \
+    "vpaddd %%ymm15, %%ymm" u ", %%ymm" u "\n\t"             \
+    "vpmaddubsw %%ymm13, %%ymm14, %%ymm15\n\t"               \
+    "vpmaddwd (%[ones]), %%ymm15, %%ymm15\n\t"               \
+    "vpaddd %%ymm15, %%ymm" v ", %%ymm" v "\n\t"
+#else
 #if defined(QT_VNNI256_VEX)
 #define QT_DP "%{vex%} vpdpbusd "
 #else
@@ -100,6 +129,7 @@ void tile16(const uint8_t* const* a, const int8_t* b, int64_t kq, __m256i* s) {
     "vpbroadcastd " addr ", %%ymm14\n\t"               \
     QT_DP "%%ymm12, %%ymm14, %%ymm" u "\n\t"           \
     QT_DP "%%ymm13, %%ymm14, %%ymm" v "\n\t"
+#endif
         asm volatile(
             "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
             "vmovdqa %%ymm0, %%ymm1\n\tvmovdqa %%ymm0, %%ymm2\n\tvmovdqa %%ymm0, %%ymm3\n\t"
@@ -128,6 +158,9 @@ void tile16(const uint8_t* const* a, const int8_t* b, int64_t kq, __m256i* s) {
             "vmovdqu %%ymm10, 320(%[s])\n\tvmovdqu %%ymm11, 352(%[s])\n\t"
             : [b] "+r"(bp), [q0] "+r"(q0), [q3] "+r"(q3), [n] "+r"(n)
             : [ld] "r"(ld), [s] "r"(s)
+#if defined(QT_VNNI256_AVX2)
+              , [ones] "r"(ones)
+#endif
             : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
               "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
 #undef QT_ROW6
@@ -190,6 +223,15 @@ void QT_VNNI256_NAME(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
         const int64_t r1 = r0 + panel < M ? r0 + panel : M;
         for (int64_t nb = 0; nb < nblocks; ++nb) {
             const int8_t* b = B + nb * kq * 64;
+#if defined(QT_VNNI256_AVX2)
+            // the column constants loaded once per block (isa_avx2.cpp's panel epilogue): at
+            // a first convolution's K = 28 the general epilogue cost a fifth of the call
+            const x86_256::PanelEpilogue pe[2] = {
+                {ep, nb * 16, N - nb * 16 < 8 ? N - nb * 16 : 8},
+                {ep, nb * 16 + 8, N - nb * 16 - 8 < 8 ? N - nb * 16 - 8 : 8}};
+            const bool fast = !A_lo && pe[0].kind != x86_256::PanelEpilogue::GENERAL &&
+                              (nb * 16 + 8 >= N || pe[1].kind != x86_256::PanelEpilogue::GENERAL);
+#endif
             for (int64_t r = r0, m = 0; r < r1; r += m) {
                 // 7 or 8 rows left are 4 + 3 or 4 + 4, as in the AVX2 path
                 const int64_t left = r1 - r;
@@ -201,6 +243,15 @@ void QT_VNNI256_NAME(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t
                 }
                 alignas(32) __m256i s[12];
                 tile16_n(static_cast<int>(A_lo ? 2 * m : m), rows, b, kq, s);
+#if defined(QT_VNNI256_AVX2)
+                if (fast) {
+                    for (int i = 0; i < m; ++i) {
+                        pe[0].row(r + i, s[2 * i], nullptr);
+                        if (nb * 16 + 8 < N) pe[1].row(r + i, s[2 * i + 1], nullptr);
+                    }
+                    continue;
+                }
+#endif
                 for (int i = 0; i < m; ++i) {
                     for (int h = 0; h < 2; ++h) {
                         const int64_t n0 = nb * 16 + 8 * h;

@@ -12,6 +12,16 @@
 // the speed is then keeping the multiply ports fed: B is widened once per panel of rows
 // (not per tile), so the inner loop has no shuffle, and 6 rows x 8 columns keep 12
 // accumulators in registers.
+//
+// Two GEMMs, chosen by the weights: this one for any int8 weight, and isa_avx2_w7.cpp's for
+// weights proven within [-63, 63] (Int8Quantizer(reduce_range=True); qt::within7 on the
+// packed bytes, Kernels::gemm_w7). For those 7-bit weights `vpmaddubsw` cannot saturate
+// (2 x 255 x 63 < 2^15), so fbgemm's 3 instructions are exact there: the same 2 multiplies
+// per 32 multiply-adds as here, but both operands read as the packed bytes, with no int16
+// copy of A per call nor int16 panels of B (half the bytes through the loads and the cache,
+// and no widening pass). Full-range weights never reach it: one `vpmaddubsw` pair would
+// saturate and the sums would differ (the kernel check's witness). Figures: benchmarks/
+// README.md, "h-u8s8".
 #include <immintrin.h>
 
 #include <algorithm>
@@ -24,6 +34,7 @@
 namespace qt {
 
 using x86_256::epilogue8;
+using x86_256::PanelEpilogue;
 
 namespace {
 
@@ -320,64 +331,6 @@ void tile8_n(int n, const int16_t* const* a, const int16_t* bw, int64_t kq, __m2
 // How a panel's rows are multiplied: int16 rows of the operand (PLAIN), the joined 16-bit
 // operand (JOINED), or its two planes side by side, 3 rows of each per tile (PLANES).
 enum PanelMode { PLAIN, JOINED, PLANES };
-
-// The epilogue of a full panel (8 columns) with what depends on the column alone loaded once
-// per panel, not once per row, and nothing left to decide per row: the common cases, a float
-// output (gx / gh of a recurrent step) and an int8 output through mult / add (linear and
-// conv). Per row that leaves the arithmetic of epilogue8, in its order, so the same bits; at
-// K = 256 the per-row branches and reloads of the general epilogue cost about as much as the
-// arithmetic (the GEMM's "rest" in perf). Other cases (row offsets, accumulating, a partial
-// panel, int8 through scale) keep epilogue8.
-struct PanelEpilogue {
-    enum Kind { GENERAL, FLOAT, INT8 } kind = GENERAL;
-    __m256i off;
-    __m256 a, b;  // scale and bias (FLOAT), mult and add (INT8)
-    __m256 zp, qmin, qmax;  // INT8
-    bool bias = false;
-    // The outputs of row 0 and the row stride: copies, because a store through an int8
-    // pointer may alias ep, so the compiler reloaded ep's fields for every row.
-    float* out_f = nullptr;
-    int8_t* out_q = nullptr;
-    int64_t ldc = 0;
-
-    PanelEpilogue(const Epilogue& ep, int64_t n0, int64_t cnt) {
-        if (cnt < 8 || ep.row_off || ep.accumulate) return;
-        if (!ep.out_f && !ep.mult) return;
-        off = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ep.off + n0));
-        ldc = ep.ldc;
-        if (ep.out_f) {
-            kind = FLOAT;
-            out_f = ep.out_f + n0;
-            a = _mm256_loadu_ps(ep.scale + n0);
-            bias = ep.bias != nullptr;
-            b = bias ? _mm256_loadu_ps(ep.bias + n0) : _mm256_setzero_ps();
-        } else {
-            kind = INT8;
-            out_q = ep.out_q + n0;
-            a = _mm256_loadu_ps(ep.mult + n0);
-            b = _mm256_loadu_ps(ep.add + n0);
-            zp = _mm256_set1_ps(ep.zero_point);
-            qmin = _mm256_set1_ps(ep.qmin);
-            qmax = _mm256_set1_ps(ep.qmax);
-        }
-    }
-
-    // sum: the int32 column sums (joined: already (S >> 8) + 128 sum w); lo: the low plane's
-    inline void row(int64_t r, __m256i sum, const __m256i* lo) const {
-        __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(sum, off));
-        if (lo) v = _mm256_fmadd_ps(v, _mm256_set1_ps(256.0f), _mm256_cvtepi32_ps(*lo));
-        if (kind == FLOAT) {
-            __m256 y = _mm256_mul_ps(v, a);
-            if (bias) y = _mm256_add_ps(y, b);
-            _mm256_storeu_ps(out_f + r * ldc, y);
-            return;
-        }
-        __m256 q = _mm256_add_ps(_mm256_mul_ps(v, a), b);  // mul then add, as the reference
-        q = _mm256_add_ps(x86_256::round8(q), zp);
-        q = _mm256_min_ps(_mm256_max_ps(q, qmin), qmax);  // x86_256::clamp8
-        x86_256::store8_bytes(out_q + r * ldc, _mm256_cvtps_epi32(q), 8, true);
-    }
-};
 
 // Rows r0 .. r1 - 1 against the widened panel of columns n0 .. n0 + 7.
 void panel_rows(PanelMode mode, const int16_t* A, const int16_t* A2, int64_t lda,

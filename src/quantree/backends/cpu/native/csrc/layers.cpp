@@ -380,7 +380,10 @@ void qt_linear(const int8_t* x, int64_t M, int64_t K, int64_t N, int64_t Kp, con
     qt::to_u8(x, M, K, K, a.data(), Kp);
     const Requant rq(scale, bias, N, inv);
     const Epilogue ep = make_epilogue(off, scale, bias, out_f, out_q, N, inv, zp, relu, &rq);
-    qt::gemm_u8s8(M, N, Kp, a.data(), Kp, w, ep);
+    // 7-bit weights proven only where a path has a GEMM for them and the product has rows
+    // enough (a GEMV would read the weight twice: once to prove it, once to multiply)
+    const bool w7 = M > 2 && qt::kernels.gemm_w7 && qt::within7(w, (N + 15) / 16 * 16 * Kp);
+    qt::gemm_u8s8(M, N, Kp, a.data(), Kp, w, ep, nullptr, nullptr, w7);
 } QT_CATCH
 
 // int8 grouped conv on NHWC (channels-last) tensors: for each panel of output pixels, the
@@ -422,8 +425,14 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
     // one panel of pixels (P <= panel) widens each weight once anyway: the copy would only
     // add an allocation and a pass (mobilenet_v2's small late maps).
     constexpr int64_t kPreparedMax = int64_t{3} << 19;  // 1.5 MiB
+    // 7-bit weights (a reduced-range recipe), proven once per call from the bytes: on the
+    // AVX2 path their GEMM reads the packed bytes as they are (isa_avx2_w7.cpp), nothing to
+    // prepare. One pass over the weight, less than the preparation it replaces.
+    const bool w7 = !narrow && qt::kernels.gemm_w7 && P > 2 &&
+                    qt::within7(w, groups * group_weight);
     std::vector<std::unique_ptr<qt::PreparedB>> prepared;
-    if (!narrow && qt::kernels.prepare && P > panel && 2 * group_weight * groups <= kPreparedMax)
+    if (!narrow && !w7 && qt::kernels.prepare && P > panel &&
+        2 * group_weight * groups <= kPreparedMax)
         for (int64_t gi = 0; gi < groups; ++gi)
             prepared.push_back(std::make_unique<qt::PreparedB>(
                 w + gi * group_weight, OCg, Kp, P < panel ? P : panel));
@@ -445,7 +454,7 @@ void qt_conv2d_grouped(const int8_t* x, int64_t batch, int64_t C, int64_t H, int
                               out_q ? out_q + p0 * OC : nullptr, OC, inv, zp, relu, &rq,
                               gi * OCg);
             qt::gemm_u8s8(rows, OCg, Kp, col.get() + gi * Kp, lda, w + gi * group_weight, ep,
-                          nullptr, prepared.empty() ? nullptr : prepared[gi].get());
+                          nullptr, prepared.empty() ? nullptr : prepared[gi].get(), w7);
         }
     }
 } QT_CATCH

@@ -58,9 +58,17 @@ class PreparedB;
 // operand split into its high and low bytes, in one pass over B. With prepared (B prepared
 // once for many products, below) the path skips what it would otherwise derive from B.
 // (Defined below, through the path chosen at load; empty products write nothing.)
+// With w7 (every byte of B within [-63, 63], qt::within7) a path may take its GEMM for such
+// weights (Kernels::gemm_w7): same bits, faster where the path has one.
 inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                       const int8_t* B, const Epilogue& ep, const uint8_t* A_lo = nullptr,
-                      const PreparedB* prepared = nullptr);
+                      const PreparedB* prepared = nullptr, bool w7 = false);
+
+// Whether the n bytes of a packed weight all lie within [-63, 63]: the 7-bit weights of a
+// reduced-range recipe (recipes/int8.py REDUCED_WEIGHT_MAX), for which AVX2's saturating
+// `vpmaddubsw` is exact. Proven from the bytes at the call rather than taken from a flag,
+// so a weight read from a file can never claim it falsely.
+bool within7(const int8_t* B, int64_t n);
 
 // rows of int8 x (stride ldx) -> uint8 (x + 128), zero padded from K to Kp.
 void to_u8(const int8_t* x, int64_t M, int64_t K, int64_t ldx, uint8_t* out, int64_t Kp);
@@ -224,6 +232,9 @@ struct Kernels {
     Planes16Fn planes16 = planes16_portable;
     Round16Fn round16 = round16_portable;
     W16PanelFn w16_panel = w16_panel_portable;
+    // The GEMM of weights within [-63, 63] (gemm_u8s8's w7), on paths where it differs from
+    // `gemm`: AVX2 without VNNI (isa_avx2_w7.cpp). Null elsewhere.
+    GemmFn gemm_w7 = nullptr;
 };
 extern Kernels kernels;  // set by qt_select_isa (the portable path until then)
 
@@ -279,6 +290,8 @@ void gemm_avxvnni(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8
                   const Epilogue&, const uint8_t*);
 void gemm_avx2(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
                const Epilogue&, const uint8_t*);
+void gemm_avx2_w7(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
+                  const Epilogue&, const uint8_t*);
 int64_t prepare_avx2(const int8_t*, int64_t, int64_t, int64_t, void*);
 void gemm_avx2_prepared(int64_t, int64_t, int64_t, const uint8_t*, int64_t, const int8_t*,
                         const Epilogue&, const uint8_t*, const void*);
@@ -299,8 +312,12 @@ void activation_neon(int, const float*, float*, int64_t);
 
 inline void gemm_u8s8(int64_t M, int64_t N, int64_t Kp, const uint8_t* A, int64_t lda,
                       const int8_t* B, const Epilogue& ep, const uint8_t* A_lo,
-                      const PreparedB* prepared) {
+                      const PreparedB* prepared, bool w7) {
     if (M <= 0 || N <= 0) return;
+    if (w7 && kernels.gemm_w7) {
+        kernels.gemm_w7(M, N, Kp, A, lda, B, ep, A_lo);
+        return;
+    }
     const void* p = prepared ? prepared->get() : nullptr;
     if (p)
         kernels.gemm_prepared(M, N, Kp, A, lda, B, ep, A_lo, p);

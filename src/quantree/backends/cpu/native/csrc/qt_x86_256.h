@@ -146,5 +146,69 @@ static inline void vsig_n(__m256* v) {
     for (int i = 0; i < N; ++i) v[i] = _mm256_div_ps(one, _mm256_add_ps(one, _mm256_mul_ps(p[i], e[i])));
 }
 
+// In an unnamed namespace: each ISA file its own copy (see the header), as `static` does for
+// the functions.
+namespace {
+
+// The epilogue of a full panel (8 columns) with what depends on the column alone loaded once
+// per panel, not once per row, and nothing left to decide per row: the common cases, a float
+// output (gx / gh of a recurrent step) and an int8 output through mult / add (linear and
+// conv). Per row that leaves the arithmetic of epilogue8, in its order, so the same bits; at
+// K = 256 the per-row branches and reloads of the general epilogue cost about as much as the
+// arithmetic (the GEMM's "rest" in perf). Other cases (row offsets, accumulating, a partial
+// panel, int8 through scale) keep epilogue8.
+struct PanelEpilogue {
+    enum Kind { GENERAL, FLOAT, INT8 } kind = GENERAL;
+    __m256i off;
+    __m256 a, b;  // scale and bias (FLOAT), mult and add (INT8)
+    __m256 zp, qmin, qmax;  // INT8
+    bool bias = false;
+    // The outputs of row 0 and the row stride: copies, because a store through an int8
+    // pointer may alias ep, so the compiler reloaded ep's fields for every row.
+    float* out_f = nullptr;
+    int8_t* out_q = nullptr;
+    int64_t ldc = 0;
+
+    PanelEpilogue(const Epilogue& ep, int64_t n0, int64_t cnt) {
+        if (cnt < 8 || ep.row_off || ep.accumulate) return;
+        if (!ep.out_f && !ep.mult) return;
+        off = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ep.off + n0));
+        ldc = ep.ldc;
+        if (ep.out_f) {
+            kind = FLOAT;
+            out_f = ep.out_f + n0;
+            a = _mm256_loadu_ps(ep.scale + n0);
+            bias = ep.bias != nullptr;
+            b = bias ? _mm256_loadu_ps(ep.bias + n0) : _mm256_setzero_ps();
+        } else {
+            kind = INT8;
+            out_q = ep.out_q + n0;
+            a = _mm256_loadu_ps(ep.mult + n0);
+            b = _mm256_loadu_ps(ep.add + n0);
+            zp = _mm256_set1_ps(ep.zero_point);
+            qmin = _mm256_set1_ps(ep.qmin);
+            qmax = _mm256_set1_ps(ep.qmax);
+        }
+    }
+
+    // sum: the int32 column sums (joined: already (S >> 8) + 128 sum w); lo: the low plane's
+    inline void row(int64_t r, __m256i sum, const __m256i* lo) const {
+        __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(sum, off));
+        if (lo) v = _mm256_fmadd_ps(v, _mm256_set1_ps(256.0f), _mm256_cvtepi32_ps(*lo));
+        if (kind == FLOAT) {
+            __m256 y = _mm256_mul_ps(v, a);
+            if (bias) y = _mm256_add_ps(y, b);
+            _mm256_storeu_ps(out_f + r * ldc, y);
+            return;
+        }
+        __m256 q = _mm256_add_ps(_mm256_mul_ps(v, a), b);  // mul then add, as the reference
+        q = _mm256_add_ps(round8(q), zp);
+        q = _mm256_min_ps(_mm256_max_ps(q, qmin), qmax);  // clamp8
+        store8_bytes(out_q + r * ldc, _mm256_cvtps_epi32(q), 8, true);
+    }
+};
+
+}  // namespace
+
 }  // namespace x86_256
 }  // namespace qt

@@ -129,6 +129,30 @@ struct Case {
     std::vector<float> scale, biasv, mult, add, init;
 };
 
+// Weights of a reduced-range recipe: within [-63, 63], reaching both ends; with extreme,
+// activations only at 0 and 255 (the largest `vpmaddubsw` pair sums, 2 x 255 x 63).
+void seven_bit(Case& c) {
+    std::vector<int8_t> w(static_cast<size_t>(c.N * c.K));
+    for (auto& v : w)
+        v = static_cast<int8_t>(c.extreme || rnd() % 3 == 0 ? (rnd() % 2 ? 63 : -63)
+                                                           : static_cast<int>(rnd() % 127) - 63);
+    c.B = pack(w, c.N, c.K, c.Kp);
+    if (c.extreme)
+        for (auto& a : c.A) a = rnd() % 2 ? 255 : 0;
+}
+
+// 8-bit weights one byte away from 7-bit ones: every weight 63 but one of 127 (or -128, or
+// 64), every activation 255. A GEMM for 7-bit weights would saturate on the 127's pair (255 x
+// (127 + 63) > 2^15) and give other bits: these must never reach it.
+void one_byte_wide(Case& c) {
+    std::vector<int8_t> w(static_cast<size_t>(c.N * c.K), 63);
+    static const int wide[] = {127, -128, 64, -64};
+    w[rnd() % w.size()] = static_cast<int8_t>(wide[rnd() % 4]);
+    c.B = pack(w, c.N, c.K, c.Kp);
+    for (auto& a : c.A) a = 255;
+    c.dual = false;
+}
+
 Case make(bool bench_shape = false, int64_t bm = 0, int64_t bn = 0, int64_t bk = 0) {
     static const int64_t ms[] = {1, 2, 3, 4, 5, 7, 8, 13, 31, 32, 33, 67, 100};
     static const int64_t ns[] = {1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 48, 64, 65, 100, 130};
@@ -171,7 +195,10 @@ Case make(bool bench_shape = false, int64_t bm = 0, int64_t bn = 0, int64_t bk =
 
 // Runs one case on the selected path; returns the output bytes. With prepared, B is first
 // prepared for the path (qt::PreparedB; nothing where the path prepares nothing).
-std::vector<uint8_t> run(const Case& c, bool bench = false, bool prepared = false) {
+// The weights' range is proven as the library proves it (qt::within7); with force_w7 the
+// path's GEMM for 7-bit weights runs whatever B holds (the witness that it would differ).
+std::vector<uint8_t> run(const Case& c, bool bench = false, bool prepared = false,
+                         bool force_w7 = false) {
     static std::vector<float> scratch;
     if (bench) scratch.resize(c.init.size());
     std::vector<float> of(bench ? 0 : c.init.size());
@@ -189,8 +216,12 @@ std::vector<uint8_t> run(const Case& c, bool bench = false, bool prepared = fals
     if (c.row_off) ep.row_off = c.roff.data();
     const std::unique_ptr<qt::PreparedB> pb =
         prepared ? std::make_unique<qt::PreparedB>(c.B.data(), c.N, c.Kp, c.M) : nullptr;
-    qt::gemm_u8s8(c.M, c.N, c.Kp, c.A.data(), c.lda, c.B.data(), ep,
-                  c.dual ? c.A2.data() : nullptr, pb.get());
+    if (force_w7)
+        qt::kernels.gemm_w7(c.M, c.N, c.Kp, c.A.data(), c.lda, c.B.data(), ep, nullptr);
+    else
+        qt::gemm_u8s8(c.M, c.N, c.Kp, c.A.data(), c.lda, c.B.data(), ep,
+                      c.dual ? c.A2.data() : nullptr, pb.get(),
+                      qt::within7(c.B.data(), static_cast<int64_t>(c.B.size())));
     std::vector<uint8_t> bytes;
     if (bench) return bytes;
     if (c.kind < 2) {
@@ -251,12 +282,26 @@ struct Out {
     }
 };
 
-Run linear_case() {
+// 7-bit weights reaching -63 and 63 on activations reaching -128 and 127 (u8 0 and 255).
+std::vector<int8_t> packed7(int64_t N, int64_t K) {
+    std::vector<int8_t> w = i8(N * K, -63, 63);
+    for (auto& v : w)
+        if (rnd() % 3 == 0) v = rnd() % 2 ? 63 : -63;
+    return pack(w, N, K, kp_of(K));
+}
+std::vector<int8_t> i8_ends(int64_t n) {
+    std::vector<int8_t> v = i8(n);
+    for (auto& x : v)
+        if (rnd() % 2 == 0) x = rnd() % 2 ? 127 : -128;
+    return v;
+}
+
+Run linear_case(bool w7 = false) {
     static const int64_t ms[] = {1, 2, 3, 5, 17}, ks[] = {1, 3, 8, 30, 67}, ns[] = {1, 5, 16, 33};
     const int64_t M = pick(ms, 5), K = pick(ks, 5), N = pick(ns, 4), relu = rnd() % 2;
     const bool flt = rnd() % 2 == 0;
-    auto x = i8(M * K);
-    auto w = packed(N, K);
+    auto x = w7 ? i8_ends(M * K) : i8(M * K);
+    auto w = w7 ? packed7(N, K) : packed(N, K);
     auto off = i32(N, 3000);
     auto sc = f32(N, 1e-4f, 1e-2f), bias = f32(N, -1.0f, 1.0f);
     return [=] {
@@ -267,7 +312,7 @@ Run linear_case() {
     };
 }
 
-Run conv_case(int kind) {  // 0 plain, 1 grouped, 2 depthwise
+Run conv_case(int kind, bool w7 = false) {  // 0 plain, 1 grouped, 2 depthwise
     static const int64_t sizes[] = {1, 2, 3, 5, 7}, chans[] = {1, 2, 3, 4, 6};
     const int64_t batch = 1 + rnd() % 2, H = pick(sizes, 5), W = pick(sizes, 5);
     const int64_t groups = kind == 1 ? 1 + rnd() % 3 : 1;
@@ -279,15 +324,15 @@ Run conv_case(int kind) {  // 0 plain, 1 grouped, 2 depthwise
     const int64_t ph = rnd() % 2, pw = rnd() % 2, dh = 1 + rnd() % 2, dw = 1;
     const int64_t OH = (H + 2 * ph - dh * (KH - 1) - 1) / sh + 1;
     const int64_t OW = (W + 2 * pw - dw * (KW - 1) - 1) / sw + 1;
-    if (OH < 1 || OW < 1) return conv_case(kind);
+    if (OH < 1 || OW < 1) return conv_case(kind, w7);
     const int64_t Kg = KH * KW * (C / groups), Kp = kp_of(Kg), OCg = OC / groups;
-    auto x = i8(batch * H * W * C);
+    auto x = w7 ? i8_ends(batch * H * W * C) : i8(batch * H * W * C);
     std::vector<int8_t> w;
     if (kind == 2) {
         w = i8(KH * KW * C, -127, 127);
     } else {
         for (int64_t g = 0; g < groups; ++g) {
-            auto part = packed(OCg, Kg);
+            auto part = w7 ? packed7(OCg, Kg) : packed(OCg, Kg);
             w.insert(w.end(), part.begin(), part.end());
         }
     }
@@ -707,7 +752,8 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         {"rnn_stack_lstm", true, {}}, {"rnn_stack_relu", false, {}},
         {"rnn_packed_lstm", true, {}}, {"rnn_packed_relu", false, {}},
         {"conv_transpose", false, {}}, {"conv_transpose16", false, {}},
-        {"conv1d_w16", false, {}},
+        {"conv1d_w16", false, {}}, {"gemm_w7", false, {}}, {"gemm_8bit_twin", false, {}},
+        {"linear_w7", false, {}}, {"conv2d_w7", false, {}},
     };
     for (int i = 0; i < few; ++i) {
         all[0].cases.push_back(linear_case());
@@ -724,6 +770,15 @@ std::vector<Kernel> kernels_beyond_gemm(int cases) {
         all[22].cases.push_back(conv_transpose_case());
         all[23].cases.push_back(conv_transpose16_case());
         all[24].cases.push_back(conv1d_w16_case());
+        // 7-bit weights: through each path's GEMM for them where it has one (qt::within7)
+        Case c7 = make();
+        seven_bit(c7);
+        all[25].cases.push_back([c7] { return run(c7); });
+        Case wide = make();
+        one_byte_wide(wide);
+        all[26].cases.push_back([wide] { return run(wide); });
+        all[27].cases.push_back(linear_case(true));
+        all[28].cases.push_back(conv_case(1, true));
     }
     return all;
 }
@@ -839,6 +894,13 @@ int main(int argc, char** argv) {
     uint64_t h = FNV;
     for (const Case& c : all) ref.push_back(run(c)), h = digest(h, ref.back());
     std::printf("reference gemm digest %016llx\n", static_cast<unsigned long long>(h));
+    std::vector<Case> twins;  // one_byte_wide cases for the witness below
+    std::vector<std::vector<uint8_t>> twin_ref;
+    for (int i = 0; i < (cases / 4 > 4 ? cases / 4 : 4); ++i) {
+        twins.push_back(make());
+        one_byte_wide(twins.back());
+        twin_ref.push_back(run(twins.back()));
+    }
     std::vector<std::vector<std::vector<uint8_t>>> ref_other;
     for (const Kernel& k : others) {
         ref_other.emplace_back();
@@ -877,6 +939,15 @@ int main(int argc, char** argv) {
             for (int i = 0; i < cases; ++i) beyond += !gate_case(static_cast<int>(rnd() % 5));
             std::printf("path %d gate_math cases %d mismatches %d\n", path, cases, beyond);
             failures += beyond;
+        }
+        if (qt::kernels.gemm_w7) {
+            // the witness that gemm_8bit_twin can fail: the 7-bit GEMM forced onto those
+            // weights gives other bits (saturation), so their equality above means it never ran
+            int differ = 0;
+            for (size_t i = 0; i < twins.size(); ++i)
+                differ += run(twins[i], false, false, true) != twin_ref[i];
+            std::printf("path %d w7_gemm_on_8bit_weights differs %d of %d\n", path, differ,
+                        static_cast<int>(twins.size()));
         }
         for (size_t k = 0; k < others.size(); ++k) {
             int differ = 0;
