@@ -362,6 +362,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, qt.Refine | str | None]] = {
     "no_refine": ({}, None),  # never refined (the default before h-zoo27 on transformers)
     "int16_conv1d": ({"conv1d_weight_dtype": qt.QDtype.INT16}, "auto"),  # the default (h-bias32)
     "int8_conv1d": ({"conv1d_weight_dtype": qt.QDtype.INT8}, "auto"),  # the default before h-bias32
+    "minmax": ({"activation_observer": qt.ObserverKind.MINMAX}, "auto"),  # before h-acc27's search
+    "weight_search": ({"weight_observer": qt.ObserverKind.SEARCH}, "auto"),  # per-channel search
 }
 """Rows ``--extra`` adds beside the default quantree row: Int8Quantizer options, and
 ``qt.quantize``'s ``refine`` (``"auto"``: its default, refined where the graph is
