@@ -117,7 +117,9 @@ def concrete_sizes(val: Any) -> Any:
         return val
     size = [concrete_sizes(d) for d in val.shape]
     stride = [concrete_sizes(d) for d in val.stride()]
-    if _as_made_new(val) and all(a is b for a, b in zip((*size, *stride), (*val.shape, *val.stride()))):
+    if _as_made_new(val) and all(
+        a is b for a, b in zip((*size, *stride), (*val.shape, *val.stride()), strict=True)
+    ):
         return val  # nothing pinned: the tensor made below would be this one again
     with val.fake_mode:
         return torch.empty_strided(size, stride, dtype=val.dtype, device=val.device)
