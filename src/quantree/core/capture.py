@@ -18,6 +18,8 @@ from torch.utils._pytree import tree_map
 
 from quantree.core.capturing.data_dependent import export_on_example_values
 from quantree.core.capturing.float64 import refuse_float64
+
+from quantree.core.capturing.fake_cache import fake_tensor_cache_off
 from quantree.core.capturing.frozen import parameters_without_grad
 from quantree.core.capturing.input_trees import batch_spec, register_dataclasses
 from quantree.core.capturing.keyword_inputs import named_keywords, respelled_shapes
@@ -74,7 +76,7 @@ def export_graph(
         warn_train_mode(model, stacklevel=4)
     _set_training(model, False)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), fake_tensor_cache_off():
             # nn.RNNBase keeps a list of its weights that export reports as reassigned.
             warnings.filterwarnings("ignore", message=".*_flat_weights.*")
             register_dataclasses(example_args, dict(example_kwargs or {}))
@@ -118,8 +120,28 @@ def concrete_sizes(val: Any) -> Any:
         return val
     size = [concrete_sizes(d) for d in val.shape]
     stride = [concrete_sizes(d) for d in val.stride()]
+    if _as_made_new(val) and all(
+        a is b for a, b in zip((*size, *stride), (*val.shape, *val.stride()), strict=True)
+    ):
+        return val  # nothing pinned: the tensor made below would be this one again
     with val.fake_mode:
         return torch.empty_strided(size, stride, dtype=val.dtype, device=val.device)
+
+
+def _as_made_new(val: torch.Tensor) -> bool:
+    """Whether ``torch.empty_strided`` of ``val``'s sizes and strides makes a tensor like
+    ``val`` (not a view, at offset 0, no grad, no conjugate or negative bit); making one
+    with symbolic sizes costs about as much as tracing an op, once per node."""
+    offset = val.storage_offset()
+    return (
+        val._base is None
+        and isinstance(offset, int)
+        and offset == 0
+        and not val.requires_grad
+        and not val.is_conj()
+        and not val.is_neg()
+        and val.layout == torch.strided
+    )
 
 
 def _refuse_autocast(model: torch.nn.Module, program: torch.export.ExportedProgram) -> None:
@@ -334,16 +356,17 @@ def export_batch_dynamic(
     """Re-export a quantized module for saving: its dimensions vary where the module allows
     it (it was captured with them varying: every dimension, else the first), else they are
     fixed to the example's."""
-    if dynamic_batch:
-        for every_dim in (True, False) if _varies_beyond_batch(module) else (False,):
-            try:
-                shapes = batch_dims(example_args, {}, every_dim)
-                return torch.export.export(
-                    module, example_args, dynamic_shapes=shapes, strict=False
-                )
-            except Exception:  # guards or kernels pin the shapes: fewer vary
-                pass
-    return torch.export.export(module, example_args, strict=False)
+    with fake_tensor_cache_off():
+        if dynamic_batch:
+            for every_dim in (True, False) if _varies_beyond_batch(module) else (False,):
+                try:
+                    shapes = batch_dims(example_args, {}, every_dim)
+                    return torch.export.export(
+                        module, example_args, dynamic_shapes=shapes, strict=False
+                    )
+                except Exception:  # guards or kernels pin the shapes: fewer vary
+                    pass
+        return torch.export.export(module, example_args, strict=False)
 
 
 def _varies_beyond_batch(module: torch.nn.Module) -> bool:
