@@ -50,9 +50,8 @@ SECONDS: dict[str, float] = {
 }
 """Rough cost of the files that take longest (seconds, a file's tests summed: the slowest
 tests of the CI runs in benchmarks/README.md, "h-ci15"; test_onnx_export.py and
-test_step_program.py: the CPU seconds
-of the file alone after "h-citests"). Only the order depends on them: a file missing here
-(new, renamed) is estimated from its number of tests."""
+test_step_program.py: the CPU seconds of the file alone after "h-citests"). Only the order
+depends on them: a file missing here (new, renamed) is estimated from its number of tests."""
 PER_TEST = 0.4
 """Seconds a test of a file not in ``SECONDS`` is taken to cost (the suite's mean, the files
 above left out)."""
