@@ -7,8 +7,7 @@ SQNR against float within the reference's own band (no more than ``SQNR_BAND_DB`
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import onnx
 import quantree as qt
 from quantree.backends.onnx import run_onnx
 from quantree.core.qdq import DEQUANTIZE_OPS, params_of
+from quantree_cli import main
 
 from support import batches
 
@@ -71,6 +71,11 @@ def _output_scales(ref: torch.fx.GraphModule) -> list[float | None]:
 
 def _export_and_check_lsb(ref, args, tmp_path: Path, name: str = "m.onnx") -> Path:
     path = qt.export_onnx(ref, args, tmp_path / name)
+    _check_lsb(ref, args, path, name)
+    return path
+
+
+def _check_lsb(ref, args, path: Path, name: str) -> None:
     got = run_onnx(path, args)
     with torch.no_grad():
         want = tree_leaves(ref(*args))
@@ -84,7 +89,6 @@ def _export_and_check_lsb(ref, args, tmp_path: Path, name: str = "m.onnx") -> Pa
         lsb = scale if scale is not None else max(1e-5, _float_linear_lsb(ref, leaf) or 0.0)
         diff = float((g - w).abs().max())
         assert diff <= lsb * 1.001 + 1e-6, f"{name}: {diff} > 1 LSB ({lsb})"
-    return path
 
 
 class CnnBn(nn.Module):
@@ -138,11 +142,24 @@ class Tagger(nn.Module):
         return self.head(out), (h, c)
 
 
+@pytest.fixture(scope="module")
+def cnn_bn_onnx(tmp_path_factory: pytest.TempPathFactory):
+    """``CnnBn`` at the int8 defaults, quantized and exported once for the file: the 1-LSB
+    test and the per-channel / int32-bias test read the same export."""
+    torch.manual_seed(0)
+    data = batches((2, 3, 16, 16), n=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", qt.QuantreeWarning)
+        ref = qt.quantize(CnnBn().eval(), data[0], data, progress=False, backend="reference")
+        path = qt.export_onnx(ref, data[1], tmp_path_factory.mktemp("cnn_bn") / "m.onnx")
+    return ref, data, path
+
+
 @pytest.mark.filterwarnings(WARN)
 @pytest.mark.parametrize(
     ("factory", "shape", "quantizer"),
     [
-        (CnnBn, (2, 3, 16, 16), qt.Int8Quantizer),
+        (CnnBn, (2, 3, 16, 16), None),  # the int8 defaults: the file's shared export
         (Mlp, (4, 20), qt.Int8Quantizer),
         (Encoder, (2, 6, 32), qt.Int8Quantizer),
         (
@@ -154,25 +171,24 @@ class Tagger(nn.Module):
     ],
     ids=["cnn_bn", "mlp", "encoder", "mlp_uint8_per_tensor", "cnn_a16w8"],
 )
-def test_non_recurrent_within_one_lsb(factory, shape, quantizer, tmp_path):
-    torch.manual_seed(0)
-    model = factory().eval()
-    data = batches(shape, n=8)
-    ref = qt.quantize(
-        model, data[0], data, quantizer=quantizer(), progress=False, backend="reference"
-    )
-    path = _export_and_check_lsb(ref, data[1], tmp_path)
+def test_non_recurrent_within_one_lsb(factory, shape, quantizer, tmp_path, request):
+    if quantizer is None:
+        ref, data, path = request.getfixturevalue("cnn_bn_onnx")
+        _check_lsb(ref, data[1], path, "m.onnx")
+    else:
+        torch.manual_seed(0)
+        model = factory().eval()
+        data = batches(shape, n=8)
+        ref = qt.quantize(
+            model, data[0], data, quantizer=quantizer(), progress=False, backend="reference"
+        )
+        path = _export_and_check_lsb(ref, data[1], tmp_path)
     ops = _ops(path)
     assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0
 
 
-@pytest.mark.filterwarnings(WARN)
-def test_per_channel_and_int32_bias_are_qdq(tmp_path):
-    torch.manual_seed(0)
-    data = batches((2, 3, 16, 16), n=4)
-    ref = qt.quantize(CnnBn().eval(), data[0], data, progress=False, backend="reference")
-    path = qt.export_onnx(ref, data[0], tmp_path / "cnn.onnx")
-    model = onnx.load(str(path))
+def test_per_channel_and_int32_bias_are_qdq(cnn_bn_onnx):
+    model = onnx.load(str(cnn_bn_onnx[2]))
     inits = {i.name: i for i in model.graph.initializer}
     kinds = set()
     for node in model.graph.node:
@@ -335,26 +351,10 @@ def test_cli_format_onnx(tmp_path):
     torch.export.save(program, tmp_path / "mlp.pt2")
     torch.save(data, tmp_path / "data.pt")
     out = tmp_path / "mlp.onnx"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "quantree_cli",
-            "quantize",
-            str(tmp_path / "mlp.pt2"),
-            "--calibration",
-            str(tmp_path / "data.pt"),
-            "-o",
-            str(out),
-            "--format",
-            "onnx",
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
+    # the CLI's entry point in this process: ``python -m quantree_cli`` as a user runs it is
+    # test_onnx_onnxruntime's (``--format onnxruntime``) and test_cli's, a torch start-up each
+    command = ["quantize", str(tmp_path / "mlp.pt2"), "--calibration", str(tmp_path / "data.pt")]
+    assert main([*command, "-o", str(out), "--format", "onnx", "--quiet"]) == 0
     assert _ops(out)["QuantizeLinear"] > 0
     assert run_onnx(out, data[0])[0].shape == (4, 5)
 

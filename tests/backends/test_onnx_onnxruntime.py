@@ -8,6 +8,7 @@ SQNR against the float model is at most ``BAND_DB`` below the reference graph's.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import warnings
@@ -49,7 +50,10 @@ class Layer(nn.Module):
         return out, state[0] if isinstance(state, tuple) else state
 
 
+@functools.cache
 def _quantized(kind: str, seq: int = 12, batch: int = 3, dynamic: bool = False, **options):
+    """Quantized once per file and argument set (the export copies the graph): the small RNN
+    serves both the enum test and its small-layer case."""
     torch.manual_seed(0)
     model = Layer(kind, **options).eval()
     data = batches((seq, batch, 16), n=6)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import warnings
 
 import pytest
@@ -342,12 +344,27 @@ def test_whole_model_programs_take_step_math_only_small_and_unless_told_not_to(m
     assert any(n.target == exp for n in gm.graph.nodes)
 
 
-def _loop_call(monkeypatch):
+@functools.cache
+def _light_gru_lowered() -> tuple[nn.Module, torch.Tensor]:
+    """``LightGRULike`` lowered natively once per file (seed 0, captured at 9 steps): the
+    tests of its program's tables, file and plans each take a fresh deep copy of it (they
+    tamper with its tables and read its plans), not a lowering of their own."""
     torch.manual_seed(0)
     model = LightGRULike().eval()
     x = torch.randn(2, 9, 6)
-    low = _lowered(model, x, True, monkeypatch)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        low = _lowered(model, x, True, monkeypatch)
     assert [m for m in low.modules() if isinstance(m, NativeProgramLoop)]
+    return low, x
+
+
+def _light_gru() -> tuple[nn.Module, torch.Tensor]:
+    low, x = _light_gru_lowered()
+    return copy.deepcopy(low), x.clone()
+
+
+def _loop_call(monkeypatch):
+    low, x = _light_gru()
     seen = {}
 
     def spy(*args):
@@ -392,13 +409,10 @@ def test_a_tampered_step_program_is_refused_with_a_quantree_error(
         program_loop(*args)
 
 
-def test_a_saved_step_program_loads_and_runs_the_same(tmp_path, monkeypatch):
+def test_a_saved_step_program_loads_and_runs_the_same(tmp_path):
     from quantree.backends import load, save
 
-    torch.manual_seed(0)
-    model = LightGRULike().eval()
-    x = torch.randn(2, 9, 6)
-    low = _lowered(model, x, True, monkeypatch)
+    low, x = _light_gru()
     save(low, tmp_path / "loop.pt2", (x,))
     loaded = load(tmp_path / "loop.pt2")
     with torch.no_grad():
@@ -413,18 +427,13 @@ def test_a_saved_step_program_loads_and_runs_the_same(tmp_path, monkeypatch):
         ("stride", r"quantree\.program: slot \d+ owns its storage with a row stride"),
     ],
 )
-def test_a_tampered_saved_step_program_is_refused_when_the_file_loads(
-    tamper, message, tmp_path, monkeypatch
-):
+def test_a_tampered_saved_step_program_is_refused_when_the_file_loads(tamper, message, tmp_path):
     """The folded loop's tables and roles in a file are checked by ``load`` (not at the
     first call), like a region program's: the crafted file never runs."""
     from quantree.backends import load, save
     from quantree.tools.files import BadFile
 
-    torch.manual_seed(0)
-    model = LightGRULike().eval()
-    x = torch.randn(2, 9, 6)
-    low = _lowered(model, x, True, monkeypatch)
+    low, x = _light_gru()
     (loop,) = [m for m in low.modules() if isinstance(m, NativeProgramLoop)]
     if tamper == "opcode":
         loop.code[0, 0] = 99
@@ -585,11 +594,7 @@ def test_a_native_loop_plans_its_call_per_layout_and_checks_again_when_a_table_c
     """From its second call of a layout a ``NativeProgramLoop`` runs its plan
     (``cells/loop_plan.py``): the values of the op's full path (a fresh copy, no plan) at
     every length; a table changed in place sends the call through the full checks again."""
-    import copy
-
-    torch.manual_seed(0)
-    model = LightGRULike().eval()
-    low = _lowered(model, torch.randn(2, 9, 6), True, monkeypatch)
+    low, _ = _light_gru()  # a fresh copy: no plan yet
     (loop,) = [m for m in low.modules() if isinstance(m, NativeProgramLoop)]
     calls_in_full = []
     monkeypatch.setattr(step_program, "checked_loop",

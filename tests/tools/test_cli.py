@@ -64,7 +64,14 @@ def _python_api(
     return qt.lower(qt.convert(prepared), backend), data
 
 
-def test_round_trip_matches_python_api_exactly(files: dict[str, Path], capsys) -> None:
+@pytest.fixture(scope="module")
+def python_api(files: dict[str, Path]):
+    """``_python_api`` at the CLI's defaults, once for the file: four tests compare the CLI's
+    output with it (``lower`` copies what it is given, so the model is read, never changed)."""
+    return _python_api(files)
+
+
+def test_round_trip_matches_python_api_exactly(files: dict[str, Path], python_api, capsys) -> None:
     out = files["root"] / "out.pt2"
     before = (_digest(files["model"]), _digest(files["data"]))
     code = main(
@@ -74,13 +81,13 @@ def test_round_trip_matches_python_api_exactly(files: dict[str, Path], capsys) -
     assert f"-> {out}" in capsys.readouterr().out
     assert (_digest(files["model"]), _digest(files["data"])) == before
     loaded = torch.export.load(str(out)).module()
-    expected, data = _python_api(files)
+    expected, data = python_api
     with torch.no_grad():
         for (x,) in data[:3] + batches((3, 7, 10), n=2, seed=5):
             assert torch.equal(loaded(x), expected(x))
 
 
-def test_round_trip_through_a_subprocess(files: dict[str, Path]) -> None:
+def test_round_trip_through_a_subprocess(files: dict[str, Path], python_api) -> None:
     out = files["root"] / "out_subprocess.pt2"
     before = _digest(files["model"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -92,7 +99,7 @@ def test_round_trip_through_a_subprocess(files: dict[str, Path]) -> None:
     assert done.returncode == 0, done.stderr
     assert _digest(files["model"]) == before
     loaded = torch.export.load(str(out)).module()
-    expected, data = _python_api(files)
+    expected, data = python_api
     with torch.no_grad():
         assert torch.equal(loaded(*data[0]), expected(*data[0]))
 
@@ -269,14 +276,14 @@ def test_cells_mode_round_trip(files: dict[str, Path]) -> None:
         assert torch.equal(loaded(*data[0]), expected(*data[0]))
 
 
-def test_cpu_backend_round_trip(files: dict[str, Path], capsys) -> None:
+def test_cpu_backend_round_trip(files: dict[str, Path], python_api, capsys) -> None:
     from quantree.backends import CPU
 
     out = files["root"] / "cpu.pt2"
     code = main(["quantize", str(files["model"]), "--calibration", str(files["data"]),
                  "-o", str(out), "--backend", "cpu", "--quiet"])  # fmt: skip
     assert code == 0
-    expected, data = _python_api(files)
+    expected, data = python_api
     lowered = qt.lower(expected, CPU)
     loaded = torch.export.load(str(out)).module()
     with torch.no_grad():
@@ -287,7 +294,7 @@ def test_cpu_backend_round_trip(files: dict[str, Path], capsys) -> None:
     assert "0 quantization point(s)" not in printed
 
 
-def test_quantize_under_torchrun_matches_one_process(files: dict[str, Path]) -> None:
+def test_quantize_under_torchrun_matches_one_process(files: dict[str, Path], python_api) -> None:
     """Two processes each calibrate on half the file; rank 0 writes what one process would."""
     out = files["root"] / "out_torchrun.pt2"
     done = subprocess.run(
@@ -305,7 +312,7 @@ def test_quantize_under_torchrun_matches_one_process(files: dict[str, Path]) -> 
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count(" -> ") == 1 and "on 2 processes" in done.stdout, done.stdout
     loaded = torch.export.load(str(out)).module()
-    expected, data = _python_api(files)
+    expected, data = python_api
     with torch.no_grad():
         for (x,) in data[:3]:
             assert torch.equal(loaded(x), expected(x))
