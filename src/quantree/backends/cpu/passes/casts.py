@@ -88,11 +88,15 @@ def drop_identity_casts(gm: fx.GraphModule, inputs: bool = False) -> int:
                 graph.erase_node(n)
                 dropped += 1
         elif (
-            n.target == aten.to.dtype
-            and not n.kwargs
-            and len(a) == 2
-            and a[1] == _dtype(gm, a[0]) == _dtype(gm, n)
-        ) or (n.target == aten.to.dtype_layout and _same_layout(gm, n)) or _same_type(gm, n):
+            (
+                n.target == aten.to.dtype
+                and not n.kwargs
+                and len(a) == 2
+                and a[1] == _dtype(gm, a[0]) == _dtype(gm, n)
+            )
+            or (n.target == aten.to.dtype_layout and _same_layout(gm, n))
+            or _same_type(gm, n)
+        ):
             n.replace_all_uses_with(a[0])
             graph.erase_node(n)
             dropped += 1
