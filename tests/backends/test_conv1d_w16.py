@@ -40,7 +40,7 @@ def exact(x, x_scale, zp, qmin, qmax, w, scale, bias, stride, pad, dil, groups):
     return out if bias is None else out + bias.view(1, -1, 1)
 
 
-def cases(count: int):
+def cases(count: int, depthwise: bool = False):
     g = torch.Generator().manual_seed(0)
 
     def r(lo: int, hi: int) -> int:
@@ -49,9 +49,9 @@ def cases(count: int):
     made = 0
     while made < count:
         groups, cg = [1, 1, 2, 3][r(0, 4)], [1, 3, 8, 150][r(0, 4)]
-        if r(0, 3) == 0:  # depthwise
+        if r(0, 3) == 0 or depthwise:  # depthwise
             groups, cg = r(1, 20), 1
-        c, oc = cg * groups, r(1, 7) * groups
+        c, oc = cg * groups, (1 if depthwise else r(1, 7)) * groups
         k, stride, dil, pad, length = r(1, 8), r(1, 4), r(1, 3), r(0, 5), r(1, 90)
         if length + 2 * pad < dil * (k - 1) + 1:
             continue
@@ -72,6 +72,16 @@ def cases(count: int):
 
 def test_equals_the_exact_integer_computation(path):
     for x, xs, zp, qmin, qmax, w, scale, bias, stride, pad, dil, groups in cases(60):
+        out = conv1d_w16(x, xs, zp, qmin, qmax, packed_w16(w), scale, bias, w.shape[0],
+                         [w.shape[2]], [stride], [pad], [dil], groups)  # fmt: skip
+        expected = exact(x, xs, zp, qmin, qmax, w, scale, bias, stride, pad, dil, groups)
+        assert torch.equal(out, expected), (tuple(x.shape), tuple(w.shape), stride, pad, dil)
+
+
+def test_depthwise_rows_equal_the_exact_integer_computation(path):
+    """One input channel per output channel takes its own loop (tap by tap over a row): the
+    exact sums and the epilogue as the panel path gives them, every stride and dilation."""
+    for x, xs, zp, qmin, qmax, w, scale, bias, stride, pad, dil, groups in cases(40, True):
         out = conv1d_w16(x, xs, zp, qmin, qmax, packed_w16(w), scale, bias, w.shape[0],
                          [w.shape[2]], [stride], [pad], [dil], groups)  # fmt: skip
         expected = exact(x, xs, zp, qmin, qmax, w, scale, bias, stride, pad, dil, groups)

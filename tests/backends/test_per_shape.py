@@ -179,3 +179,54 @@ def test_saved_model_loads_with_the_call_again(lowered, tmp_path) -> None:  # ty
     with torch.no_grad():
         x = data[0][0]
         assert torch.equal(loaded(x), plain(x))
+
+
+class Positions(nn.Module):
+    """Griffin's attention block in small: position ids, a causal mask and a rotary-style
+    table built from the input's symbolic length on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1])
+        mask = torch.where(pos[None, :] <= pos[:, None], 0.0, -1e9)
+        angle = torch.cos(pos[:, None].float() * 0.1)
+        h = self.proj(x) * angle
+        return torch.softmax(h @ h.transpose(-1, -2) + mask, -1) @ h
+
+
+def test_tables_of_a_symbolic_length_are_kept_per_length(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The mask and table follow the length: built once per length (with the same bits as
+    built every call), and built every call once they outgrow ``KEPT_ELEMENTS``."""
+    from quantree.backends.cpu.passes import per_shape as pass_module
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(1, 24, 8, generator=g),) for _ in range(4)]
+    ref = qt.quantize(
+        Positions().eval(), data[0], data, dynamic_shapes=({1: AUTO},), progress=False,
+        backend="reference",
+    )  # fmt: skip
+    once = qt.lower(ref, CPU)
+    original = cpu_backend.compute_once_per_shape
+    cpu_backend.compute_once_per_shape = lambda gm: gm  # type: ignore[assignment]
+    try:
+        plain = qt.lower(ref, CPU)
+    finally:
+        cpu_backend.compute_once_per_shape = original
+    assert aten.arange.default in {n.target for n in plain.graph.nodes}
+    built = {aten.arange.default, aten.where.ScalarOther, aten.cos.default}
+    assert not built & {n.target for n in once.graph.nodes}
+    call = per_shape(once)
+    with torch.no_grad():
+        for i, length in enumerate((24, 40, 24, 40)):
+            x = torch.randn(1, length, 8, generator=g)
+            assert torch.equal(once(x), plain(x)), length
+            assert call.evaluations == (1, 2, 2, 2)[i]
+        monkeypatch.setattr(pass_module, "KEPT_ELEMENTS", 30 * 30 - 1)
+        for i in range(2):  # a 30 x 30 mask: over the bound, built every call
+            x = torch.randn(1, 30, 8, generator=g)
+            assert torch.equal(once(x), plain(x))
+            assert call.evaluations == 3 + i

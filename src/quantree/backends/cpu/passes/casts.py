@@ -10,7 +10,8 @@ dispatcher call on every forward. The dtypes of computed values are fixed by the
 and so are the constants', so the check on them cannot fail at run time; checks on the
 graph's inputs stay. ``to(dtype=, layout=, device=)`` (``aten.to.dtype_layout``, what
 ``.to(x.device)`` or ``.type(dtype)`` on a float32 value become) is the same identity when
-nothing it names differs from the value's own.
+nothing it names differs from the value's own, and so is ``type_as(x, other)`` where both are
+of one dtype (RecurrentGemma's RMSNorm ends in ``.type_as(x)``: seven region cuts a forward).
 """
 
 from __future__ import annotations
@@ -57,6 +58,17 @@ def _same_layout(gm: fx.GraphModule, n: fx.Node) -> bool:
     )
 
 
+def _same_type(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """Whether ``n`` is an ``aten.type_as`` whose output (of ``other``'s dtype by definition)
+    has its input's dtype: it returns its input then. ``other`` may be a lowered op's output,
+    which has no metadata of its own."""
+    a: Any = n.args
+    if n.target != aten.type_as.default or n.kwargs or len(a) != 2:
+        return False
+    dtype = _dtype(gm, a[0])
+    return dtype is not None and dtype == _dtype(gm, n)
+
+
 def drop_identity_casts(gm: fx.GraphModule, inputs: bool = False) -> int:
     """Remove ``to(dtype)`` of a computed value already of that dtype and the dtype checks on
     computed values that agree with the graph; returns how many nodes went. ``inputs``: the
@@ -76,11 +88,15 @@ def drop_identity_casts(gm: fx.GraphModule, inputs: bool = False) -> int:
                 graph.erase_node(n)
                 dropped += 1
         elif (
-            n.target == aten.to.dtype
-            and not n.kwargs
-            and len(a) == 2
-            and a[1] == _dtype(gm, a[0]) == _dtype(gm, n)
-        ) or (n.target == aten.to.dtype_layout and _same_layout(gm, n)):
+            (
+                n.target == aten.to.dtype
+                and not n.kwargs
+                and len(a) == 2
+                and a[1] == _dtype(gm, a[0]) == _dtype(gm, n)
+            )
+            or (n.target == aten.to.dtype_layout and _same_layout(gm, n))
+            or _same_type(gm, n)
+        ):
             n.replace_all_uses_with(a[0])
             graph.erase_node(n)
             dropped += 1

@@ -21,7 +21,8 @@ evaluated, unchanged (identity, version counter, data pointer, as ``native/bound
 
 Values handed to the caller or to an op that writes its input stay computed per call (a
 cached tensor must not be seen or changed by anyone). Tensors kept are small (at most
-``MAX_ELEMENTS``, known from the capture's shapes), and at most ``SHAPES_KEPT`` shapes.
+``MAX_ELEMENTS``, known from the capture's shapes, or, where the shape follows a symbolic
+input length, checked when computed: ``KEPT_ELEMENTS``), and at most ``SHAPES_KEPT`` shapes.
 
 The rewrite is a runtime form, like ``native/direct.py``'s targets: ``save`` exports through
 ``PerShape``, which runs the original nodes on ``torch.export``'s fake tensors, so a saved
@@ -43,6 +44,12 @@ aten = torch.ops.aten
 
 MAX_ELEMENTS = 1024
 """A kept tensor's size bound: shape arithmetic is 0-d; an index table of a few hundred."""
+SIZED_ELEMENTS = 1 << 14
+"""The same bound for a tensor whose shape follows the input's (a symbolic length): Griffin's
+position ids, rotary tables, reset mask and local-attention mask, 4096 values at 64 tokens."""
+KEPT_ELEMENTS = 1 << 18
+"""What such a tensor may hold at run time and still be kept (512 tokens' attention mask);
+a longer input evaluates the nodes on every call, as without this pass."""
 SHAPES_KEPT = 16
 """Input shapes whose values are kept (the oldest is dropped first)."""
 MIN_NODES = 4
@@ -76,11 +83,27 @@ def _pure_aten(target: object) -> bool:
 
 
 def _small(value: object) -> bool:
-    """Not a tensor, or one whose captured shape is fixed and at most ``MAX_ELEMENTS``."""
+    """Not a tensor, or one whose captured shape is fixed and at most ``MAX_ELEMENTS``, or
+    symbolic and at most ``SIZED_ELEMENTS`` at the capture's sizes (``PerShape`` then keeps it
+    only while it stays under ``KEPT_ELEMENTS``)."""
     tensors = [v for v in _leaves(value) if isinstance(v, torch.Tensor)]
-    return all(
-        all(isinstance(d, int) for d in t.shape) and t.numel() <= MAX_ELEMENTS for t in tensors
-    )
+    return all(_hint_numel(t) <= MAX_ELEMENTS if all(isinstance(d, int) for d in t.shape)
+               else _hint_numel(t) <= SIZED_ELEMENTS for t in tensors)  # fmt: skip
+
+
+def _hint_numel(t: torch.Tensor) -> float:
+    """``t``'s element count at the capture's sizes (infinite where a size has no hint)."""
+    total = 1
+    for d in t.shape:
+        hint = d if isinstance(d, int) else getattr(d.node, "hint", None)
+        if not isinstance(hint, int):
+            return math.inf
+        total *= hint
+    return total
+
+
+def _keepable(values: tuple[Any, ...]) -> bool:
+    return all(t.numel() <= KEPT_ELEMENTS for t in _leaves(values) if isinstance(t, torch.Tensor))
 
 
 def _leaves(value: object) -> list[object]:
@@ -185,6 +208,8 @@ class PerShape:
             return self.body(*args)
         values = self.body(*args)  # asserts raise here, and nothing is kept
         self.evaluations += 1
+        if not _keepable(values):
+            return values
         if key not in self.kept and len(self.kept) >= SHAPES_KEPT:
             del self.kept[next(iter(self.kept))]
         self.kept[key] = (constants, _stamps(constants), values)

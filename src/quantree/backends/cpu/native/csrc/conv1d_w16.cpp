@@ -39,6 +39,47 @@ void w16_panel_portable(const int16_t* colh, const int16_t* coll, int64_t R2, in
 namespace {
 
 constexpr int64_t PANEL = 64;  // output positions per panel (a multiple of 8)
+constexpr int64_t DEPTHWISE_TAPS = 64;  // K products of |v| < 2^16 by |w| <= 2^15: exact in a double
+
+// One input channel per output channel (Mamba's and Griffin's causal convs): the panel
+// path made a pair-interleaved panel and a kernel call of one output row per channel and
+// 64 positions, most of its time in that setup. Here each channel's row is summed tap by
+// tap over all positions in doubles: every product and partial sum is an integer under
+// 2^53, so the sums are the panel path's exact ones and the epilogue is its expression (the
+// same bits).
+void depthwise_w16(const int16_t* qh, const int16_t* ql, int64_t Lp, int64_t C, int64_t K,
+                   int64_t stride, int64_t dil, int64_t OL, const int16_t* w, int64_t Rp,
+                   const float* scale, const float* bias, float* out, int64_t oc, int64_t ol,
+                   double* vrow, double* acc) {
+    for (int64_t c = 0; c < C; ++c) {
+        const int16_t* h = qh + c * Lp;
+        const int16_t* lo = ql + c * Lp;
+        for (int64_t i = 0; i < Lp; ++i) vrow[i] = 256.0 * h[i] + lo[i];
+        for (int64_t p = 0; p < OL; ++p) acc[p] = 0.0;
+        for (int64_t k = 0; k < K; ++k) {
+            const double wk = w[c * Rp + k];
+            const double* v = vrow + k * dil;
+            if (stride == 1) {
+                for (int64_t p = 0; p < OL; ++p) acc[p] += v[p] * wk;
+            } else {
+                for (int64_t p = 0; p < OL; ++p) acc[p] += v[p * stride] * wk;
+            }
+        }
+        const float s = scale[c];
+        float* dst = out + oc * c;
+        if (ol == 1 && bias) {
+            const float b = bias[c];
+            for (int64_t p = 0; p < OL; ++p) dst[p] = static_cast<float>(acc[p]) * s + b;
+        } else if (ol == 1) {
+            for (int64_t p = 0; p < OL; ++p) dst[p] = static_cast<float>(acc[p]) * s;
+        } else if (bias) {
+            const float b = bias[c];
+            for (int64_t p = 0; p < OL; ++p) dst[ol * p] = static_cast<float>(acc[p]) * s + b;
+        } else {
+            for (int64_t p = 0; p < OL; ++p) dst[ol * p] = static_cast<float>(acc[p]) * s;
+        }
+    }
+}
 
 }  // namespace
 
@@ -62,6 +103,9 @@ void qt_conv1d_w16(const float* x, int64_t sn, int64_t sc, int64_t sl, int64_t b
     std::vector<int16_t> colh(static_cast<size_t>(R2 * PANEL * 2)), coll(colh.size());
     std::vector<double> dsum(static_cast<size_t>(OCg * PANEL));
     std::vector<int16_t> zeros(static_cast<size_t>(PANEL * stride));
+    const bool depthwise = Cg == 1 && OCg == 1 && K <= DEPTHWISE_TAPS;
+    std::vector<double> vrow(static_cast<size_t>(depthwise ? Lp : 0));
+    std::vector<double> acc(static_cast<size_t>(depthwise ? OL : 0));
     for (int64_t n = 0; n < batch; ++n) {
         if (sc == 1 && sl != 1) {  // channels innermost: read in memory order
             for (int64_t c = 0; c < C; ++c) {
@@ -101,6 +145,11 @@ void qt_conv1d_w16(const float* x, int64_t sn, int64_t sc, int64_t sl, int64_t b
                 h[i] = static_cast<int16_t>(v >> 8);
                 lo[i] = static_cast<int16_t>(v & 255);
             }
+        }
+        if (depthwise) {
+            depthwise_w16(qh.data(), ql.data(), Lp, C, K, stride, dil, OL, w, Rp, scale, bias,
+                          out + on * n, oc, ol, vrow.data(), acc.data());
+            continue;
         }
         for (int64_t g = 0; g < groups; ++g)
             for (int64_t p0 = 0; p0 < OL; p0 += PANEL) {
