@@ -6,10 +6,12 @@
 // (GELU, or GLU along the channels), the per-channel scale and the residual add are one
 // pass after the norm's statistics.
 //
-// Statistics as group_norm.cpp's contiguous path (float per-channel partial sums, double
-// group sums, two passes), so the norm agrees with ATen's to float rounding; the epilogue
+// Statistics in two passes (mean, then squared deviations from it), float partial sums of
+// blocks of 1024 values and double sums of the blocks, so the norm agrees with ATen's to
+// float rounding; the epilogue
 // applies ATen's ops' float operations in the graph's order (norm, activation, scale,
 // residual).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -20,8 +22,6 @@
 extern "C" int qt_current_isa();
 
 namespace {
-
-using qt::norm_block::Row;
 
 constexpr int LANES = 16;
 
@@ -43,22 +43,41 @@ float row_sum(const float* __restrict r, int64_t n, float m) {
     return total;
 }
 
+constexpr int64_t BLOCK = 1024;
+
+template <int power>
+double block_sum(const float* r, int64_t n, float m) {
+    double total = 0.0;
+    for (int64_t s = 0; s < n; s += BLOCK) total += row_sum<power>(r + s, std::min(BLOCK, n - s), m);
+    return total;
+}
+
 float gelu(float v) { return 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f)); }
 
 float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
-void rows_portable(int64_t act, const Row& w, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        float v = w.x[i] * w.a + w.b;
-        if (act == qt::norm_block::GELU) v = gelu(v);
-        if (act == qt::norm_block::GLU) v = v * sigmoid(w.xg[i] * w.ag + w.bg);
-        if (w.s) v = w.s[0] * v;
-        if (w.r) v = w.r[i] + v;
-        w.out[i] = v;
+}  // namespace
+
+namespace qt::norm_block {
+
+void rows_portable(int64_t act, const Sample& w) {
+    for (int64_t c = 0; c < w.co; ++c) {
+        const float* x = w.x + c * w.S;
+        const float* xg = w.x + (c + w.co) * w.S;
+        const float* r = w.r ? w.r + c * w.S : nullptr;
+        float* out = w.out + c * w.S;
+        for (int64_t i = 0; i < w.S; ++i) {
+            float v = x[i] * w.a[c] + w.b[c];
+            if (act == GELU) v = gelu(v);
+            if (act == GLU) v = v * sigmoid(xg[i] * w.a[c + w.co] + w.b[c + w.co]);
+            if (w.s) v = w.s[c] * v;
+            if (r) v = r[i] + v;
+            out[i] = v;
+        }
     }
 }
 
-}  // namespace
+}  // namespace qt::norm_block
 
 extern "C" {
 
@@ -70,9 +89,7 @@ void qt_norm_block(const float* x, int64_t N, int64_t C, int64_t S, int64_t G,
                    const float* scale, const float* residual, float* out) try {
     if (N <= 0 || C <= 0 || G <= 0) return;
     const int64_t cg = C / G, co = act == qt::norm_block::GLU ? C / 2 : C;
-    std::vector<float> part(static_cast<size_t>(C)), a(static_cast<size_t>(C)),
-        b(static_cast<size_t>(C));
-    std::vector<double> mean(static_cast<size_t>(G));
+    std::vector<float> a(static_cast<size_t>(C)), b(static_cast<size_t>(C));
     const double count = static_cast<double>(cg * S);
 #if defined(__x86_64__)
     const int isa = qt_current_isa();
@@ -80,41 +97,31 @@ void qt_norm_block(const float* x, int64_t N, int64_t C, int64_t S, int64_t G,
 #endif
     for (int64_t n = 0; n < N; ++n) {
         const float* xn = x + n * C * S;
-        for (int64_t c = 0; c < C; ++c) part[c] = row_sum<1>(xn + c * S, S, 0.0f);
+        // a group's channels lie one after another in a dense map: its cg * S values are one
+        // run, summed in float blocks of BLOCK (vectorized, no per-channel reduction: the
+        // branches' rows are 64 positions long) and the blocks in double
         for (int64_t g = 0; g < G; ++g) {
-            double sum = 0.0;
-            for (int64_t c = g * cg; c < (g + 1) * cg; ++c) sum += part[c];
-            mean[g] = count > 0 ? sum / count : 0.0;
-        }
-        for (int64_t c = 0; c < C; ++c)
-            part[c] = row_sum<2>(xn + c * S, S, static_cast<float>(mean[c / cg]));
-        for (int64_t g = 0; g < G; ++g) {
-            double sq = 0.0;
-            for (int64_t c = g * cg; c < (g + 1) * cg; ++c) sq += part[c];
+            const float* xg = xn + g * cg * S;
+            const double m = count > 0 ? block_sum<1>(xg, cg * S, 0.0f) / count : 0.0;
+            const double sq = block_sum<2>(xg, cg * S, static_cast<float>(m));
             const double rstd = 1.0 / std::sqrt((count > 0 ? sq / count : 0.0) +
                                                 static_cast<double>(eps));
             for (int64_t c = g * cg; c < (g + 1) * cg; ++c) {
                 const double k = (weight ? weight[c] : 1.0) * rstd;
                 a[c] = static_cast<float>(k);
-                b[c] = static_cast<float>((bias ? bias[c] : 0.0) - mean[g] * k);
+                b[c] = static_cast<float>((bias ? bias[c] : 0.0) - m * k);
             }
         }
-        for (int64_t c = 0; c < co; ++c) {
-            const int64_t cgate = act == qt::norm_block::GLU ? c + co : c;
-            const Row row{xn + c * S,
-                          act == qt::norm_block::GLU ? xn + cgate * S : nullptr,
-                          a[c], b[c], a[cgate], b[cgate],
-                          scale ? scale + c : nullptr,
-                          residual ? residual + (n * co + c) * S : nullptr,
-                          out + (n * co + c) * S};
+        const qt::norm_block::Sample sample{xn, a.data(), b.data(), scale,
+                                            residual ? residual + n * co * S : nullptr,
+                                            out + n * co * S, co, S};
 #if defined(__x86_64__)
-            if (avx2) {
-                qt::norm_block::rows_avx2(act, row, S);
-                continue;
-            }
-#endif
-            rows_portable(act, row, S);
+        if (avx2) {
+            qt::norm_block::rows_avx2(act, sample);
+            continue;
         }
+#endif
+        qt::norm_block::rows_portable(act, sample);
     }
 } QT_CATCH
 

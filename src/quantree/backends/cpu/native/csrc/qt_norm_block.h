@@ -10,20 +10,23 @@ namespace qt::norm_block {
 
 enum Act : int64_t { NONE = 0, GELU = 1, GLU = 2 };
 
-// gelu: out[i] = s * gelu(x[i] * a + b) + r[i] (s == 1 and r null: no multiply / add).
-// glu:  out[i] = s * ((x[i] * a + b) * sigmoid(xg[i] * ag + bg)) + r[i].
-// none: out[i] = s * (x[i] * a + b) + r[i].
-struct Row {
+// One sample [C, S] dense, output channel c (of co) at out + c * S:
+// gelu: out = s[c] * gelu(x[c] * a[c] + b[c]) + r[c] (s, r null: no multiply / add);
+// glu:  out = s[c] * ((x[c] * a[c] + b[c]) * sigmoid(x[c + co] * a[c + co] + b[c + co])) + r[c];
+// none: out = s[c] * (x[c] * a[c] + b[c]) + r[c].
+struct Sample {
     const float* x;
-    const float* xg;  // glu's gate row, else null
-    float a, b, ag, bg;
-    const float* s;  // the output channel's scale, or null
-    const float* r;  // the residual row, or null
+    const float* a;
+    const float* b;
+    const float* s;  // co scales, or null
+    const float* r;  // the residual [co, S], or null
     float* out;
+    int64_t co, S;
 };
 
+void rows_portable(int64_t act, const Sample& w);
 #if defined(__x86_64__)
-void rows_avx2(int64_t act, const Row& row, int64_t n);
+void rows_avx2(int64_t act, const Sample& w);
 #endif
 
 }  // namespace qt::norm_block
