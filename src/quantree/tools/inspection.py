@@ -79,6 +79,7 @@ _INT16_INPUT_OPS = ("quantree.linear16.default", "quantree.conv16.default")
 _INT16_WEIGHT_OPS = ("quantree.conv1d_w16.default",)
 _FLOAT_KERNEL_OPS = {  # float in, float out
     "quantree.group_norm.default": "group_norm",
+    "quantree.norm_block.default": "norm_block",
     "quantree.attention.default": "attention",
 }
 

@@ -33,6 +33,7 @@ from quantree.backends.cpu.passes.dequantized_constants import fold_dequantized_
 from quantree.backends.cpu.passes.dropout import drop_eval_dropout
 from quantree.backends.cpu.passes.float_report import warn_float_ops
 from quantree.backends.cpu.passes.fold import fold_input_independent
+from quantree.backends.cpu.passes.norm_blocks import fuse_norm_blocks
 from quantree.backends.cpu.passes.packed_qkv import split_packed_qkv
 from quantree.backends.cpu.passes.per_shape import compute_once_per_shape
 from quantree.backends.cpu.passes.regions import fuse_regions
@@ -112,6 +113,7 @@ def finish(
             merge_sibling_linears(gm)  # q, k, v projections of one input: one linear16
             fuse_attention(gm)  # float softmax(q k^T * c + mask) v: one native call
         recognise_rms_norm(gm)  # LLaMA/T5's five-op RMSNorm: one op, one program instruction
+        fuse_norm_blocks(gm)  # group norm -> gelu/glu -> scale -> + x: one native call
         fuse_regions(gm)  # runs of small ops, one native call each (cell bodies have theirs)
         # after fusion: an op a program now runs is named once, by the float-op warning
         warn_simulated(gm, "cpu")

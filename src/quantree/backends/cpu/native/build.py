@@ -40,6 +40,7 @@ X86_ISA_SOURCES: dict[str, tuple[str, ...]] = {
     "conv_narrow_vnni.cpp": ("-march=x86-64-v4", "-mavx512vnni"),
     "conv_narrow_avx2.cpp": ("-march=x86-64-v3",),
     "conv1d_w16_avx2.cpp": ("-march=x86-64-v3",),
+    "norm_block_avx2.cpp": ("-march=x86-64-v3",),
 }
 ARM64_ISA_SOURCES: dict[str, tuple[str, ...]] = {
     "isa_neon.cpp": ("-march=armv8-a",),

@@ -41,6 +41,7 @@ from quantree.backends.cpu.ops import (
     matmul,
     max_pool2d,
     mean_hw,
+    norm_block,
     pad_last,
     program,
     quantize,
@@ -55,8 +56,8 @@ IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     fn.__name__: fn
     for fn in (attention, avg_pool2d, binary, cell_loop, conv1d, conv1d_w16, conv2d, conv16,
                conv_transpose, conv_transpose16, dequantize, embedding_rows, glu, group_norm,
-               linear, linear16, lookup, matmul, max_pool2d, mean_hw, pad_last, program,
-               quantize, rnn, rnn_cell, softmax)
+               linear, linear16, lookup, matmul, max_pool2d, mean_hw, norm_block, pad_last,
+               program, quantize, rnn, rnn_cell, softmax)
 }  # fmt: skip
 """Each ``torch.ops.quantree.<name>``'s CPU implementation, by name (read only)."""
 PER_NODE: dict[str, Callable[[], Callable[..., Any]]] = {

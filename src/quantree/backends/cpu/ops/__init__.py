@@ -25,6 +25,7 @@ from quantree.backends.cpu.ops import elementwise as elementwise_op
 from quantree.backends.cpu.ops import embedding as embedding_op
 from quantree.backends.cpu.ops import gemm as gemm_op
 from quantree.backends.cpu.ops import group_norm as group_norm_op
+from quantree.backends.cpu.ops import norm_block as norm_block_op
 from quantree.backends.cpu.ops import pad as pad_op
 from quantree.backends.cpu.ops import pool as pool_op
 from quantree.backends.cpu.ops import program as program_op
@@ -45,6 +46,7 @@ from quantree.backends.cpu.ops.elementwise import (
 from quantree.backends.cpu.ops.embedding import embedding_rows
 from quantree.backends.cpu.ops.gemm import conv1d, conv2d, linear, matmul
 from quantree.backends.cpu.ops.group_norm import group_norm
+from quantree.backends.cpu.ops.norm_block import norm_block
 from quantree.backends.cpu.ops.pad import pad_last
 from quantree.backends.cpu.ops.pool import avg_pool2d, max_pool2d, mean_hw
 from quantree.backends.cpu.ops.program import program
@@ -72,6 +74,7 @@ OPS = (
     gemm_op,
     group_norm_op,
     nibbles,
+    norm_block_op,
     pad_op,
     pool_op,
     program_op,
@@ -111,6 +114,7 @@ __all__ = [
     "matmul",
     "max_pool2d",
     "mean_hw",
+    "norm_block",
     "pad_last",
     "program",
     "quantize",

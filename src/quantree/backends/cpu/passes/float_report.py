@@ -34,7 +34,7 @@ DATA_MOVEMENT = {
     *("_pack_padded_sequence", "_pad_packed_sequence", "index_select"),
 }
 """aten ops that move, view or create data: not "computing in float"."""
-FLOAT_KERNELS = frozenset({"group_norm", "attention"})
+FLOAT_KERNELS = frozenset({"group_norm", "norm_block", "attention"})
 """``quantree`` ops that compute in float (native float kernels): reported like aten's."""
 SHOWN = 3  # node names shown per op
 
