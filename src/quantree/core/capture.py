@@ -17,9 +17,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_map
 
 from quantree.core.capturing.data_dependent import export_on_example_values
-from quantree.core.capturing.float64 import refuse_float64
-
 from quantree.core.capturing.fake_cache import fake_tensor_cache_off
+from quantree.core.capturing.float64 import refuse_float64
 from quantree.core.capturing.frozen import parameters_without_grad
 from quantree.core.capturing.input_trees import batch_spec, register_dataclasses
 from quantree.core.capturing.keyword_inputs import named_keywords, respelled_shapes
