@@ -17,31 +17,14 @@
 #include <vector>
 
 #include "qt_kernels.h"
+#include "qt_row_sum.h"
 #include "qt_norm_block.h"
 
 extern "C" int qt_current_isa();
 
 namespace {
 
-constexpr int LANES = 16;
-
-template <int power>
-float row_sum(const float* __restrict r, int64_t n, float m) {
-    float acc[LANES] = {};
-    int64_t s = 0;
-    for (; s + LANES <= n; s += LANES)
-        for (int k = 0; k < LANES; ++k) {
-            const float d = r[s + k] - m;
-            acc[k] += power == 1 ? d : d * d;
-        }
-    float total = 0.0f;
-    for (int k = 0; k < LANES; ++k) total += acc[k];
-    for (; s < n; ++s) {
-        const float d = r[s] - m;
-        total += power == 1 ? d : d * d;
-    }
-    return total;
-}
+using qt::row_sum;
 
 constexpr int64_t BLOCK = 1024;
 

@@ -30,25 +30,7 @@ float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// erf(x): program_avx512.cpp's approximation, constant for constant.
-__m256 verf(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(4.0f)), _mm256_set1_ps(-4.0f));
-    const __m256 x2 = _mm256_mul_ps(x, x);
-    __m256 p = _mm256_set1_ps(-2.72614225801306e-10f);
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.77068142495902e-08f));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-2.10102402082508e-06f));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-5.69250639462346e-05f));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-7.34990630326855e-04f));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-2.95459980854025e-03f));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1.60960333262415e-02f));
-    p = _mm256_mul_ps(p, x);
-    __m256 q = _mm256_set1_ps(-1.45660718464996e-05f);
-    q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(-2.13374055278905e-04f));
-    q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(-1.68282697438203e-03f));
-    q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(-7.37332916720468e-03f));
-    q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(-1.42647390514189e-02f));
-    return _mm256_div_ps(p, q);
-}
+using x86_256::verf;
 
 __m256 vgelu(__m256 x) {
     const __m256 e = verf(_mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f)));
